@@ -185,6 +185,7 @@ class BlockKind(StrEnum):
     LAYER = "layer"  # one transformer layer, repeated ``count`` times
     HEAD = "head"  # final norm, output layer and loss (last stage)
     STAGE = "stage"  # whatever else a stage runs once (e.g. a plain nn.Module)
+    P2P = "p2p"  # pipeline send/recv of activations and their gradients
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

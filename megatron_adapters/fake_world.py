@@ -1,0 +1,66 @@
+"""A whole Megatron process layout inside one process: fake process group plus parallel_state.
+
+``fake_world(plan, pipeline_rank=s)`` makes this process the representative rank of pipeline stage
+``s`` (tensor- and data-parallel rank 0) of a world of TP x PP x DP ranks, with every megatron-core
+process group created on the fake backend, and tears it all down on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
+from vtrain_plugin.errors import TraceError
+from vtrain_plugin.graph import ParallelGroup
+from vtrain_plugin.plan import ParallelPlan
+
+
+def representative_rank(plan: ParallelPlan, pipeline_rank: int) -> int:
+    """Global rank of (tp 0, dp 0, pp ``pipeline_rank``) in megatron's default tp-cp-ep-dp-pp order."""
+    return pipeline_rank * plan.tensor_parallel * plan.data_parallel
+
+
+@contextlib.contextmanager
+def fake_world(plan: ParallelPlan, *, pipeline_rank: int = 0) -> Iterator[dict[str, ParallelGroup]]:
+    """Yield a map from process-group name to the parallel group it stands for."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise TraceError("torch.distributed is already initialized in this process; "
+                         "vtrain traces on its own fake process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=representative_rank(plan, pipeline_rank),
+                            world_size=plan.world_size)
+    try:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=plan.tensor_parallel,
+            pipeline_model_parallel_size=plan.pipeline_parallel,
+            virtual_pipeline_model_parallel_size=plan.virtual_pipeline if plan.virtual_pipeline > 1 else None,
+            create_gloo_process_groups=False,
+        )
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        yield _group_names(ps)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _group_names(ps) -> dict[str, ParallelGroup]:
+    names: dict[str, ParallelGroup] = {}
+    candidates = [
+        (ps.get_tensor_model_parallel_group, ParallelGroup.TP),
+        (ps.get_data_parallel_group, ParallelGroup.DP),
+        (ps.get_pipeline_model_parallel_group, ParallelGroup.PP),
+        (ps.get_embedding_group, ParallelGroup.EMBEDDING),
+    ]
+    for getter, group in candidates:
+        try:
+            pg = getter()
+        except (AssertionError, RuntimeError):
+            continue
+        if pg is not None:
+            names.setdefault(pg.group_name, group)
+    return names

@@ -1,0 +1,206 @@
+"""Build one chunk of a megatron-core GPTModel from a ModelSpec and run a training step on it.
+
+Everything megatron-specific (TransformerConfig fields, layer spec, loss, mixed-precision optimizer
+emulation) stays in this module; it returns plain tensors and names to the tracer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from vtrain_plugin.plan import Dtype, Family, ModelSpec, ParallelPlan, Recompute
+
+_TORCH_DTYPES = {Dtype.FP16: torch.float16, Dtype.BF16: torch.bfloat16, Dtype.FP32: torch.float32}
+
+
+def torch_dtype(dtype: Dtype) -> torch.dtype:
+    return _TORCH_DTYPES[dtype]
+
+
+def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk: int):
+    """The TransformerConfig of ``model`` under ``plan``, with ``layers_per_chunk`` layers per chunk.
+
+    Building fewer layers than the model has is how the tracer keeps its cost independent of depth:
+    every layer of a chunk is built from the same spec, so a traced chunk of two layers (verified
+    identical) stands for a chunk of any number of them.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch_dtype(model.dtype)
+    recompute: dict = {}
+    if plan.recompute is Recompute.FULL:
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif plan.recompute is Recompute.SELECTIVE:
+        recompute = dict(recompute_granularity="selective")
+    llama = model.family is Family.LLAMA
+    return TransformerConfig(
+        num_layers=layers_per_chunk * plan.num_model_chunks,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.query_groups,
+        kv_channels=model.head_dim,
+        tensor_model_parallel_size=plan.tensor_parallel,
+        pipeline_model_parallel_size=plan.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=plan.virtual_pipeline if plan.virtual_pipeline > 1 else None,
+        sequence_parallel=plan.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        fp16=model.dtype is Dtype.FP16,
+        bf16=model.dtype is Dtype.BF16,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        normalization="RMSNorm" if llama else "LayerNorm",
+        gated_linear_unit=llama,
+        activation_func=torch.nn.functional.silu if llama else torch.nn.functional.gelu,
+        add_bias_linear=not llama,
+        hidden_dropout=0.0 if llama else 0.1,
+        attention_dropout=0.0 if llama else 0.1,
+        **recompute,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRole:
+    pipeline_rank: int
+    chunk: int
+    pre_process: bool
+    post_process: bool
+
+
+def chunk_role(plan: ParallelPlan, pipeline_rank: int, chunk: int) -> ChunkRole:
+    return ChunkRole(
+        pipeline_rank=pipeline_rank,
+        chunk=chunk,
+        pre_process=pipeline_rank == 0 and chunk == 0,
+        post_process=pipeline_rank == plan.pipeline_parallel - 1 and chunk == plan.virtual_pipeline - 1,
+    )
+
+
+def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers_per_chunk: int):
+    """Build the GPTModel chunk of ``role`` (call inside fake_world and FakeTensorMode)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_adapters.norms import SequenceParallelNorm
+
+    config = transformer_config(model, plan, layers_per_chunk=layers_per_chunk)
+    llama = model.family is Family.LLAMA
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm")
+        layer.submodules.input_layernorm = SequenceParallelNorm
+        layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+        block = TransformerBlockSubmodules(layer_specs=[layer] * layers_per_chunk, layer_norm=SequenceParallelNorm)
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=model.vocab_size,
+            max_sequence_length=model.seq_length,
+            pre_process=role.pre_process,
+            post_process=role.post_process,
+            share_embeddings_and_output_weights=model.tied,
+            position_embedding_type="rope" if llama else "learned_absolute",
+            vp_stage=role.chunk if plan.virtual_pipeline > 1 else None,
+        )
+    _cast_parameters(gpt, torch_dtype(model.dtype))
+    return gpt
+
+
+def _cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Megatron's Float16Module: every parameter (learned positions too) in the model dtype."""
+    for p in module.parameters():
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def stage_input_shape(model: ModelSpec, plan: ParallelPlan) -> tuple[int, int, int]:
+    """Hidden states passed between pipeline stages: [s (/tp with SP), b, h]."""
+    seq = model.seq_length // plan.tensor_parallel if plan.sequence_parallel else model.seq_length
+    return (seq, plan.micro_batch_size, model.hidden_size)
+
+
+@dataclass(frozen=True, slots=True)
+class AdamSettings:
+    """Megatron's defaults: AdamW, loss scaling for fp16, gradient clipping at 1.0."""
+
+    lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+
+
+def run_training_step(gpt, model: ModelSpec, plan: ParallelPlan, role: ChunkRole, recorder,
+                      adam: AdamSettings = AdamSettings()) -> None:
+    """Forward, loss, backward and the mixed-precision optimizer step of one micro-batch.
+
+    Inputs, the loss scale and optimizer state are created with recording paused: they exist
+    before the step in a real run. The optimizer mirrors Megatron's mixed precision: fp32 main
+    weights and Adam moments, model-dtype weights and gradients.
+    """
+    from vtrain_plugin.graph import Phase
+
+    b, s = plan.micro_batch_size, model.seq_length
+    dtype = torch_dtype(model.dtype)
+    with recorder.paused():
+        tokens = torch.zeros(b, s, dtype=torch.long)
+        position_ids = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s)
+        attention_mask = torch.ones(1, 1, s, s, dtype=torch.bool)
+        labels = torch.zeros(b, s, dtype=torch.long) if role.post_process else None
+        loss_mask = torch.ones(b, s, dtype=torch.float32)
+        if not role.pre_process:
+            stage_input = torch.zeros(stage_input_shape(model, plan), dtype=dtype, requires_grad=True)
+            gpt.set_input_tensor(stage_input)
+    with recorder.phase(Phase.FORWARD):
+        output = gpt(tokens if role.pre_process else None,
+                     position_ids if role.pre_process else None,
+                     attention_mask, labels=labels)
+        if role.post_process:
+            with recorder.module("loss"):
+                loss = (output.float() * loss_mask).sum() / loss_mask.sum()
+                if model.dtype is Dtype.FP16:
+                    loss = loss * 4096.0
+    with recorder.paused():
+        grad = None if role.post_process else torch.ones_like(output)
+    with recorder.phase(Phase.BACKWARD):
+        torch.autograd.backward(loss if role.post_process else output, grad)
+    _optimizer_step(gpt, model, recorder, adam)
+    return None
+
+
+def _optimizer_step(gpt, model: ModelSpec, recorder, adam: AdamSettings) -> None:
+    from vtrain_plugin.graph import Phase
+
+    params = [p for p in gpt.parameters() if p.grad is not None]
+    with recorder.paused():
+        state = [(torch.zeros_like(p, dtype=torch.float32),) * 3 for p in params]
+        found_inf = torch.zeros(1, dtype=torch.float32)
+        inv_scale = torch.ones(1, dtype=torch.float32)
+    fp16 = model.dtype is Dtype.FP16
+    with recorder.phase(Phase.OPTIMIZER):
+        for p, (main, exp_avg, exp_avg_sq) in zip(params, state):
+            with recorder.module(recorder.param_owner(p)):
+                g = p.grad.float()
+                if fp16:
+                    torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv_scale)
+                torch.linalg.vector_norm(g)
+                g.mul_(adam.clip_grad)
+                main.mul_(1 - adam.lr * adam.weight_decay)
+                exp_avg.lerp_(g, 1 - adam.beta1)
+                exp_avg_sq.mul_(adam.beta2).addcmul_(g, g, value=1 - adam.beta2)
+                denom = exp_avg_sq.sqrt().add_(adam.eps)
+                main.addcdiv_(exp_avg, denom, value=-adam.lr)
+                p.data.copy_(main)

@@ -1,0 +1,93 @@
+"""Human and machine renderings of an OpGraph (``vtrain trace``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from vtrain_plugin.graph import Block, OpGraph, OpNode, Phase, StageGraph
+
+
+def _fmt_bytes(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
+
+
+def render_table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def trace_table(graph: OpGraph) -> str:
+    header = ["stage", "layers", "fwd/layer", "bwd/layer", "recomp/layer", "unique kernels",
+              "TFLOP/micro-batch/rank", "collectives per layer"]
+    rows = []
+    for s in graph.stages:
+        layer = s.layer_template()
+        counts = Counter(op.phase for op in layer.ops()) if layer else Counter()
+        per_stage = {op.key for b in s.blocks for op in b.ops()}
+        rows.append([
+            _stage_name(s, graph), str(s.num_layers), str(counts[Phase.FORWARD]), str(counts[Phase.BACKWARD]),
+            str(counts[Phase.RECOMPUTE]), str(len(per_stage)), f"{s.flops() / 1e12:.2f}",
+            _collective_summary(layer) if layer else "-",
+        ])
+    model = graph.model
+    title = (f"model: {model.get('name') or model.get('family', model.get('module', '?'))} "
+             f"layers={model.get('num_layers', '?')} hidden={model.get('hidden_size', '?')}  "
+             f"parallel: tp={graph.parallel['tensor_parallel']} pp={graph.parallel['pipeline_parallel']} "
+             f"dp={graph.parallel['data_parallel']} sp={graph.parallel['sequence_parallel']} "
+             f"vp={graph.parallel['virtual_pipeline']} recompute={graph.parallel['recompute']}  "
+             f"micro-batch={graph.micro_batch_size} seq={graph.seq_length}")
+    total = graph.flops() * graph.parallel["tensor_parallel"]
+    footer = (f"unique kernels: {len(graph.unique_kernels())}   model FLOPs per micro-batch "
+              f"(all TP ranks): {total / 1e12:.1f} TFLOP")
+    return "\n".join([title, "", render_table(rows, header), "", footer])
+
+
+def _stage_name(s: StageGraph, graph: OpGraph) -> str:
+    return f"{s.pipeline_rank}" if graph.parallel["virtual_pipeline"] == 1 else f"{s.pipeline_rank}.{s.chunk}"
+
+
+def _collective_summary(layer: Block) -> str:
+    groups: Counter[tuple[str, str, str, int]] = Counter()
+    for c in layer.collectives():
+        groups[(c.phase.value[:3], c.kind.value, c.group.value, c.nbytes)] += 1
+    return ", ".join(f"{n}x {kind} {group} {_fmt_bytes(nb)} ({phase})"
+                     for (phase, kind, group, nb), n in groups.items()) or "-"
+
+
+def trace_json(graph: OpGraph) -> dict[str, Any]:
+    """Per stage: ``ops`` and ``collectives``, identical entries merged with a ``count``."""
+    stages = []
+    for s in graph.stages:
+        ops: dict[tuple, dict[str, Any]] = {}
+        collectives: dict[tuple, dict[str, Any]] = {}
+        for b in s.blocks:
+            for n in b.nodes:
+                if isinstance(n, OpNode):
+                    k = (n.key, n.phase, n.module)
+                    entry = ops.setdefault(k, {
+                        "op": n.op, "input_shapes": [list(x) for x in n.key.input_shapes],
+                        "dtypes": list(n.key.dtypes), "args": n.key.to_dict()["args"],
+                        "phase": n.phase.value, "module": n.module, "block": b.kind.value,
+                        "launches_kernel": n.launches_kernel, "flops": n.flops, "nbytes": n.nbytes,
+                        "kernel": n.key.digest, "count": 0})
+                else:
+                    k = (n.kind, n.nbytes, n.group, n.group_size, n.phase, n.module)
+                    entry = collectives.setdefault(k, {
+                        "kind": n.kind.value, "nbytes": n.nbytes, "group": n.group.value,
+                        "group_size": n.group_size, "phase": n.phase.value, "module": n.module,
+                        "block": b.kind.value, "dtype": n.dtype, "synthesized": n.synthesized, "count": 0})
+                entry["count"] += b.count
+        stages.append({"pipeline_rank": s.pipeline_rank, "chunk": s.chunk, "num_layers": s.num_layers,
+                       "num_parameters": s.num_parameters, "flops": s.flops(),
+                       "ops": list(ops.values()), "collectives": list(collectives.values())})
+    return {"schema_version": graph.schema_version, "model": graph.model, "parallel": graph.parallel,
+            "micro_batch_size": graph.micro_batch_size, "seq_length": graph.seq_length,
+            "stages": stages}

@@ -1,0 +1,53 @@
+"""How the iteration is run: global batch, pipeline schedule, data-parallel gradient reduction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+from vtrain_plugin import _validate as v
+from vtrain_plugin.errors import ConfigError
+from vtrain_plugin.sim.work import ScheduleKind
+
+
+class GradReduce(StrEnum):
+    AFTER_BACKWARD = "after_backward"  # one all-reduce after the last backward (Megatron-DeepSpeed)
+    OVERLAP = "overlap"  # bucketed, launched during the last backward (Megatron DDP overlap_grad_reduce)
+
+
+DEFAULT_BUCKET_SIZE_MB = 40.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingSpec:
+    global_batch_size: int
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    grad_reduce: GradReduce = GradReduce.AFTER_BACKWARD
+    bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB  # megabytes (10^6 bytes) of gradients per bucket
+
+    def __post_init__(self) -> None:
+        v.positive_int("training.global_batch_size", self.global_batch_size)
+        object.__setattr__(self, "schedule", ScheduleKind(
+            v.one_of("training.schedule", str(self.schedule), [s.value for s in ScheduleKind])))
+        object.__setattr__(self, "grad_reduce", GradReduce(
+            v.one_of("training.grad_reduce", str(self.grad_reduce), [g.value for g in GradReduce])))
+        v.positive_number("training.bucket_size_mb", self.bucket_size_mb)
+
+    @property
+    def bucket_nbytes(self) -> int:
+        return int(self.bucket_size_mb * 1_000_000)
+
+    def num_microbatches(self, data_parallel: int, micro_batch_size: int) -> int:
+        per_step = data_parallel * micro_batch_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"global_batch_size ({self.global_batch_size}) must be divisible by data_parallel_size "
+                f"({data_parallel}) * micro_batch_size ({micro_batch_size}) = {per_step}")
+        return self.global_batch_size // per_step
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["schedule"] = self.schedule.value
+        d["grad_reduce"] = self.grad_reduce.value
+        return d
