@@ -175,10 +175,32 @@ def run_training_step(gpt, model: ModelSpec, plan: ParallelPlan, role: ChunkRole
                     loss = loss * 4096.0
     with recorder.paused():
         grad = None if role.post_process else torch.ones_like(output)
-    with recorder.phase(Phase.BACKWARD):
+    with recorder.phase(Phase.BACKWARD), recorder.default_module("loss" if role.post_process else ""):
         torch.autograd.backward(loss if role.post_process else output, grad)
     _optimizer_step(gpt, model, recorder, adam)
     return None
+
+
+class _LanguageModelLoss(torch.nn.Module):
+    """GPTModel computes its vocab-parallel cross-entropy in a method; as a module, it gets a name."""
+
+    def __init__(self, compute) -> None:
+        super().__init__()
+        self.compute = compute
+
+    def forward(self, labels, logits):
+        return self.compute(labels, logits)
+
+
+def prepare_for_recording(gpt) -> None:
+    """Route ``gpt.compute_language_model_loss`` through a submodule named ``loss`` (this instance only).
+
+    Call before attaching the recorder, so the new module gets its hooks.
+    """
+    if not getattr(gpt, "post_process", False) or "loss" in gpt._modules:
+        return
+    gpt.loss = _LanguageModelLoss(gpt.compute_language_model_loss)
+    object.__setattr__(gpt, "compute_language_model_loss", gpt.loss)
 
 
 def _optimizer_step(gpt, model: ModelSpec, recorder, adam: AdamSettings) -> None:

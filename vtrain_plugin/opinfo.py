@@ -46,8 +46,8 @@ def kernel_key(func: Any, args: tuple, kwargs: dict) -> KernelKey:
     """Build the kernel key of a call, walking the op's schema so replay can rebuild the call.
 
     Encoding: tensor arguments contribute their shape and dtype, in schema order; a ``Tensor[]`` or
-    ``Tensor?[]`` argument contributes its tensors and an ``args`` entry with its length (``None``
-    items of a ``Tensor?[]`` are listed as ``-1`` placeholders in that entry's tuple); a ``Tensor?``
+    ``Tensor?[]`` argument contributes its tensors and an ``args`` entry with its length (or, when
+    some items are None, a tuple with ``None`` for those and ``True`` for tensors); a ``Tensor?``
     argument that is None appears in ``args`` as ``(name, None)`` and contributes no shape; every
     other argument appears in ``args`` by name with its JSON value.
     """
@@ -67,15 +67,15 @@ def kernel_key(func: Any, args: tuple, kwargs: dict) -> KernelKey:
             shapes.append(tuple(int(d) for d in value.shape))
             dtypes.append(str(value.dtype).replace("torch.", ""))
         elif isinstance(value, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in value):
-            layout = []
+            present = []
             for x in value:
                 if isinstance(x, torch.Tensor):
                     shapes.append(tuple(int(d) for d in x.shape))
                     dtypes.append(str(x.dtype).replace("torch.", ""))
-                    layout.append(1)
+                    present.append(True)
                 else:
-                    layout.append(-1)
-            extra.append((arg.name, len(value) if all(x == 1 for x in layout) else tuple(layout)))
+                    present.append(None)
+            extra.append((arg.name, len(value) if all(present) else tuple(present)))
         elif value is None and "Tensor" in type_str:
             extra.append((arg.name, None))
         elif "ProcessGroup" in type_str or "ScriptObject" in type(value).__name__:

@@ -92,6 +92,7 @@ class OpRecorder:
         self._handles: list[Any] = []
         self._param_owner: dict[int, str] = {}
         self._module_override: str | None = None
+        self._default_module = ""
         for name, module in root.named_modules(prefix=prefix):
             self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(name)))
             self._handles.append(module.register_forward_hook(self._make_post_hook(name)))
@@ -129,6 +130,15 @@ class OpRecorder:
             yield
         finally:
             self._module_override = previous
+
+    @contextlib.contextmanager
+    def default_module(self, name: str) -> Iterator[None]:
+        """Attribute ops that no module claims (e.g. autograd seeding the loss gradient) to ``name``."""
+        previous, self._default_module = self._default_module, name
+        try:
+            yield
+        finally:
+            self._default_module = previous
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -183,8 +193,8 @@ class OpRecorder:
                 return Phase.RECOMPUTE, self._stack[-1][0]
             node = torch._C._current_autograd_node()
             module = node.metadata.get(_TAG, "") if node is not None else ""
-            return Phase.BACKWARD, module
-        return self._phase, (self._stack[-1][0] if self._stack else "")
+            return Phase.BACKWARD, module or self._default_module
+        return self._phase, (self._stack[-1][0] if self._stack else self._default_module)
 
     def _record(self, func, args, kwargs, out) -> None:
         phase, module = self._current()

@@ -130,7 +130,8 @@ def _trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bu
 
     from megatron_adapters.cpu_patches import cpu_tracing_patches
     from megatron_adapters.fake_world import fake_world
-    from megatron_adapters.gpt import ChunkRole, build_chunk, run_training_step, stage_input_shape
+    from megatron_adapters.gpt import (ChunkRole, build_chunk, prepare_for_recording, run_training_step,
+                                       stage_input_shape)
 
     stages = 1 if (pre and post) else 2 if (pre or post) else 3
     trace_plan = ParallelPlan(tensor_parallel=plan.tensor_parallel, pipeline_parallel=stages,
@@ -143,6 +144,7 @@ def _trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bu
             _reset_megatron_buffers()
             with FakeTensorMode(allow_non_fake_inputs=True):
                 gpt = build_chunk(model, trace_plan, role, layers_per_chunk=built)
+                prepare_for_recording(gpt)
                 recorder = OpRecorder(gpt)
                 with recorder.recording():
                     run_training_step(gpt, model, trace_plan, role, recorder)

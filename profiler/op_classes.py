@@ -1,0 +1,122 @@
+"""Which kind of kernel an aten op runs, from its qualified name (``aten.mm.default``).
+
+The class decides how the analytical model times an op (tensor-core roofline for GEMM and fused
+attention, memory roofline for the rest, nothing for views) and groups ops in breakdowns. The name is
+normalized first: the namespace and overload are dropped, one trailing ``_`` of an in-place op is
+removed (``bernoulli_`` -> ``bernoulli``) and a ``_backward``/``_backward_data`` suffix maps a
+backward op to its forward's class (``native_layer_norm_backward`` -> NORM). Ops in no table run
+ordinary memory-bound kernels (ELEMENTWISE), which is what most of aten's long tail is.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from vtrain_plugin.graph import Phase
+
+
+class OpClass(StrEnum):
+    GEMM = "gemm"  # tensor-core matrix multiplies (and convolutions)
+    ATTENTION = "attention"  # fused attention kernels (SDPA flash / memory-efficient / cuDNN)
+    NORM = "norm"
+    SOFTMAX = "softmax"
+    ACTIVATION = "activation"
+    DROPOUT = "dropout"  # dropout and random-number generation
+    ELEMENTWISE = "elementwise"
+    REDUCTION = "reduction"
+    EMBEDDING = "embedding"
+    LOSS = "loss"
+    OPTIMIZER = "optimizer"  # multi-tensor / fused optimizer kernels, and every kernel of the optimizer phase
+    COPY = "copy"
+    HOST_SYNC = "host_sync"  # reads a device value on the host: no kernel, but the CPU waits for the GPU
+    NO_KERNEL = "no_kernel"  # views, metadata, bare allocation
+
+
+_TABLE: dict[OpClass, frozenset[str]] = {
+    OpClass.GEMM: frozenset({
+        "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm",
+        "convolution", "_convolution", "cudnn_convolution",
+    }),
+    OpClass.ATTENTION: frozenset({
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_flash_attention",
+        "_efficient_attention_forward", "_efficient_attention",
+    }),
+    OpClass.NORM: frozenset({
+        "native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm", "native_group_norm",
+        "group_norm", "native_batch_norm", "_native_batch_norm_legit",
+        "_native_batch_norm_legit_no_training", "cudnn_batch_norm",
+    }),
+    OpClass.SOFTMAX: frozenset({"_softmax", "softmax", "_masked_softmax", "_safe_softmax"}),
+    OpClass.ACTIVATION: frozenset({
+        "gelu", "relu", "silu", "sigmoid", "tanh", "threshold", "hardtanh", "leaky_relu", "elu",
+        "softplus", "mish", "glu", "hardswish", "hardsigmoid",
+    }),
+    OpClass.DROPOUT: frozenset({
+        "native_dropout", "dropout", "bernoulli", "rand", "rand_like", "randn", "randn_like",
+        "randint", "randint_like", "uniform", "normal", "random",
+    }),
+    OpClass.REDUCTION: frozenset({
+        "sum", "mean", "norm", "linalg_vector_norm", "amax", "amin", "max", "min", "argmax", "argmin",
+        "prod", "var", "std", "var_mean", "std_mean", "logsumexp", "cumsum", "any", "all",
+    }),
+    OpClass.EMBEDDING: frozenset({"embedding", "embedding_dense", "_embedding_bag", "embedding_renorm"}),
+    OpClass.LOSS: frozenset({
+        "_log_softmax", "log_softmax", "nll_loss", "nll_loss_forward", "nll_loss2d",
+        "nll_loss2d_forward", "cross_entropy_loss", "mse_loss", "binary_cross_entropy",
+        "binary_cross_entropy_with_logits",
+    }),
+    OpClass.OPTIMIZER: frozenset({"_fused_adam", "_fused_adamw", "_fused_sgd", "_fused_adagrad"}),
+    OpClass.COPY: frozenset({
+        "copy", "_to_copy", "clone", "cat", "stack", "_copy_from", "_copy_from_and_resize", "repeat",
+        "constant_pad_nd", "lift_fresh_copy",
+    }),
+    OpClass.HOST_SYNC: frozenset({"_local_scalar_dense", "item", "is_nonzero"}),
+    OpClass.NO_KERNEL: frozenset({
+        "view", "_unsafe_view", "reshape", "_reshape_alias", "view_as", "flatten", "unflatten", "t",
+        "transpose", "permute", "movedim", "expand", "expand_as", "as_strided", "detach", "alias",
+        "lift_fresh", "slice", "select", "split", "split_with_sizes", "unsafe_split", "unbind", "chunk",
+        "narrow", "unsqueeze", "squeeze", "diagonal", "unfold", "empty", "empty_like",
+        "empty_strided", "new_empty", "new_empty_strided", "set", "resize", "is_same_size",
+        "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "size", "stride", "numel",
+        "is_contiguous", "requires_grad", "retain_grad", "device", "record_stream",
+    }),
+}
+
+_BY_NAME: dict[str, OpClass] = {name: cls for cls, names in _TABLE.items() for name in names}
+
+_NO_LAUNCH = frozenset({OpClass.NO_KERNEL, OpClass.HOST_SYNC})
+
+
+def _normalize(op_name: str) -> tuple[str, bool]:
+    """``aten.native_layer_norm_backward.default`` -> ``("native_layer_norm", True)``."""
+    parts = op_name.split(".")
+    name = parts[1] if len(parts) > 1 else parts[0]
+    if name.endswith("_") and not name.endswith("__"):
+        name = name[:-1]
+    for suffix in ("_backward_data", "_backward"):
+        if name.endswith(suffix) and name != suffix:
+            return name.removesuffix(suffix), True
+    return name, False
+
+
+def classify(op_name: str, phase: Phase | None = None) -> OpClass:
+    """The class of an op; every kernel an optimizer-phase op launches counts as OPTIMIZER.
+
+    The backward of a view (``select_backward``, ``slice_backward``) materializes a gradient
+    tensor, so it is a COPY although its forward launches nothing.
+    """
+    if op_name.split(".")[0] == "prim":  # prim.device, prim.layout: metadata
+        return OpClass.NO_KERNEL
+    name, backward = _normalize(op_name)
+    cls = OpClass.OPTIMIZER if name.startswith("_foreach_") else _BY_NAME.get(name, OpClass.ELEMENTWISE)
+    if backward and cls in _NO_LAUNCH:
+        cls = OpClass.COPY
+    if phase is Phase.OPTIMIZER and cls not in _NO_LAUNCH:
+        return OpClass.OPTIMIZER
+    return cls
+
+
+def launches_kernel(op_name: str) -> bool:
+    """False for views, metadata, bare allocation and host reads of device scalars."""
+    return classify(op_name) not in _NO_LAUNCH

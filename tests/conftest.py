@@ -1,0 +1,21 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    """Run the real ``vtrain`` CLI in a subprocess; returns CompletedProcess."""
+    def run(*args: str, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+        full_env = {**os.environ, "VTRAIN_PROFILE_DB": str(tmp_path / "profiles.sqlite"), **(env or {})}
+        proc = subprocess.run([sys.executable, "-m", "vtrain_plugin.cli", *args], capture_output=True,
+                              text=True, cwd=REPO, env=full_env, timeout=600)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"vtrain {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+        return proc
+    return run

@@ -1,0 +1,254 @@
+"""Op classification and the analytical kernel model, on a round-number device and the presets."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from profiler.devices import DeviceConstants, DeviceSpec, get_device
+from profiler.kernel_model import GemmDims, KernelModel, gemm_dims
+from profiler.kernel_time import KernelTime, Source
+from profiler.op_classes import OpClass, classify, launches_kernel
+from vtrain_plugin.graph import KernelKey, OpNode, Phase
+
+# 100 TFLOP/s fp16 = 1e5 FLOP/ns, 1000 GB/s = 1000 B/ns, halved by the efficiencies; 4 SMs.
+ROUND = DeviceSpec(
+    name="round", peak_fp16_tflop_per_s=100, peak_bf16_tflop_per_s=100, peak_tf32_tflop_per_s=50,
+    peak_fp32_tflop_per_s=10, hbm_bandwidth_gbytes_per_s=1000, memory_gibibytes=16, sm_count=4,
+    l2_cache_mebibytes=8, nvlink_gbytes_per_s_per_direction=100,
+    constants=DeviceConstants(gemm_efficiency=0.5, hbm_efficiency=0.5, kernel_overhead_ns=1000,
+                              host_overhead_ns=5000),
+)
+
+
+def _key(op: str, *shapes: tuple[int, ...], dtype: str = "float16") -> KernelKey:
+    return KernelKey(op=op, input_shapes=shapes, dtypes=(dtype,) * len(shapes))
+
+
+def _node(key: KernelKey, *, flops: int = 0, nbytes: int = 0, phase: Phase = Phase.FORWARD,
+          launches: bool = True) -> OpNode:
+    return OpNode(key=key, phase=phase, module="m", flops=flops, nbytes=nbytes, launches_kernel=launches)
+
+
+def _mm(m: int, n: int, k: int, dtype: str = "float16") -> KernelKey:
+    return _key("aten.mm.default", (m, k), (k, n), dtype=dtype)
+
+
+# ---- classification ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op, expected", [
+    ("aten.mm.default", OpClass.GEMM),
+    ("aten.addmm.default", OpClass.GEMM),
+    ("aten.bmm.default", OpClass.GEMM),
+    ("aten.baddbmm.default", OpClass.GEMM),
+    ("aten._scaled_mm.default", OpClass.GEMM),
+    ("aten.convolution_backward.default", OpClass.GEMM),
+    ("aten._scaled_dot_product_flash_attention.default", OpClass.ATTENTION),
+    ("aten._scaled_dot_product_flash_attention_backward.default", OpClass.ATTENTION),
+    ("aten.native_layer_norm.default", OpClass.NORM),
+    ("aten.native_layer_norm_backward.default", OpClass.NORM),
+    ("aten._fused_rms_norm.default", OpClass.NORM),
+    ("aten._softmax.default", OpClass.SOFTMAX),
+    ("aten._softmax_backward_data.default", OpClass.SOFTMAX),
+    ("aten.gelu.default", OpClass.ACTIVATION),
+    ("aten.gelu_backward.default", OpClass.ACTIVATION),
+    ("aten.threshold_backward.default", OpClass.ACTIVATION),
+    ("aten.native_dropout.default", OpClass.DROPOUT),
+    ("aten.native_dropout_backward.default", OpClass.DROPOUT),
+    ("aten.bernoulli_.float", OpClass.DROPOUT),
+    ("aten.add.Tensor", OpClass.ELEMENTWISE),
+    ("aten.mul_.Tensor", OpClass.ELEMENTWISE),
+    ("aten.__and__.Tensor", OpClass.ELEMENTWISE),
+    ("aten.some_new_op.default", OpClass.ELEMENTWISE),
+    ("aten.sum.dim_IntList", OpClass.REDUCTION),
+    ("aten.mean.dim", OpClass.REDUCTION),
+    ("aten.amax.default", OpClass.REDUCTION),
+    ("aten.embedding.default", OpClass.EMBEDDING),
+    ("aten.embedding_dense_backward.default", OpClass.EMBEDDING),
+    ("aten._log_softmax.default", OpClass.LOSS),
+    ("aten._log_softmax_backward_data.default", OpClass.LOSS),
+    ("aten.nll_loss_forward.default", OpClass.LOSS),
+    ("aten.nll_loss_backward.default", OpClass.LOSS),
+    ("aten._foreach_add_.List", OpClass.OPTIMIZER),
+    ("aten._fused_adam_.default", OpClass.OPTIMIZER),
+    ("aten.copy_.default", OpClass.COPY),
+    ("aten._to_copy.default", OpClass.COPY),
+    ("aten.clone.default", OpClass.COPY),
+    ("aten.cat.default", OpClass.COPY),
+    ("aten.select_backward.default", OpClass.COPY),
+    ("aten.slice_backward.default", OpClass.COPY),
+    ("aten._local_scalar_dense.default", OpClass.HOST_SYNC),
+    ("aten.view.default", OpClass.NO_KERNEL),
+    ("aten._unsafe_view.default", OpClass.NO_KERNEL),
+    ("aten.t.default", OpClass.NO_KERNEL),
+    ("aten.transpose.int", OpClass.NO_KERNEL),
+    ("aten.expand.default", OpClass.NO_KERNEL),
+    ("aten.as_strided.default", OpClass.NO_KERNEL),
+    ("aten.detach.default", OpClass.NO_KERNEL),
+    ("aten.alias.default", OpClass.NO_KERNEL),
+    ("aten.slice.Tensor", OpClass.NO_KERNEL),
+    ("aten.select.int", OpClass.NO_KERNEL),
+    ("aten.split.Tensor", OpClass.NO_KERNEL),
+    ("aten.unsqueeze_.default", OpClass.NO_KERNEL),
+    ("aten.squeeze.dim", OpClass.NO_KERNEL),
+    ("aten.permute.default", OpClass.NO_KERNEL),
+    ("aten.empty.memory_format", OpClass.NO_KERNEL),
+    ("aten.empty_like.default", OpClass.NO_KERNEL),
+    ("aten.lift_fresh.default", OpClass.NO_KERNEL),
+    ("prim.device.default", OpClass.NO_KERNEL),
+])
+def test_classify(op, expected):
+    assert classify(op) is expected
+
+
+def test_optimizer_phase_makes_every_kernel_an_optimizer_kernel():
+    assert classify("aten.mul_.Tensor", Phase.OPTIMIZER) is OpClass.OPTIMIZER
+    assert classify("aten.sqrt.default", Phase.OPTIMIZER) is OpClass.OPTIMIZER
+    assert classify("aten.view.default", Phase.OPTIMIZER) is OpClass.NO_KERNEL
+    assert classify("aten._local_scalar_dense.default", Phase.OPTIMIZER) is OpClass.HOST_SYNC
+    assert classify("aten.mul_.Tensor", Phase.BACKWARD) is OpClass.ELEMENTWISE
+
+
+@pytest.mark.parametrize("op, expected", [
+    ("aten.mm.default", True), ("aten.gelu.default", True), ("aten.copy_.default", True),
+    ("aten.slice_backward.default", True), ("aten.view.default", False), ("aten.t.default", False),
+    ("aten.empty.memory_format", False), ("prim.device.default", False),
+    ("aten._local_scalar_dense.default", False),
+])
+def test_launches_kernel(op, expected):
+    assert launches_kernel(op) is expected
+
+
+# ---- GEMM dims ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, dims", [
+    (_key("aten.mm.default", (2, 3), (3, 5)), GemmDims(batch=1, m=2, n=5, k=3)),
+    (_key("aten.addmm.default", (5,), (2, 3), (3, 5)), GemmDims(batch=1, m=2, n=5, k=3)),
+    (_key("aten.bmm.default", (7, 2, 3), (7, 3, 5)), GemmDims(batch=7, m=2, n=5, k=3)),
+    (_key("aten.baddbmm.default", (7, 2, 5), (7, 2, 3), (7, 3, 5)), GemmDims(batch=7, m=2, n=5, k=3)),
+    (_key("aten.linear.default", (4, 2, 3), (5, 3)), GemmDims(batch=1, m=8, n=5, k=3)),
+    (_key("aten.matmul.default", (4, 2, 3), (3, 5)), GemmDims(batch=1, m=8, n=5, k=3)),
+    (_key("aten.gelu.default", (2, 3)), None),
+    (_key("aten.mm.default", (0, 3), (3, 5)), None),
+    (_key("aten.convolution.default", (1, 3, 8, 8), (4, 3, 3, 3)), None),
+])
+def test_gemm_dims(key, dims):
+    assert gemm_dims(key) == dims
+
+
+# ---- exact durations on the round device --------------------------------------------------------
+
+def test_gemm_exact_with_flops_and_bytes_from_shapes():
+    # 256^3 fp16: 4 tiles of 128x128 on 4 SMs (occupancy 1), K factor 256/320 -> efficiency 0.4.
+    # compute 2*256^3 / (1e5 * 0.4) = 838.8608 ns; memory 3*256*256*2 B / 500 = 786.432 ns.
+    model = KernelModel(ROUND)
+    assert model.gemm_efficiency(GemmDims(batch=1, m=256, n=256, k=256)) == pytest.approx(0.4)
+    assert model.duration_ns(_node(_mm(256, 256, 256))) == pytest.approx(838.8608 + 1000)
+
+
+def test_gemm_uses_the_nodes_flops_and_bytes_when_present():
+    model = KernelModel(ROUND)
+    assert model.duration_ns(_node(_mm(256, 256, 256), flops=4_000_000, nbytes=1_000_000)) == pytest.approx(
+        max(4_000_000 / 40_000, 1_000_000 / 500) + 1000)
+
+
+def test_bmm_small_tiles_and_short_k():
+    # 8 x (64x32 @ 32x64): 64x64 tiles, 8 tiles in 2 full waves; K factor 32/96 -> efficiency 1/6.
+    # compute 2097152 / (1e5/6) = 125.83 ns < memory (65536 + 65536 B) / 500 = 262.144 ns.
+    model = KernelModel(ROUND)
+    key = _key("aten.bmm.default", (8, 64, 32), (8, 32, 64))
+    assert model.gemm_efficiency(gemm_dims(key)) == pytest.approx(0.5 / 3)
+    assert model.duration_ns(_node(key)) == pytest.approx(262.144 + 1000)
+
+
+def test_wave_quantization():
+    # 128x640: 5 tiles on 4 SMs take 2 waves -> occupancy 5/8.
+    model = KernelModel(ROUND)
+    assert model.gemm_efficiency(GemmDims(batch=1, m=128, n=640, k=64)) == pytest.approx(0.5 * 5 / 8 * 0.5)
+
+
+def test_fp32_gemm_runs_on_tf32_unless_disabled():
+    key, flops = _mm(4096, 4096, 4096, dtype="float32"), 2 * 4096**3
+    eff = KernelModel(ROUND).gemm_efficiency(gemm_dims(key))
+    assert KernelModel(ROUND).duration_for_key(key, flops=flops, nbytes=1) == pytest.approx(
+        flops / (50e3 * eff) + 1000)
+    assert KernelModel(ROUND, allow_tf32=False).duration_for_key(key, flops=flops, nbytes=1) == pytest.approx(
+        flops / (10e3 * eff) + 1000)
+
+
+def test_attention_and_memory_bound_ops_exact():
+    model = KernelModel(ROUND)
+    sdpa = _key("aten._scaled_dot_product_flash_attention.default", (1, 8, 128, 64), (1, 8, 128, 64),
+                (1, 8, 128, 64), dtype="bfloat16")
+    assert model.duration_for_key(sdpa, flops=10_000_000, nbytes=1000) == pytest.approx(
+        10_000_000 / 50_000 + 1000)
+    gelu = _key("aten.gelu.default", (1000, 250))
+    assert model.duration_ns(_node(gelu, nbytes=1_000_000)) == pytest.approx(2000 + 1000)
+    assert model.duration_ns(_node(gelu, flops=50_000_000, nbytes=1_000_000)) == pytest.approx(5000 + 1000)
+    adam = _node(_key("aten._foreach_mul_.Scalar", (1000,)), nbytes=500_000, phase=Phase.OPTIMIZER)
+    assert model.duration_ns(adam) == pytest.approx(1000 + 1000)
+
+
+def test_no_kernel_ops_cost_nothing():
+    model = KernelModel(ROUND)
+    for node in (_node(_key("aten.view.default", (4, 4)), nbytes=64),
+                 _node(_key("aten._local_scalar_dense.default", (1,)), nbytes=2),
+                 _node(_mm(256, 256, 256), launches=False)):
+        assert (model.duration_ns(node), model.host_ns(node), model.effective_ns(node)) == (0, 0, 0)
+
+
+def test_effective_time_is_the_slower_of_device_and_host():
+    model = KernelModel(ROUND)
+    small = _node(_key("aten.add.Tensor", (10,), (10,)), nbytes=60)
+    assert model.host_ns(small) == 5000
+    assert model.effective_ns(small) == 5000
+    big = _node(_mm(4096, 4096, 4096))
+    assert model.effective_ns(big) == model.duration_ns(big) > 5000
+
+
+def test_kernel_time_is_modeled():
+    assert KernelModel(ROUND).kernel_time(_mm(256, 256, 256)) == KernelTime(
+        duration_ns=pytest.approx(1838.8608), source=Source.MODELED)
+
+
+# ---- sanity on the presets ----------------------------------------------------------------------
+
+def test_large_gemm_on_a100_reaches_60_to_90_percent_of_peak():
+    model = KernelModel(get_device("A100"))
+    flops = 2 * 2048 * 12288 * 4608
+    achieved = flops / model.duration_ns(_node(_mm(2048, 12288, 4608), flops=flops)) / 312e3
+    assert 0.6 <= achieved <= 0.9
+
+
+def test_tiny_gemm_is_overhead_dominated():
+    model = KernelModel(get_device("A100"))
+    assert model.duration_ns(_node(_mm(64, 64, 64))) < 2 * get_device("A100").constants.kernel_overhead_ns
+
+
+def test_bigger_gemm_never_takes_less_time():
+    model = KernelModel(get_device("H100"))
+    sizes = [16, 64, 100, 128, 129, 256, 1000, 1024, 4096, 4608, 12288]
+    for m in sizes:
+        for n in sizes:
+            for k in sizes:
+                t = model.duration_ns(_node(_mm(m, n, k)))
+                for bigger in ((2 * m, n, k), (m, 2 * n, k), (m, n, 2 * k), (m + 1, n, k)):
+                    assert model.duration_ns(_node(_mm(*bigger))) >= t * (1 - 1e-12)  # equal up to rounding
+    assert model.duration_ns(_node(_mm(8192, 8192, 8192))) > model.duration_ns(_node(_mm(4096, 4096, 4096)))
+
+
+def test_faster_device_is_faster_on_large_gemms():
+    node = _node(_mm(8192, 8192, 8192))
+    h100, a100 = KernelModel(get_device("H100")), KernelModel(get_device("A100"))
+    assert h100.duration_ns(node) < a100.duration_ns(node)
+
+
+def test_profiler_modules_do_not_import_the_simulator():
+    root = Path(__file__).resolve().parents[2] / "profiler"
+    for name in ("devices.py", "kernel_model.py", "op_classes.py", "kernel_time.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in imported if m and m.startswith(("vtrain_plugin.sim", "vtrain_plugin.comm"))]
