@@ -91,6 +91,11 @@ class ModelSpec:
             return self.tied_embeddings
         return self.family is Family.GPT
 
+    def padded_vocab_size(self, tensor_parallel: int, divisible_by: int = 128) -> int:
+        """Megatron-LM pads the vocabulary to a multiple of ``divisible_by * tensor_parallel``."""
+        multiple = divisible_by * tensor_parallel
+        return -(-self.vocab_size // multiple) * multiple
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads

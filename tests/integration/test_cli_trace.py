@@ -1,0 +1,100 @@
+"""The real ``vtrain trace`` CLI in a subprocess: output formats and one-line errors with exit 2."""
+
+import json
+
+import pytest
+
+SMALL = {
+    "num_gpus": 8, "gpu_name": "A100", "tensor_parallel_size": 2, "data_parallel_size": 2,
+    "pipeline_parallel_size": 2, "global_batch_size": 16, "micro_batch_size": 2, "num_layers": 4,
+    "hidden_size": 256, "num_attention_heads": 8, "max_length": 128, "vocab_size": None,
+    "use_checkpoint": True, "use_gradient_bucket": False, "ddp_bucket_size": 40,
+    "inter_node_bandwidth": 1600, "intra_node_bandwidth": 300, "pipeline_scheduling": "1f1b",
+    "node_size": 8, "trace_path": "/tmp/ignored",
+}
+
+
+def write(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def test_trace_json_lists_ops_and_collectives_per_stage(tmp_path, run_cli):
+    out = tmp_path / "trace.json"
+    run_cli("trace", write(tmp_path, "c.json", SMALL), "--format", "json", "--output", str(out), check=True)
+    data = json.loads(out.read_text())
+    assert [s["pipeline_rank"] for s in data["stages"]] == [0, 1]
+    assert data["model"]["vocab_size"] == 50257  # null means GPT-2's vocabulary
+    for stage in data["stages"]:
+        assert stage["num_layers"] == 2
+        op = stage["ops"][0]
+        assert {"op", "input_shapes", "dtypes", "phase", "module", "count", "flops"} <= op.keys()
+        kinds = {c["kind"] for c in stage["collectives"]}
+        assert {"all_reduce", "send", "recv"} <= kinds
+        for c in stage["collectives"]:
+            assert {"kind", "nbytes", "group", "group_size", "phase", "module", "count"} <= c.keys()
+            assert c["group"] in ("tp", "dp", "pp", "embedding")
+    fc1 = [o for o in data["stages"][0]["ops"] if o["module"] == "decoder.layers.0.mlp.linear_fc1"
+           and o["op"] == "aten.mm.default" and o["phase"] == "forward"]
+    assert len(fc1) == 1 and fc1[0]["count"] == 2 and fc1[0]["input_shapes"] == [[256, 256], [256, 512]]
+    tp = [c for c in data["stages"][0]["collectives"] if c["group"] == "tp" and c["phase"] == "forward"
+          and c["module"].startswith("decoder.layers.0")]
+    assert {(c["kind"], c["nbytes"], c["group_size"], c["count"]) for c in tp} == {("all_reduce", 128 * 2 * 256 * 2, 2, 2)}
+
+
+def test_trace_table_and_plan_file(tmp_path, run_cli):
+    plan = """
+model: {family: llama, num_layers: 4, hidden_size: 256, num_attention_heads: 8, num_query_groups: 2,
+        seq_length: 128, vocab_size: 1000, dtype: bf16}
+parallel: {tensor_parallel: 2, pipeline_parallel: 2, data_parallel: 1, sequence_parallel: true,
+           micro_batch_size: 1}
+training: {global_batch_size: 8}
+"""
+    proc = run_cli("trace", write(tmp_path, "plan.yaml", plan), check=True)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("model: llama")
+    assert "all_gather tp" in proc.stdout and "reduce_scatter tp" in proc.stdout
+    assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"tensor_parallel_size": 3, "num_gpus": 12}, "tensor_parallel_size (3) must divide num_attention_heads (8)"),
+    ({"pipeline_parallel_size": 3, "num_gpus": 12}, "pipeline_parallel_size (3) must divide num_layers (4)"),
+    ({"num_gpus": 16}, "num_gpus (16) must equal tensor_parallel_size (2) * pipeline_parallel_size (2) * data_parallel_size (2) = 8"),
+    ({"hidden_size": 0}, "model.hidden_size must be positive, got 0"),
+    ({"micro_batch_size": -1}, "parallel.micro_batch_size must be positive, got -1"),
+    ({"color": "blue"}, "vTrain config: unknown key 'color'"),
+    ({"pipeline_scheduling": "zigzag"}, "pipeline_scheduling must be one of"),
+])
+def test_bad_vtrain_config_is_one_line_exit_2(tmp_path, run_cli, change, message):
+    proc = run_cli("trace", write(tmp_path, "bad.json", {**SMALL, **change}))
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("bad.json", '{"num_gpus": 8,', "malformed JSON"),
+    ("bad.yaml", "model: [1, 2\nparallel: {", "malformed YAML"),
+    ("list.json", "[1, 2]", "the top level must be a mapping"),
+    ("plan.yaml", "model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32}\n"
+                  "parallel: {tensor_parallel: 1, data_parallel: 2, micro_batch_size: 2}\n"
+                  "training: {global_batch_size: 6}\n",
+     "global_batch_size (6) must be divisible by data_parallel_size (2) * micro_batch_size (2) = 4"),
+    ("plan.yaml", "model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32}\n"
+                  "parallel: {tensor_parallel: 1, tensor: 2}\ntraining: {global_batch_size: 4}\n",
+     "parallel: unknown key 'tensor'"),
+])
+def test_malformed_files_are_one_line_exit_2(tmp_path, run_cli, name, text, message):
+    proc = run_cli("trace", write(tmp_path, name, text))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_missing_file_is_one_line_exit_2(tmp_path, run_cli):
+    proc = run_cli("trace", str(tmp_path / "nope.json"))
+    assert proc.returncode == 2 and "cannot read" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -1,0 +1,63 @@
+import pytest
+
+from vtrain_plugin.cluster import (ClusterSpec, cluster_preset_names, gbps_to_bytes_per_ns,
+                                   get_cluster_preset, register_cluster_preset)
+from vtrain_plugin.errors import ConfigError
+
+BASE = dict(gpu="a100-sxm4-80gb", intra_node_bandwidth_gbytes_per_s=300.0, intra_node_latency_us=1.0,
+            inter_node_bandwidth_gbps=1600.0, inter_node_latency_us=5.0)
+
+
+def test_presets_and_units():
+    assert set(cluster_preset_names()) >= {"dgx-a100", "dgx-h100", "dgx-h200"}
+    a100 = get_cluster_preset("dgx-a100")
+    assert a100.gpus_per_node == 8 and a100.nccl_tables == "a100_sxm"
+    assert a100.inter_node_bytes_per_ns == 200.0  # 8 x 200 Gb/s = 200 GB/s
+    assert a100.intra_node_bytes_per_ns == 300.0
+    assert a100.inter_node_latency_ns == 5000.0
+    assert get_cluster_preset("dgx-h100").inter_node_bandwidth_gbps == 3200.0
+    assert gbps_to_bytes_per_ns(400.0) == 50.0
+    assert a100.num_nodes(3360) == 420 and a100.num_nodes(12) == 2
+
+
+def test_unknown_preset_lists_valid_names():
+    with pytest.raises(ConfigError, match=r"unknown cluster preset 'dgx-z'; valid presets are dgx-a100, dgx-h100, dgx-h200"):
+        get_cluster_preset("dgx-z")
+
+
+def test_duplicate_preset_rejected():
+    with pytest.raises(ConfigError, match="already registered"):
+        register_cluster_preset(get_cluster_preset("dgx-a100"))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("gpus_per_node", 0, "cluster.gpus_per_node must be positive, got 0"),
+    ("gpus_per_node", 8.0, "cluster.gpus_per_node must be a positive integer, got 8.0"),
+    ("intra_node_bandwidth_gbytes_per_s", 0, "cluster.intra_node_bandwidth_gbytes_per_s must be positive, got 0"),
+    ("inter_node_bandwidth_gbps", -1.0, "cluster.inter_node_bandwidth_gbps must be positive, got -1.0"),
+    ("inter_node_latency_us", -1.0, "cluster.inter_node_latency_us must be a non-negative number, got -1.0"),
+    ("price_per_gpu_hour_usd", -2.0, "cluster.price_per_gpu_hour_usd must be a non-negative number"),
+    ("nccl_tables", "v100", "cluster.nccl_tables must be one of a100_sxm; got 'v100'"),
+    ("gpu", "", "cluster.gpu must be a non-empty device preset name"),
+])
+def test_validation_messages(field, value, message):
+    with pytest.raises(ConfigError) as err:
+        ClusterSpec(**{**BASE, field: value})
+    assert message in str(err.value)
+
+
+def test_from_dict():
+    spec = ClusterSpec.from_dict({**BASE, "gpus_per_node": 4})
+    assert spec.gpus_per_node == 4 and spec.nccl_tables is None and spec.price_per_gpu_hour_usd is None
+    assert ClusterSpec.from_dict(spec.to_dict()) == spec
+    overridden = ClusterSpec.from_dict({"preset": "dgx-a100", "inter_node_bandwidth_gbps": 800.0})
+    assert overridden.inter_node_bandwidth_gbps == 800.0 and overridden.nccl_tables == "a100_sxm"
+
+
+def test_from_dict_rejects_unknown_and_missing_keys():
+    with pytest.raises(ConfigError, match=r"cluster: unknown key 'nvlink'; allowed keys are .*gpus_per_node"):
+        ClusterSpec.from_dict({**BASE, "nvlink": 1})
+    with pytest.raises(ConfigError, match=r"cluster: missing key 'gpu'"):
+        ClusterSpec.from_dict({k: val for k, val in BASE.items() if k != "gpu"})
+    with pytest.raises(ConfigError, match="cluster must be a mapping"):
+        ClusterSpec.from_dict([1, 2])

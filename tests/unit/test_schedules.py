@@ -1,0 +1,72 @@
+import pytest
+
+from vtrain_plugin.errors import ConfigError
+from vtrain_plugin.sim import ScheduleKind, TaskKind, build_schedule, register_schedule, schedule_builder
+
+
+def order(schedule, rank):
+    return [("F" if t.kind is TaskKind.FORWARD else "B", t.chunk, t.microbatch) for t in schedule.tasks[rank]]
+
+
+def test_gpipe_order():
+    s = build_schedule(ScheduleKind.GPIPE, 2, 1, 3)
+    assert order(s, 1) == [("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("B", 0, 0), ("B", 0, 1), ("B", 0, 2)]
+
+
+def test_1f1b_order():
+    s = build_schedule(ScheduleKind.ONE_F_ONE_B, 3, 1, 4)
+    assert order(s, 0) == [("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("B", 0, 0), ("F", 0, 3), ("B", 0, 1),
+                           ("B", 0, 2), ("B", 0, 3)]
+    assert order(s, 2) == [("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1), ("F", 0, 2), ("B", 0, 2),
+                           ("F", 0, 3), ("B", 0, 3)]
+    few = build_schedule(ScheduleKind.ONE_F_ONE_B, 4, 1, 2)  # fewer micro-batches than warm-up
+    assert order(few, 0) == [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)]
+
+
+def test_interleaved_order_matches_megatron():
+    # pp=2, v=2, m=4: table (mb, chunk) = (0,0) (1,0) (0,1) (1,1) (2,0) (3,0) (2,1) (3,1);
+    # rank 1 warms up with (2-1-1)*2 + (2-1)*2 = 2 forwards, backwards mirror the chunk.
+    s = build_schedule(ScheduleKind.INTERLEAVED_1F1B, 2, 2, 4)
+    assert order(s, 1) == [
+        ("F", 0, 0), ("F", 0, 1),
+        ("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 0, 2), ("B", 0, 0), ("F", 0, 3), ("B", 0, 1),
+        ("F", 1, 2), ("B", 1, 2), ("F", 1, 3), ("B", 1, 3),
+        ("B", 0, 2), ("B", 0, 3)]
+    assert order(s, 0)[:5] == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1), ("F", 0, 2)]
+    assert order(s, 0)[5] == ("B", 1, 0)
+
+
+def test_peak_inflight():
+    p, m = 4, 8
+    assert build_schedule(ScheduleKind.GPIPE, p, 1, m).peak_inflight_microbatches == (8, 8, 8, 8)
+    assert build_schedule(ScheduleKind.ONE_F_ONE_B, p, 1, m).peak_inflight_microbatches == (4, 3, 2, 1)
+    inter = build_schedule(ScheduleKind.INTERLEAVED_1F1B, p, 2, m)
+    assert [inter.peak_inflight(r) for r in range(p)] == [(p - r - 1) * 2 + p + 1 for r in range(p)]
+    assert inter.peak_inflight_microbatches[0] == p + (p - 1) / 2
+
+
+def test_interleaved_requires_multiple_of_pp():
+    with pytest.raises(ConfigError, match=r"interleaved_1f1b requires num_microbatches \(6\) to be a multiple "
+                                          r"of pipeline_parallel \(4\)"):
+        build_schedule(ScheduleKind.INTERLEAVED_1F1B, 4, 2, 6)
+    with pytest.raises(ConfigError, match="interleaved_1f1b requires virtual_pipeline >= 2, got 1"):
+        build_schedule(ScheduleKind.INTERLEAVED_1F1B, 4, 1, 8)
+    with pytest.raises(ConfigError, match="1f1b requires virtual_pipeline == 1, got 2"):
+        build_schedule(ScheduleKind.ONE_F_ONE_B, 4, 2, 8)
+
+
+def test_registry():
+    with pytest.raises(ConfigError, match="unknown schedule 'zb'; valid schedules are 1f1b, gpipe, interleaved_1f1b"):
+        schedule_builder("zb")
+    assert schedule_builder("gpipe") is schedule_builder(ScheduleKind.GPIPE)
+    with pytest.raises(ConfigError, match="schedule 'gpipe' is already registered"):
+        register_schedule(ScheduleKind.GPIPE)(lambda pp, vp, m, r: [])
+
+
+@pytest.mark.parametrize("pp, vp, m", [(2, 2, 2), (3, 2, 6), (4, 3, 8), (8, 4, 16), (5, 2, 15)])
+def test_every_chunk_microbatch_runs_once_forward_then_backward(pp, vp, m):
+    s = build_schedule(ScheduleKind.INTERLEAVED_1F1B, pp, vp, m)
+    for r in range(pp):
+        seen = order(s, r)
+        assert sorted(seen) == sorted([(k, c, i) for k in "FB" for c in range(vp) for i in range(m)])
+        assert all(seen.index(("F", c, i)) < seen.index(("B", c, i)) for c in range(vp) for i in range(m))

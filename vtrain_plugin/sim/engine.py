@@ -1,0 +1,217 @@
+"""Simulation of one training iteration over the pipeline ranks' streams.
+
+Each pipeline rank runs its schedule's tasks in order on a compute stream. A forward of virtual
+stage ``s > 0`` waits for the forward of ``s - 1`` plus that stage's activation send; a backward of
+``s < last`` waits for the backward of ``s + 1`` plus its gradient send; recompute runs right before
+its backward. Sends do not occupy the sender's compute stream. Ranks are advanced in turn as far as
+their dependencies are known, so the whole run costs O(pp * v * m) with no event heap.
+
+After compute, each rank's data-parallel stream reduces the gradient buckets of its chunks: with
+``dp_overlap`` a bucket starts when ready (``ready_fraction`` into its chunk's last backward) and
+the stream is free, otherwise all start after the rank's last backward. The tied-embedding
+all-reduce then joins the first and the last rank once both have reduced their gradients. Megatron's
+optimizer step begins with global reductions (grad norm, found-inf) over all ranks, so every rank
+starts its optimizer when the last rank's gradients are ready; the iteration ends when the slowest
+optimizer ends.
+
+Per-rank breakdowns partition the iteration time: compute (TP collectives split out by the chunks'
+shares, proportionally over backward and recompute), exposed PP comm (waiting for a send after its
+producer finished), exposed DP comm (gradients not reduced when compute ends), embedding sync,
+optimizer, and bubble (every other idle time: pipeline fill and drain, waiting for other ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vtrain_plugin.sim.schedules import Task, TaskKind, build_schedule
+from vtrain_plugin.sim.timeline import Interval, IntervalKind, Stream, Timeline
+from vtrain_plugin.sim.work import PipelineWork
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankBreakdown:
+    forward_ns: float
+    backward_ns: float
+    recompute_ns: float
+    tp_comm_ns: float
+    pp_comm_ns: float
+    dp_comm_ns: float
+    embedding_sync_ns: float
+    optimizer_ns: float
+    bubble_ns: float
+
+    @property
+    def total_ns(self) -> float:
+        return (self.forward_ns + self.backward_ns + self.recompute_ns + self.tp_comm_ns + self.pp_comm_ns
+                + self.dp_comm_ns + self.embedding_sync_ns + self.optimizer_ns + self.bubble_ns)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimResult:
+    iteration_ns: float
+    ranks: tuple[RankBreakdown, ...]  # per pipeline rank; each sums to iteration_ns
+    timeline: Timeline | None = None  # only when simulated with record_timeline=True
+
+
+def simulate(work: PipelineWork, *, record_timeline: bool = False) -> SimResult:
+    pp, vp, m = work.pipeline_parallel, work.virtual_pipeline, work.num_microbatches
+    schedule = build_schedule(work.schedule, pp, vp, m)
+    chunks = work.chunks
+    intervals: list[list[Interval]] | None = [[] for _ in range(pp)] if record_timeline else None
+
+    compute_end, last_backward_start, pp_wait = _run_compute(work, schedule.tasks, intervals)
+
+    grads_ready = [_reduce_gradients(work, r, compute_end[r], last_backward_start, intervals)
+                   for r in range(pp)]
+    synced = list(grads_ready)
+    if work.embedding_sync_ns:
+        ends = {0, pp - 1}
+        start = max(grads_ready[r] for r in ends)
+        for r in ends:
+            synced[r] = start + work.embedding_sync_ns
+            if intervals is not None:
+                intervals[r].append(Interval(stream=Stream.DP, kind=IntervalKind.EMBEDDING_SYNC,
+                                             label="embedding sync", start_ns=start, end_ns=synced[r]))
+    optimizer_start = max(synced)
+    iteration_ns = optimizer_start + max(work.optimizer_ns)
+    if intervals is not None:
+        for r in range(pp):
+            intervals[r].append(Interval(stream=Stream.COMPUTE, kind=IntervalKind.OPTIMIZER, label="optimizer",
+                                         start_ns=optimizer_start,
+                                         end_ns=optimizer_start + work.optimizer_ns[r]))
+
+    ranks = []
+    for r in range(pp):
+        forward = backward = recompute = tp = 0.0
+        for c in range(vp):
+            chunk = chunks[c * pp + r]
+            fb = chunk.backward_ns + chunk.recompute_ns
+            keep = 1.0 - chunk.tp_comm_backward_ns / fb if fb else 1.0
+            forward += m * (chunk.forward_ns - chunk.tp_comm_forward_ns)
+            backward += m * chunk.backward_ns * keep
+            recompute += m * chunk.recompute_ns * keep
+            tp += m * (chunk.tp_comm_forward_ns + chunk.tp_comm_backward_ns)
+        embedding = work.embedding_sync_ns if r in (0, pp - 1) else 0.0
+        busy = (forward + backward + recompute + tp + pp_wait[r] + grads_ready[r] - compute_end[r]
+                + embedding + work.optimizer_ns[r])
+        ranks.append(RankBreakdown(
+            forward_ns=forward, backward_ns=backward, recompute_ns=recompute, tp_comm_ns=tp,
+            pp_comm_ns=pp_wait[r], dp_comm_ns=grads_ready[r] - compute_end[r], embedding_sync_ns=embedding,
+            optimizer_ns=work.optimizer_ns[r], bubble_ns=max(iteration_ns - busy, 0.0)))
+    timeline = None
+    if intervals is not None:
+        timeline = Timeline(ranks=tuple(tuple(ivs) for ivs in intervals), iteration_ns=iteration_ns)
+    return SimResult(iteration_ns=iteration_ns, ranks=tuple(ranks), timeline=timeline)
+
+
+def _run_compute(work: PipelineWork, tasks: tuple[tuple[Task, ...], ...], intervals: list[list[Interval]] | None
+                 ) -> tuple[list[float], list[float], list[float]]:
+    """Compute streams of all ranks: (end of each rank's last task, start of each virtual stage's
+    last backward compute, each rank's time waiting on in-flight sends)."""
+    pp, m = work.pipeline_parallel, work.num_microbatches
+    chunks = work.chunks
+    stages = len(chunks)
+    last_stage = stages - 1
+    fwd = [c.forward_ns for c in chunks]
+    bwd = [c.backward_ns for c in chunks]
+    rec = [c.recompute_ns for c in chunks]
+    p2p_fwd = [c.p2p_forward_ns for c in chunks]
+    p2p_bwd = [c.p2p_backward_ns for c in chunks]
+    forward_end = [-1.0] * (stages * m)  # index: stage * m + micro-batch; -1 = not run yet
+    backward_end = [-1.0] * (stages * m)
+    last_backward_start = [0.0] * stages
+    free = [0.0] * pp
+    position = [0] * pp
+    pp_wait = [0.0] * pp
+    remaining = sum(len(t) for t in tasks)
+    forward_kind = TaskKind.FORWARD
+    while remaining:
+        progressed = 0
+        for r in range(pp):
+            rank_tasks = tasks[r]
+            i, t, n = position[r], free[r], len(rank_tasks)
+            while i < n:
+                task = rank_tasks[i]
+                s = task.chunk * pp + r
+                idx = s * m + task.microbatch
+                is_forward = task.kind is forward_kind
+                if is_forward and s:
+                    dep = forward_end[idx - m]
+                    if dep < 0.0:
+                        break
+                    send = p2p_fwd[s - 1]
+                elif not is_forward and s < last_stage:
+                    dep = backward_end[idx + m]
+                    if dep < 0.0:
+                        break
+                    send = p2p_bwd[s + 1]
+                else:  # first stage's forward, or last stage's backward after its own forward
+                    dep = send = 0.0
+                ready = dep + send
+                if ready > t:
+                    pp_wait[r] += min(ready - t, send)
+                    t = ready
+                start = t
+                if is_forward:
+                    t += fwd[s]
+                    forward_end[idx] = t
+                else:
+                    last_backward_start[s] = start + rec[s]
+                    t = start + rec[s] + bwd[s]
+                    backward_end[idx] = t
+                if intervals is not None:
+                    if is_forward:
+                        outgoing = p2p_fwd[s] if s < last_stage else 0.0
+                    else:
+                        outgoing = p2p_bwd[s] if s else 0.0
+                    _record_task(intervals[r], task, start, t, rec[s], outgoing)
+                i += 1
+            if i != position[r]:
+                progressed += i - position[r]
+                position[r], free[r] = i, t
+        if not progressed:
+            raise RuntimeError(f"schedule {work.schedule.value} deadlocked with {remaining} tasks left")
+        remaining -= progressed
+    return free, last_backward_start, pp_wait
+
+
+def _reduce_gradients(work: PipelineWork, r: int, compute_end: float, last_backward_start: list[float],
+                      intervals: list[list[Interval]] | None) -> float:
+    """When rank ``r``'s gradients are reduced over the data-parallel group."""
+    pp = work.pipeline_parallel
+    buckets = []
+    for c in range(work.virtual_pipeline):
+        s = c * pp + r
+        chunk = work.chunks[s]
+        for b in chunk.dp_buckets:
+            ready = last_backward_start[s] + b.ready_fraction * chunk.backward_ns if work.dp_overlap else compute_end
+            buckets.append((ready, b.comm_ns, c))
+    if work.dp_overlap:
+        buckets.sort(key=lambda bucket: bucket[0])
+    t = compute_end if not work.dp_overlap else 0.0
+    for k, (ready, comm, c) in enumerate(buckets):
+        start = max(ready, t)
+        t = start + comm
+        if intervals is not None:
+            intervals[r].append(Interval(stream=Stream.DP, kind=IntervalKind.DP_COMM,
+                                         label=f"dp bucket {k} (chunk {c})", start_ns=start, end_ns=t, chunk=c))
+    return max(compute_end, t)
+
+
+def _record_task(out: list[Interval], task: Task, start: float, end: float, recompute: float,
+                 send: float) -> None:
+    mb, c = task.microbatch, task.chunk
+    if task.kind is TaskKind.FORWARD:
+        out.append(Interval(stream=Stream.COMPUTE, kind=IntervalKind.FORWARD, label=f"F{mb} c{c}",
+                            start_ns=start, end_ns=end, chunk=c, microbatch=mb))
+    else:
+        if recompute:
+            out.append(Interval(stream=Stream.COMPUTE, kind=IntervalKind.RECOMPUTE, label=f"R{mb} c{c}",
+                                start_ns=start, end_ns=start + recompute, chunk=c, microbatch=mb))
+        out.append(Interval(stream=Stream.COMPUTE, kind=IntervalKind.BACKWARD, label=f"B{mb} c{c}",
+                            start_ns=start + recompute, end_ns=end, chunk=c, microbatch=mb))
+    if send:
+        direction = "activation" if task.kind is TaskKind.FORWARD else "gradient"
+        out.append(Interval(stream=Stream.PP_SEND, kind=IntervalKind.PP_COMM, label=f"send {direction} {mb} c{c}",
+                            start_ns=end, end_ns=end + send, chunk=c, microbatch=mb))

@@ -1,0 +1,170 @@
+"""Pipeline schedules: the order in which each pipeline rank runs its forward and backward passes.
+
+Builders are registered by :class:`ScheduleKind` and give one rank's task list; the orders follow
+megatron-core 0.16 (``forward_backward_pipelining_without_interleaving`` and
+``..._with_interleaving`` with the default ``microbatch_group_size_per_vp_stage = pp``). Schedules
+are immutable and cached, so a sweep builds each shape once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import lru_cache
+
+from vtrain_plugin import _validate as v
+from vtrain_plugin.errors import ConfigError
+from vtrain_plugin.sim.work import ScheduleKind
+
+
+class TaskKind(StrEnum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Task:
+    kind: TaskKind
+    chunk: int  # model chunk on this rank; virtual stage = chunk * pp + pipeline_rank
+    microbatch: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Schedule:
+    kind: ScheduleKind
+    pipeline_parallel: int
+    virtual_pipeline: int
+    num_microbatches: int
+    tasks: tuple[tuple[Task, ...], ...]  # per pipeline rank, in execution order
+
+    def peak_inflight(self, pipeline_rank: int) -> int:
+        """Most (chunk, micro-batch) pairs whose activations rank ``pipeline_rank`` holds at once.
+
+        A forward stores its chunk's activations until the matching backward frees them; the peak
+        is taken right after a forward (GPipe: m, 1F1B: min(pp - rank, m), interleaved:
+        min((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v)).
+        """
+        live = peak = 0
+        for task in self.tasks[pipeline_rank]:
+            live += 1 if task.kind is TaskKind.FORWARD else -1
+            peak = max(peak, live)
+        return peak
+
+    @property
+    def peak_inflight_microbatches(self) -> tuple[float, ...]:
+        """Per rank, the peak in units of one micro-batch through all of the rank's chunks.
+
+        For interleaving on rank 0 this is ``pp + (pp - 1) / v``, i.e. Korthikanti et al.'s
+        ``pp * (1 + (pp - 1) / (pp * v))``.
+        """
+        return tuple(self.peak_inflight(r) / self.virtual_pipeline for r in range(self.pipeline_parallel))
+
+
+ScheduleBuilder = Callable[[int, int, int, int], list[Task]]
+"""``(pipeline_parallel, virtual_pipeline, num_microbatches, pipeline_rank) -> tasks``."""
+
+_BUILDERS: dict[ScheduleKind, ScheduleBuilder] = {}
+
+
+def register_schedule(kind: ScheduleKind) -> Callable[[ScheduleBuilder], ScheduleBuilder]:
+    def register(builder: ScheduleBuilder) -> ScheduleBuilder:
+        if kind in _BUILDERS:
+            raise ConfigError(f"schedule {kind.value!r} is already registered")
+        _BUILDERS[kind] = builder
+        return builder
+
+    return register
+
+
+def schedule_builder(kind: ScheduleKind | str) -> ScheduleBuilder:
+    try:
+        builder = _BUILDERS.get(ScheduleKind(kind))
+    except ValueError:
+        builder = None
+    if builder is None:
+        raise ConfigError(f"unknown schedule {str(kind)!r}; valid schedules are "
+                          f"{', '.join(sorted(k.value for k in _BUILDERS))}")
+    return builder
+
+
+@lru_cache(maxsize=256)
+def build_schedule(kind: ScheduleKind | str, pipeline_parallel: int, virtual_pipeline: int,
+                   num_microbatches: int) -> Schedule:
+    builder = schedule_builder(kind)
+    v.positive_int("pipeline_parallel", pipeline_parallel)
+    v.positive_int("virtual_pipeline", virtual_pipeline)
+    v.positive_int("num_microbatches", num_microbatches)
+    tasks = tuple(tuple(builder(pipeline_parallel, virtual_pipeline, num_microbatches, r))
+                  for r in range(pipeline_parallel))
+    return Schedule(kind=ScheduleKind(kind), pipeline_parallel=pipeline_parallel,
+                    virtual_pipeline=virtual_pipeline, num_microbatches=num_microbatches, tasks=tasks)
+
+
+# Tasks carry no rank, so every rank shares the same immutable instances.
+@lru_cache(maxsize=1 << 16)
+def _forward(chunk: int, microbatch: int) -> Task:
+    return Task(kind=TaskKind.FORWARD, chunk=chunk, microbatch=microbatch)
+
+
+@lru_cache(maxsize=1 << 16)
+def _backward(chunk: int, microbatch: int) -> Task:
+    return Task(kind=TaskKind.BACKWARD, chunk=chunk, microbatch=microbatch)
+
+
+def _require_single_chunk(kind: ScheduleKind, virtual_pipeline: int) -> None:
+    if virtual_pipeline != 1:
+        raise ConfigError(f"schedule {kind.value} requires virtual_pipeline == 1, got {virtual_pipeline} "
+                          f"(use {ScheduleKind.INTERLEAVED_1F1B.value})")
+
+
+@register_schedule(ScheduleKind.GPIPE)
+def _gpipe(pp: int, vp: int, m: int, rank: int) -> list[Task]:
+    """All forwards, then all backwards in micro-batch order (torch.distributed.pipelining's GPipe)."""
+    _require_single_chunk(ScheduleKind.GPIPE, vp)
+    return [_forward(0, i) for i in range(m)] + [_backward(0, i) for i in range(m)]
+
+
+@register_schedule(ScheduleKind.ONE_F_ONE_B)
+def _one_f_one_b(pp: int, vp: int, m: int, rank: int) -> list[Task]:
+    """Megatron's non-interleaved 1F1B: pp - rank - 1 warm-up forwards, steady 1F1B, cool-down."""
+    _require_single_chunk(ScheduleKind.ONE_F_ONE_B, vp)
+    warmup = min(pp - rank - 1, m)
+    tasks = [_forward(0, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        tasks += [_forward(0, warmup + i), _backward(0, i)]
+    tasks += [_backward(0, i) for i in range(m - warmup, m)]
+    return tasks
+
+
+@register_schedule(ScheduleKind.INTERLEAVED_1F1B)
+def _interleaved(pp: int, vp: int, m: int, rank: int) -> list[Task]:
+    """Megatron's interleaved 1F1B.
+
+    Virtual micro-batch k runs (micro-batch, chunk) = table[k], the table walking groups of pp
+    micro-batches through chunk 0, 1, ..., v-1; backwards walk the same table with the chunk
+    mirrored (v - 1 - chunk). Warm-up: (pp - rank - 1) * 2 + (v - 1) * pp forwards.
+    """
+    if vp < 2:
+        raise ConfigError(f"schedule {ScheduleKind.INTERLEAVED_1F1B.value} requires virtual_pipeline >= 2, "
+                          f"got {vp}")
+    if m % pp:
+        raise ConfigError(f"schedule {ScheduleKind.INTERLEAVED_1F1B.value} requires num_microbatches ({m}) "
+                          f"to be a multiple of pipeline_parallel ({pp})")
+    table = [(mb, c) for group in range(0, m, pp) for c in range(vp) for mb in range(group, group + pp)]
+    total = m * vp
+    warmup = min((pp - rank - 1) * 2 + (vp - 1) * pp, total)
+
+    def forward(k: int) -> Task:
+        mb, c = table[k]
+        return _forward(c, mb)
+
+    def backward(k: int) -> Task:
+        mb, c = table[k]
+        return _backward(vp - 1 - c, mb)
+
+    tasks = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        tasks += [forward(warmup + k), backward(k)]
+    tasks += [backward(k) for k in range(total - warmup, total)]
+    return tasks
