@@ -37,6 +37,51 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from vtrain_plugin.config import load_run_config, with_gpu
+    from vtrain_plugin.estimate import estimate
+    from vtrain_plugin.profiles import measured_durations
+    from vtrain_plugin.report import estimate_table
+
+    failed = 0
+    for index, path in enumerate(args.config):
+        try:
+            run = load_run_config(path)
+            if args.gpu:
+                run = with_gpu(run, args.gpu)
+            measured = measured_durations(run, db_path=args.db)
+            result = estimate(run, measured=measured, timeline=bool(args.timeline),
+                              explain=args.explain if args.explain else 0)
+            if args.timeline:
+                result.write_timeline(_timeline_path(args.timeline, index, len(args.config)),
+                                      max_ranks=args.timeline_max_stages,
+                                      max_microbatches=args.timeline_max_microbatches)
+        except VTrainError as exc:
+            failed += 1
+            if args.format == "jsonl":
+                sys.stdout.write(json.dumps({"config": path, "error": str(exc)}) + "\n")
+                sys.stdout.flush()
+            else:
+                print(f"vtrain: error: {exc}", file=sys.stderr)
+            continue
+        if args.format == "jsonl":
+            sys.stdout.write(json.dumps({"config": path, **result.to_dict()}) + "\n")
+            sys.stdout.flush()
+        elif args.format == "json":
+            sys.stdout.write(json.dumps({"config": path, **result.to_dict(), "largest_unmeasured": [
+                {"op": k.op, "input_shapes": k.input_shapes, "dtypes": k.dtypes, "phase": k.phase,
+                 "module": k.module, "time_ms": k.time_ms} for k in result.largest_unmeasured]}, indent=1) + "\n")
+        else:
+            sys.stdout.write(estimate_table(run, result) + "\n")
+    return EXIT_USER_ERROR if failed else 0
+
+
+def _timeline_path(path: str, index: int, total: int) -> Path:
+    """One timeline per config: ``t.json`` for one config, ``t.0.json``, ``t.1.json``... for several."""
+    p = Path(path)
+    return p if total == 1 else p.with_name(f"{p.stem}.{index}{p.suffix}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vtrain", description="Predict the iteration time, memory and cost of Megatron-style training.")
@@ -48,7 +93,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--output", "-o", help="write to this file instead of stdout")
     p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("estimate", help="predict the iteration time of one or more plans")
+    p.add_argument("config", nargs="+", help="vTrain config JSON or vtrain plan file (YAML/JSON)")
+    p.add_argument("--gpu", help="GPU preset to estimate for, overriding the config's "
+                                 "(a100-sxm4-40gb, a100-sxm4-80gb, h100-sxm, h200-sxm; aliases A100, H100, H200)")
+    p.add_argument("--format", choices=("table", "json", "jsonl"), default="table")
+    p.add_argument("--db", help="profile database (default: $VTRAIN_PROFILE_DB or the user cache)")
+    p.add_argument("--explain", type=int, nargs="?", const=10, default=0, metavar="N",
+                   help="list the N largest unmeasured kernels (default 10)")
+    p.add_argument("--timeline", metavar="FILE", help="write a Chrome trace / Perfetto timeline")
+    p.add_argument("--timeline-max-stages", type=_positive, metavar="N",
+                   help="write at most N pipeline stages (first and last always kept)")
+    p.add_argument("--timeline-max-microbatches", type=_positive, metavar="N",
+                   help="write at most N micro-batches per stage")
+    p.set_defaults(func=cmd_estimate)
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

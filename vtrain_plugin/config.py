@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +117,16 @@ def _build(cls: type, section: str, values: Any) -> Any:
     except TypeError as exc:  # a required field is missing
         missing = str(exc).split("'")[1] if "'" in str(exc) else str(exc)
         raise ConfigError(f"{section}: missing key {missing!r}") from None
+
+
+def with_gpu(run: RunConfig, gpu: str) -> RunConfig:
+    """The same run on another GPU: the cluster becomes that GPU's usual node (``--gpu``)."""
+    from profiler.devices import get_device
+
+    name = get_device(gpu).name
+    if name == run.cluster.gpu:
+        return run
+    preset = get_cluster_preset(_DEFAULT_PRESET_BY_GPU.get(name, "dgx-a100")).to_dict()
+    preset.pop("name")
+    preset["gpu"] = name
+    return replace(run, cluster=ClusterSpec.from_dict(preset))

@@ -91,3 +91,31 @@ def trace_json(graph: OpGraph) -> dict[str, Any]:
     return {"schema_version": graph.schema_version, "model": graph.model, "parallel": graph.parallel,
             "micro_batch_size": graph.micro_batch_size, "seq_length": graph.seq_length,
             "stages": stages}
+
+
+def estimate_table(run, result) -> str:
+    """The breakdown table of ``vtrain estimate``."""
+    plan = run.parallel
+    lines = [
+        f"{run.source}: {run.model.name or run.model.family.value} {run.model.num_layers} layers, hidden "
+        f"{run.model.hidden_size} on {result.num_gpus} x {result.gpu} "
+        f"(tp={plan.tensor_parallel} pp={plan.pipeline_parallel} dp={plan.data_parallel} "
+        f"micro-batch={plan.micro_batch_size} global batch={result.global_batch_size} "
+        f"micro-batches={result.num_microbatches}, {run.training.schedule.value}, recompute={plan.recompute.value})",
+        "",
+    ]
+    total = result.iteration_time_ms
+    rows = [[name, f"{ms:,.1f}", f"{100 * ms / total:.1f}%"] for name, ms in result.breakdown_ms.items()]
+    rows.append(["iteration", f"{total:,.1f}", "100.0%"])
+    lines.append(render_table(rows, ["breakdown (bottleneck stage)", "ms", "share"]))
+    lines.append("")
+    cost = "n/a" if result.cost_usd is None else f"${result.cost_usd:,.2f} per iteration"
+    lines.append(f"tokens/s {result.tokens_per_second:,.0f}   model TFLOP/s per GPU {result.tflops_per_gpu:.1f}   "
+                 f"MFU {100 * result.mfu:.1f}%   cost {cost}")
+    lines.append(f"kernel time measured: {100 * result.measured_fraction:.1f}% (rest modeled)")
+    if result.largest_unmeasured:
+        lines.append("")
+        rows = [[k.op, " x ".join(str(list(s)) for s in k.input_shapes), k.phase, k.module, f"{k.time_ms:,.1f}"]
+                for k in result.largest_unmeasured]
+        lines.append(render_table(rows, ["largest unmeasured kernels", "shapes", "phase", "module", "ms/iter"]))
+    return "\n".join(lines)
