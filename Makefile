@@ -18,7 +18,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/vtrain trace examples/configs/gpt3_175b_512gpu.json
+	$(VENV)/bin/vtrain estimate examples/configs/gpt3_175b_512gpu.json
 
 test: setup
 	$(PY) -m pytest tests

@@ -15,10 +15,11 @@ from typing import Any
 from profiler.devices import DeviceSpec, get_device
 from vtrain_plugin.cluster import ClusterSpec
 from vtrain_plugin.comm.model import CommModel
+from vtrain_plugin.comm.nccl_table import NcclTable
 from vtrain_plugin.config import RunConfig
 from vtrain_plugin.costing import cost_graph
 from vtrain_plugin.errors import ConfigError
-from vtrain_plugin.graph import KernelKey, OpGraph, OpNode, Phase
+from vtrain_plugin.graph import CollectiveKind, KernelKey, OpGraph, OpNode, Phase
 from vtrain_plugin.plan import ParallelPlan
 from vtrain_plugin.sim.engine import RankBreakdown, simulate
 from vtrain_plugin.sim.timeline import Timeline, write_chrome_trace
@@ -90,15 +91,17 @@ class Estimate:
 
 def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None = None,
              training: TrainingSpec | None = None, global_batch_size: int | None = None,
-             measured: Mapping[KernelKey, float] | None = None, timeline: bool = False,
-             explain: int = 0) -> Estimate:
+             measured: Mapping[KernelKey, float] | None = None,
+             measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None,
+             timeline: bool = False, explain: int = 0) -> Estimate:
     """Estimate one iteration.
 
     ``graph_or_run`` is a traced :class:`OpGraph` (then ``cluster`` and ``training`` or
     ``global_batch_size`` are required) or a :class:`RunConfig` (traced here, cached by shape).
     ``measured`` maps kernel keys to measured durations on the cluster's GPU (see
-    :func:`vtrain_plugin.profiles.measured_durations`). ``explain`` lists that many of the largest
-    unmeasured kernels.
+    :func:`vtrain_plugin.profiles.measured_durations`); ``measured_comm`` maps (collective kind,
+    group size) to measured tables (:func:`vtrain_plugin.profiles.measured_comm_tables`).
+    ``explain`` lists that many of the largest unmeasured kernels.
     """
     if isinstance(graph_or_run, RunConfig):
         from vtrain_plugin.tracer import trace
@@ -118,7 +121,7 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
     plan = ParallelPlan(**graph.parallel)
     device = get_device(cluster.gpu)
     num_microbatches = training.num_microbatches(plan.data_parallel, plan.micro_batch_size)
-    comm = CommModel.for_plan(cluster, plan)
+    comm = CommModel.for_plan(cluster, plan, measured_comm=measured_comm)
     costing = cost_graph(graph, timer=KernelTimer(device, measured), comm=comm, training=training,
                          num_microbatches=num_microbatches)
     result = simulate(costing.work, record_timeline=timeline)
@@ -131,8 +134,8 @@ def _summarize(graph: OpGraph, plan: ParallelPlan, device: DeviceSpec, cluster: 
     gpus = plan.world_size
     stage_breakdowns = tuple(_breakdown_ms(r) for r in result.ranks)
     bottleneck = max(range(len(result.ranks)), key=lambda i: _busy(result.ranks[i]))
-    per_microbatch = (graph.flops(Phase.FORWARD) + graph.flops(Phase.BACKWARD)) * plan.tensor_parallel
-    recompute = graph.flops(Phase.RECOMPUTE) * plan.tensor_parallel
+    per_microbatch = (costing.flops[Phase.FORWARD] + costing.flops[Phase.BACKWARD]) * plan.tensor_parallel
+    recompute = costing.flops[Phase.RECOMPUTE] * plan.tensor_parallel
     replicas_work = num_microbatches * plan.data_parallel
     model_flops = per_microbatch * replicas_work
     hardware_flops = (per_microbatch + recompute) * replicas_work

@@ -88,13 +88,29 @@ def trace_gpt(model: ModelSpec, plan: ParallelPlan, *, traced_layers: int | None
     per_chunk = plan.layers_per_chunk(model)
     built = per_chunk if traced_layers is None else min(per_chunk, traced_layers)
     stages = []
+    shared: dict[tuple, tuple] = {}
     for chunk in range(plan.virtual_pipeline):
         for rank in range(plan.pipeline_parallel):
             role = chunk_role(plan, rank, chunk)
             traced = _trace_chunk_cached(model, plan, role.pre_process, role.post_process, built)
-            stages.append(_assemble_stage(traced, model, plan, rank, chunk, per_chunk))
+            stages.append(_assemble_stage(traced, model, plan, rank, chunk, per_chunk, shared))
     return OpGraph(model=model.to_dict(), parallel=plan.to_dict(), micro_batch_size=plan.micro_batch_size,
                    seq_length=model.seq_length, stages=tuple(stages))
+
+
+def trace_stage(model: ModelSpec, plan: ParallelPlan, *, pipeline_rank: int, chunk: int = 0,
+                traced_layers: int | None = None) -> StageGraph:
+    """Trace one model chunk only (by default with every one of its layers built and run)."""
+    from megatron_adapters.gpt import chunk_role
+
+    plan.check_fits(model)
+    if not 0 <= pipeline_rank < plan.pipeline_parallel:
+        raise ConfigError(f"pipeline_rank must be in [0, {plan.pipeline_parallel}), got {pipeline_rank}")
+    per_chunk = plan.layers_per_chunk(model)
+    built = per_chunk if traced_layers is None else min(per_chunk, traced_layers)
+    role = chunk_role(plan, pipeline_rank, chunk)
+    traced = _trace_chunk_cached(model, plan, role.pre_process, role.post_process, built)
+    return _assemble_stage(traced, model, plan, pipeline_rank, chunk, per_chunk)
 
 
 def _shape_key(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> tuple:
@@ -201,7 +217,10 @@ def _parameter_counts(module: torch.nn.Module) -> tuple[dict[str, int], int]:
 
 
 def _assemble_stage(traced: _ChunkTrace, model: ModelSpec, plan: ParallelPlan, rank: int, chunk: int,
-                    per_chunk: int) -> StageGraph:
+                    per_chunk: int, shared: dict[tuple, tuple] | None = None) -> StageGraph:
+    """One stage's graph from its role's trace. Stages of one role share their node tuples
+    (through ``shared``), so an estimate costs each distinct block once."""
+    shared = {} if shared is None else shared
     blocks = folding.fold_layers(traced.blocks, per_chunk)
     grad_bytes = model.dtype.nbytes
     dp = plan.data_parallel
@@ -223,7 +242,8 @@ def _assemble_stage(traced: _ChunkTrace, model: ModelSpec, plan: ParallelPlan, r
                 group=ParallelGroup.EMBEDDING, group_size=2, phase=Phase.BACKWARD,
                 module="embedding.word_embeddings" if block.kind is BlockKind.EMBEDDING else "output_layer",
                 dtype=model.dtype.torch_name, synthesized=True))
-        out.append(Block(kind=block.kind, name=block.name, count=block.count, nodes=block.nodes + tuple(extra)))
+        nodes = shared.setdefault((id(block.nodes), tuple(extra)), block.nodes + tuple(extra))
+        out.append(Block(kind=block.kind, name=block.name, count=block.count, nodes=nodes))
     p2p = _p2p_block(traced, plan, rank, chunk)
     if p2p is not None:
         out.append(p2p)
@@ -269,12 +289,12 @@ def _spec_from_transformer_config(config: Any, *, vocab_size: int | None, seq_le
 def _trace_module(module: torch.nn.Module, sample_input: Any, loss_fn: Callable | None) -> OpGraph:
     """Trace a plain module on the meta device: forward, loss, backward, Adam step, one stage."""
     meta = copy.deepcopy(module).to("meta")
-    inputs = _to_meta(sample_input)
+    inputs = _to_meta(sample_input if isinstance(sample_input, (tuple, list)) else (sample_input,))
     recorder = OpRecorder(meta)
     params = [p for p in meta.parameters() if p.requires_grad]
     with recorder.recording():
         with recorder.phase(Phase.FORWARD):
-            output = meta(*inputs) if isinstance(inputs, tuple) else meta(inputs)
+            output = meta(*inputs)
             with recorder.module("loss"):
                 loss = loss_fn(output) if loss_fn is not None else output.float().mean()
         with recorder.phase(Phase.BACKWARD):
@@ -286,7 +306,8 @@ def _trace_module(module: torch.nn.Module, sample_input: Any, loss_fn: Callable 
     nodes = [folding.to_node(r, lambda name: ParallelGroup.DP) for r in recorder.records]
     block = Block(kind=BlockKind.STAGE, name="model", nodes=tuple(nodes))
     stage = StageGraph(pipeline_rank=0, blocks=(block,), num_parameters=sum(p.numel() for p in params))
-    batch = inputs[0].shape[0] if isinstance(inputs, tuple) and inputs and inputs[0].dim() else 1
+    first = inputs[0] if inputs else None
+    batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
     return OpGraph(model={"module": type(module).__name__}, parallel=ParallelPlan().to_dict(),
                    micro_batch_size=int(batch), seq_length=0, stages=(stage,))
 

@@ -1,0 +1,87 @@
+"""Speed of estimates: MT-NLG 530B on 3,360 A100 with the trace cached, and a 300-layout sweep.
+
+Prints tables (not a pass/fail test). Reference points on this kind of machine: the vTrain
+reference simulator needs about 11 s for this MT-NLG run (kernels already profiled); Calculon
+about 2 ms per configuration. Run with ``.venv/bin/python benchmarks/estimate_speed.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+from vtrain_plugin.cluster import get_cluster_preset
+from vtrain_plugin.estimate import estimate
+from vtrain_plugin.plan import ModelSpec, ParallelPlan
+from vtrain_plugin.report import render_table
+from vtrain_plugin.tracer import clear_cache, trace
+from vtrain_plugin.training import TrainingSpec
+
+MT_NLG = ModelSpec(name="mt-nlg-530b", num_layers=105, hidden_size=20480, num_attention_heads=128,
+                   seq_length=2048, vocab_size=51200, dtype="fp16")
+GLOBAL_BATCH = 1920
+CLUSTER = get_cluster_preset("dgx-a100")
+
+
+def sweep_layouts(count: int) -> list[ParallelPlan]:
+    """The first ``count`` valid (TP, PP, DP, micro-batch) layouts of MT-NLG on 280 to 6,720 GPUs."""
+    layouts = []
+    for tp, pp, dp, mbs in itertools.product((8, 4, 2, 1), (35, 21, 15, 7, 5), (12, 16, 8, 20, 24, 32, 40, 4, 6, 10),
+                                             (1, 2, 4)):
+        if GLOBAL_BATCH % (dp * mbs) or not 280 <= tp * pp * dp <= 6720:
+            continue
+        layouts.append(ParallelPlan(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
+                                    micro_batch_size=mbs, recompute="full"))
+    return layouts[:count]
+
+
+def single_estimate(repeats: int) -> list[str]:
+    plan = ParallelPlan(tensor_parallel=8, pipeline_parallel=35, data_parallel=12, micro_batch_size=1,
+                        recompute="full")
+    training = TrainingSpec(global_batch_size=GLOBAL_BATCH)
+    start = time.perf_counter()
+    graph = trace(MT_NLG, plan)
+    trace_s = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = estimate(graph, cluster=CLUSTER, training=training)
+        times.append(time.perf_counter() - start)
+    return [f"MT-NLG 530B, TP 8 PP 35 DP 12, {plan.world_size} GPUs", f"{trace_s:.2f}",
+            f"{1000 * statistics.median(times):.1f}", f"{1000 * min(times):.1f}",
+            f"{result.iteration_time_ms / 1000:.2f}"]
+
+
+def sweep(count: int) -> list[str]:
+    clear_cache()
+    layouts = sweep_layouts(count)
+    training = TrainingSpec(global_batch_size=GLOBAL_BATCH)
+    start = time.perf_counter()
+    best = None
+    for plan in layouts:
+        result = estimate(trace(MT_NLG, plan), cluster=CLUSTER, training=training)
+        if best is None or result.iteration_time_ms < best[0]:
+            best = (result.iteration_time_ms, plan)
+    elapsed = time.perf_counter() - start
+    ms, plan = best
+    return [f"sweep of {len(layouts)} MT-NLG layouts, tracing included", f"{elapsed:.1f}",
+            f"{1000 * elapsed / len(layouts):.1f}",
+            f"best: tp {plan.tensor_parallel} pp {plan.pipeline_parallel} dp {plan.data_parallel} "
+            f"mb {plan.micro_batch_size}: {ms / 1000:.2f} s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--layouts", type=int, default=300)
+    args = parser.parse_args()
+    print(render_table([single_estimate(args.repeats)],
+                       ["estimate (trace cached)", "trace s", "median ms", "best ms", "iteration s"]))
+    print()
+    print(render_table([sweep(args.layouts)], ["sweep", "total s", "ms per layout", "fastest layout"]))
+
+
+if __name__ == "__main__":
+    main()

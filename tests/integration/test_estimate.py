@@ -1,0 +1,91 @@
+"""End-to-end estimates of real traced models, through the Python API and the real CLI."""
+
+import json
+import math
+
+import pytest
+
+from vtrain_plugin.config import load_run_config, run_config_from_dict
+from vtrain_plugin.estimate import BREAKDOWN_FIELDS, estimate
+
+from tests.integration.test_cli_trace import SMALL, write
+
+GPT3_CONFIG = "examples/configs/gpt3_175b_512gpu.json"
+
+
+@pytest.fixture(scope="module")
+def gpt3_estimate():
+    return estimate(load_run_config(GPT3_CONFIG), timeline=True)
+
+
+def test_gpt3_175b_breakdown_is_finite_and_sums_to_the_iteration(gpt3_estimate):
+    e = gpt3_estimate
+    assert e.num_gpus == 512 and e.num_microbatches == 1536 // 4
+    assert set(e.breakdown_ms) == set(BREAKDOWN_FIELDS)
+    assert all(math.isfinite(v) and v >= 0 for v in e.breakdown_ms.values())
+    for stage in e.stage_breakdown_ms:
+        assert sum(stage.values()) == pytest.approx(e.iteration_time_ms, rel=1e-9)
+    compute = e.breakdown_ms["forward"] + e.breakdown_ms["backward"] + e.breakdown_ms["recompute"]
+    assert compute / e.iteration_time_ms > 0.6
+    assert 0 < e.mfu < 1 and e.tflops_per_gpu > 0
+    assert e.tokens_per_second == pytest.approx(1536 * 2048 / (e.iteration_time_ms / 1000))
+
+
+def test_gpt3_175b_bubble_share_matches_the_1f1b_formula(gpt3_estimate):
+    p, m = 16, 384
+    e = gpt3_estimate
+    bubble_share = e.breakdown_ms["bubble"] / e.iteration_time_ms
+    assert bubble_share == pytest.approx((p - 1) / (m + p - 1), rel=0.05)
+
+
+def test_timeline_export_is_chrome_trace(tmp_path, gpt3_estimate):
+    path = tmp_path / "timeline.json"
+    gpt3_estimate.write_timeline(path, max_ranks=3, max_microbatches=4)
+    events = json.loads(path.read_text())["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in complete} == {0, 8, 15} or len({e["pid"] for e in complete}) == 3
+    assert all(e["dur"] >= 0 for e in complete)
+
+
+def test_more_gpus_per_replica_shortens_the_iteration():
+    base = {**SMALL, "global_batch_size": 32}
+    slow = estimate(run_config_from_dict({**base, "tensor_parallel_size": 1, "num_gpus": 4}))
+    fast = estimate(run_config_from_dict(base))
+    assert fast.iteration_time_ms < slow.iteration_time_ms
+
+
+def test_cli_jsonl_one_line_per_config_and_errors_inline(tmp_path, run_cli):
+    good = write(tmp_path, "good.json", SMALL)
+    bad = write(tmp_path, "bad.json", {**SMALL, "global_batch_size": 6})
+    proc = run_cli("estimate", good, bad, good, "--format", "jsonl")
+    assert proc.returncode == 2
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["config"] for line in lines] == [good, bad, good]
+    assert lines[1]["error"].endswith(
+        "global_batch_size (6) must be divisible by data_parallel_size (2) * micro_batch_size (2) = 4")
+    for line in (lines[0], lines[2]):
+        assert {"iteration_time_ms", "breakdown_ms", "tflops_per_gpu", "mfu", "num_gpus"} <= line.keys()
+        assert line["num_gpus"] == 8 and line["iteration_time_ms"] > 0
+    assert lines[0]["iteration_time_ms"] == lines[2]["iteration_time_ms"]
+
+
+def test_cli_table_and_timeline(tmp_path, run_cli):
+    timeline = tmp_path / "t.json"
+    proc = run_cli("estimate", write(tmp_path, "c.json", SMALL), "--gpu", "h100", "--timeline", str(timeline),
+                   check=True)
+    assert "h100-sxm" in proc.stdout and "bubble" in proc.stdout and "iteration" in proc.stdout
+    assert json.loads(timeline.read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize("args,change,message", [
+    ((), {"gpu_name": "V100"}, "unknown GPU 'V100'; known: a100-sxm4-40gb, a100-sxm4-80gb"),
+    ((), {"inter_node_bandwidth": 0}, "inter_node_bandwidth must be positive, got 0"),
+    ((), {"intra_node_bandwidth": -5}, "intra_node_bandwidth must be positive, got -5"),
+    ((), {"global_batch_size": 10}, "global_batch_size (10) must be divisible by data_parallel_size (2)"),
+    (("--gpu", "tpu-v5"), {}, "unknown GPU 'tpu-v5'"),
+])
+def test_bad_estimate_input_is_one_line_exit_2(tmp_path, run_cli, args, change, message):
+    proc = run_cli("estimate", write(tmp_path, "c.json", {**SMALL, **change}), *args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr

@@ -1,0 +1,91 @@
+"""The data model: kernel keys, serialization, plan validation with the arithmetic in the message."""
+
+import json
+
+import pytest
+
+from vtrain_plugin.errors import ConfigError
+from vtrain_plugin.graph import (SCHEMA_VERSION, Block, BlockKind, CollectiveKind, CollectiveNode, KernelKey,
+                                 OpGraph, OpNode, ParallelGroup, Phase, StageGraph)
+from vtrain_plugin.plan import ModelSpec, ParallelPlan
+
+
+def small_graph():
+    key = KernelKey(op="aten.mm.default", input_shapes=((4, 8), (8, 2)), dtypes=("float16", "float16"),
+                    args=(("alpha", 1),))
+    op = OpNode(key=key, phase=Phase.FORWARD, module="decoder.layers.0.mlp", output_shapes=((4, 2),),
+                flops=2 * 4 * 8 * 2, nbytes=(32 + 16 + 8) * 2)
+    coll = CollectiveNode(kind=CollectiveKind.ALL_REDUCE, nbytes=16, group=ParallelGroup.TP, group_size=2,
+                          phase=Phase.FORWARD, module="decoder.layers.0.mlp")
+    layer = Block(kind=BlockKind.LAYER, name="decoder.layers.0", count=3, nodes=(op, coll))
+    stage = StageGraph(pipeline_rank=0, blocks=(layer,), num_parameters=10, activation_shape=(4, 1, 8))
+    return OpGraph(model={"family": "gpt"}, parallel=ParallelPlan().to_dict(), micro_batch_size=1,
+                   seq_length=4, stages=(stage,))
+
+
+def test_kernel_key_digest_is_stable_and_shape_sensitive():
+    a = KernelKey(op="aten.mm.default", input_shapes=((4, 8), (8, 2)), dtypes=("float16", "float16"))
+    b = KernelKey(op="aten.mm.default", input_shapes=((4, 8), (8, 3)), dtypes=("float16", "float16"))
+    assert a.digest == KernelKey.from_dict(json.loads(json.dumps(a.to_dict()))).digest
+    assert a.digest != b.digest and len(a.digest) == 20
+
+
+def test_graph_counts_flops_and_unique_kernels_with_block_counts(tmp_path):
+    graph = small_graph()
+    assert graph.flops() == 3 * 128
+    (unique,) = graph.unique_kernels().values()
+    assert unique.count == 3 and unique.flops == 128 and unique.nbytes == 112
+    path = tmp_path / "g.json"
+    graph.save(path)
+    assert OpGraph.load(path) == graph
+    assert json.loads(path.read_text())["schema_version"] == SCHEMA_VERSION
+
+
+def test_graph_of_another_schema_version_is_refused(tmp_path):
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({**small_graph().to_dict(), "schema_version": 99}))
+    with pytest.raises(ConfigError, match="schema_version 99 is not supported"):
+        OpGraph.load(path)
+
+
+@pytest.mark.parametrize("plan,message", [
+    (dict(tensor_parallel=5), "tensor_parallel_size (5) must divide num_attention_heads (96)"),
+    (dict(pipeline_parallel=5), "pipeline_parallel_size (5) must divide num_layers (96)"),
+    (dict(pipeline_parallel=4, virtual_pipeline=5),
+     "pipeline_parallel_size (4) * virtual_pipeline (5) = 20 must divide num_layers (96)"),
+])
+def test_layout_that_does_not_fit_names_the_arithmetic(plan, message):
+    model = ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048)
+    with pytest.raises(ConfigError) as err:
+        ParallelPlan(**plan).check_fits(model)
+    assert str(err.value) == message
+
+
+def test_tp_must_divide_ffn_and_query_groups():
+    model = ModelSpec(family="llama", num_layers=2, hidden_size=4096, num_attention_heads=32,
+                      num_query_groups=4, seq_length=128)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size \(8\) must divide num_query_groups \(4\)"):
+        ParallelPlan(tensor_parallel=8).check_fits(model)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tensor_parallel=0), "parallel.tensor_parallel must be positive, got 0"),
+    (dict(micro_batch_size=1.5), "parallel.micro_batch_size must be a positive integer, got 1.5"),
+    (dict(recompute="some"), "parallel.recompute must be one of none, selective, full; got 'some'"),
+    (dict(sequence_parallel=True), "parallel.sequence_parallel requires tensor_parallel > 1 (got 1)"),
+])
+def test_parallel_plan_validation(kwargs, message):
+    with pytest.raises(ConfigError) as err:
+        ParallelPlan(**kwargs)
+    assert str(err.value) == message
+
+
+def test_model_spec_defaults_and_parameter_count():
+    gpt3 = ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048, vocab_size=51200)
+    assert gpt3.ffn_size == 4 * 12288 and gpt3.tied and gpt3.query_groups == 96
+    assert round(gpt3.num_parameters / 1e9, 1) == 174.6
+    llama = ModelSpec(family="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                      seq_length=4096, vocab_size=32000)
+    assert llama.ffn_size == 11008 and not llama.tied
+    assert round(llama.num_parameters / 1e9, 2) == 6.74  # Llama-2 7B
+    assert ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=8).padded_vocab_size(2) == 50432
