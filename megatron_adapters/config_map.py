@@ -83,6 +83,7 @@ def from_vtrain_config(data: Mapping[str, Any]) -> dict[str, Any]:
             "grad_reduce": "overlap" if v.boolean("use_gradient_bucket", d["use_gradient_bucket"])
             else "after_backward",
             "bucket_size_mb": v.positive_number("ddp_bucket_size", d["ddp_bucket_size"]),
+            "software_stack": "megatron_deepspeed_2023",  # what the vTrain measurements ran
         },
         "cluster": {
             "gpu": gpu_name,

@@ -106,7 +106,7 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
         gpt = GPTModel(
             config=config,
             transformer_layer_spec=block,
-            vocab_size=model.vocab_size,
+            vocab_size=model.padded_vocab_size(plan.tensor_parallel),
             max_sequence_length=model.seq_length,
             pre_process=role.pre_process,
             post_process=role.post_process,

@@ -16,8 +16,20 @@ The device constants (:class:`DeviceConstants`) and their physically plausible r
   Copy kernels reach 85-92%, PyTorch pointwise, norm and softmax kernels 60-90%.
 - ``kernel_overhead_ns`` in [500, 20000]: device time each kernel adds beyond its roofline time:
   launch latency between back-to-back kernels on one stream, ramp-up and tail. 1-5 us in practice.
-- ``host_overhead_ns`` in [1000, 100000]: CPU time the framework spends per launched op (Python,
-  autograd, module hooks, dispatch, the launch call itself). 3-20 us in eager PyTorch.
+- ``host_overhead_ns`` in [1000, 100000]: CPU time the framework spends per launched op of a
+  forward, recompute or optimizer step (Python, module hooks, dispatch, the launch call itself).
+  3-20 us in eager PyTorch.
+
+Optional constants (a preset may leave them out; the default is the neutral value):
+
+- ``backward_host_overhead_ns`` in [500, 50000], default 1000: CPU time per kernel of a backward op,
+  issued by autograd's C++ engine without Python: 1-10 us.
+- ``microbatch_overhead_ns`` in [0, 10000000], default 0: host time each pipeline stage spends per
+  micro-batch outside the model's ops (the schedule's Python, fetching and broadcasting the batch
+  to the tensor-parallel ranks, the synchronisation after each pipeline transfer): 0.1-5 ms.
+- ``network_efficiency`` in [0.2, 1.0], default 1.0: the fraction of a node's nominal network
+  bandwidth NCCL reaches between nodes (protocol overhead, PCIe between GPU and NIC, congestion);
+  nccl-tests on InfiniBand HDR reach 70-95%, concurrent collectives of many groups less.
 """
 
 from __future__ import annotations
@@ -42,6 +54,15 @@ CONSTANT_RANGES: dict[str, tuple[float, float]] = {
     "hbm_efficiency": (0.3, 1.0),
     "kernel_overhead_ns": (500.0, 20000.0),
     "host_overhead_ns": (1000.0, 100000.0),
+    "backward_host_overhead_ns": (500.0, 50000.0),
+    "microbatch_overhead_ns": (0.0, 10_000_000.0),
+    "network_efficiency": (0.2, 1.0),
+}
+# Constants a preset may omit; missing ones take these neutral values.
+OPTIONAL_CONSTANTS: dict[str, float] = {
+    "backward_host_overhead_ns": 1000.0,
+    "microbatch_overhead_ns": 0.0,
+    "network_efficiency": 1.0,
 }
 
 # Canonical tensor-core dtype of each accepted dtype spelling (torch names, with or without "torch.").
@@ -70,10 +91,14 @@ class DeviceConstants:
     hbm_efficiency: float
     kernel_overhead_ns: float
     host_overhead_ns: float
+    backward_host_overhead_ns: float = OPTIONAL_CONSTANTS["backward_host_overhead_ns"]
+    microbatch_overhead_ns: float = OPTIONAL_CONSTANTS["microbatch_overhead_ns"]
+    network_efficiency: float = OPTIONAL_CONSTANTS["network_efficiency"]
 
     def __post_init__(self) -> None:
         for name, (low, high) in CONSTANT_RANGES.items():
-            value = v.positive_number(f"device constant {name}", getattr(self, name))
+            check = v.positive_number if low > 0 else v.non_negative_number
+            value = check(f"device constant {name}", getattr(self, name))
             if not low <= value <= high:
                 raise ConfigError(f"device constant {name} must lie in [{low:g}, {high:g}], got {value:g}")
             object.__setattr__(self, name, value)
@@ -82,7 +107,7 @@ class DeviceConstants:
     def from_dict(cls, d: Any, *, where: str) -> DeviceConstants:
         d = v.mapping(f"{where} constants", d)
         v.no_unknown_keys(f"{where} constants", d, CONSTANT_RANGES)
-        missing = sorted(set(CONSTANT_RANGES) - set(d))
+        missing = sorted(set(CONSTANT_RANGES) - set(OPTIONAL_CONSTANTS) - set(d))
         if missing:
             raise ConfigError(f"{where} constants: missing key {missing[0]!r}")
         return cls(**d)
@@ -110,6 +135,9 @@ class DeviceSpec:
     sm_count: int
     l2_cache_mebibytes: float
     nvlink_gbytes_per_s_per_direction: float
+    # True when the processor that issues kernels also runs them (a CPU): host and kernel time add
+    # up instead of overlapping as the CPU -> GPU launch pipeline does.
+    host_runs_kernels: bool = False
     constants: DeviceConstants
 
     def __post_init__(self) -> None:
@@ -119,6 +147,7 @@ class DeviceSpec:
             value = getattr(self, name)
             if not (name == "peak_fp8_tflop_per_s" and value is None):
                 object.__setattr__(self, name, v.positive_number(f"{where} {name}", value))
+        v.boolean(f"{where} host_runs_kernels", self.host_runs_kernels)
         if not isinstance(self.constants, DeviceConstants):
             raise ConfigError(
                 f"{where} constants must be DeviceConstants, got {type(self.constants).__name__}")

@@ -1,4 +1,4 @@
-"""Analytical kernel durations: a roofline per op class plus a fixed per-kernel overhead.
+"""Analytical kernel durations: a roofline per op class, fixed per-kernel costs and the host's share.
 
 Device time of one kernel is ``max(compute_ns, memory_ns) + kernel_overhead_ns`` where
 ``memory_ns = nbytes / (hbm_bandwidth * hbm_efficiency)`` and ``compute_ns`` depends on the class:
@@ -9,37 +9,59 @@ Device time of one kernel is ``max(compute_ns, memory_ns) + kernel_overhead_ns``
   spread over the SMs in waves, ``occupancy = batch*M*N / (waves * sm_count * t_m * t_n)`` charges
   both the padding of partial tiles and the idle SMs of the last wave, and each tile's fixed cost
   (pipeline fill, epilogue) is worth about 64 steps of its K loop. Duration is then proportional to
-  ``waves * t_m * t_n * (K + 64)``, never decreasing in M, N, K or batch. Convolutions and layouts
-  without parsed dims use ``gemm_efficiency`` alone.
+  ``waves * t_m * t_n * (K + 64)``, never decreasing in M, N, K or batch. Batched GEMMs (``bmm``,
+  ``baddbmm``: attention scores and context) are tiled the same way over ``batch`` independent
+  matrices. Convolutions and layouts without parsed dims use ``gemm_efficiency`` alone.
 - ATTENTION (fused SDPA kernels): ``flops / (tensor_peak(dtype) * gemm_efficiency)``.
 - every other kernel: ``flops / fp32 CUDA-core peak`` (the tracer counts only matmul FLOPs, so this
-  is usually 0 and the kernel is memory-bound).
+  is usually 0 and the kernel is memory-bound at the achievable HBM bandwidth).
 - views, metadata and host reads (NO_KERNEL, HOST_SYNC) take no device time.
 
-FLOPs and bytes come from the op node (the tracer fills them); only for a GEMM whose node carries 0
-are they computed from the input shapes. fp32 matmuls run on TF32 tensor cores unless the model is
-built with ``allow_tf32=False``.
+Host time: the CPU spends ``host_overhead_ns`` issuing each kernel of a forward, recompute or
+optimizer op (Python, module hooks, dispatch, the launch call) and ``backward_host_overhead_ns`` for
+each kernel of a backward op (issued by autograd's C++ engine, no Python). For small models the GPU
+waits on the CPU; the caller combines host and device times of a kernel sequence as a two-stage
+pipeline (see :func:`pipeline_ns`).
+
+Kernels are timed in batches (:class:`KernelBatch`: numpy arrays of the features of many kernels),
+so a whole stage is re-timed with new device constants by a few array operations; the per-node
+methods time a batch of one. FLOPs and bytes come from the op node (the tracer fills them); only for
+a GEMM whose node carries 0 are they computed from the input shapes. fp32 matmuls run on TF32
+tensor cores unless the model is built with ``allow_tf32=False``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from profiler.devices import DeviceSpec, canonical_dtype
+import numpy as np
+
+from profiler.devices import DeviceConstants, DeviceSpec, canonical_dtype
 from profiler.kernel_time import KernelTime, Source
 from profiler.op_classes import OpClass, classify
-from vtrain_plugin.graph import KernelKey, OpNode
+from vtrain_plugin.graph import KernelKey, OpNode, Phase
 
 _MAX_TILE = 128  # output-tile edge of cuBLAS's workhorse kernels
 _MIN_TILE = 16
 _K_FILL = 64  # per-tile fixed cost in K-loop steps
 _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
 _NO_DEVICE_TIME = frozenset({OpClass.NO_KERNEL, OpClass.HOST_SYNC})
+_TENSOR_DTYPES = ("fp16", "bf16", "fp32", "fp8")
 
 # Positions of the (M x K) and (K x N) operands among a GEMM's tensor inputs.
 _OPERANDS = {"mm": (0, 1), "_scaled_mm": (0, 1), "matmul": (0, 1), "bmm": (0, 1),
              "addmm": (1, 2), "baddbmm": (1, 2), "linear": (0, 1)}
+
+
+class KernelKind:
+    """Integer codes of :attr:`KernelBatch.kind` (numpy arrays hold no enums)."""
+
+    NONE = 0  # no device time (views, metadata, host reads)
+    GEMM = 1  # GEMM with parsed dims: tile and wave model
+    TENSOR = 2  # tensor-core work without dims (convolutions, fused attention): flat efficiency
+    OTHER = 3  # memory-bound kernels on CUDA cores
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,46 +99,116 @@ def gemm_dims(key: KernelKey) -> GemmDims | None:
     return dims if dims.flops else None
 
 
-def _tile_edge(extent: int) -> int:
-    return min(_MAX_TILE, max(_MIN_TILE, 1 << (extent - 1).bit_length()))
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KernelBatch:
+    """Features of ``len(kind)`` kernels as parallel numpy arrays (float64 unless noted)."""
+
+    kind: np.ndarray  # int8 KernelKind codes
+    dtype: np.ndarray  # int8 index into ("fp16", "bf16", "fp32", "fp8"): tensor-core dtype of GEMMs
+    flops: np.ndarray
+    nbytes: np.ndarray
+    batch: np.ndarray  # GEMM dims (0 for non-GEMMs)
+    m: np.ndarray
+    n: np.ndarray
+    k: np.ndarray
+    backward: np.ndarray  # bool: issued by autograd (backward host overhead)
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+    @classmethod
+    def of(cls, nodes: Sequence[OpNode]) -> KernelBatch:
+        """The batch of ``nodes`` in order; ops that launch no kernel get kind NONE."""
+        rows = [_features(node) for node in nodes]
+        cols = list(zip(*rows)) if rows else [()] * 9
+        return cls(kind=np.array(cols[0], np.int8), dtype=np.array(cols[1], np.int8),
+                   flops=np.array(cols[2], float), nbytes=np.array(cols[3], float),
+                   batch=np.array(cols[4], float), m=np.array(cols[5], float), n=np.array(cols[6], float),
+                   k=np.array(cols[7], float), backward=np.array(cols[8], bool))
+
+
+def _features(node: OpNode) -> tuple:
+    cls = classify(node.op)
+    if not node.launches_kernel or cls in _NO_DEVICE_TIME:
+        return (KernelKind.NONE, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, False)
+    backward = node.phase is Phase.BACKWARD
+    if cls in (OpClass.GEMM, OpClass.ATTENTION):
+        dtype = _TENSOR_DTYPES.index(canonical_dtype(node.key.dtypes[0]))
+        dims = gemm_dims(node.key) if cls is OpClass.GEMM else None
+        if dims is not None:
+            nbytes = node.nbytes or _gemm_nbytes(node.key, dims)
+            return (KernelKind.GEMM, dtype, float(node.flops or dims.flops), float(nbytes),
+                    float(dims.batch), float(dims.m), float(dims.n), float(dims.k), backward)
+        return (KernelKind.TENSOR, dtype, float(node.flops), float(node.nbytes), 0.0, 0.0, 0.0, 0.0, backward)
+    return (KernelKind.OTHER, 0, float(node.flops), float(node.nbytes), 0.0, 0.0, 0.0, 0.0, backward)
+
+
+def _tile_edges(extent: np.ndarray) -> np.ndarray:
+    """Output-tile edges: the smallest power of two >= extent, clipped to [16, 128]."""
+    pow2 = np.exp2(np.ceil(np.log2(np.maximum(extent, 1.0))))
+    return np.clip(pow2, _MIN_TILE, _MAX_TILE)
 
 
 class KernelModel:
-    """Modeled durations of kernels on one device; see the module docstring for the formulas."""
+    """Modeled durations of kernels on one device; see the module docstring for the formulas.
 
-    def __init__(self, device: DeviceSpec, *, allow_tf32: bool = True) -> None:
+    ``constants`` overrides the device's fitted constants (calibration re-times with candidates).
+    """
+
+    def __init__(self, device: DeviceSpec, *, allow_tf32: bool = True,
+                 constants: DeviceConstants | None = None) -> None:
         self.device = device
         self.allow_tf32 = allow_tf32
+        self.constants = constants or device.constants
+        self._rates = np.array([self._rate(d) for d in _TENSOR_DTYPES])
+
+    def _rate(self, dtype: str) -> float:
+        if dtype == "fp8" and self.device.peak_fp8_tflop_per_s is None:
+            return math.nan  # only reached by an fp8 GEMM, which tensor_flop_per_ns rejects first
+        return self.device.tensor_flop_per_ns(dtype, allow_tf32=self.allow_tf32)
+
+    def gemm_efficiencies(self, batch: np.ndarray, m: np.ndarray, n: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """Fraction of tensor-core peak GEMMs of these dims reach (tiles, waves, short K)."""
+        sms = self.device.sm_count
+        tile_m, tile_n = _tile_edges(m), _tile_edges(n)
+        tiles = batch * np.ceil(m / tile_m) * np.ceil(n / tile_n)
+        slots = np.ceil(tiles / sms) * sms
+        occupancy = batch * m * n / (slots * tile_m * tile_n)
+        return self.constants.gemm_efficiency * occupancy * k / (k + _K_FILL)
 
     def gemm_efficiency(self, dims: GemmDims) -> float:
-        """Fraction of tensor-core peak a GEMM of these dims reaches (tiles, waves, short K)."""
-        tile_m, tile_n = _tile_edge(dims.m), _tile_edge(dims.n)
-        tiles = dims.batch * math.ceil(dims.m / tile_m) * math.ceil(dims.n / tile_n)
-        slots = math.ceil(tiles / self.device.sm_count) * self.device.sm_count
-        occupancy = dims.batch * dims.m * dims.n / (slots * tile_m * tile_n)
-        return self.device.constants.gemm_efficiency * occupancy * dims.k / (dims.k + _K_FILL)
+        one = [np.array([float(x)]) for x in (dims.batch, dims.m, dims.n, dims.k)]
+        return float(self.gemm_efficiencies(*one)[0])
+
+    def device_ns(self, kernels: KernelBatch) -> np.ndarray:
+        """Device time in ns of every kernel of the batch (0 for kind NONE)."""
+        c = self.constants
+        kind = kernels.kind
+        compute = kernels.flops / self.device.cuda_core_flop_per_ns
+        tensor = kind == KernelKind.TENSOR
+        gemm = kind == KernelKind.GEMM
+        if tensor.any() or gemm.any():
+            if np.isnan(self._rates[kernels.dtype[tensor | gemm]]).any():
+                self.device.tensor_flop_per_ns("fp8")  # raises the device's "no fp8" error
+            rate = self._rates[kernels.dtype]
+            compute = np.where(tensor, kernels.flops / (rate * c.gemm_efficiency), compute)
+            if gemm.any():
+                g = np.flatnonzero(gemm)
+                eff = self.gemm_efficiencies(kernels.batch[g], kernels.m[g], kernels.n[g], kernels.k[g])
+                compute[g] = kernels.flops[g] / (rate[g] * eff)
+        memory = kernels.nbytes / (self.device.hbm_bytes_per_ns * c.hbm_efficiency)
+        return np.where(kind == KernelKind.NONE, 0.0, np.maximum(compute, memory) + c.kernel_overhead_ns)
+
+    def host_ns_batch(self, kernels: KernelBatch) -> np.ndarray:
+        """CPU time in ns spent issuing every kernel of the batch (0 for kind NONE)."""
+        c = self.constants
+        per_kernel = np.where(kernels.backward, c.backward_host_overhead_ns, c.host_overhead_ns)
+        return np.where(kernels.kind == KernelKind.NONE, 0.0, per_kernel)
 
     def duration_for_key(self, key: KernelKey, *, flops: int = 0, nbytes: int = 0) -> float:
         """Device time in ns of one kernel with this key, moving ``nbytes`` and doing ``flops``."""
-        cls = classify(key.op)
-        if cls in _NO_DEVICE_TIME:
-            return 0.0
-        constants = self.device.constants
-        if cls is OpClass.GEMM:
-            dims = gemm_dims(key)
-            rate = self.device.tensor_flop_per_ns(key.dtypes[0], allow_tf32=self.allow_tf32)
-            if dims is None:
-                compute_ns = flops / (rate * constants.gemm_efficiency)
-            else:
-                compute_ns = (flops or dims.flops) / (rate * self.gemm_efficiency(dims))
-                nbytes = nbytes or _gemm_nbytes(key, dims)
-        elif cls is OpClass.ATTENTION:
-            rate = self.device.tensor_flop_per_ns(key.dtypes[0], allow_tf32=self.allow_tf32)
-            compute_ns = flops / (rate * constants.gemm_efficiency)
-        else:
-            compute_ns = flops / self.device.cuda_core_flop_per_ns
-        memory_ns = nbytes / (self.device.hbm_bytes_per_ns * constants.hbm_efficiency)
-        return max(compute_ns, memory_ns) + constants.kernel_overhead_ns
+        node = OpNode(key=key, phase=Phase.FORWARD, module="", flops=flops, nbytes=nbytes)
+        return self.duration_ns(node)
 
     def kernel_time(self, key: KernelKey, *, flops: int = 0, nbytes: int = 0) -> KernelTime:
         return KernelTime(duration_ns=self.duration_for_key(key, flops=flops, nbytes=nbytes),
@@ -124,26 +216,30 @@ class KernelModel:
 
     def duration_ns(self, node: OpNode) -> float:
         """Device time in ns of the node's kernel; 0 when it launches none."""
-        if not node.launches_kernel:
-            return 0.0
-        return self.duration_for_key(node.key, flops=node.flops, nbytes=node.nbytes)
+        return float(self.device_ns(KernelBatch.of([node]))[0])
 
     def host_ns(self, node: OpNode) -> float:
         """CPU time in ns the framework spends issuing the node's kernel; 0 when it launches none."""
-        if not node.launches_kernel or classify(node.op) in _NO_DEVICE_TIME:
-            return 0.0
-        return self.device.constants.host_overhead_ns
+        return float(self.host_ns_batch(KernelBatch.of([node]))[0])
 
     def effective_ns(self, node: OpNode) -> float:
-        """Time the node adds to its stream: ``max(device time, host time)``.
-
-        The CPU issues ops in order and the GPU runs each kernel once it is issued and the previous
-        one is done; in steady state that two-stage pipeline advances by the slower stage per op, so
-        a kernel shorter than its host overhead leaves the GPU waiting on the CPU. The rule ignores
-        the CPU running ahead during long kernels (short ones after them then cost only their device
-        time) and the one host overhead before the first kernel of an idle GPU.
-        """
+        """Time the node adds to its stream when issued alone: ``max(device time, host time)``."""
         return max(self.duration_ns(node), self.host_ns(node))
+
+
+def pipeline_ns(host_ns: np.ndarray, device_ns: np.ndarray) -> float:
+    """Duration of a kernel sequence run by an in-order CPU -> GPU two-stage pipeline.
+
+    The CPU issues kernel i after issuing i-1 (``host_ns[i]`` each); the GPU runs it once issued and
+    once kernel i-1 is done. Starting idle, the sequence ends at
+    ``max_k (sum_{i<=k} host_i + sum_{i>=k} device_i)``: at least the larger of the two sums, at
+    most their total. Empty sequences take 0.
+    """
+    if not len(host_ns):
+        return 0.0
+    prefix_host = np.cumsum(host_ns)
+    suffix_device = np.cumsum(device_ns[::-1])[::-1]
+    return float(np.max(prefix_host + suffix_device))
 
 
 def _gemm_nbytes(key: KernelKey, dims: GemmDims) -> int:

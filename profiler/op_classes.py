@@ -43,18 +43,20 @@ _TABLE: dict[OpClass, frozenset[str]] = {
         "_efficient_attention_forward", "_efficient_attention",
     }),
     OpClass.NORM: frozenset({
-        "native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm", "native_group_norm",
+        "native_layer_norm", "layer_norm", "fused_layer_norm_affine", "rms_norm", "_fused_rms_norm",
+        "native_group_norm",
         "group_norm", "native_batch_norm", "_native_batch_norm_legit",
         "_native_batch_norm_legit_no_training", "cudnn_batch_norm",
     }),
-    OpClass.SOFTMAX: frozenset({"_softmax", "softmax", "_masked_softmax", "_safe_softmax"}),
+    OpClass.SOFTMAX: frozenset({"_softmax", "softmax", "_masked_softmax", "_safe_softmax",
+                                "scaled_upper_triang_masked_softmax", "scaled_masked_softmax"}),
     OpClass.ACTIVATION: frozenset({
         "gelu", "relu", "silu", "sigmoid", "tanh", "threshold", "hardtanh", "leaky_relu", "elu",
-        "softplus", "mish", "glu", "hardswish", "hardsigmoid",
+        "softplus", "mish", "glu", "hardswish", "hardsigmoid", "bias_gelu_fused",
     }),
     OpClass.DROPOUT: frozenset({
         "native_dropout", "dropout", "bernoulli", "rand", "rand_like", "randn", "randn_like",
-        "randint", "randint_like", "uniform", "normal", "random",
+        "randint", "randint_like", "uniform", "normal", "random", "bias_dropout_add_fused_train",
     }),
     OpClass.REDUCTION: frozenset({
         "sum", "mean", "norm", "linalg_vector_norm", "amax", "amin", "max", "min", "argmax", "argmin",
@@ -109,7 +111,8 @@ def classify(op_name: str, phase: Phase | None = None) -> OpClass:
     if op_name.split(".")[0] == "prim":  # prim.device, prim.layout: metadata
         return OpClass.NO_KERNEL
     name, backward = _normalize(op_name)
-    cls = OpClass.OPTIMIZER if name.startswith("_foreach_") else _BY_NAME.get(name, OpClass.ELEMENTWISE)
+    multi_tensor = name.startswith(("_foreach_", "multi_tensor_"))
+    cls = OpClass.OPTIMIZER if multi_tensor else _BY_NAME.get(name, OpClass.ELEMENTWISE)
     if backward and cls in _NO_LAUNCH:
         cls = OpClass.COPY
     if phase is Phase.OPTIMIZER and cls not in _NO_LAUNCH:

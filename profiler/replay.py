@@ -3,7 +3,8 @@
 A :class:`~vtrain_plugin.graph.KernelKey` is turned back into a call from the op's schema alone
 (``torch.ops.<ns>.<name>.<overload>._schema.arguments``), walking the arguments in order:
 
-- ``Tensor`` consumes the next ``(input_shapes[i], dtypes[i])`` pair.
+- ``Tensor`` consumes the next ``(input_shapes[i], dtypes[i])`` pair, unless ``args`` holds a
+  number under its name (``x.mul_(0.9)`` records ``("other", 0.9)``): then the number is passed.
 - ``Tensor?`` is None when ``args`` holds ``(name, None)``; otherwise it consumes the next pair.
 - ``Tensor[]`` takes its length ``n`` from ``args`` (``(name, n)``) and consumes ``n`` pairs.
 - ``Tensor?[]`` takes from ``args`` either a length ``n`` (every item a tensor) or a tuple with one
@@ -14,17 +15,22 @@ A :class:`~vtrain_plugin.graph.KernelKey` is turned back into a call from the op
 
 Inputs are made on the device so that the op runs as in training: floating tensors uniform in
 [0, 1) (valid probabilities, non-negative second moments, no overflow in half precision), bool
-tensors a random mask, integer tensors random indices in range where the op says what they index
-(embedding rows, nll_loss classes, gather/scatter/index_select along ``dim``, ``index`` per
-dimension) and zeros otherwise (always a valid index). In-place ops reuse their inputs between
+tensors whose last two dimensions are equal a causal attention mask (True above the diagonal; a
+random mask would cost a CPU kernel several times more in branch mispredictions than the masks
+training uses), other bool tensors a random mask, integer tensors random indices in range where
+the op says what they index (embedding rows, nll_loss classes, gather/scatter/index_select along
+``dim``, ``index`` per dimension) and zeros otherwise (always a valid index). In-place ops reuse their inputs between
 repetitions.
 
 Timing: ``warmup`` calls, then the median of ``n`` repetitions where ``n`` fills about
 ``budget_s`` (at least ``min_repetitions``, at most ``max_repetitions``); CUDA events on GPU
 (optionally writing a buffer of twice the L2 size between repetitions to flush it),
-``time.perf_counter_ns`` on CPU. The number of CPU threads is left as the process has it: a CPU
-profile is compared with real training run under the same conditions, and the fingerprint records
-``torch.get_num_threads()``.
+``time.perf_counter_ns`` on CPU, where a 16 MiB buffer is written before each repetition
+(``flush_cpu_cache``): in a training step an op finds its operands outside the cores' private
+caches, evicted by the ops between, while back-to-back repetitions would keep them there (a
+512 KiB elementwise op runs about three times faster from L2). The number of CPU threads is left
+as the process has it: a CPU profile is compared with real training run under the same
+conditions, and the fingerprint records ``torch.get_num_threads()``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from profiler.progress import ProgressBar
 from vtrain_plugin.errors import ProfileError
 from vtrain_plugin.graph import KernelKey
 
+# Written between CPU repetitions: more than the private L2 of the cores torch uses (1-2 MiB each).
+_CPU_FLUSH_NBYTES = 16 << 20
 # Namespaces whose ops are communication, not kernels: measured by profiler.comm_bench instead.
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
 
@@ -54,6 +62,7 @@ class TimingPolicy:
     max_repetitions: int = 50
     budget_s: float = 0.2
     flush_l2: bool = False  # CUDA only
+    flush_cpu_cache: bool = True  # CPU only: evict the cores' private caches before each timed call
 
     def __post_init__(self) -> None:
         if self.warmup < 1:
@@ -105,7 +114,9 @@ def build_call(key: KernelKey, device: str | torch.device) -> tuple[torch._ops.O
     scalars: dict[str, Any] = {}
     for arg in op._schema.arguments:
         kind = str(arg.real_type)
-        if kind == "Tensor":
+        if kind == "Tensor" and arg.name in given:  # a Python number passed for a Tensor (wrapped number)
+            scalars[arg.name] = given[arg.name]
+        elif kind == "Tensor":
             tensor_specs[arg.name] = _next_pair(key, pairs, arg.name)
         elif kind == "Optional[Tensor]":
             present = not (arg.name in given and given[arg.name] is None)
@@ -241,6 +252,8 @@ def _tensor(key: KernelKey, pair: Pair, dev: torch.device, high: int | None) -> 
     shape, dtype_name = pair
     dtype = _dtype(key, dtype_name)
     if dtype == torch.bool:
+        if len(shape) >= 2 and shape[-1] == shape[-2]:  # an attention mask: causal, True above the diagonal
+            return torch.ones(shape[-2:], dtype=torch.bool, device=dev).triu(1).expand(shape).contiguous()
         return torch.rand(shape, device=dev) < 0.5
     if dtype.is_floating_point or dtype.is_complex:
         return torch.rand(shape, device=dev, dtype=torch.float32).to(dtype)
@@ -316,6 +329,7 @@ def _repetitions(per_call_s: float, policy: TimingPolicy) -> int:
 
 
 def _time_cpu(call: Callable[[], None], policy: TimingPolicy) -> list[int]:
+    flush = torch.empty(_CPU_FLUSH_NBYTES // 4) if policy.flush_cpu_cache else None
     warm_ns = []
     for _ in range(policy.warmup):
         t0 = time.perf_counter_ns()
@@ -323,6 +337,8 @@ def _time_cpu(call: Callable[[], None], policy: TimingPolicy) -> list[int]:
         warm_ns.append(time.perf_counter_ns() - t0)
     samples = []
     for _ in range(_repetitions(min(warm_ns) / 1e9, policy)):
+        if flush is not None:
+            flush.fill_(1.0)
         t0 = time.perf_counter_ns()
         call()
         samples.append(time.perf_counter_ns() - t0)

@@ -8,17 +8,29 @@ Typical use::
     print(est.iteration_time_ms, est.breakdown_ms)
 """
 
-from vtrain_plugin.cluster import ClusterSpec, get_cluster_preset
-from vtrain_plugin.config import RunConfig, load_run_config
-from vtrain_plugin.errors import ConfigError, ProfileError, TraceError, VTrainError
-from vtrain_plugin.estimate import Estimate, estimate
-from vtrain_plugin.graph import OpGraph
-from vtrain_plugin.plan import ModelSpec, ParallelPlan
-from vtrain_plugin.tracer import trace
-from vtrain_plugin.training import TrainingSpec
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "ClusterSpec", "ConfigError", "Estimate", "ModelSpec", "OpGraph", "ParallelPlan", "ProfileError",
-    "RunConfig", "TraceError", "TrainingSpec", "VTrainError", "estimate", "get_cluster_preset",
-    "load_run_config", "trace",
-]
+# Public names and their modules, imported on first use (PEP 562): importing a submodule such as
+# vtrain_plugin.graph from profiler must not pull in the estimator, which imports profiler back.
+_EXPORTS = {
+    "ClusterSpec": "cluster", "get_cluster_preset": "cluster",
+    "RunConfig": "config", "load_run_config": "config",
+    "ConfigError": "errors", "ProfileError": "errors", "TraceError": "errors", "VTrainError": "errors",
+    "Estimate": "estimate", "estimate": "estimate",
+    "OpGraph": "graph",
+    "ModelSpec": "plan", "ParallelPlan": "plan",
+    "trace": "tracer",
+    "TrainingSpec": "training",
+    "Comparison": "validate", "IterationRecorder": "validate", "ValidationResult": "validate",
+    "compare": "validate", "single_device_run": "validate", "validation_table": "validate",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vtrain_plugin' has no attribute {name!r}")
+    return getattr(import_module(f"vtrain_plugin.{module}"), name)

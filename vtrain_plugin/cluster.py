@@ -135,3 +135,9 @@ register_cluster_preset(ClusterSpec(
     intra_node_bandwidth_gbytes_per_s=450.0, intra_node_latency_us=1.0,
     inter_node_bandwidth_gbps=8 * 400.0, inter_node_latency_us=5.0,
     price_per_gpu_hour_usd=5.0))
+# The local CPU as one single-device node (``vtrain validate --device cpu``): gloo over shared
+# memory inside the node, a 10 Gb/s Ethernet between nodes; no price.
+register_cluster_preset(ClusterSpec(
+    name="local-cpu", gpu="cpu", gpus_per_node=1,
+    intra_node_bandwidth_gbytes_per_s=10.0, intra_node_latency_us=10.0,
+    inter_node_bandwidth_gbps=10.0, inter_node_latency_us=50.0))

@@ -24,7 +24,7 @@ from vtrain_plugin.training import TrainingSpec
 
 SECTIONS = ("model", "parallel", "training", "cluster")
 _DEFAULT_PRESET_BY_GPU = {"a100-sxm4-80gb": "dgx-a100", "a100-sxm4-40gb": "dgx-a100",
-                          "h100-sxm": "dgx-h100", "h200-sxm": "dgx-h200"}
+                          "h100-sxm": "dgx-h100", "h200-sxm": "dgx-h200", "cpu": "local-cpu"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

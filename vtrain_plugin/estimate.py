@@ -21,7 +21,9 @@ from vtrain_plugin.costing import cost_graph
 from vtrain_plugin.errors import ConfigError
 from vtrain_plugin.graph import CollectiveKind, KernelKey, OpGraph, OpNode, Phase
 from vtrain_plugin.plan import ParallelPlan
+from vtrain_plugin.memory import RankMemory, rank_memory
 from vtrain_plugin.sim.engine import RankBreakdown, simulate
+from vtrain_plugin.sim.schedules import build_schedule
 from vtrain_plugin.sim.timeline import Timeline, write_chrome_trace
 from vtrain_plugin.timing import KernelTimer
 from vtrain_plugin.training import TrainingSpec
@@ -58,8 +60,18 @@ class Estimate:
     gpu: str
     cost_usd: float | None  # of this iteration, at the cluster's price per GPU-hour
     measured_fraction: float  # share of kernel time from measured profiles (0..1)
+    memory_gib: tuple[RankMemory, ...]  # per pipeline rank, see vtrain_plugin.memory
+    gpu_memory_gib: float  # capacity of one GPU
     largest_unmeasured: tuple[UnmeasuredKernel, ...] = ()
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def peak_memory_gib(self) -> float:
+        return max(m.total_gib for m in self.memory_gib)
+
+    @property
+    def fits_in_memory(self) -> bool:
+        return self.peak_memory_gib <= self.gpu_memory_gib
 
     @property
     def cost_per_hour_usd(self) -> float | None:
@@ -80,6 +92,10 @@ class Estimate:
             "gpu": self.gpu,
             "cost_usd": self.cost_usd,
             "measured_fraction": self.measured_fraction,
+            "peak_memory_gib": self.peak_memory_gib,
+            "gpu_memory_gib": self.gpu_memory_gib,
+            "fits_in_memory": self.fits_in_memory,
+            "memory_gib_per_stage": [m.to_dict() for m in self.memory_gib],
         }
 
     def write_timeline(self, path: str | os.PathLike, *, max_ranks: int | None = None,
@@ -121,9 +137,10 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
     plan = ParallelPlan(**graph.parallel)
     device = get_device(cluster.gpu)
     num_microbatches = training.num_microbatches(plan.data_parallel, plan.micro_batch_size)
-    comm = CommModel.for_plan(cluster, plan, measured_comm=measured_comm)
+    comm = CommModel.for_plan(cluster, plan, measured_comm=measured_comm,
+                              network_efficiency=device.constants.network_efficiency)
     costing = cost_graph(graph, timer=KernelTimer(device, measured), comm=comm, training=training,
-                         num_microbatches=num_microbatches)
+                         num_microbatches=num_microbatches, explain=explain > 0)
     result = simulate(costing.work, record_timeline=timeline)
     return _summarize(graph, plan, device, cluster, training, num_microbatches, result, costing, explain)
 
@@ -162,6 +179,9 @@ def _summarize(graph: OpGraph, plan: ParallelPlan, device: DeviceSpec, cluster: 
         cost_usd=None if price is None else price * gpus * seconds / 3600,
         measured_fraction=costing.measured_kernel_ns / costing.kernel_ns if costing.kernel_ns else 0.0,
         largest_unmeasured=unmeasured,
+        memory_gib=rank_memory(graph, build_schedule(training.schedule, plan.pipeline_parallel,
+                                                     plan.virtual_pipeline, num_microbatches)),
+        gpu_memory_gib=device.memory_bytes / 2**30,
         timeline=result.timeline,
     )
 

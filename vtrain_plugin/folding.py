@@ -7,7 +7,8 @@ module paths (with the layer index removed), in the same order. A layer that dif
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from vtrain_plugin.graph import (Block, BlockKind, CollectiveNode, Node, OpNode, ParallelGroup)
 from vtrain_plugin.recorder import CollectiveRecord, OpRecord, Record
@@ -43,8 +44,10 @@ def to_node(record: Record, group_of: Callable[[str], ParallelGroup]) -> Node:
                           dtype=record.dtype)
 
 
-def split_blocks(nodes: Sequence[Node]) -> list[Block]:
-    """Group nodes by block, keeping each block's nodes in execution order."""
+def split_blocks(nodes: Sequence[Node], saved_nbytes: Mapping[str, int] | None = None) -> list[Block]:
+    """Group nodes by block, keeping each block's nodes in execution order; ``saved_nbytes`` (per
+    module) gives each block its activation memory."""
+    activation = _activation_by_block(nodes, saved_nbytes or {})
     order: list[tuple[BlockKind, str]] = []
     members: dict[tuple[BlockKind, str], list[Node]] = {}
     for node in nodes:
@@ -55,7 +58,25 @@ def split_blocks(nodes: Sequence[Node]) -> list[Block]:
         members[where].append(node)
     rank = {BlockKind.EMBEDDING: 0, BlockKind.STAGE: 1, BlockKind.LAYER: 2, BlockKind.HEAD: 3}
     order.sort(key=lambda w: (rank[w[0]], layer_index(w[1]) or 0))
-    return [Block(kind=k, name=n, nodes=tuple(members[(k, n)])) for k, n in order]
+    return [Block(kind=k, name=n, nodes=tuple(members[(k, n)]), activation_nbytes=activation.get((k, n), 0))
+            for k, n in order]
+
+
+def _activation_by_block(nodes: Sequence[Node], saved_nbytes: Mapping[str, int]) -> dict[tuple[BlockKind, str], int]:
+    """Sum saved activation bytes per block. Bytes saved by the container of the layers (activation
+    checkpointing saves each layer's inputs from there, e.g. ``decoder``) are spread evenly over
+    the layers, since each checkpointed layer keeps its own inputs."""
+    layers = sorted({block_of(n.module) for n in nodes if block_of(n.module)[0] is BlockKind.LAYER})
+    activation: dict[tuple[BlockKind, str], int] = {}
+    for module, nbytes in saved_nbytes.items():
+        where = block_of(module)
+        owned = [w for w in layers if module and w[1].startswith(module + ".")]
+        if where[0] is BlockKind.STAGE and owned:
+            for w in owned:
+                activation[w] = activation.get(w, 0) + nbytes // len(owned)
+        else:
+            activation[where] = activation.get(where, 0) + nbytes
+    return activation
 
 
 def _signature(block: Block) -> tuple:
@@ -92,10 +113,8 @@ def fold_layers(blocks: Sequence[Block], total_layers: int) -> list[Block]:
             groups[-1].append(b)
         else:
             groups.append([b])
-    folded = [Block(kind=BlockKind.LAYER, name=g[0].name, count=len(g), nodes=g[0].nodes) for g in groups]
-    untraced = total_layers - len(layers)
-    last = folded[-1]
-    folded[-1] = Block(kind=last.kind, name=last.name, count=last.count + untraced, nodes=last.nodes)
+    folded = [replace(g[0], count=len(g)) for g in groups]
+    folded[-1] = replace(folded[-1], count=folded[-1].count + total_layers - len(layers))
     return others_before + folded + others_after
 
 

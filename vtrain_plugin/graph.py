@@ -194,6 +194,7 @@ class Block:
     name: str  # module prefix, e.g. "embedding", "decoder.layers.0", "output_layer"
     count: int = 1
     nodes: tuple[Node, ...] = ()
+    activation_nbytes: int = 0  # per instance and micro-batch: tensors forward keeps for backward
 
     def ops(self, phase: Phase | None = None, *, kernels_only: bool = True) -> Iterator[OpNode]:
         for n in self.nodes:
@@ -209,12 +210,12 @@ class Block:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "name": self.name, "count": self.count,
-                "nodes": [n.to_dict() for n in self.nodes]}
+                "activation_nbytes": self.activation_nbytes, "nodes": [n.to_dict() for n in self.nodes]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Block:
         return cls(kind=BlockKind(d["kind"]), name=d["name"], count=d["count"],
-                   nodes=tuple(_node_from_dict(n) for n in d["nodes"]))
+                   activation_nbytes=d["activation_nbytes"], nodes=tuple(_node_from_dict(n) for n in d["nodes"]))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -239,6 +240,11 @@ class StageGraph:
     @property
     def has_head(self) -> bool:
         return any(b.kind is BlockKind.HEAD for b in self.blocks)
+
+    @property
+    def activation_nbytes(self) -> int:
+        """Activation memory one micro-batch leaves on this rank until its backward."""
+        return sum(b.count * b.activation_nbytes for b in self.blocks)
 
     def layer_template(self) -> Block | None:
         return next((b for b in self.blocks if b.kind is BlockKind.LAYER), None)

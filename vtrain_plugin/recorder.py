@@ -10,6 +10,7 @@ name (inner modules' hooks run first, so the innermost module wins). A module fo
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,9 @@ class OpRecorder:
         self._stack: list[tuple[str, int]] = []
         self._handles: list[Any] = []
         self._param_owner: dict[int, str] = {}
+        self.saved_nbytes: dict[str, int] = {}  # activation bytes kept for backward, per module
+        self._saved: weakref.WeakSet[_SavedTensor] = weakref.WeakSet()
+        self._param_storages: set[int] = {p.untyped_storage()._cdata for p in root.parameters()}
         self._module_override: str | None = None
         self._default_module = ""
         for name, module in root.named_modules(prefix=prefix):
@@ -106,47 +110,39 @@ class OpRecorder:
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
         mode = _DispatchRecorder(self)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._on_saved_tensor, _unpack)
         try:
-            with mode:
+            with mode, hooks:
                 yield
         finally:
             for h in self._handles:
                 h.remove()
             self._handles.clear()
 
-    @contextlib.contextmanager
-    def phase(self, phase: Phase) -> Iterator[None]:
-        previous, self._phase = self._phase, phase
-        try:
-            yield
-        finally:
-            self._phase = previous
+    def phase(self, phase: Phase) -> contextlib.AbstractContextManager[None]:
+        if phase is Phase.BACKWARD and not self.saved_nbytes:
+            self._count_saved_activations()
+        return self._setting("_phase", phase)
 
-    @contextlib.contextmanager
-    def module(self, name: str) -> Iterator[None]:
+    def module(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Attribute ops run outside any module forward (e.g. optimizer steps) to ``name``."""
-        previous, self._module_override = self._module_override, name
-        try:
-            yield
-        finally:
-            self._module_override = previous
+        return self._setting("_module_override", name)
 
-    @contextlib.contextmanager
-    def default_module(self, name: str) -> Iterator[None]:
+    def default_module(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Attribute ops that no module claims (e.g. autograd seeding the loss gradient) to ``name``."""
-        previous, self._default_module = self._default_module, name
-        try:
-            yield
-        finally:
-            self._default_module = previous
+        return self._setting("_default_module", name)
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        return self._setting("enabled", False)
 
     @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        previous, self.enabled = self.enabled, False
+    def _setting(self, attribute: str, value: Any) -> Iterator[None]:
+        previous = getattr(self, attribute)
+        setattr(self, attribute, value)
         try:
             yield
         finally:
-            self.enabled = previous
+            setattr(self, attribute, previous)
 
     # -- hooks ------------------------------------------------------------------------------
     def _next_sequence_nr(self) -> int:
@@ -183,6 +179,27 @@ class OpRecorder:
             # Inner modules tagged their nodes first; walk through them to reach this module's own.
             meta.setdefault(_TAG, name)
             roots.extend(fn for fn, _ in node.next_functions)
+
+    def _on_saved_tensor(self, tensor: torch.Tensor) -> Any:
+        """Wrap each tensor autograd saves in forward; :meth:`_count_saved_activations` later sums the
+        wrappers still alive, i.e. what the graph really keeps for backward (tensors saved by
+        functions run under no-grad, as inside activation checkpointing, are freed at once)."""
+        if not (self.enabled and self._phase is Phase.FORWARD):
+            return tensor
+        module = self._stack[-1][0] if self._stack else self._default_module
+        saved = _SavedTensor(tensor, module)
+        self._saved.add(saved)
+        return saved
+
+    def _count_saved_activations(self) -> None:
+        seen: set[int] = set()
+        for saved in list(self._saved):
+            storage = saved.tensor.untyped_storage()
+            key = storage._cdata
+            if key in self._param_storages or key in seen:
+                continue
+            seen.add(key)
+            self.saved_nbytes[saved.module] = self.saved_nbytes.get(saved.module, 0) + storage.nbytes()
 
     # -- recording --------------------------------------------------------------------------
     def _current(self) -> tuple[Phase, str]:
@@ -241,6 +258,18 @@ def _collective_nbytes(kind: CollectiveKind, func, args, out) -> int:
                 CollectiveKind.RECV, CollectiveKind.ALL_TO_ALL):
         return opinfo.tensor_nbytes(args[0])
     return max(opinfo.tensor_nbytes(args[0]), opinfo.tensor_nbytes(args[1]))
+
+
+class _SavedTensor:
+    __slots__ = ("tensor", "module", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, module: str) -> None:
+        self.tensor = tensor
+        self.module = module
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    return saved.tensor if isinstance(saved, _SavedTensor) else saved
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

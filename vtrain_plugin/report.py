@@ -113,6 +113,12 @@ def estimate_table(run, result) -> str:
     lines.append(f"tokens/s {result.tokens_per_second:,.0f}   model TFLOP/s per GPU {result.tflops_per_gpu:.1f}   "
                  f"MFU {100 * result.mfu:.1f}%   cost {cost}")
     lines.append(f"kernel time measured: {100 * result.measured_fraction:.1f}% (rest modeled)")
+    peak = max(result.memory_gib, key=lambda m: m.total_gib)
+    verdict = "fits" if result.fits_in_memory else "DOES NOT FIT"
+    lines.append(f"memory per GPU (peak stage): {peak.total_gib:.1f} GiB of {result.gpu_memory_gib:.0f} GiB, "
+                 f"{verdict} (weights {peak.weights_gib:.1f}, gradients {peak.gradients_gib:.1f}, "
+                 f"optimizer {peak.optimizer_gib:.1f}, activations {peak.activations_gib:.1f} for "
+                 f"{peak.inflight_microbatches} micro-batches in flight)")
     if result.largest_unmeasured:
         lines.append("")
         rows = [[k.op, " x ".join(str(list(s)) for s in k.input_shapes), k.phase, k.module, f"{k.time_ms:,.1f}"]

@@ -1,37 +1,48 @@
 """Kernel durations on the target device: measured ones from a profile, modeled ones otherwise.
 
 Every duration says where it came from, so an estimate can report how much of its kernel time was
-measured (its provenance).
+measured (its provenance). Kernels are timed in batches (:class:`profiler.kernel_model.KernelBatch`);
+measured durations are looked up once per node when a graph is prepared, then replace the modeled
+device time of those kernels whatever the device constants.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
-from profiler.devices import DeviceSpec
-from profiler.kernel_model import KernelModel
-from profiler.kernel_time import Source
+import numpy as np
+
+from profiler.devices import DeviceConstants, DeviceSpec
+from profiler.kernel_model import KernelBatch, KernelModel
 from vtrain_plugin.graph import KernelKey, OpNode
 
 
-@dataclass(frozen=True, slots=True)
-class OpTime:
-    effective_ns: float  # time the op adds to its stream (device time, or host time if larger)
-    source: Source
-
-
 class KernelTimer:
-    """Times ops for one device; ``measured`` maps kernel keys to measured device time in ns."""
+    """Times kernels for one device; ``measured`` maps kernel keys to measured device time in ns.
 
-    def __init__(self, device: DeviceSpec, measured: Mapping[KernelKey, float] | None = None) -> None:
+    ``constants`` overrides the device's fitted constants (calibration).
+    """
+
+    def __init__(self, device: DeviceSpec, measured: Mapping[KernelKey, float] | None = None, *,
+                 constants: DeviceConstants | None = None) -> None:
         self.device = device
-        self.model = KernelModel(device)
+        self.model = KernelModel(device, constants=constants)
         self.measured = measured or {}
 
-    def time(self, op: OpNode) -> OpTime:
-        measured = self.measured.get(op.key)
-        host = self.model.host_ns(op)
-        if measured is not None:
-            return OpTime(max(measured, host), Source.MEASURED)
-        return OpTime(self.model.effective_ns(op), Source.MODELED)
+    @property
+    def constants(self) -> DeviceConstants:
+        return self.model.constants
+
+    def measured_ns(self, nodes: Sequence[OpNode | None]) -> np.ndarray:
+        """Measured device time of each node's kernel, NaN where unmeasured (or not a kernel)."""
+        get = self.measured.get
+        return np.array([np.nan if n is None or not n.launches_kernel else get(n.key, np.nan) for n in nodes],
+                        float)
+
+    def device_ns(self, kernels: KernelBatch, measured_ns: np.ndarray) -> np.ndarray:
+        """Device time of each kernel: measured where known, modeled otherwise."""
+        modeled = self.model.device_ns(kernels)
+        return np.where(np.isnan(measured_ns), modeled, measured_ns)
+
+    def host_ns(self, kernels: KernelBatch) -> np.ndarray:
+        return self.model.host_ns_batch(kernels)

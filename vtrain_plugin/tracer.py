@@ -19,7 +19,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -178,7 +178,7 @@ def _trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bu
                              f"tp/dp/pp/embedding") from None
 
     nodes = [folding.to_node(r, group_of) for r in recorder.records]
-    blocks = folding.split_blocks(nodes)
+    blocks = folding.split_blocks(nodes, recorder.saved_nbytes)
     if not folding.layers_identical(blocks):
         log.warning("traced layers differ; they are kept as separate blocks")
     return _ChunkTrace(blocks=tuple(blocks), params_by_block=params_by_block,
@@ -243,7 +243,7 @@ def _assemble_stage(traced: _ChunkTrace, model: ModelSpec, plan: ParallelPlan, r
                 module="embedding.word_embeddings" if block.kind is BlockKind.EMBEDDING else "output_layer",
                 dtype=model.dtype.torch_name, synthesized=True))
         nodes = shared.setdefault((id(block.nodes), tuple(extra)), block.nodes + tuple(extra))
-        out.append(Block(kind=block.kind, name=block.name, count=block.count, nodes=nodes))
+        out.append(replace(block, nodes=nodes))
     p2p = _p2p_block(traced, plan, rank, chunk)
     if p2p is not None:
         out.append(p2p)

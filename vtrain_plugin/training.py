@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
+from profiler.software_stack import SoftwareStack
 from vtrain_plugin import _validate as v
 from vtrain_plugin.errors import ConfigError
 from vtrain_plugin.sim.work import ScheduleKind
@@ -25,6 +26,8 @@ class TrainingSpec:
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     grad_reduce: GradReduce = GradReduce.AFTER_BACKWARD
     bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB  # megabytes (10^6 bytes) of gradients per bucket
+    # The kernels the training software runs for the traced ops (profiler.software_stack).
+    software_stack: SoftwareStack = SoftwareStack.LOCAL_SPEC
 
     def __post_init__(self) -> None:
         v.positive_int("training.global_batch_size", self.global_batch_size)
@@ -33,6 +36,8 @@ class TrainingSpec:
         object.__setattr__(self, "grad_reduce", GradReduce(
             v.one_of("training.grad_reduce", str(self.grad_reduce), [g.value for g in GradReduce])))
         v.positive_number("training.bucket_size_mb", self.bucket_size_mb)
+        object.__setattr__(self, "software_stack", SoftwareStack(
+            v.one_of("training.software_stack", str(self.software_stack), [s.value for s in SoftwareStack])))
 
     @property
     def bucket_nbytes(self) -> int:
@@ -50,4 +55,5 @@ class TrainingSpec:
         d = asdict(self)
         d["schedule"] = self.schedule.value
         d["grad_reduce"] = self.grad_reduce.value
+        d["software_stack"] = self.software_stack.value
         return d

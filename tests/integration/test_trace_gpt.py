@@ -181,3 +181,17 @@ def test_graph_json_round_trip(tmp_path, gpt3_tp8):
     path = tmp_path / "graph.json"
     gpt3_tp8.save(path)
     assert OpGraph.load(path) == gpt3_tp8
+
+
+def test_trace_from_a_megatron_transformer_config():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2,
+                               normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
+                               ffn_hidden_size=704, bf16=True, tensor_model_parallel_size=2)
+    graph = trace(config, ParallelPlan(tensor_parallel=2), vocab_size=1000, seq_length=64)
+    assert graph.model["family"] == "llama" and graph.model["dtype"] == "bf16"
+    layer = graph.stages[0].layer_template()
+    # QKV of a GQA layer: 8 query heads + 2 x 2 KV heads of 32, split over 2 ranks
+    assert ((64, 256), (256, (8 + 2 * 2) * 32 // 2)) in mm_shapes(layer, Phase.FORWARD)
+    assert layer.count == 4

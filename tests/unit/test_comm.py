@@ -154,3 +154,13 @@ def test_parse_table_errors_name_the_file():
         parse_table(f"{header}\n2,1,f,1,1,1,1\n1,1,f,1,1,1,1\n", num_gpus=2, where="t.csv")
     with pytest.raises(ConfigError, match=r"cluster.nccl_tables must be one of a100_sxm; got 'nope'"):
         load_table_set("nope")
+
+
+def test_network_efficiency_scales_every_network_transfer():
+    full, half = comm(tp=8, dp=4), CommModel(cluster=PLAIN, tensor_parallel=8, pipeline_parallel=1, data_parallel=4,
+                                             network_efficiency=0.5)
+    assert half.time_ns(K.ALL_REDUCE, 8_000_000, G.DP) == 2 * 3 / 4 * 8_000_000 / 3.125 + 6 * 5000
+    assert half.send_recv_ns(1_000_000, across_nodes=True) == 1_000_000 / 3.125 + 5000
+    assert half.send_recv_ns(1_000_000, across_nodes=False) == full.send_recv_ns(1_000_000, across_nodes=False)
+    with pytest.raises(ConfigError, match=r"network_efficiency must lie in \(0, 1\], got 1.5"):
+        CommModel(cluster=PLAIN, tensor_parallel=1, pipeline_parallel=1, data_parallel=1, network_efficiency=1.5)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from profiler.devices import DeviceConstants, DeviceSpec, get_device
-from profiler.kernel_model import GemmDims, KernelModel, gemm_dims
+from profiler.kernel_model import GemmDims, KernelBatch, KernelModel, gemm_dims, pipeline_ns
 from profiler.kernel_time import KernelTime, Source
 from profiler.op_classes import OpClass, classify, launches_kernel
 from vtrain_plugin.graph import KernelKey, OpNode, Phase
@@ -247,8 +249,42 @@ def test_faster_device_is_faster_on_large_gemms():
 
 def test_profiler_modules_do_not_import_the_simulator():
     root = Path(__file__).resolve().parents[2] / "profiler"
-    for name in ("devices.py", "kernel_model.py", "op_classes.py", "kernel_time.py"):
+    for name in ("devices.py", "kernel_model.py", "op_classes.py", "kernel_time.py", "software_stack.py"):
         tree = ast.parse((root / name).read_text())
         imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         assert not [m for m in imported if m and m.startswith(("vtrain_plugin.sim", "vtrain_plugin.comm"))]
+
+
+# ---- batches, host time and the CPU -> GPU pipeline ------------------------------------------------
+
+def test_batch_times_equal_per_node_times():
+    model = KernelModel(ROUND)
+    nodes = [_node(_mm(256, 256, 256)), _node(_key("aten.gelu.default", (1000, 250)), nbytes=1_000_000),
+             _node(_key("aten.view.default", (4, 4))), _node(_key("aten.bmm.default", (8, 64, 32), (8, 32, 64)))]
+    batch = KernelBatch.of(nodes)
+    assert list(model.device_ns(batch)) == pytest.approx([model.duration_ns(n) for n in nodes])
+    assert list(model.host_ns_batch(batch)) == [5000, 5000, 0, 5000]
+
+
+def test_backward_kernels_pay_the_backward_host_overhead():
+    device = dataclasses.replace(ROUND, constants=dataclasses.replace(ROUND.constants, backward_host_overhead_ns=700))
+    model = KernelModel(device)
+    add = _key("aten.add.Tensor", (10,), (10,))
+    assert model.host_ns(_node(add, phase=Phase.BACKWARD)) == 700
+    assert model.host_ns(_node(add, phase=Phase.RECOMPUTE)) == 5000
+    assert model.host_ns(_node(add, phase=Phase.OPTIMIZER)) == 5000
+
+
+def test_constants_override_the_devices():
+    faster = dataclasses.replace(ROUND.constants, kernel_overhead_ns=500)
+    node = _node(_key("aten.gelu.default", (1000, 250)), nbytes=1_000_000)
+    assert KernelModel(ROUND, constants=faster).duration_ns(node) == pytest.approx(2000 + 500)
+
+
+def test_pipeline_is_the_slower_stage_plus_the_fill():
+    # CPU issues in 10 each; the GPU runs 1, 30, 1: kernel 2 starts at 20 and ends at 50, kernel 3 at 51.
+    assert pipeline_ns(np.array([10.0, 10.0, 10.0]), np.array([1.0, 30.0, 1.0])) == 51.0
+    assert pipeline_ns(np.array([1.0, 1.0]), np.array([50.0, 50.0])) == 101.0  # device-bound
+    assert pipeline_ns(np.array([40.0, 40.0]), np.array([1.0, 1.0])) == 81.0  # host-bound
+    assert pipeline_ns(np.array([]), np.array([])) == 0.0

@@ -15,29 +15,37 @@ Alpha-beta per link tier, with NCCL's algorithms:
 
 Bandwidth ``B`` of a group that spans nodes. In 3D parallelism every group of one kind runs the same
 collective at the same time (all TP ranks' DP all-reduces, ...), so each GPU can count on its own
-share of the node's network, ``node_bw / gpus_per_node`` (DGX: one NIC per GPU). NCCL builds one
+share of the node's network, ``efficiency * node_bw / gpus_per_node`` (DGX: one NIC per GPU;
+``network_efficiency`` is the fraction of the nominal NIC rate NCCL reaches, a calibrated constant of
+the device platform, 1 by default). NCCL builds one
 ring per channel and routes each channel's node crossing through a different NIC, so a ring whose
 group has ``g`` GPUs on each node crosses nodes on ``g`` NIC shares in parallel:
-``B = min(B_nvlink, g * node_bw / gpus_per_node)``. For DGX A100 (8 x 200 Gb/s) that is 25 GB/s for a
+``B = min(B_nvlink, g * efficiency * node_bw / gpus_per_node)``. For DGX A100 (8 x 200 Gb/s) that is 25 GB/s for a
 DP group with tp = 8 (g = 1) and 200 GB/s for a group filling whole nodes (g = 8), as nccl-tests
 shows on such machines. Point-to-point and all-to-all traffic leaves through the sending GPU's own
 share.
 
-Measured tables. When the cluster names a table set and the group lies inside one node, the
-measured all-reduce time replaces alpha-beta; all-gather and reduce-scatter take half of it: at the
-same bus bandwidth they move ``(n-1)/n`` instead of ``2(n-1)/n`` of the buffer per GPU, and run half
-of the ring steps.
+Measured tables. ``measured_comm`` (from the profile database, see
+:func:`vtrain_plugin.profiles.measured_comm_tables`) maps ``(kind, group size)`` to a table of
+that collective measured on the target device; a group inside one node with such a table (a
+point-to-point transfer inside a node: ``(SEND, 2)``) takes its time from it, interpolated in size
+(:meth:`NcclTable.time_ns`), before anything else. Otherwise, when the cluster names a table set
+and the group lies inside one node, the measured all-reduce time replaces alpha-beta; all-gather
+and reduce-scatter take half of it: at the same bus bandwidth they move ``(n-1)/n`` instead of
+``2(n-1)/n`` of the buffer per GPU, and run half of the ring steps.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vtrain_plugin import _validate as v
-from vtrain_plugin.comm.nccl_table import load_table_set
+from vtrain_plugin.comm.nccl_table import NcclTable, load_table_set
 from vtrain_plugin.comm.topology import GroupPlacement, Layout
+from vtrain_plugin.errors import ConfigError
 from vtrain_plugin.graph import CollectiveKind, ParallelGroup
 
 if TYPE_CHECKING:
@@ -56,15 +64,22 @@ class CommModel:
     tensor_parallel: int
     pipeline_parallel: int
     data_parallel: int
+    measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None  # (kind, group size) -> table
+    network_efficiency: float = 1.0  # fraction of the nominal inter-node bandwidth reached, (0, 1]
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
             v.positive_int(f"parallel.{name}", getattr(self, name))
+        if not 0.0 < v.positive_number("network_efficiency", self.network_efficiency) <= 1.0:
+            raise ConfigError(f"network_efficiency must lie in (0, 1], got {self.network_efficiency:g}")
 
     @classmethod
-    def for_plan(cls, cluster: ClusterSpec, plan: ParallelPlan) -> CommModel:
-        return cls(cluster=cluster, tensor_parallel=plan.tensor_parallel,
-                   pipeline_parallel=plan.pipeline_parallel, data_parallel=plan.data_parallel)
+    def for_plan(cls, cluster: ClusterSpec, plan: ParallelPlan, *,
+                 measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None,
+                 network_efficiency: float = 1.0) -> CommModel:
+        return cls(cluster=cluster, tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
+                   data_parallel=plan.data_parallel, measured_comm=measured_comm,
+                   network_efficiency=network_efficiency)
 
     @property
     def layout(self) -> Layout:
@@ -110,12 +125,15 @@ class CommModel:
         if nbytes == 0:
             return 0.0
         c = self.cluster
+        table = None if across_nodes or not self.measured_comm else self.measured_comm.get((CollectiveKind.SEND, 2))
+        if table is not None:
+            return table.time_ns(nbytes, latency_floor_ns=c.intra_node_latency_ns)
         if across_nodes:
             return nbytes / self._nic_share_bytes_per_ns() + c.inter_node_latency_ns
         return nbytes / c.intra_node_bytes_per_ns + c.intra_node_latency_ns
 
     def _nic_share_bytes_per_ns(self) -> float:
-        return self.cluster.inter_node_bytes_per_ns / self.cluster.gpus_per_node
+        return self.network_efficiency * self.cluster.inter_node_bytes_per_ns / self.cluster.gpus_per_node
 
     def _ring_bytes_per_ns(self, placement: GroupPlacement) -> float:
         intra = self.cluster.intra_node_bytes_per_ns
@@ -151,8 +169,13 @@ class CommModel:
         return max(intra_ns, inter_ns) + (n - 1) * c.inter_node_latency_ns
 
     def _measured_ns(self, kind: CollectiveKind, nbytes: int, placement: GroupPlacement) -> float | None:
+        if placement.spans_nodes:
+            return None
+        table = self.measured_comm.get((kind, placement.size)) if self.measured_comm else None
+        if table is not None:
+            return table.time_ns(nbytes, latency_floor_ns=self.cluster.intra_node_latency_ns)
         name = self.cluster.nccl_tables
-        if name is None or placement.spans_nodes:
+        if name is None:
             return None
         if kind not in (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER):
             return None

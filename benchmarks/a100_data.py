@@ -1,0 +1,261 @@
+"""The measured A100 runs published with vTrain, as vTrain configs and vtrain run configs.
+
+Shared by ``calibrate_a100.py`` and ``accuracy.py``. The calibration CSVs live in
+``../shared/data`` next to the repository (override with ``--data DIR``); each row becomes the vTrain
+config that describes the measured run (Megatron-DeepSpeed, fp16, full activation recompute, 1F1B,
+one gradient all-reduce after the last backward, DGX A100 nodes with 8 x 200 Gb/s InfiniBand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vtrain_plugin.comm.model import CommModel  # before profiler: vtrain_plugin/__init__ imports it
+from profiler.devices import DeviceConstants, get_device  # noqa: E402  (isort: skip)
+from vtrain_plugin.config import RunConfig, run_config_from_dict
+from vtrain_plugin.costing import cost_prepared, prepare_graph
+from vtrain_plugin.sim.engine import simulate
+from vtrain_plugin.timing import KernelTimer
+from vtrain_plugin.tracer import trace
+
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SINGLE_NODE_CSV = "a100_single_node_calibration.csv"
+MULTI_NODE_CSV = "a100_multi_node_calibration.csv"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeasuredRun:
+    source: str  # "single" or "multi"
+    config: dict[str, Any]  # the vTrain config of the run
+    measured_ms: float
+
+    @property
+    def run(self) -> RunConfig:
+        return run_config_from_dict(self.config, source=f"{self.source}-node row")
+
+    def group(self, name: str) -> Any:
+        """The value of one grouping key: tp, pp, dp, micro_batch, hidden, num_gpus or nodes."""
+        c = self.config
+        return {"tp": c["tensor_parallel_size"], "pp": c["pipeline_parallel_size"],
+                "dp": c["data_parallel_size"], "micro_batch": c["micro_batch_size"],
+                "hidden": c["hidden_size"], "num_gpus": c["num_gpus"], "nodes": self.source}[name]
+
+
+def vtrain_config(row: dict[str, str]) -> dict[str, Any]:
+    """The vTrain config of one CSV row (both files share these column names)."""
+    return {
+        "num_gpus": int(row["# GPUs"]),
+        "gpu_name": "A100",
+        "tensor_parallel_size": int(row["tensor parallelism"]),
+        "data_parallel_size": int(row["data parallelism"]),
+        "pipeline_parallel_size": int(row["pipeline parallelism"]),
+        "global_batch_size": int(row["global batch"]),
+        "micro_batch_size": int(row["micro batch"]),
+        "num_layers": int(row["# layers"]),
+        "hidden_size": int(row["hidden size"]),
+        "num_attention_heads": int(row["attention heads"]),
+        "max_length": int(row["sequence length"]),
+        "vocab_size": None,
+        "use_checkpoint": True,
+        "use_gradient_bucket": False,
+        "inter_node_bandwidth": 1600,
+        "intra_node_bandwidth": 300,
+        "pipeline_scheduling": "1f1b",
+        "node_size": 8,
+    }
+
+
+def read_runs(data_dir: Path = DEFAULT_DATA_DIR, *, which: Sequence[str] = ("single", "multi")) -> list[MeasuredRun]:
+    runs: list[MeasuredRun] = []
+    for source, name in (("single", SINGLE_NODE_CSV), ("multi", MULTI_NODE_CSV)):
+        if source not in which:
+            continue
+        with open(data_dir / name, newline="") as f:
+            for row in csv.DictReader(f):
+                runs.append(MeasuredRun(source=source, config=vtrain_config(row),
+                                        measured_ms=float(row["iteration time (ms)"])))
+    return runs
+
+
+def add_data_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR,
+                        help=f"folder with {SINGLE_NODE_CSV} and {MULTI_NODE_CSV} (default: {DEFAULT_DATA_DIR})")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ErrorStats:
+    count: int
+    mape: float  # mean absolute percentage error
+    median: float  # median absolute % error
+    p90: float  # 90th percentile absolute % error
+    bias: float  # mean signed % error (positive: overestimate)
+
+
+def error_stats(predicted: Iterable[float], measured: Iterable[float]) -> ErrorStats:
+    p, m = np.asarray(list(predicted), float), np.asarray(list(measured), float)
+    err = 100.0 * (p - m) / m
+    a = np.abs(err)
+    if not len(a):
+        return ErrorStats(count=0, mape=math.nan, median=math.nan, p90=math.nan, bias=math.nan)
+    return ErrorStats(count=len(a), mape=float(a.mean()), median=float(np.median(a)),
+                      p90=float(np.percentile(a, 90)), bias=float(err.mean()))
+
+
+def grouped(runs: Sequence[MeasuredRun], key: Callable[[MeasuredRun], Any]) -> dict[Any, list[int]]:
+    out: dict[Any, list[int]] = {}
+    for i, r in enumerate(runs):
+        out.setdefault(key(r), []).append(i)
+    return dict(sorted(out.items(), key=lambda kv: (str(type(kv[0])), kv[0])))
+
+
+# ---- fast re-estimation: trace and prepare every run once, then re-cost with candidate constants ----
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PreparedRun:
+    measured: MeasuredRun
+    run: RunConfig
+    prepared: Any  # vtrain_plugin.costing.PreparedGraph
+
+    def predict_ms(self, constants: DeviceConstants) -> float:
+        """What ``vtrain estimate`` prints for this run with ``constants`` as the device's constants."""
+        run = self.run
+        device = get_device(run.cluster.gpu)
+        plan = run.parallel
+        comm = CommModel.for_plan(run.cluster, plan, network_efficiency=constants.network_efficiency)
+        costing = cost_prepared(self.prepared, timer=KernelTimer(device, constants=constants), comm=comm,
+                                training=run.training, num_microbatches=run.num_microbatches)
+        return simulate(costing.work).iteration_ns / 1e6
+
+
+def prepare_runs(runs: Sequence[MeasuredRun]) -> list[PreparedRun]:
+    out = []
+    for m in runs:
+        run = m.run
+        graph = trace(run.model, run.parallel)
+        timer = KernelTimer(get_device(run.cluster.gpu))
+        out.append(PreparedRun(measured=m, run=run,
+                               prepared=prepare_graph(graph, timer, run.training.software_stack)))
+    return out
+
+
+def predict_all(prepared: Sequence[PreparedRun], constants: DeviceConstants) -> np.ndarray:
+    return np.array([p.predict_ms(constants) for p in prepared])
+
+
+# ---- the fit ---------------------------------------------------------------------------------------
+
+# The constants calibration fits, each searched inside its plausible range (profiler.devices):
+# lower and upper bound of the search, and whether the search is on a log scale.
+FITTED: dict[str, tuple[float, float, bool]] = {
+    "gemm_efficiency": (0.5, 1.0, False),
+    "hbm_efficiency": (0.5, 1.0, False),
+    "kernel_overhead_ns": (500.0, 20000.0, True),
+    "host_overhead_ns": (1000.0, 100000.0, True),
+    "backward_host_overhead_ns": (500.0, 50000.0, True),
+    "microbatch_overhead_ns": (1000.0, 5_000_000.0, True),
+    "network_efficiency": (0.3, 1.0, False),
+}
+
+
+# Where every fit starts: typical values from the documentation of each constant, not from the data.
+START = DeviceConstants(gemm_efficiency=0.8, hbm_efficiency=0.8, kernel_overhead_ns=2000.0, host_overhead_ns=10000.0,
+                        backward_host_overhead_ns=3000.0, microbatch_overhead_ns=100_000.0, network_efficiency=0.8)
+
+
+def _to_unit(name: str, value: float) -> float:
+    low, high, log = FITTED[name]
+    value = min(max(value, low), high)
+    return (math.log(value / low) / math.log(high / low)) if log else (value - low) / (high - low)
+
+
+def _from_unit(name: str, u: float) -> float:
+    low, high, log = FITTED[name]
+    u = min(max(u, 0.0), 1.0)
+    return low * (high / low) ** u if log else low + u * (high - low)
+
+
+def constants_from_unit(base: DeviceConstants, u: np.ndarray) -> DeviceConstants:
+    values = {name: _from_unit(name, float(x)) for name, x in zip(FITTED, u)}
+    return DeviceConstants(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **values})
+
+
+def log_error(predicted: np.ndarray, measured: np.ndarray) -> float:
+    """Mean absolute log ratio: symmetric in over- and underestimates, about MAPE/100 when small."""
+    return float(np.mean(np.abs(np.log(predicted / measured))))
+
+
+def fit(prepared: Sequence[PreparedRun], base: DeviceConstants, *, max_evals: int = 1500,
+        log: Callable[[str], None] = lambda s: None) -> tuple[DeviceConstants, float]:
+    """Nelder-Mead on the unit cube of :data:`FITTED` (restarted from the best point until it stalls).
+
+    Single-node and multi-node runs weigh equally (each set's mean error), so the 26 multi-node
+    runs are not drowned by the 144 single-node ones.
+    """
+    measured = np.array([p.measured.measured_ms for p in prepared])
+    multi = np.array([p.measured.source == "multi" for p in prepared])
+
+    def cost(u: np.ndarray) -> float:
+        predicted = predict_all(prepared, constants_from_unit(base, u))
+        parts = [log_error(predicted[mask], measured[mask]) for mask in (~multi, multi) if mask.any()]
+        return float(np.mean(parts))
+
+    x0 = np.array([_to_unit(name, getattr(base, name)) for name in FITTED])
+    best_x, best_f = x0, cost(x0)
+    evals = 1
+    step = 0.25
+    while evals < max_evals and step > 0.01:
+        x, f, used = _nelder_mead(cost, best_x, step, max_evals - evals)
+        evals += used
+        improved = f < best_f - 1e-6
+        if f < best_f:
+            best_x, best_f = x, f
+        log(f"  restart: error {best_f:.5f} after {evals} evaluations (step {step:.3f})")
+        step = step if improved else step / 2
+    return constants_from_unit(base, best_x), best_f
+
+
+def _nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float, budget: int,
+                 tol: float = 1e-6) -> tuple[np.ndarray, float, int]:
+    """Plain Nelder-Mead (reflection 1, expansion 2, contraction and shrink 1/2) in [0, 1]^n."""
+    n = len(x0)
+    clip = lambda x: np.clip(x, 0.0, 1.0)  # noqa: E731
+    simplex = [clip(x0)] + [clip(x0 + step * np.eye(n)[i] * (1 if x0[i] < 0.5 else -1)) for i in range(n)]
+    values = [f(x) for x in simplex]
+    used = n + 1
+    while used < budget:
+        order = np.argsort(values)
+        simplex = [simplex[i] for i in order]
+        values = [values[i] for i in order]
+        if values[-1] - values[0] < tol:
+            break
+        centroid = np.mean(simplex[:-1], axis=0)
+        reflected = clip(centroid + (centroid - simplex[-1]))
+        fr = f(reflected)
+        used += 1
+        if fr < values[0]:
+            expanded = clip(centroid + 2 * (centroid - simplex[-1]))
+            fe = f(expanded)
+            used += 1
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = clip(centroid + 0.5 * (simplex[-1] - centroid))
+            fc = f(contracted)
+            used += 1
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                simplex = [simplex[0]] + [simplex[0] + 0.5 * (x - simplex[0]) for x in simplex[1:]]
+                values = [values[0]] + [f(x) for x in simplex[1:]]
+                used += n
+    i = int(np.argmin(values))
+    return simplex[i], values[i], used

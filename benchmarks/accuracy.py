@@ -1,0 +1,139 @@
+"""Accuracy of the A100 estimates against the published calibration runs (not a pass/fail test).
+
+Converts every row of the calibration CSVs to a vTrain config, estimates it with the A100 preset as
+calibrated (exactly what ``vtrain estimate --format jsonl`` prints), and prints MAPE, median and
+90th-percentile absolute error and the signed bias, overall and by TP, PP, micro-batch and hidden
+size, single-node and multi-node apart. Then a leave-one-group-out cross-validation: the constants are
+refitted without one hidden size (or one TP size), starting from the documented typical values, and
+the left-out runs are predicted; pooled over the folds, that is the honest proxy for held-out runs.
+Writes a predicted-vs-measured plot when matplotlib is installed (``pip install matplotlib``).
+
+Run with ``.venv/bin/python benchmarks/accuracy.py`` (about 6 minutes on two cores; ``--no-cv``:
+under one minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from a100_data import (START, MeasuredRun, PreparedRun, add_data_argument, error_stats, fit,  # noqa: E402
+                       grouped, predict_all, prepare_runs, read_runs)
+
+from profiler.devices import get_device  # noqa: E402
+from vtrain_plugin.estimate import estimate  # noqa: E402
+from vtrain_plugin.report import render_table  # noqa: E402
+
+GROUPS = (("tp", "TP"), ("pp", "PP"), ("micro_batch", "micro-batch"), ("hidden", "hidden"))
+HEADER = ["group", "runs", "MAPE %", "median %", "p90 %", "bias %"]
+
+
+def stats_row(label: str, predicted: np.ndarray, measured: np.ndarray) -> list[str]:
+    s = error_stats(predicted, measured)
+    return [label, str(s.count), f"{s.mape:.2f}", f"{s.median:.2f}", f"{s.p90:.2f}", f"{s.bias:+.2f}"]
+
+
+def accuracy_tables(runs: Sequence[MeasuredRun], predicted: np.ndarray) -> str:
+    measured = np.array([r.measured_ms for r in runs])
+    out = []
+    for source in ("single", "multi"):
+        idx = [i for i, r in enumerate(runs) if r.source == source]
+        if not idx:
+            continue
+        rows = [stats_row("all", predicted[idx], measured[idx])]
+        sub = [runs[i] for i in idx]
+        for key, title in GROUPS:
+            for value, members in grouped(sub, lambda r: r.group(key)).items():
+                pick = [idx[j] for j in members]
+                rows.append(stats_row(f"{title} {value}", predicted[pick], measured[pick]))
+        out.append(f"{source}-node runs\n{render_table(rows, HEADER)}")
+    return "\n\n".join(out)
+
+
+def cross_validate(prepared: Sequence[PreparedRun], key: str, max_evals: int) -> tuple[np.ndarray, list[list[str]]]:
+    """Leave one value of ``key`` out at a time: refit on the rest, predict it."""
+    runs = [p.measured for p in prepared]
+    predicted = np.full(len(runs), np.nan)
+    rows = []
+    for value, members in grouped(runs, lambda r: r.group(key)).items():
+        held = set(members)
+        train = [p for i, p in enumerate(prepared) if i not in held]
+        start = time.perf_counter()
+        constants, _ = fit(train, START, max_evals=max_evals)
+        test = [prepared[i] for i in members]
+        predicted[members] = predict_all(test, constants)
+        measured = np.array([runs[i].measured_ms for i in members])
+        s = error_stats(predicted[members], measured)
+        rows.append([f"{key} {value} left out", str(s.count), f"{s.mape:.2f}", f"{s.median:.2f}", f"{s.p90:.2f}",
+                     f"{s.bias:+.2f}", f"{time.perf_counter() - start:.0f} s"])
+    return predicted, rows
+
+
+def plot(runs: Sequence[MeasuredRun], predicted: np.ndarray, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot (pip install matplotlib, then rerun for {path})")
+        return
+    measured = np.array([r.measured_ms for r in runs])
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for source, marker in (("single", "o"), ("multi", "^")):
+        idx = [i for i, r in enumerate(runs) if r.source == source]
+        ax.scatter(measured[idx], predicted[idx], s=14, marker=marker, label=f"{source}-node ({len(idx)})")
+    low, high = 0.8 * min(measured.min(), predicted.min()), 1.25 * max(measured.max(), predicted.max())
+    ax.plot([low, high], [low, high], "k-", lw=0.8)
+    for f in (0.9, 1.1):
+        ax.plot([low, high], [f * low, f * high], "k:", lw=0.6)
+    ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="measured iteration (ms)",
+           ylabel="predicted iteration (ms)", title="vtrain on A100 (calibration runs; dotted: ±10%)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_data_argument(parser)
+    parser.add_argument("--plot", type=Path, default=Path("a100_accuracy.png"), help="predicted-vs-measured PNG")
+    parser.add_argument("--no-cv", action="store_true", help="skip the cross-validation")
+    parser.add_argument("--cv-evals", type=int, default=400, help="objective evaluations per refit")
+    args = parser.parse_args()
+
+    start = time.perf_counter()
+    runs = read_runs(args.data)
+    prepared = prepare_runs(runs)
+    constants = get_device("A100").constants
+    predicted = predict_all(prepared, constants)
+    for i in (0, len(runs) - 1):  # the fast path is the estimator's own code: check it agrees
+        assert abs(estimate(runs[i].run).iteration_time_ms - predicted[i]) <= 1e-9 * predicted[i]
+    print(f"estimated {len(runs)} runs in {time.perf_counter() - start:.1f} s (tracing included)\n")
+    print(accuracy_tables(runs, predicted))
+    print()
+    plot(runs, predicted, args.plot)
+    if args.no_cv:
+        return
+    measured = np.array([r.measured_ms for r in runs])
+    for key in ("hidden", "tp"):
+        cv_start = time.perf_counter()
+        cv, rows = cross_validate(prepared, key, args.cv_evals)
+        for source in ("single", "multi"):
+            idx = [i for i, r in enumerate(runs) if r.source == source]
+            rows.append([f"pooled, {source}-node", *stats_row("", cv[idx], measured[idx])[1:], ""])
+        print(f"\nleave-one-{key}-out cross-validation ({time.perf_counter() - cv_start:.0f} s)")
+        print(render_table(rows, [*HEADER, "fit"]))
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

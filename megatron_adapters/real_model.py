@@ -1,0 +1,263 @@
+"""Train the real megatron-core GPT of a ModelSpec on one device: the measured side of ``vtrain validate``.
+
+The model is the one the tracer builds (same layer spec, same TransformerConfig, same loss), but
+with real, initialized weights on a real device, on a fake process group of world size 1 (every
+megatron-core parallel size is 1, so no collective runs). One iteration is what the estimate
+assumes for TP = PP = DP = 1: ``num_microbatches`` forward/backward passes accumulating gradients,
+then one optimizer step: AdamW with Megatron's defaults (decoupled weight decay, gradient clipping
+by the global norm); for fp16/bf16 models on fp32 main weights, as Megatron's mixed-precision
+optimizer keeps them (fp16 with a static loss scale of 4096, unscaled with the inf check).
+
+Peak memory. CUDA: ``torch.cuda.max_memory_allocated`` over model, optimizer and training (the
+tensors the caching allocator handed out). CPU: the process's peak resident set (``VmHWM`` of
+/proc/self/status, reset through /proc/self/clear_refs just before the model is built) minus the
+resident set at that moment, so the Python interpreter and libraries are not counted but the
+allocator's slack is; where the reset is not permitted the peak since process start is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_adapters.gpt import AdamSettings, ChunkRole, build_chunk
+from vtrain_plugin.errors import ConfigError
+from vtrain_plugin.plan import Dtype, ModelSpec, ParallelPlan
+
+GIB = 2**30
+_FP16_LOSS_SCALE = 4096.0
+_INIT_STD = 0.02
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingMeasurement:
+    iteration_ms: tuple[float, ...]  # each timed iteration, after the warm-up ones
+    warmup_iterations: int
+    num_microbatches: int
+    peak_memory_bytes: int
+    final_loss: float
+    device: str
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.iteration_ms)
+
+
+def required_memory_bytes(model: ModelSpec, plan: ParallelPlan) -> int:
+    """Rough memory one device needs to train ``model`` unsharded (the refusal check, not a prediction).
+
+    Weights, gradients and AdamW moments (16 bytes per parameter in fp32; 2 + 2 + 4 + 4 + 8 = 20 with
+    fp32 main weights and gradients for fp16/bf16), activations of one micro-batch per layer after
+    Korthikanti et al. (``34 s b h + 5 a s^2 b`` bytes at 2-byte activations, scaled to the dtype),
+    and the fp32 logits with their softmax and gradient (``3 * 4 s b V``).
+    """
+    per_param = 16 if model.dtype is Dtype.FP32 else 20
+    s, b, h, a = model.seq_length, plan.micro_batch_size, model.hidden_size, model.num_attention_heads
+    scale = model.dtype.nbytes / 2
+    activations = model.num_layers * (34 * s * b * h + 5 * a * s * s * b) * scale
+    logits = 3 * 4 * s * b * model.padded_vocab_size(1)
+    return int(model.num_parameters * per_param + activations + logits)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory of ``device``: ``MemAvailable`` of /proc/meminfo on CPU, the CUDA free memory on GPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise ConfigError("cannot read MemAvailable from /proc/meminfo to check that the model fits")
+
+
+def check_fits(model: ModelSpec, plan: ParallelPlan, device: torch.device) -> None:
+    need, have = required_memory_bytes(model, plan), available_memory_bytes(device)
+    if need > have:
+        raise ConfigError(
+            f"model {model.name or model.family.value} ({model.num_parameters / 1e6:,.0f}M parameters, "
+            f"micro_batch_size {plan.micro_batch_size}, seq_length {model.seq_length}) needs about "
+            f"{need / GIB:.1f} GiB to train on one device, more than the {have / GIB:.1f} GiB free on {device}; "
+            f"validate a smaller model (fewer layers or a smaller micro-batch)")
+
+
+def train(model: ModelSpec, plan: ParallelPlan, *, num_microbatches: int, iterations: int, warmup: int,
+          device: str = "cpu", seed: int = 0, adam: AdamSettings = AdamSettings()) -> TrainingMeasurement:
+    """Build the real model of ``model`` on ``device`` and time ``warmup + iterations`` training iterations."""
+    from megatron_adapters.fake_world import fake_world
+
+    if plan.world_size != 1:
+        raise ConfigError(f"real training runs on one device; parallel world size is {plan.world_size}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} requested but torch.cuda.is_available() is False")
+    check_fits(model, plan, dev)
+    with _quiet(), _device_patches(dev), fake_world(plan):
+        _reset_megatron_buffers()
+        memory = _PeakMemory(dev)
+        gpt = build_chunk(model, plan, ChunkRole(pipeline_rank=0, chunk=0, pre_process=True, post_process=True),
+                          layers_per_chunk=model.num_layers)
+        _initialize(gpt, seed)
+        gpt.to(dev)
+        gpt.train()
+        step = _Optimizer(gpt, model, adam)
+        generator = torch.Generator(device=dev).manual_seed(seed)
+        sync = torch.cuda.synchronize if dev.type == "cuda" else _no_sync
+        times_ms: list[float] = []
+        loss = math.nan
+        for i in range(warmup + iterations):
+            batches = [_batch(model, plan, dev, generator) for _ in range(num_microbatches)]
+            sync()
+            start_ns = time.perf_counter_ns()
+            for batch in batches:
+                loss = _forward_backward(gpt, model, batch, num_microbatches)
+            step()
+            sync()
+            if i >= warmup:
+                times_ms.append((time.perf_counter_ns() - start_ns) / 1e6)
+        peak = memory.peak_bytes()
+        _reset_megatron_buffers()
+    return TrainingMeasurement(iteration_ms=tuple(times_ms), warmup_iterations=warmup,
+                               num_microbatches=num_microbatches, peak_memory_bytes=peak,
+                               final_loss=float(loss), device=str(dev))
+
+
+def _no_sync() -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+def _batch(model: ModelSpec, plan: ParallelPlan, dev: torch.device, generator: torch.Generator) -> _Batch:
+    """Random tokens and labels, causal mask (True = masked, megatron's convention), as the tracer's shapes."""
+    b, s = plan.micro_batch_size, model.seq_length
+    tokens = torch.randint(0, model.vocab_size, (b, s), device=dev, generator=generator)
+    labels = torch.randint(0, model.vocab_size, (b, s), device=dev, generator=generator)
+    return _Batch(tokens=tokens,
+                  position_ids=torch.arange(s, device=dev).unsqueeze(0).expand(b, s),
+                  attention_mask=torch.ones(s, s, dtype=torch.bool, device=dev).triu(1).view(1, 1, s, s),
+                  labels=labels, loss_mask=torch.ones(b, s, dtype=torch.float32, device=dev))
+
+
+def _forward_backward(gpt, model: ModelSpec, batch: _Batch, num_microbatches: int) -> torch.Tensor:
+    """One micro-batch, as megatron_adapters.gpt.run_training_step records it; the loss is averaged
+    over micro-batches (Megatron divides each micro-batch's loss by their number)."""
+    output = gpt(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+    loss = (output.float() * batch.loss_mask).sum() / batch.loss_mask.sum()
+    scaled = loss * _FP16_LOSS_SCALE if model.dtype is Dtype.FP16 else loss
+    (scaled / num_microbatches).backward()
+    return loss.detach()
+
+
+class _Optimizer:
+    """AdamW step with global-norm clipping; fp32 main weights for fp16/bf16 models."""
+
+    def __init__(self, gpt, model: ModelSpec, adam: AdamSettings) -> None:
+        self.params = [p for p in gpt.parameters() if p.requires_grad]
+        self.mixed = model.dtype is not Dtype.FP32
+        self.fp16 = model.dtype is Dtype.FP16
+        self.clip = adam.clip_grad
+        self.main = [p.detach().float().clone() for p in self.params] if self.mixed else self.params
+        self.adamw = torch.optim.AdamW(self.main, lr=adam.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                                       weight_decay=adam.weight_decay, foreach=False)
+        device = self.params[0].device
+        self.found_inf = torch.zeros(1, device=device)
+        self.inv_scale = torch.full((1,), 1 / _FP16_LOSS_SCALE, device=device)
+
+    def __call__(self) -> None:
+        if self.mixed:
+            for p, main in zip(self.params, self.main):
+                main.grad = p.grad.float()
+                p.grad = None
+            if self.fp16:
+                self.found_inf.zero_()
+                torch._amp_foreach_non_finite_check_and_unscale_([m.grad for m in self.main], self.found_inf,
+                                                                 self.inv_scale)
+        torch.nn.utils.clip_grad_norm_(self.main, self.clip, foreach=False)
+        if not (self.fp16 and self.found_inf.item()):
+            self.adamw.step()
+        self.adamw.zero_grad(set_to_none=True)
+        if self.mixed:
+            with torch.no_grad():
+                for p, main in zip(self.params, self.main):
+                    p.copy_(main)
+
+
+def _initialize(gpt: torch.nn.Module, seed: int) -> None:
+    """GPT-2 style: weights normal(0, 0.02), biases 0, norm scales 1 (the built model is uninitialized)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) * _INIT_STD)
+
+
+class _PeakMemory:
+    def __init__(self, dev: torch.device) -> None:
+        self.dev = dev
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            self.base = 0
+        else:
+            with contextlib.suppress(OSError):
+                Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+            self.base = _status_bytes("VmRSS")
+
+    def peak_bytes(self) -> int:
+        if self.dev.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.dev))
+        return max(0, _status_bytes("VmHWM") - self.base)
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise ConfigError(f"cannot read {field} from /proc/self/status to measure peak memory")
+
+
+@contextlib.contextmanager
+def _device_patches(dev: torch.device) -> Iterator[None]:
+    """On CPU, megatron-core's CUDA calls need the stand-ins the tracer uses; on CUDA, none."""
+    if dev.type == "cpu":
+        from megatron_adapters.cpu_patches import cpu_tracing_patches
+
+        with cpu_tracing_patches():
+            yield
+    else:
+        with torch.cuda.device(dev):
+            yield
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _reset_megatron_buffers() -> None:
+    from megatron.core import parallel_state as ps
+
+    if getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is not None:
+        ps._GLOBAL_MEMORY_BUFFER = None
+        ps._set_global_memory_buffer()
+

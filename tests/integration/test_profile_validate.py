@@ -1,0 +1,71 @@
+"""The real CLI: profile a tiny plan on this CPU, estimate from the profile, validate against training."""
+
+import json
+
+import pytest
+
+# Small enough to profile and train in seconds on two cores, large enough that kernels, not the
+# Python per op, dominate an iteration.
+TINY_PLAN = """
+model: {name: gpt-test, num_layers: 2, hidden_size: 256, num_attention_heads: 4, seq_length: 256,
+        vocab_size: 2048, dtype: fp32}
+parallel: {micro_batch_size: 2}
+training: {global_batch_size: 4}
+cluster: {preset: local-cpu}
+"""
+
+
+@pytest.fixture
+def plan(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY_PLAN)
+    return str(path)
+
+
+def test_profile_then_estimate_and_validate(plan, run_cli, tmp_path):
+    before = run_cli("estimate", plan, "--explain", "3", check=True).stdout
+    assert "kernel time measured: 0.0%" in before
+    assert "largest unmeasured kernels" in before
+
+    first = run_cli("profile", plan, check=True)
+    assert " 0 already in the database, 0 failed" in first.stdout
+    second = run_cli("profile", plan, check=True)
+    assert " 0 measured," in second.stdout and " 0 failed" in second.stdout
+
+    after = json.loads(run_cli("estimate", plan, "--format", "json", check=True).stdout)
+    assert after["measured_fraction"] > 0.99
+    assert after["largest_unmeasured"] == []
+    assert "kernel time measured: 100.0%" in run_cli("estimate", plan, "--explain", check=True).stdout
+
+    proc = run_cli("validate", plan, "--format", "json", "--iterations", "6", check=True)
+    result = json.loads(proc.stdout)
+    assert {"predicted_ms", "measured_ms", "error_pct", "peak_memory_measured_gib"} <= result.keys()
+    assert result["measured_fraction"] > 0.99 and result["num_microbatches"] == 2
+    assert result["peak_memory_measured_gib"] > 0
+    assert abs(result["error_pct"]) <= 25.0, result
+
+    exported = tmp_path / "export.json"
+    run_cli("profile-export", str(exported), check=True)
+    other = tmp_path / "other.sqlite"
+    imported = run_cli("profile-import", str(exported), "--db", str(other), check=True)
+    assert "imported 1 device(s)" in imported.stdout
+    moved = json.loads(run_cli("estimate", plan, "--format", "json", "--db", str(other), check=True).stdout)
+    assert moved["iteration_time_ms"] == after["iteration_time_ms"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--iterations", "0"), "iterations must be a positive integer, got 0"),
+    (("--warmup", "-1"), "warmup must be a non-negative integer, got -1"),
+])
+def test_validate_bad_input_is_one_line(plan, run_cli, args, message):
+    proc = run_cli("validate", plan, *args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"vtrain: error: {message}"]
+
+
+def test_corrupt_database_is_one_line(plan, run_cli, tmp_path):
+    bad = tmp_path / "bad.sqlite"
+    bad.write_text("garbage" * 100)
+    proc = run_cli("profile", plan, "--db", str(bad))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"vtrain: error: profile database {bad} is not a SQLite file (bad header)"]

@@ -1,0 +1,207 @@
+"""Predicted versus measured: ``vtrain validate`` and a small API for users' own training loops.
+
+:func:`validate` builds the real megatron-core model of a plan on this machine's device (one
+device: tensor, pipeline and data parallelism are set to 1, and the result says which fields it
+overrode), trains it for a few iterations on random tokens with the real optimizer, and compares
+the median iteration time after warm-up with :func:`~vtrain_plugin.estimate.estimate` of the same
+one-device plan from the profile database of that device.
+
+For a user's own loop::
+
+    recorder = IterationRecorder(warmup=2, synchronize=torch.cuda.synchronize)
+    for batch in data:
+        with recorder:
+            train_step(batch)
+    print(recorder.compare(est).error_pct)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vtrain_plugin.config import RunConfig, with_gpu
+from vtrain_plugin.errors import ConfigError, ProfileError
+from vtrain_plugin.estimate import Estimate, estimate
+from vtrain_plugin.plan import ParallelPlan
+
+GIB = 2**30
+_SINGLE_DEVICE = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "virtual_pipeline": 1,
+                  "sequence_parallel": False}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Comparison:
+    predicted_ms: float
+    measured_ms: float  # median of the measured iterations
+    measured_iterations_ms: tuple[float, ...]
+
+    @property
+    def error_pct(self) -> float:
+        """Signed error of the prediction relative to the measurement: positive = predicted too slow."""
+        return 100.0 * (self.predicted_ms - self.measured_ms) / self.measured_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"predicted_ms": self.predicted_ms, "measured_ms": self.measured_ms, "error_pct": self.error_pct,
+                "measured_iterations_ms": list(self.measured_iterations_ms)}
+
+
+def compare(predicted: Estimate | float, measured_ms: Sequence[float]) -> Comparison:
+    """Compare an estimate (or a predicted time in ms) with measured iteration times in ms (median)."""
+    samples = tuple(float(ms) for ms in measured_ms)
+    if not samples:
+        raise ConfigError("compare: measured_ms must hold at least one iteration time")
+    if any(not ms > 0 for ms in samples):
+        raise ConfigError(f"compare: measured iteration times must be positive, got {min(samples)}")
+    predicted_ms = predicted.iteration_time_ms if isinstance(predicted, Estimate) else float(predicted)
+    return Comparison(predicted_ms=predicted_ms, measured_ms=statistics.median(samples),
+                      measured_iterations_ms=samples)
+
+
+class IterationRecorder:
+    """Times iterations of a training loop: ``with recorder: step()`` per iteration, or :meth:`record`.
+
+    The first ``warmup`` iterations are recorded but left out of :attr:`samples_ms`.
+    ``synchronize`` (e.g. ``torch.cuda.synchronize``) is called before the clock starts and
+    before it stops, so asynchronous device work is counted in its iteration.
+    """
+
+    def __init__(self, *, warmup: int = 1, synchronize: Callable[[], None] | None = None) -> None:
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ConfigError(f"IterationRecorder warmup must be a non-negative integer, got {warmup!r}")
+        self.warmup = warmup
+        self._synchronize = synchronize
+        self._all_ms: list[float] = []
+        self._start_ns: int | None = None
+
+    def __enter__(self) -> IterationRecorder:
+        if self._synchronize is not None:
+            self._synchronize()
+        self._start_ns = time.perf_counter_ns()
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if self._synchronize is not None and exc_type is None:
+            self._synchronize()
+        start, self._start_ns = self._start_ns, None
+        if exc_type is None and start is not None:
+            self.record((time.perf_counter_ns() - start) / 1e6)
+
+    def record(self, ms: float) -> None:
+        """Add one iteration that took ``ms`` milliseconds (timed by the caller)."""
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms > 0:
+            raise ConfigError(f"iteration time must be a positive number of ms, got {ms!r}")
+        self._all_ms.append(float(ms))
+
+    @property
+    def samples_ms(self) -> tuple[float, ...]:
+        return tuple(self._all_ms[self.warmup:])
+
+    def compare(self, predicted: Estimate | float) -> Comparison:
+        if not self.samples_ms:
+            raise ConfigError(f"IterationRecorder has {len(self._all_ms)} iterations, none after the "
+                              f"{self.warmup} warm-up ones")
+        return compare(predicted, self.samples_ms)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValidationResult:
+    config: str
+    device: str  # the device trained on, in words
+    overridden: tuple[str, ...]  # plan fields set to their one-device value, "field: old -> new"
+    num_microbatches: int
+    warmup_iterations: int
+    comparison: Comparison
+    peak_memory_measured_gib: float
+    measured_fraction: float  # share of the predicted kernel time that came from the profile database
+    breakdown_ms: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "device": self.device, "overridden": list(self.overridden),
+                "num_microbatches": self.num_microbatches, "warmup_iterations": self.warmup_iterations,
+                **self.comparison.to_dict(), "peak_memory_measured_gib": self.peak_memory_measured_gib,
+                "measured_fraction": self.measured_fraction, "predicted_breakdown_ms": self.breakdown_ms}
+
+
+def single_device_run(run: RunConfig, device: str = "cpu") -> tuple[RunConfig, tuple[str, ...]]:
+    """``run`` on one local device (TP = PP = DP = 1, on the preset of ``device``) and the fields changed."""
+    current = run.parallel.to_dict()
+    overridden = tuple(f"{name}: {current[name]} -> {value}" for name, value in _SINGLE_DEVICE.items()
+                       if current[name] != value)
+    plan = ParallelPlan(**{**current, **_SINGLE_DEVICE})
+    try:
+        single = replace(run, parallel=plan)
+    except ConfigError as exc:
+        raise ConfigError(f"{run.source}: on one device: {exc}") from None
+    return with_gpu(single, local_device_preset(device)), overridden
+
+
+def local_device_preset(device: str) -> str:
+    """The device preset this machine's ``device`` ("cpu", "cuda", "cuda:N") is an instance of."""
+    kind = device.split(":", 1)[0]
+    if kind == "cpu":
+        return "cpu"
+    if kind != "cuda":
+        raise ConfigError(f"device {device!r} must be 'cpu', 'cuda' or 'cuda:N'")
+    import torch
+
+    from profiler.devices import known_devices
+    from vtrain_plugin.profiles import gpu_name_matches
+
+    if not torch.cuda.is_available():
+        raise ProfileError(f"device {device!r} requested but torch.cuda.is_available() is False")
+    name = torch.cuda.get_device_name(torch.device(device))
+    matches = [p for p in known_devices() if p != "cpu" and gpu_name_matches(p, name)]
+    if not matches:
+        raise ProfileError(f"no device preset describes the local GPU {name!r}; known presets: "
+                           f"{', '.join(known_devices())}")
+    return matches[0]
+
+
+def validate(run: RunConfig, *, device: str = "cpu", db_path: str | os.PathLike | None = None,
+             iterations: int = 5, warmup: int = 1) -> ValidationResult:
+    """Train ``run`` for real on one local device and compare with its estimate (see the module doc)."""
+    from megatron_adapters.real_model import train
+    from profiler.fingerprint import current_fingerprint
+    from vtrain_plugin.profiles import measured_comm_tables, measured_durations
+
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ConfigError(f"iterations must be a positive integer, got {iterations!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(f"warmup must be a non-negative integer, got {warmup!r}")
+    single, overridden = single_device_run(run, device)
+    predicted = estimate(single, measured=measured_durations(single, db_path=db_path),
+                         measured_comm=measured_comm_tables(single, db_path=db_path))
+    measured = train(single.model, single.parallel, num_microbatches=single.num_microbatches,
+                     iterations=iterations, warmup=warmup, device=device)
+    return ValidationResult(
+        config=run.source, device=current_fingerprint(device).label, overridden=overridden,
+        num_microbatches=single.num_microbatches, warmup_iterations=warmup,
+        comparison=compare(predicted, measured.iteration_ms),
+        peak_memory_measured_gib=measured.peak_memory_bytes / GIB,
+        measured_fraction=predicted.measured_fraction, breakdown_ms=predicted.breakdown_ms)
+
+
+def validation_table(result: ValidationResult) -> str:
+    """The human rendering of ``vtrain validate``."""
+    from vtrain_plugin.report import render_table
+
+    c = result.comparison
+    lines = [f"{result.config} on {result.device}: {result.num_microbatches} micro-batches per iteration, "
+             f"median of {len(c.measured_iterations_ms)} iterations after {result.warmup_iterations} warm-up"]
+    if result.overridden:
+        lines.append(f"one device: {', '.join(result.overridden)}")
+    lines.append("")
+    lines.append(render_table([[f"{c.predicted_ms:,.1f}", f"{c.measured_ms:,.1f}", f"{c.error_pct:+.1f}%"]],
+                              ["predicted ms", "measured ms", "error"]))
+    lines.append("")
+    lines.append(f"peak memory measured: {result.peak_memory_measured_gib:.2f} GiB   "
+                 f"kernel time measured in the prediction: {100 * result.measured_fraction:.1f}%")
+    if result.measured_fraction < 1.0:
+        lines.append("(kernels missing from the profile database were modeled; run `vtrain profile` on this "
+                     "device first)")
+    return "\n".join(lines)
