@@ -90,3 +90,22 @@ def test_bad_estimate_input_is_one_line_exit_2(tmp_path, run_cli, args, change, 
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_memory_counts_model_states_and_the_activations_in_flight(gpt3_estimate):
+    from vtrain_plugin.tracer import trace
+
+    run = load_run_config(GPT3_CONFIG)
+    graph = trace(run.model, run.parallel)  # cached: the graph the estimate used
+    first, last = gpt3_estimate.memory_gib[0], gpt3_estimate.memory_gib[-1]
+    params = graph.stages[0].num_parameters
+    assert first.weights_gib == pytest.approx(params * 2 / 2**30)
+    assert first.gradients_gib == pytest.approx(params * 2 / 2**30)
+    assert first.optimizer_gib == pytest.approx(params * 12 / 2**30)  # fp32 main weights + two moments
+    # 1F1B: the first stage holds p micro-batches, the last one
+    assert (first.inflight_microbatches, last.inflight_microbatches) == (16, 1)
+    assert first.activations_gib == pytest.approx(graph.stages[0].activation_nbytes * 16 / 2**30)
+    # full recompute keeps each layer's input: [s, b, h] in fp16 per layer, plus the embedding output
+    layer = graph.stages[5].layer_template()
+    assert layer.activation_nbytes >= 2048 * 12288 * 2
+    assert gpt3_estimate.fits_in_memory and gpt3_estimate.peak_memory_gib < 80
