@@ -107,7 +107,7 @@ def main() -> None:
     add_data_argument(parser)
     parser.add_argument("--plot", type=Path, default=Path("a100_accuracy.png"), help="predicted-vs-measured PNG")
     parser.add_argument("--no-cv", action="store_true", help="skip the cross-validation")
-    parser.add_argument("--cv-evals", type=int, default=400, help="objective evaluations per refit")
+    parser.add_argument("--cv-evals", type=int, default=800, help="objective evaluations per refit")
     args = parser.parse_args()
 
     start = time.perf_counter()

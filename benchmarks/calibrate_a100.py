@@ -1,9 +1,10 @@
 """Fit the A100 device constants on the published calibration runs and write them into the preset.
 
-Reproduce with ``.venv/bin/python benchmarks/calibrate_a100.py`` (about two minutes on two cores:
+Reproduce with ``.venv/bin/python benchmarks/calibrate_a100.py`` (about four minutes on two cores:
 tracing the 170 runs once takes most of a minute, then every candidate set of constants re-costs all
 runs in about 0.1 s). Only the named constants of ``a100_data.FITTED`` are fitted, each inside its
-plausible range (``profiler.devices``); nothing depends on an individual row: the objective is the
+plausible range (``profiler.devices``); the backward host cost is tied to the forward one
+(``a100_data.TIED``); nothing depends on an individual row: the objective is the
 mean absolute log error of the single-node runs and of the multi-node runs, weighted equally.
 ``--dry-run`` prints the result without writing it.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from a100_data import (FITTED, START, add_data_argument, error_stats, fit, predict_all,  # noqa: E402
+from a100_data import (FITTED, START, TIED, add_data_argument, error_stats, fit, predict_all,  # noqa: E402
                        prepare_runs, read_runs)
 
 from profiler.devices import CONSTANT_RANGES, write_device_constants  # noqa: E402
@@ -29,7 +30,7 @@ PRESET = "a100-sxm4-80gb"  # what a vTrain config's "A100" resolves to
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_argument(parser)
-    parser.add_argument("--max-evals", type=int, default=800, help="objective evaluations of the search")
+    parser.add_argument("--max-evals", type=int, default=2500, help="objective evaluations of the search")
     parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
     args = parser.parse_args()
 
@@ -51,7 +52,7 @@ def main() -> None:
         s = error_stats(predicted[idx], [runs[i].measured_ms for i in idx])
         print(f"{source}-node: MAPE {s.mape:.2f}%  median {s.median:.2f}%  p90 {s.p90:.2f}%  bias {s.bias:+.2f}%")
     if not args.dry_run:
-        values = {name: round(float(getattr(constants, name)), 6) for name in FITTED}
+        values = {name: round(float(getattr(constants, name)), 6) for name in (*FITTED, *TIED)}
         write_device_constants(PRESET, values)
         print(f"wrote {len(values)} constants into the {PRESET} preset")
     print(f"total {time.perf_counter() - start:.1f} s")

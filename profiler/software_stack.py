@@ -53,8 +53,8 @@ import math
 from collections.abc import Callable, Sequence
 from enum import StrEnum
 
-from vtrain_plugin.errors import ConfigError
 from vtrain_plugin.graph import KernelKey, Node, OpNode, Phase
+from vtrain_plugin.registry import Registry
 
 
 class SoftwareStack(StrEnum):
@@ -63,29 +63,16 @@ class SoftwareStack(StrEnum):
 
 
 Mapping = Callable[[Sequence[Node]], tuple[Node, ...]]
-_MAPPINGS: dict[SoftwareStack, Mapping] = {}
+_MAPPINGS: Registry[Mapping] = Registry("software stack", plural="stacks")
 
 
 def register_stack(stack: SoftwareStack) -> Callable[[Mapping], Mapping]:
-    def register(mapping: Mapping) -> Mapping:
-        if stack in _MAPPINGS:
-            raise ConfigError(f"software stack {stack.value!r} is already registered")
-        _MAPPINGS[stack] = mapping
-        return mapping
-
-    return register
+    return _MAPPINGS.register(stack)
 
 
 def map_nodes(nodes: Sequence[Node], stack: SoftwareStack | str) -> tuple[Node, ...]:
     """The node sequence of one block as ``stack`` runs it."""
-    try:
-        mapping = _MAPPINGS.get(SoftwareStack(stack))
-    except ValueError:
-        mapping = None
-    if mapping is None:
-        raise ConfigError(f"unknown software stack {str(stack)!r}; valid stacks are "
-                          f"{', '.join(sorted(s.value for s in _MAPPINGS))}")
-    return mapping(nodes)
+    return _MAPPINGS.get(stack)(nodes)
 
 
 @register_stack(SoftwareStack.LOCAL_SPEC)

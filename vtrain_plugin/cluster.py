@@ -15,6 +15,7 @@ from typing import Any
 from vtrain_plugin import _validate as v
 from vtrain_plugin.comm.nccl_table import available_table_sets
 from vtrain_plugin.errors import ConfigError
+from vtrain_plugin.registry import Registry
 
 NS_PER_US = 1000.0
 
@@ -87,35 +88,28 @@ class ClusterSpec:
         missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING]
         if missing:
             raise ConfigError(f"cluster: missing key {missing[0]!r} (or give 'preset', one of "
-                              f"{', '.join(sorted(_PRESETS))})")
+                              f"{', '.join(_PRESETS.names())})")
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-_PRESETS: dict[str, ClusterSpec] = {}
+_PRESETS: Registry[ClusterSpec] = Registry("cluster preset", plural="presets")
 
 
 def register_cluster_preset(spec: ClusterSpec) -> ClusterSpec:
     if not spec.name:
         raise ConfigError("cluster preset needs a name")
-    if spec.name in _PRESETS:
-        raise ConfigError(f"cluster preset {spec.name!r} is already registered")
-    _PRESETS[spec.name] = spec
-    return spec
+    return _PRESETS.add(spec.name, spec)
 
 
 def get_cluster_preset(name: str) -> ClusterSpec:
-    try:
-        return _PRESETS[name]
-    except KeyError:
-        raise ConfigError(f"unknown cluster preset {name!r}; valid presets are "
-                          f"{', '.join(sorted(_PRESETS))}") from None
+    return _PRESETS.get(name)
 
 
 def cluster_preset_names() -> tuple[str, ...]:
-    return tuple(sorted(_PRESETS))
+    return _PRESETS.names()
 
 
 # Latencies are per NCCL ring step (NVSwitch hop, resp. one InfiniBand/RoCE message); prices are

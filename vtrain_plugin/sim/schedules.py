@@ -15,6 +15,7 @@ from functools import lru_cache
 
 from vtrain_plugin import _validate as v
 from vtrain_plugin.errors import ConfigError
+from vtrain_plugin.registry import Registry
 from vtrain_plugin.sim.work import ScheduleKind
 
 
@@ -64,28 +65,15 @@ class Schedule:
 ScheduleBuilder = Callable[[int, int, int, int], list[Task]]
 """``(pipeline_parallel, virtual_pipeline, num_microbatches, pipeline_rank) -> tasks``."""
 
-_BUILDERS: dict[ScheduleKind, ScheduleBuilder] = {}
+_BUILDERS: Registry[ScheduleBuilder] = Registry("schedule", plural="schedules")
 
 
 def register_schedule(kind: ScheduleKind) -> Callable[[ScheduleBuilder], ScheduleBuilder]:
-    def register(builder: ScheduleBuilder) -> ScheduleBuilder:
-        if kind in _BUILDERS:
-            raise ConfigError(f"schedule {kind.value!r} is already registered")
-        _BUILDERS[kind] = builder
-        return builder
-
-    return register
+    return _BUILDERS.register(kind)
 
 
 def schedule_builder(kind: ScheduleKind | str) -> ScheduleBuilder:
-    try:
-        builder = _BUILDERS.get(ScheduleKind(kind))
-    except ValueError:
-        builder = None
-    if builder is None:
-        raise ConfigError(f"unknown schedule {str(kind)!r}; valid schedules are "
-                          f"{', '.join(sorted(k.value for k in _BUILDERS))}")
-    return builder
+    return _BUILDERS.get(kind)
 
 
 @lru_cache(maxsize=256)
