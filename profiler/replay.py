@@ -25,10 +25,12 @@ repetitions.
 Timing: ``warmup`` calls, then the median of ``n`` repetitions where ``n`` fills about
 ``budget_s`` (at least ``min_repetitions``, at most ``max_repetitions``); CUDA events on GPU
 (optionally writing a buffer of twice the L2 size between repetitions to flush it),
-``time.perf_counter_ns`` on CPU, where a 16 MiB buffer is written before each repetition
-(``flush_cpu_cache``): in a training step an op finds its operands outside the cores' private
-caches, evicted by the ops between, while back-to-back repetitions would keep them there (a
-512 KiB elementwise op runs about three times faster from L2). The number of CPU threads is left
+``time.perf_counter_ns`` on CPU, where a buffer is written before each repetition
+(``flush_cpu_cache``): in a training step an op finds its operands outside the caches, evicted by
+the ops between, while back-to-back repetitions would keep them there (a 512 KiB elementwise op
+runs about three times faster from L2; a 16 MiB one markedly faster from a server's last-level
+cache). Operands up to 4 MiB are flushed from the private caches (16 MiB written), larger ones
+from the last-level cache too (512 MiB written). The number of CPU threads is left
 as the process has it: a CPU profile is compared with real training run under the same
 conditions, and the fingerprint records ``torch.get_num_threads()``.
 """
@@ -49,8 +51,13 @@ from profiler.progress import ProgressBar
 from vtrain_plugin.errors import ProfileError
 from vtrain_plugin.graph import KernelKey
 
-# Written between CPU repetitions: more than the private L2 of the cores torch uses (1-2 MiB each).
-_CPU_FLUSH_NBYTES = 16 << 20
+# Written between CPU repetitions. Operands that fit the cores' private caches are evicted from
+# there by a write larger than them; larger operands would stay in the (shared, server-sized) last
+# level cache between back-to-back repetitions, while in a training step the ops in between evict
+# them: those are flushed with a write larger than that cache.
+_CPU_PRIVATE_FLUSH_NBYTES = 16 << 20
+_CPU_SHARED_FLUSH_NBYTES = 512 << 20
+_CPU_PRIVATE_CACHE_NBYTES = 4 << 20  # operands above this come from memory in a training step
 # Namespaces whose ops are communication, not kernels: measured by profiler.comm_bench instead.
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
 
@@ -155,7 +162,10 @@ def replay_kernel(key: KernelKey, device: str = "cpu", *, policy: TimingPolicy |
         def call() -> None:
             op(**kwargs)
 
-        samples_ns = _time_cuda(call, dev, policy) if dev.type == "cuda" else _time_cpu(call, policy)
+        if dev.type == "cuda":
+            samples_ns = _time_cuda(call, dev, policy)
+        else:
+            samples_ns = _time_cpu(call, policy, _operand_nbytes(kwargs))
     except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError) as exc:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ProfileError(f"kernel {key.op}: replay on {dev} failed: {first_line}") from None
@@ -328,8 +338,19 @@ def _repetitions(per_call_s: float, policy: TimingPolicy) -> int:
     return max(policy.min_repetitions, min(policy.max_repetitions, wanted))
 
 
-def _time_cpu(call: Callable[[], None], policy: TimingPolicy) -> list[int]:
-    flush = torch.empty(_CPU_FLUSH_NBYTES // 4) if policy.flush_cpu_cache else None
+def _operand_nbytes(kwargs: dict) -> int:
+    total = 0
+    for value in kwargs.values():
+        for t in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _time_cpu(call: Callable[[], None], policy: TimingPolicy, operand_nbytes: int = 0) -> list[int]:
+    flush_nbytes = (_CPU_SHARED_FLUSH_NBYTES if operand_nbytes > _CPU_PRIVATE_CACHE_NBYTES
+                    else _CPU_PRIVATE_FLUSH_NBYTES)
+    flush = torch.empty(flush_nbytes // 4) if policy.flush_cpu_cache else None
     warm_ns = []
     for _ in range(policy.warmup):
         t0 = time.perf_counter_ns()
