@@ -8,6 +8,7 @@ process group created on the fake backend, and tears it all down on exit.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -64,3 +65,20 @@ def _group_names(ps) -> dict[str, ParallelGroup]:
         if pg is not None:
             names.setdefault(pg.group_name, group)
     return names
+
+
+@contextlib.contextmanager
+def quiet_megatron() -> Iterator[None]:
+    """megatron-core warns on import about missing Apex/TransformerEngine; vtrain needs neither."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def reset_global_memory_buffer() -> None:
+    """Megatron's global scratch buffer must not carry tensors from one model (or fake mode) to the next."""
+    from megatron.core import parallel_state as ps
+
+    if getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is not None:
+        ps._GLOBAL_MEMORY_BUFFER = None
+        ps._set_global_memory_buffer()

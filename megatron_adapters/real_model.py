@@ -21,7 +21,6 @@ import contextlib
 import math
 import statistics
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +89,7 @@ def check_fits(model: ModelSpec, plan: ParallelPlan, device: torch.device) -> No
 def train(model: ModelSpec, plan: ParallelPlan, *, num_microbatches: int, iterations: int, warmup: int,
           device: str = "cpu", seed: int = 0, adam: AdamSettings = AdamSettings()) -> TrainingMeasurement:
     """Build the real model of ``model`` on ``device`` and time ``warmup + iterations`` training iterations."""
-    from megatron_adapters.fake_world import fake_world
+    from megatron_adapters.fake_world import fake_world, quiet_megatron, reset_global_memory_buffer
 
     if plan.world_size != 1:
         raise ConfigError(f"real training runs on one device; parallel world size is {plan.world_size}")
@@ -98,8 +97,8 @@ def train(model: ModelSpec, plan: ParallelPlan, *, num_microbatches: int, iterat
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} requested but torch.cuda.is_available() is False")
     check_fits(model, plan, dev)
-    with _quiet(), _device_patches(dev), fake_world(plan):
-        _reset_megatron_buffers()
+    with quiet_megatron(), _device_patches(dev), fake_world(plan):
+        reset_global_memory_buffer()
         memory = _PeakMemory(dev)
         gpt = build_chunk(model, plan, ChunkRole(pipeline_rank=0, chunk=0, pre_process=True, post_process=True),
                           layers_per_chunk=model.num_layers)
@@ -122,7 +121,7 @@ def train(model: ModelSpec, plan: ParallelPlan, *, num_microbatches: int, iterat
             if i >= warmup:
                 times_ms.append((time.perf_counter_ns() - start_ns) / 1e6)
         peak = memory.peak_bytes()
-        _reset_megatron_buffers()
+        reset_global_memory_buffer()
     return TrainingMeasurement(iteration_ms=tuple(times_ms), warmup_iterations=warmup,
                                num_microbatches=num_microbatches, peak_memory_bytes=peak,
                                final_loss=float(loss), device=str(dev))
@@ -245,19 +244,3 @@ def _device_patches(dev: torch.device) -> Iterator[None]:
     else:
         with torch.cuda.device(dev):
             yield
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def _reset_megatron_buffers() -> None:
-    from megatron.core import parallel_state as ps
-
-    if getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is not None:
-        ps._GLOBAL_MEMORY_BUFFER = None
-        ps._set_global_memory_buffer()
-

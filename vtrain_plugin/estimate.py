@@ -19,7 +19,7 @@ from vtrain_plugin.comm.nccl_table import NcclTable
 from vtrain_plugin.config import RunConfig
 from vtrain_plugin.costing import cost_graph
 from vtrain_plugin.errors import ConfigError
-from vtrain_plugin.graph import CollectiveKind, KernelKey, OpGraph, OpNode, Phase
+from vtrain_plugin.graph import CollectiveKind, KernelKey, OpGraph, Phase
 from vtrain_plugin.plan import ParallelPlan
 from vtrain_plugin.memory import RankMemory, rank_memory
 from vtrain_plugin.sim.engine import RankBreakdown, simulate

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from vtrain_plugin.graph import (Block, BlockKind, CollectiveNode, Node, OpNode, ParallelGroup)
-from vtrain_plugin.recorder import CollectiveRecord, OpRecord, Record
+from vtrain_plugin.recorder import OpRecord, Record
 
 _LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers)\.(?P<index>\d+)(?P<rest>(?:\..*)?)$")
 _HEAD_MODULES = ("decoder.final_layernorm", "output_layer", "loss")

@@ -7,7 +7,7 @@ Both are frozen dataclasses validated on construction; derived values are proper
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 

@@ -12,13 +12,11 @@ A plain ``torch.nn.Module`` with a sample input is traced on the meta device as 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import time
-import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -145,7 +143,7 @@ def _trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bu
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_adapters.cpu_patches import cpu_tracing_patches
-    from megatron_adapters.fake_world import fake_world
+    from megatron_adapters.fake_world import fake_world, quiet_megatron, reset_global_memory_buffer
     from megatron_adapters.gpt import (ChunkRole, build_chunk, prepare_for_recording, run_training_step,
                                        stage_input_shape)
 
@@ -156,15 +154,15 @@ def _trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bu
     rank = 0 if pre else stages - 1 if post else 1
     role = ChunkRole(pipeline_rank=rank, chunk=0, pre_process=pre, post_process=post)
     try:
-        with _quiet(), cpu_tracing_patches(), fake_world(trace_plan, pipeline_rank=rank) as group_names:
-            _reset_megatron_buffers()
+        with quiet_megatron(), cpu_tracing_patches(), fake_world(trace_plan, pipeline_rank=rank) as group_names:
+            reset_global_memory_buffer()
             with FakeTensorMode(allow_non_fake_inputs=True):
                 gpt = build_chunk(model, trace_plan, role, layers_per_chunk=built)
                 prepare_for_recording(gpt)
                 recorder = OpRecorder(gpt)
                 with recorder.recording():
                     run_training_step(gpt, model, trace_plan, role, recorder)
-            _reset_megatron_buffers()
+            reset_global_memory_buffer()
             params_by_block, word_embedding = _parameter_counts(gpt)
     except (RuntimeError, TypeError, AssertionError, NotImplementedError) as exc:
         raise TraceError(f"tracing the megatron-core model failed: {type(exc).__name__}: "
@@ -185,23 +183,6 @@ def _trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bu
                        word_embedding_params=word_embedding,
                        activation_shape=stage_input_shape(model, plan),
                        activation_dtype=Dtype(model.dtype).torch_name)
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """megatron-core warns on import about missing Apex/TransformerEngine; tracing needs neither."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def _reset_megatron_buffers() -> None:
-    """Megatron's global scratch buffer must not leak fake tensors from one fake mode to the next."""
-    from megatron.core import parallel_state as ps
-
-    if getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is not None:
-        ps._GLOBAL_MEMORY_BUFFER = None
-        ps._set_global_memory_buffer()
 
 
 def _parameter_counts(module: torch.nn.Module) -> tuple[dict[str, int], int]:
