@@ -105,7 +105,7 @@ def plot(runs: Sequence[MeasuredRun], predicted: np.ndarray, path: Path) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_argument(parser)
-    parser.add_argument("--plot", type=Path, default=Path("a100_accuracy.png"), help="predicted-vs-measured PNG")
+    parser.add_argument("--plot", type=Path, default=Path(__file__).resolve().parent / "results" / "a100_accuracy.png", help="predicted-vs-measured PNG")
     parser.add_argument("--no-cv", action="store_true", help="skip the cross-validation")
     parser.add_argument("--cv-evals", type=int, default=800, help="objective evaluations per refit")
     args = parser.parse_args()
