@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", help="GPU preset to estimate for, overriding the config's "
                                  "(a100-sxm4-40gb, a100-sxm4-80gb, h100-sxm, h200-sxm; aliases A100, H100, H200)")
     p.add_argument("--format", choices=("table", "json", "jsonl"), default="table")
-    p.add_argument("--db", help="profile database (default: $VTRAIN_PROFILE_DB or the user cache)")
+    _db_option(p)
     p.add_argument("--explain", type=int, nargs="?", const=10, default=0, metavar="N",
                    help="list the N largest unmeasured kernels (default 10)")
     p.add_argument("--timeline", metavar="FILE", help="write a Chrome trace / Perfetto timeline")
@@ -216,13 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile-export", help="write profiles to a portable JSON file")
     p.add_argument("file", help="JSON file to write")
-    p.add_argument("--db", help="profile database (default: $VTRAIN_PROFILE_DB or the user cache)")
+    _db_option(p)
     p.add_argument("--device-name", help="only devices whose name contains this (e.g. H100)")
     p.set_defaults(func=cmd_profile_export)
 
     p = sub.add_parser("profile-import", help="merge a file written by profile-export into the database")
     p.add_argument("file", help="JSON file written by `vtrain profile-export`")
-    p.add_argument("--db", help="profile database (default: $VTRAIN_PROFILE_DB or the user cache)")
+    _db_option(p)
     p.set_defaults(func=cmd_profile_import)
 
     p = sub.add_parser("validate", help="train a plan for real on one local device and compare with its estimate")
@@ -238,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _device_and_db(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to measure on (default cpu)")
+    _db_option(p)
+
+
+def _db_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", help="profile database (default: $VTRAIN_PROFILE_DB or the user cache)")
 
 

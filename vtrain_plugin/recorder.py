@@ -20,6 +20,7 @@ from torch.distributed._tools.fake_collectives import CollectiveOp, collective_o
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vtrain_plugin import opinfo
+from vtrain_plugin.errors import TraceError
 from vtrain_plugin.graph import CollectiveKind, KernelKey, Phase
 
 _TAG = "vtrain_module"
@@ -233,7 +234,7 @@ class OpRecorder:
         base = func._schema.name.split("::")[-1]
         kind = _COLLECTIVE_KINDS.get(base)
         if kind is None:
-            raise NotImplementedError(f"collective {func} is not mapped to a CollectiveKind")
+            raise TraceError(f"collective {func} is not supported by the tracer (no CollectiveKind for it)")
         group = CollectiveOp.get_process_group(func, args)
         tensors = _tensors(args)
         nbytes = _collective_nbytes(kind, func, args, out)
