@@ -10,6 +10,7 @@ name (inner modules' hooks run first, so the innermost module wins). A module fo
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ class OpRecorder:
         self._handles: list[Any] = []
         self._param_owner: dict[int, str] = {}
         self.saved_nbytes: dict[str, int] = {}  # activation bytes kept for backward, per module
-        self._saved: weakref.WeakSet[_SavedTensor] = weakref.WeakSet()
+        self._saved: list[weakref.ref[_SavedTensor]] = []  # in the order forward saved them
         self._param_storages: set[int] = {p.untyped_storage()._cdata for p in root.parameters()}
         self._module_override: str | None = None
         self._default_module = ""
@@ -189,12 +190,18 @@ class OpRecorder:
             return tensor
         module = self._stack[-1][0] if self._stack else self._default_module
         saved = _SavedTensor(tensor, module)
-        self._saved.add(saved)
+        self._saved.append(weakref.ref(saved))
         return saved
 
     def _count_saved_activations(self) -> None:
+        """A storage saved by several modules counts once, for the first that saved it; walking the
+        saves in order (after collecting unreachable cycles) makes the attribution deterministic."""
+        gc.collect()
         seen: set[int] = set()
-        for saved in list(self._saved):
+        for ref in self._saved:
+            saved = ref()
+            if saved is None:
+                continue
             storage = saved.tensor.untyped_storage()
             key = storage._cdata
             if key in self._param_storages or key in seen:
