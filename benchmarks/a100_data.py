@@ -1,6 +1,6 @@
 """The measured A100 runs published with vTrain, as vTrain configs and vtrain run configs.
 
-Shared by ``calibrate_a100.py`` and ``accuracy.py``. The calibration CSVs live in
+Shared by ``calibrate.py`` and ``accuracy.py``. The calibration CSVs live in
 ``../shared/data`` next to the repository (override with ``--data DIR``); each row becomes the vTrain
 config that describes the measured run (Megatron-DeepSpeed, fp16, full activation recompute, 1F1B,
 one gradient all-reduce after the last backward, DGX A100 nodes with 8 x 200 Gb/s InfiniBand).
@@ -18,13 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from vtrain_plugin.comm.model import CommModel  # before profiler: vtrain_plugin/__init__ imports it
-from profiler.devices import DeviceConstants, get_device  # noqa: E402  (isort: skip)
-from vtrain_plugin.config import RunConfig, run_config_from_dict
-from vtrain_plugin.costing import cost_prepared, prepare_graph
-from vtrain_plugin.sim.engine import simulate
-from vtrain_plugin.timing import KernelTimer
-from vtrain_plugin.tracer import trace
+from vtrain_plugin.api import run_config_from_dict
+from vtrain_plugin.capture.tracer import trace
+from vtrain_plugin.cost.prepare import PreparedGraph, prepare
+from vtrain_plugin.estimate import predict
+from vtrain_plugin.hardware.calibration import DeviceConstants
+from vtrain_plugin.specs.run import RunConfig
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SINGLE_NODE_CSV = "a100_single_node_calibration.csv"
@@ -122,17 +121,12 @@ def grouped(runs: Sequence[MeasuredRun], key: Callable[[MeasuredRun], Any]) -> d
 class PreparedRun:
     measured: MeasuredRun
     run: RunConfig
-    prepared: Any  # vtrain_plugin.costing.PreparedGraph
+    prepared: PreparedGraph
 
     def predict_ms(self, constants: DeviceConstants) -> float:
         """What ``vtrain estimate`` prints for this run with ``constants`` as the device's constants."""
-        run = self.run
-        device = get_device(run.cluster.gpu)
-        plan = run.parallel
-        comm = CommModel.for_plan(run.cluster, plan, network_efficiency=constants.network_efficiency)
-        costing = cost_prepared(self.prepared, timer=KernelTimer(device, constants=constants), comm=comm,
-                                training=run.training, num_microbatches=run.num_microbatches)
-        return simulate(costing.work).iteration_ns / 1e6
+        _, result = predict(self.prepared, cluster=self.run.cluster, training=self.run.training, constants=constants)
+        return result.iteration_ns / 1e6
 
 
 def prepare_runs(runs: Sequence[MeasuredRun]) -> list[PreparedRun]:
@@ -140,9 +134,7 @@ def prepare_runs(runs: Sequence[MeasuredRun]) -> list[PreparedRun]:
     for m in runs:
         run = m.run
         graph = trace(run.model, run.parallel)
-        timer = KernelTimer(get_device(run.cluster.gpu))
-        out.append(PreparedRun(measured=m, run=run,
-                               prepared=prepare_graph(graph, timer, run.training.software_stack)))
+        out.append(PreparedRun(measured=m, run=run, prepared=prepare(graph, run.training.software_stack)))
     return out
 
 
@@ -152,7 +144,7 @@ def predict_all(prepared: Sequence[PreparedRun], constants: DeviceConstants) -> 
 
 # ---- the fit ---------------------------------------------------------------------------------------
 
-# The constants calibration fits, each searched inside its plausible range (profiler.devices):
+# The constants calibration fits, each searched inside its plausible range (vtrain_plugin.hardware.devices):
 # lower and upper bound of the search, and whether the search is on a log scale.
 FITTED: dict[str, tuple[float, float, bool]] = {
     "gemm_efficiency": (0.5, 1.0, False),

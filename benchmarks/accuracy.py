@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from a100_data import (START, MeasuredRun, PreparedRun, add_data_argument, error_stats, fit,  # noqa: E402
                        grouped, predict_all, prepare_runs, read_runs)
 
-from profiler.devices import get_device  # noqa: E402
+from vtrain_plugin.hardware.calibration import calibration_for  # noqa: E402
 from vtrain_plugin.estimate import estimate  # noqa: E402
-from vtrain_plugin.report import render_table  # noqa: E402
+from vtrain_plugin.cli.render import render_table  # noqa: E402
 
 GROUPS = (("tp", "TP"), ("pp", "PP"), ("micro_batch", "micro-batch"), ("hidden", "hidden"))
 HEADER = ["group", "runs", "MAPE %", "median %", "p90 %", "bias %"]
@@ -113,10 +113,11 @@ def main() -> None:
     start = time.perf_counter()
     runs = read_runs(args.data)
     prepared = prepare_runs(runs)
-    constants = get_device("A100").constants
+    constants = calibration_for("a100-sxm4-80gb", "megatron_deepspeed_2023").constants
     predicted = predict_all(prepared, constants)
     for i in (0, len(runs) - 1):  # the fast path is the estimator's own code: check it agrees
-        assert abs(estimate(runs[i].run).iteration_time_ms - predicted[i]) <= 1e-9 * predicted[i]
+        if abs(estimate(runs[i].run).iteration_time_ms - predicted[i]) > 1e-9 * predicted[i]:
+            raise SystemExit(f"run {i}: the calibration path disagrees with estimate()")
     print(f"estimated {len(runs)} runs in {time.perf_counter() - start:.1f} s (tracing included)\n")
     print(accuracy_tables(runs, predicted))
     print()

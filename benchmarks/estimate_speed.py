@@ -12,12 +12,13 @@ import itertools
 import statistics
 import time
 
-from vtrain_plugin.cluster import get_cluster_preset
+from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.estimate import estimate
-from vtrain_plugin.plan import ModelSpec, ParallelPlan
-from vtrain_plugin.report import render_table
-from vtrain_plugin.tracer import clear_cache, trace
-from vtrain_plugin.training import TrainingSpec
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.cli.render import render_table
+from vtrain_plugin.capture.tracer import clear_cache, trace
+from vtrain_plugin.specs.training import TrainingSpec
 
 MT_NLG = ModelSpec(name="mt-nlg-530b", num_layers=105, hidden_size=20480, num_attention_heads=128,
                    seq_length=2048, vocab_size=51200, dtype="fp16")

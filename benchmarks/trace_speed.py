@@ -12,9 +12,11 @@ import resource
 import statistics
 import time
 
-from vtrain_plugin.plan import ModelSpec, ParallelPlan
-from vtrain_plugin.report import render_table
-from vtrain_plugin.tracer import clear_cache, trace_stage
+from vtrain_plugin.specs.model import ModelSpec
+
+from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.cli.render import render_table
+from vtrain_plugin.capture.tracer import clear_cache, trace_stage
 
 GPT3_175B = ModelSpec(name="gpt3-175b", num_layers=96, hidden_size=12288, num_attention_heads=96,
                       seq_length=2048, vocab_size=51200, dtype="fp16")

@@ -12,7 +12,8 @@ from pathlib import Path
 import vtrain_plugin as vtrain
 from profiler.db import ProfileDB
 from profiler.replay import profile_kernels
-from vtrain_plugin.validate import validate
+from vtrain_plugin.cli.render import validation_table
+from vtrain_plugin.measure import validate
 
 plan = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parent / "plans" / "gpt_tiny_cpu.yaml")
 run = vtrain.load_run_config(plan)
@@ -28,7 +29,7 @@ print(f"{summary.measured} kernels measured, {summary.skipped} already profiled,
 
 # 3. validate: train the real model for a few iterations and compare with the estimate
 result = validate(run, device="cpu", iterations=3)
-print(vtrain.validation_table(result))
+print(validation_table(result))
 
 # The same comparison for your own training loop:
 #   recorder = vtrain.IterationRecorder(warmup=1)

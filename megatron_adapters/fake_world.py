@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from vtrain_plugin.errors import TraceError
-from vtrain_plugin.graph import ParallelGroup
-from vtrain_plugin.plan import ParallelPlan
+from vtrain_plugin.core.errors import TraceError
+from vtrain_plugin.core.graph import ParallelGroup
+from vtrain_plugin.specs.parallel import ParallelPlan
 
 
 def representative_rank(plan: ParallelPlan, pipeline_rank: int) -> int:

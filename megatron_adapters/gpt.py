@@ -11,7 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vtrain_plugin.plan import Dtype, Family, ModelSpec, ParallelPlan, Recompute
+from vtrain_plugin.core.dtypes import Dtype
+
+from vtrain_plugin.specs.model import Family, ModelSpec
+
+from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
 
 _TORCH_DTYPES = {Dtype.FP16: torch.float16, Dtype.BF16: torch.bfloat16, Dtype.FP32: torch.float32}
 
@@ -151,7 +155,7 @@ def run_training_step(gpt, model: ModelSpec, plan: ParallelPlan, role: ChunkRole
     before the step in a real run. The optimizer mirrors Megatron's mixed precision: fp32 main
     weights and Adam moments, model-dtype weights and gradients.
     """
-    from vtrain_plugin.graph import Phase
+    from vtrain_plugin.core.graph import Phase
 
     b, s = plan.micro_batch_size, model.seq_length
     dtype = torch_dtype(model.dtype)
@@ -204,7 +208,7 @@ def prepare_for_recording(gpt) -> None:
 
 
 def _optimizer_step(gpt, model: ModelSpec, recorder, adam: AdamSettings) -> None:
-    from vtrain_plugin.graph import Phase
+    from vtrain_plugin.core.graph import Phase
 
     params = [p for p in gpt.parameters() if p.grad is not None]
     with recorder.paused():

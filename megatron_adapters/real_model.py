@@ -28,10 +28,12 @@ from pathlib import Path
 import torch
 
 from megatron_adapters.gpt import AdamSettings, ChunkRole, build_chunk
-from vtrain_plugin.errors import ConfigError
-from vtrain_plugin.plan import Dtype, ModelSpec, ParallelPlan
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.units import GIB
+from vtrain_plugin.core.dtypes import Dtype
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
 
-GIB = 2**30
 _FP16_LOSS_SCALE = 4096.0
 _INIT_STD = 0.02
 

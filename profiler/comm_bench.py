@@ -9,14 +9,14 @@ message sizes that are powers of two, on ranks ``0 .. group_size - 1``.
 ``nbytes`` is the size of the whole buffer, as nccl-tests counts it: all_reduce the reduced
 buffer; all_gather the gathered output (each rank contributes ``nbytes / group_size``);
 reduce_scatter the input (each rank keeps ``nbytes / group_size``); all_to_all each rank's
-send buffer; send_recv the message sent one way (ranks 0 and 1 only, so group size 2). Tensors
+send buffer; send (a send/recv pair) the message sent one way (ranks 0 and 1 only, so group size 2). Tensors
 are float32; when ``group_size`` does not divide the element count the row records the bytes
 actually moved.
 
 Timing (rank 0): after a barrier, a window of ``k`` back-to-back operations (``k`` from 20 for
 small messages down to 1, so launch skew is amortized) timed with CUDA events on GPU or
 ``time.perf_counter_ns`` on CPU; the duration is the median over windows of the per-operation
-time. send_recv is timed as a ping-pong, one way being half a round trip. All five kinds work
+time. send is timed as a ping-pong, one way being half a round trip. All five kinds work
 with gloo in torch 2.13; a kind the backend rejects is reported in ``unsupported`` with the
 backend's reason, never emulated.
 """
@@ -32,7 +32,6 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -42,27 +41,25 @@ import torch.multiprocessing as mp
 
 from profiler.db import ProfileDB
 from profiler.fingerprint import DeviceFingerprint, current_fingerprint
-from vtrain_plugin.errors import ProfileError
+from vtrain_plugin.core.errors import ProfileError
+from vtrain_plugin.core.graph import CollectiveKind
+from vtrain_plugin.core.units import GIB, KIB
 
-KIB = 1 << 10
-GIB = 1 << 30
 CPU_DEFAULT_MAX_NBYTES = 64 << 20
 _WINDOWS = 5
 _WINDOW_NBYTES = 16 << 20  # a timing window moves about this much (at most 20 operations)
 _ELEMENT_NBYTES = 4  # float32
 
 
-class BenchKind(StrEnum):
-    ALL_REDUCE = "all_reduce"
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    SEND_RECV = "send_recv"
-    ALL_TO_ALL = "all_to_all"
+# The collectives benchmarked; SEND stands for a send/recv pair (the time of one transfer).
+BENCHMARKED: tuple[CollectiveKind, ...] = (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER,
+                                           CollectiveKind.REDUCE_SCATTER, CollectiveKind.SEND,
+                                           CollectiveKind.ALL_TO_ALL)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CommRow:
-    kind: BenchKind
+    kind: CollectiveKind
     group_size: int
     backend: str
     nbytes: int
@@ -71,7 +68,7 @@ class CommRow:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Unsupported:
-    kind: BenchKind
+    kind: CollectiveKind
     group_size: int
     reason: str
 
@@ -99,7 +96,7 @@ def group_sizes_for(world_size: int) -> list[int]:
     return sizes if world_size in sizes else [*sizes, world_size]
 
 
-def benchmark_collectives(device: str = "cuda", *, kinds: Sequence[str] = tuple(BenchKind),
+def benchmark_collectives(device: str = "cuda", *, kinds: Sequence[str] = BENCHMARKED,
                           min_nbytes: int = KIB, max_nbytes: int | None = None, world_size: int | None = None,
                           backend: str | None = None, db: ProfileDB | None = None,
                           fingerprint: DeviceFingerprint | None = None, timeout_s: float = 600.0) -> CommBenchResult:
@@ -113,9 +110,11 @@ def benchmark_collectives(device: str = "cuda", *, kinds: Sequence[str] = tuple(
     if device_type not in ("cpu", "cuda"):
         raise ProfileError(f"collective benchmark device {device!r} must be 'cpu' or 'cuda'")
     try:
-        bench_kinds = [BenchKind(k) for k in kinds]
+        bench_kinds = [CollectiveKind(k) for k in kinds]
+        if not set(bench_kinds) <= set(BENCHMARKED):
+            raise ValueError
     except ValueError:
-        raise ProfileError(f"collective kinds {list(kinds)} must be among {[k.value for k in BenchKind]}") from None
+        raise ProfileError(f"collective kinds {list(kinds)} must be among {[k.value for k in BENCHMARKED]}") from None
     backend = backend or ("nccl" if device_type == "cuda" else "gloo")
     if world_size is None:
         world_size = torch.cuda.device_count() if device_type == "cuda" else min(4, max(2, os.cpu_count() or 2))
@@ -140,9 +139,9 @@ def benchmark_collectives(device: str = "cuda", *, kinds: Sequence[str] = tuple(
             last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             raise ProfileError(f"collective benchmark ({backend}, {world_size} ranks) failed: {last}") from None
         report = json.loads(result_path.read_text())
-    rows = tuple(CommRow(kind=BenchKind(r["kind"]), group_size=r["group_size"], backend=backend,
+    rows = tuple(CommRow(kind=CollectiveKind(r["kind"]), group_size=r["group_size"], backend=backend,
                          nbytes=r["nbytes"], duration_ns=r["duration_ns"]) for r in report["rows"])
-    unsupported = tuple(Unsupported(kind=BenchKind(u["kind"]), group_size=u["group_size"], reason=u["reason"])
+    unsupported = tuple(Unsupported(kind=CollectiveKind(u["kind"]), group_size=u["group_size"], reason=u["reason"])
                         for u in report["unsupported"])
     if db is not None:
         for row in rows:
@@ -168,8 +167,8 @@ def _worker(rank: int, plan: dict[str, Any]) -> None:
         rows, unsupported = [], []
         for g in group_sizes_for(world_size):
             group = dist.new_group(list(range(g)))
-            for kind in map(BenchKind, plan["kinds"]):
-                if rank >= g or (kind is BenchKind.SEND_RECV and g != 2):
+            for kind in map(CollectiveKind, plan["kinds"]):
+                if rank >= g or (kind is CollectiveKind.SEND and g != 2):
                     continue
                 try:
                     for nbytes in plan["sizes"]:
@@ -186,35 +185,35 @@ def _worker(rank: int, plan: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
-def _measure(kind: BenchKind, nbytes: int, g: int, rank: int, group: Any,
+def _measure(kind: CollectiveKind, nbytes: int, g: int, rank: int, group: Any,
              dev: torch.device) -> tuple[int, float]:
     per_rank = max(1, nbytes // _ELEMENT_NBYTES // g)
     full = per_rank * g
-    if kind is BenchKind.ALL_REDUCE or kind is BenchKind.SEND_RECV:
+    if kind is CollectiveKind.ALL_REDUCE or kind is CollectiveKind.SEND:
         full = max(1, nbytes // _ELEMENT_NBYTES)
     op = _operation(kind, full, per_rank, rank, group, dev)
     k = max(1, min(20, _WINDOW_NBYTES // max(nbytes, 1)))
     _window(op, k, group, dev)  # warm-up: connections, communicators, allocator
     per_op_ns = [_window(op, k, group, dev) / k for _ in range(_WINDOWS)]
-    if kind is BenchKind.SEND_RECV:
+    if kind is CollectiveKind.SEND:
         per_op_ns = [t / 2 for t in per_op_ns]  # a round trip is two one-way messages
     return full * _ELEMENT_NBYTES, float(statistics.median(per_op_ns))
 
 
-def _operation(kind: BenchKind, full: int, per_rank: int, rank: int, group: Any,
+def _operation(kind: CollectiveKind, full: int, per_rank: int, rank: int, group: Any,
                dev: torch.device) -> Callable[[], None]:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    if kind is BenchKind.ALL_REDUCE:
+    if kind is CollectiveKind.ALL_REDUCE:
         buf = torch.ones(full, device=dev)
         return lambda: dist.all_reduce(buf, group=group)
-    if kind is BenchKind.ALL_GATHER:
+    if kind is CollectiveKind.ALL_GATHER:
         inp, out = torch.ones(per_rank, device=dev), torch.empty(full, device=dev)
         return lambda: gather(out, inp, group=group)
-    if kind is BenchKind.REDUCE_SCATTER:
+    if kind is CollectiveKind.REDUCE_SCATTER:
         inp, out = torch.ones(full, device=dev), torch.empty(per_rank, device=dev)
         return lambda: scatter(out, inp, group=group)
-    if kind is BenchKind.ALL_TO_ALL:
+    if kind is CollectiveKind.ALL_TO_ALL:
         inp, out = torch.ones(full, device=dev), torch.empty(full, device=dev)
         return lambda: dist.all_to_all_single(out, inp, group=group)
     buf = torch.ones(full, device=dev)

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from profiler.fingerprint import DeviceFingerprint
-from vtrain_plugin.errors import ProfileError
-from vtrain_plugin.graph import KernelKey, atomic_write_text
+from vtrain_plugin.core.errors import ProfileError
+from vtrain_plugin.core.files import atomic_write_text
+from vtrain_plugin.core.graph import CollectiveKind, KernelKey
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 APPLICATION_ID = int.from_bytes(b"vTrn", "big")  # 0x7654726e
 EXPORT_FORMAT = "vtrain-profile"
 EXPORT_VERSION = 1
@@ -62,8 +63,13 @@ def _migrate_0_to_1(conn: sqlite3.Connection) -> None:
         " PRIMARY KEY (fingerprint_id, kind, group_size, backend, nbytes)) WITHOUT ROWID")
 
 
+def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
+    """Collective kinds are CollectiveKind values: the point-to-point benchmark is ``send``."""
+    conn.execute("UPDATE comm SET kind = 'send' WHERE kind = 'send_recv'")
+
+
 # _MIGRATIONS[v] upgrades a file at schema version v to v + 1; version 0 is a new, empty file.
-_MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_0_to_1,)
+_MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_0_to_1, _migrate_1_to_2)
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -191,7 +197,7 @@ class ProfileDB:
 
     # ---- collectives ---------------------------------------------------------------------------
 
-    def put_comm(self, fp: DeviceFingerprint, kind: str, group_size: int, backend: str, nbytes: int,
+    def put_comm(self, fp: DeviceFingerprint, kind: CollectiveKind, group_size: int, backend: str, nbytes: int,
                  duration_ns: float) -> None:
         """Store (replacing) the duration of one collective ``kind`` of ``nbytes`` over ``group_size`` ranks."""
         row = _comm_row(fp.id, str(kind), group_size, str(backend), nbytes, duration_ns, _now(),
@@ -203,7 +209,7 @@ class ProfileDB:
 
         self._transaction(body)
 
-    def comm_table(self, fp: DeviceFingerprint, kind: str, group_size: int,
+    def comm_table(self, fp: DeviceFingerprint, kind: CollectiveKind, group_size: int,
                    backend: str) -> list[tuple[int, float]]:
         """``(nbytes, duration_ns)`` rows of one collective on ``fp``, sorted by size."""
         return self._read(

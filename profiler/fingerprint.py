@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vtrain_plugin.errors import ProfileError
+from vtrain_plugin.core.errors import ProfileError
 
 
 class DeviceKind(StrEnum):

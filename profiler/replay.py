@@ -48,8 +48,9 @@ import torch
 from profiler.db import ProfileDB
 from profiler.fingerprint import DeviceFingerprint, current_fingerprint
 from profiler.progress import ProgressBar
-from vtrain_plugin.errors import ProfileError
-from vtrain_plugin.graph import KernelKey
+from vtrain_plugin.core.errors import ProfileError
+from vtrain_plugin.core.graph import KernelKey
+from vtrain_plugin.core.op_names import parse_op_name
 
 # Written between CPU repetitions. Operands that fit the cores' private caches are evicted from
 # there by a write larger than them; larger operands would stay in the (shared, server-sized) last
@@ -95,11 +96,10 @@ class ProfileSummary:
 
 def resolve_op(name: str) -> torch._ops.OpOverload:
     """``"aten.mm.default"`` -> ``torch.ops.aten.mm.default``; collectives and unknown ops raise ProfileError."""
-    parts = name.split(".")
-    if len(parts) not in (2, 3):
+    parsed = parse_op_name(name)
+    if not parsed.namespace or "." in parsed.overload:
         raise ProfileError(f"kernel {name}: op name must be 'namespace.op.overload'")
-    namespace, op_name = parts[0], parts[1]
-    overload = parts[2] if len(parts) == 3 else "default"
+    namespace, op_name, overload = parsed.namespace, parsed.name, parsed.overload or "default"
     if namespace in COLLECTIVE_NAMESPACES:
         raise ProfileError(f"kernel {name}: collectives are not replayed as kernels (the collective "
                            f"benchmark measures them)")
@@ -275,8 +275,7 @@ def _tensor(key: KernelKey, pair: Pair, dev: torch.device, high: int | None) -> 
 def _index_bounds(op: torch._ops.OpOverload, specs: dict[str, Any],
                   scalars: dict[str, Any]) -> dict[tuple[str, int | None], int]:
     """Exclusive upper bounds of the integer tensors that index something: ``(arg, list position) -> high``."""
-    name = op._schema.name.split("::")[-1]
-    rule = _INDEX_RULES.get(name.rstrip("_"))
+    rule = _INDEX_RULES.get(parse_op_name(str(op)).base)
     return rule(specs, scalars) if rule else {}
 
 

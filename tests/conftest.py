@@ -19,3 +19,9 @@ def run_cli(tmp_path):
             raise AssertionError(f"vtrain {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
         return proc
     return run
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _package_calibrations_only(tmp_path_factory):
+    """Estimates in tests use the calibration files shipped in the package, never a user's own."""
+    os.environ["VTRAIN_CALIBRATION_DIR"] = str(tmp_path_factory.mktemp("no-user-calibrations"))

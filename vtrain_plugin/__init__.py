@@ -1,4 +1,4 @@
-"""vtrain: predict the iteration time and cost of Megatron-style LLM training before launch.
+"""vtrain: predict the iteration time, memory and cost of Megatron-style LLM training before launch.
 
 Typical use::
 
@@ -6,31 +6,26 @@ Typical use::
     graph = vtrain.trace(vtrain.ModelSpec(...), vtrain.ParallelPlan(tensor_parallel=8, ...))
     est = vtrain.estimate(graph, cluster=vtrain.get_cluster_preset("dgx-a100"), global_batch_size=1536)
     print(est.iteration_time_ms, est.breakdown_ms)
+
+The layers of the package, lowest first (each imports only the ones before it): ``core``, ``specs``,
+``hardware``, ``capture``, ``cost``, ``sim``, then the public API (``api``, ``estimate``,
+``validate``) and ``cli``; see README, "How the code is laid out".
 """
 
-from importlib import import_module
-from typing import Any
+from vtrain_plugin.api import load_run_config, run_config_from_dict, with_gpu
+from vtrain_plugin.capture.tracer import trace
+from vtrain_plugin.core.errors import ConfigError, ProfileError, TraceError, VTrainError
+from vtrain_plugin.core.graph import OpGraph
+from vtrain_plugin.estimate import Estimate, estimate
+from vtrain_plugin.hardware.clusters import get_cluster_preset
+from vtrain_plugin.specs.cluster import ClusterSpec
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.run import RunConfig
+from vtrain_plugin.specs.training import TrainingSpec
+from vtrain_plugin.validate import Comparison, IterationRecorder, ValidationResult, compare, single_device_run
 
-# Public names and their modules, imported on first use (PEP 562): importing a submodule such as
-# vtrain_plugin.graph from profiler must not pull in the estimator, which imports profiler back.
-_EXPORTS = {
-    "ClusterSpec": "cluster", "get_cluster_preset": "cluster",
-    "RunConfig": "config", "load_run_config": "config",
-    "ConfigError": "errors", "ProfileError": "errors", "TraceError": "errors", "VTrainError": "errors",
-    "Estimate": "estimate", "estimate": "estimate",
-    "OpGraph": "graph",
-    "ModelSpec": "plan", "ParallelPlan": "plan",
-    "trace": "tracer",
-    "TrainingSpec": "training",
-    "Comparison": "validate", "IterationRecorder": "validate", "ValidationResult": "validate",
-    "compare": "validate", "single_device_run": "validate", "validation_table": "validate",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'vtrain_plugin' has no attribute {name!r}")
-    return getattr(import_module(f"vtrain_plugin.{module}"), name)
+__all__ = ["ClusterSpec", "Comparison", "ConfigError", "Estimate", "IterationRecorder", "ModelSpec", "OpGraph",
+           "ParallelPlan", "ProfileError", "RunConfig", "TraceError", "TrainingSpec", "VTrainError",
+           "ValidationResult", "compare", "estimate", "get_cluster_preset", "load_run_config",
+           "run_config_from_dict", "single_device_run", "trace", "with_gpu"]

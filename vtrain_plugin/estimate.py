@@ -12,23 +12,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from profiler.devices import DeviceSpec, get_device
-from vtrain_plugin.cluster import ClusterSpec
-from vtrain_plugin.comm.model import CommModel
-from vtrain_plugin.comm.nccl_table import NcclTable
-from vtrain_plugin.config import RunConfig
-from vtrain_plugin.costing import cost_graph
-from vtrain_plugin.errors import ConfigError
-from vtrain_plugin.graph import CollectiveKind, KernelKey, OpGraph, Phase
-from vtrain_plugin.plan import ParallelPlan
-from vtrain_plugin.memory import RankMemory, rank_memory
-from vtrain_plugin.sim.engine import RankBreakdown, simulate
+from vtrain_plugin.capture.tracer import trace
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.graph import CollectiveKind, KernelKey, OpGraph, Phase
+from vtrain_plugin.core.units import GIB, NS_PER_MS, NS_PER_S, SECONDS_PER_HOUR
+from vtrain_plugin.cost.comm import CommModel
+from vtrain_plugin.cost.costing import Costing, cost
+from vtrain_plugin.cost.kernel_timer import KernelTimer
+from vtrain_plugin.cost.memory import RankMemory, rank_memory
+from vtrain_plugin.cost.prepare import PreparedGraph, prepare
+from vtrain_plugin.hardware.calibration import DeviceConstants, calibration_for
+from vtrain_plugin.hardware.devices import DeviceSpec, get_device
+from vtrain_plugin.hardware.nccl import NcclTable
+from vtrain_plugin.sim.engine import RankBreakdown, SimResult, simulate
 from vtrain_plugin.sim.schedules import build_schedule
 from vtrain_plugin.sim.timeline import Timeline, write_chrome_trace
-from vtrain_plugin.timing import KernelTimer
-from vtrain_plugin.training import TrainingSpec
+from vtrain_plugin.specs.cluster import ClusterSpec
+from vtrain_plugin.specs.run import RunConfig
+from vtrain_plugin.specs.training import TrainingSpec
 
-NS_PER_MS = 1e6
 BREAKDOWN_FIELDS = ("forward", "backward", "recompute", "tp_comm", "pp_comm", "dp_comm",
                     "embedding_sync", "optimizer", "bubble")
 
@@ -60,7 +62,7 @@ class Estimate:
     gpu: str
     cost_usd: float | None  # of this iteration, at the cluster's price per GPU-hour
     measured_fraction: float  # share of kernel time from measured profiles (0..1)
-    memory_gib: tuple[RankMemory, ...]  # per pipeline rank, see vtrain_plugin.memory
+    memory_gib: tuple[RankMemory, ...]  # per pipeline rank, see vtrain_plugin.cost.memory
     gpu_memory_gib: float  # capacity of one GPU
     largest_unmeasured: tuple[UnmeasuredKernel, ...] = ()
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
@@ -72,10 +74,6 @@ class Estimate:
     @property
     def fits_in_memory(self) -> bool:
         return self.peak_memory_gib <= self.gpu_memory_gib
-
-    @property
-    def cost_per_hour_usd(self) -> float | None:
-        return None if self.cost_usd is None else self.cost_usd * 3.6e6 / self.iteration_time_ms
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -115,13 +113,11 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
     ``graph_or_run`` is a traced :class:`OpGraph` (then ``cluster`` and ``training`` or
     ``global_batch_size`` are required) or a :class:`RunConfig` (traced here, cached by shape).
     ``measured`` maps kernel keys to measured durations on the cluster's GPU (see
-    :func:`vtrain_plugin.profiles.measured_durations`); ``measured_comm`` maps (collective kind,
-    group size) to measured tables (:func:`vtrain_plugin.profiles.measured_comm_tables`).
-    ``explain`` lists that many of the largest unmeasured kernels.
+    :func:`profiler.lookup.measured_durations`); ``measured_comm`` maps (collective kind, group
+    size) to measured tables (:func:`profiler.lookup.measured_comm_tables`). ``explain`` lists that
+    many of the largest unmeasured kernels.
     """
     if isinstance(graph_or_run, RunConfig):
-        from vtrain_plugin.tracer import trace
-
         run = graph_or_run
         graph = trace(run.model, run.parallel)
         cluster = cluster or run.cluster
@@ -134,20 +130,36 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
         if global_batch_size is None:
             raise ConfigError("estimate: give training=TrainingSpec(...) or global_batch_size")
         training = TrainingSpec(global_batch_size=global_batch_size)
-    plan = ParallelPlan(**graph.parallel)
     device = get_device(cluster.gpu)
+    calibration = calibration_for(device.name, training.software_stack)
+    prepared = prepare(graph, training.software_stack, measured)
+    costing, result = predict(prepared, cluster=cluster, training=training, constants=calibration.constants,
+                              measured_comm=measured_comm, timeline=timeline, explain=explain > 0)
+    return _summarize(graph, device, cluster, training, result, costing, explain)
+
+
+def predict(prepared: PreparedGraph, *, cluster: ClusterSpec, training: TrainingSpec, constants: DeviceConstants,
+            measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None, timeline: bool = False,
+            explain: bool = False) -> tuple[Costing, SimResult]:
+    """Cost a prepared graph with ``constants`` and simulate it: the one path of every estimate
+    (calibration calls it with candidate constants). The cluster's network efficiency, when it
+    states none, is the calibrated one."""
+    plan = prepared.graph.parallel
+    device = get_device(cluster.gpu)
+    efficiency = cluster.network_efficiency if cluster.network_efficiency is not None else constants.network_efficiency
+    comm = CommModel.for_plan(cluster, plan, measured_comm=measured_comm, network_efficiency=efficiency)
     num_microbatches = training.num_microbatches(plan.data_parallel, plan.micro_batch_size)
-    comm = CommModel.for_plan(cluster, plan, measured_comm=measured_comm,
-                              network_efficiency=device.constants.network_efficiency)
-    costing = cost_graph(graph, timer=KernelTimer(device, measured), comm=comm, training=training,
-                         num_microbatches=num_microbatches, explain=explain > 0)
-    result = simulate(costing.work, record_timeline=timeline)
-    return _summarize(graph, plan, device, cluster, training, num_microbatches, result, costing, explain)
+    costing = cost(prepared, timer=KernelTimer(device, constants), comm=comm, training=training,
+                   num_microbatches=num_microbatches, explain=explain)
+    return costing, simulate(costing.work, record_timeline=timeline)
 
 
-def _summarize(graph: OpGraph, plan: ParallelPlan, device: DeviceSpec, cluster: ClusterSpec,
-               training: TrainingSpec, num_microbatches: int, result, costing, explain: int) -> Estimate:
-    seconds = result.iteration_ns / 1e9
+def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, training: TrainingSpec,
+               result: SimResult, costing: Costing, explain: int) -> Estimate:
+    plan = graph.parallel
+    num_microbatches = costing.work.num_microbatches
+    seconds = result.iteration_ns / NS_PER_S
+    schedule = build_schedule(training.schedule, plan.pipeline_parallel, plan.virtual_pipeline, num_microbatches)
     gpus = plan.world_size
     stage_breakdowns = tuple(_breakdown_ms(r) for r in result.ranks)
     bottleneck = max(range(len(result.ranks)), key=lambda i: _busy(result.ranks[i]))
@@ -156,14 +168,13 @@ def _summarize(graph: OpGraph, plan: ParallelPlan, device: DeviceSpec, cluster: 
     replicas_work = num_microbatches * plan.data_parallel
     model_flops = per_microbatch * replicas_work
     hardware_flops = (per_microbatch + recompute) * replicas_work
-    dtype = graph.model.get("dtype", "fp16")
-    peak_flop_per_s = device.tensor_flop_per_ns(dtype) * 1e9
+    peak_flop_per_s = device.tensor_flop_per_ns(graph.dtype) * NS_PER_S
     tflops = model_flops / seconds / gpus / 1e12
     price = cluster.price_per_gpu_hour_usd
     unmeasured = tuple(
         UnmeasuredKernel(op=op.op, input_shapes=op.key.input_shapes, dtypes=op.key.dtypes, phase=op.phase.value,
                          module=op.module, time_ms=ns / NS_PER_MS)
-        for ns, op in costing.modeled_kernels[:explain])
+        for ns, op in costing.provenance.largest_modeled(explain))
     return Estimate(
         iteration_time_ms=result.iteration_ns / NS_PER_MS,
         breakdown_ms=stage_breakdowns[bottleneck],
@@ -176,12 +187,11 @@ def _summarize(graph: OpGraph, plan: ParallelPlan, device: DeviceSpec, cluster: 
         hardware_tflops_per_gpu=hardware_flops / seconds / gpus / 1e12,
         mfu=tflops * 1e12 / peak_flop_per_s,
         gpu=device.name,
-        cost_usd=None if price is None else price * gpus * seconds / 3600,
-        measured_fraction=costing.measured_kernel_ns / costing.kernel_ns if costing.kernel_ns else 0.0,
+        cost_usd=None if price is None else price * gpus * seconds / SECONDS_PER_HOUR,
+        measured_fraction=costing.provenance.measured_fraction,
         largest_unmeasured=unmeasured,
-        memory_gib=rank_memory(graph, build_schedule(training.schedule, plan.pipeline_parallel,
-                                                     plan.virtual_pipeline, num_microbatches)),
-        gpu_memory_gib=device.memory_bytes / 2**30,
+        memory_gib=rank_memory(graph, [schedule.peak_inflight(r) for r in range(plan.pipeline_parallel)]),
+        gpu_memory_gib=device.memory_bytes / GIB,
         timeline=result.timeline,
     )
 

@@ -1,6 +1,7 @@
-"""Predicted versus measured: ``vtrain validate`` and a small API for users' own training loops.
+"""Predicted versus measured: the comparison behind ``vtrain validate`` and a small API for users'
+own training loops.
 
-:func:`validate` builds the real megatron-core model of a plan on this machine's device (one
+:func:`vtrain_plugin.measure.validate` builds the real megatron-core model of a plan on this machine's device (one
 device: tensor, pipeline and data parallelism are set to 1, and the result says which fields it
 overrode), trains it for a few iterations on random tokens with the real optimizer, and compares
 the median iteration time after warm-up with :func:`~vtrain_plugin.estimate.estimate` of the same
@@ -17,19 +18,22 @@ For a user's own loop::
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vtrain_plugin.config import RunConfig, with_gpu
-from vtrain_plugin.errors import ConfigError, ProfileError
-from vtrain_plugin.estimate import Estimate, estimate
-from vtrain_plugin.plan import ParallelPlan
+import torch
 
-GIB = 2**30
+from vtrain_plugin.api import with_gpu
+from vtrain_plugin.core.errors import ConfigError, ProfileError
+from vtrain_plugin.estimate import Estimate
+from vtrain_plugin.hardware.devices import gpu_name_matches, known_devices
+from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.run import RunConfig
+
+
 _SINGLE_DEVICE = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "virtual_pipeline": 1,
                   "sequence_parallel": False}
 
@@ -147,11 +151,6 @@ def local_device_preset(device: str) -> str:
         return "cpu"
     if kind != "cuda":
         raise ConfigError(f"device {device!r} must be 'cpu', 'cuda' or 'cuda:N'")
-    import torch
-
-    from profiler.devices import known_devices
-    from vtrain_plugin.profiles import gpu_name_matches
-
     if not torch.cuda.is_available():
         raise ProfileError(f"device {device!r} requested but torch.cuda.is_available() is False")
     name = torch.cuda.get_device_name(torch.device(device))
@@ -160,48 +159,3 @@ def local_device_preset(device: str) -> str:
         raise ProfileError(f"no device preset describes the local GPU {name!r}; known presets: "
                            f"{', '.join(known_devices())}")
     return matches[0]
-
-
-def validate(run: RunConfig, *, device: str = "cpu", db_path: str | os.PathLike | None = None,
-             iterations: int = 5, warmup: int = 1) -> ValidationResult:
-    """Train ``run`` for real on one local device and compare with its estimate (see the module doc)."""
-    from megatron_adapters.real_model import train
-    from profiler.fingerprint import current_fingerprint
-    from vtrain_plugin.profiles import measured_comm_tables, measured_durations
-
-    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-        raise ConfigError(f"iterations must be a positive integer, got {iterations!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ConfigError(f"warmup must be a non-negative integer, got {warmup!r}")
-    single, overridden = single_device_run(run, device)
-    predicted = estimate(single, measured=measured_durations(single, db_path=db_path),
-                         measured_comm=measured_comm_tables(single, db_path=db_path))
-    measured = train(single.model, single.parallel, num_microbatches=single.num_microbatches,
-                     iterations=iterations, warmup=warmup, device=device)
-    return ValidationResult(
-        config=run.source, device=current_fingerprint(device).label, overridden=overridden,
-        num_microbatches=single.num_microbatches, warmup_iterations=warmup,
-        comparison=compare(predicted, measured.iteration_ms),
-        peak_memory_measured_gib=measured.peak_memory_bytes / GIB,
-        measured_fraction=predicted.measured_fraction, breakdown_ms=predicted.breakdown_ms)
-
-
-def validation_table(result: ValidationResult) -> str:
-    """The human rendering of ``vtrain validate``."""
-    from vtrain_plugin.report import render_table
-
-    c = result.comparison
-    lines = [f"{result.config} on {result.device}: {result.num_microbatches} micro-batches per iteration, "
-             f"median of {len(c.measured_iterations_ms)} iterations after {result.warmup_iterations} warm-up"]
-    if result.overridden:
-        lines.append(f"one device: {', '.join(result.overridden)}")
-    lines.append("")
-    lines.append(render_table([[f"{c.predicted_ms:,.1f}", f"{c.measured_ms:,.1f}", f"{c.error_pct:+.1f}%"]],
-                              ["predicted ms", "measured ms", "error"]))
-    lines.append("")
-    lines.append(f"peak memory measured: {result.peak_memory_measured_gib:.2f} GiB   "
-                 f"kernel time measured in the prediction: {100 * result.measured_fraction:.1f}%")
-    if result.measured_fraction < 1.0:
-        lines.append("(kernels missing from the profile database were modeled; run `vtrain profile` on this "
-                     "device first)")
-    return "\n".join(lines)

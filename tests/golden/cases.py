@@ -67,7 +67,7 @@ def cases(tmp: Path) -> dict[str, Path]:
 
 
 def observe(path: Path) -> dict[str, Any]:
-    from vtrain_plugin.config import load_run_config
+    from vtrain_plugin.api import load_run_config
     from vtrain_plugin.estimate import estimate
 
     est = estimate(load_run_config(path))

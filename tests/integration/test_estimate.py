@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from vtrain_plugin.config import load_run_config, run_config_from_dict
+from vtrain_plugin.api import load_run_config, run_config_from_dict
 from vtrain_plugin.estimate import BREAKDOWN_FIELDS, estimate
 
 from tests.integration.test_cli_trace import SMALL, write
@@ -93,7 +93,7 @@ def test_bad_estimate_input_is_one_line_exit_2(tmp_path, run_cli, args, change, 
 
 
 def test_memory_counts_model_states_and_the_activations_in_flight(gpt3_estimate):
-    from vtrain_plugin.tracer import trace
+    from vtrain_plugin.capture.tracer import trace
 
     run = load_run_config(GPT3_CONFIG)
     graph = trace(run.model, run.parallel)  # cached: the graph the estimate used

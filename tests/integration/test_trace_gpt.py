@@ -4,9 +4,13 @@ from collections import Counter
 
 import pytest
 
-from vtrain_plugin.graph import BlockKind, CollectiveKind, OpGraph, ParallelGroup, Phase
-from vtrain_plugin.plan import ModelSpec, ParallelPlan
-from vtrain_plugin.tracer import trace
+from vtrain_plugin.capture.graph_file import load_graph, save_graph
+from vtrain_plugin.capture.tracer import trace
+from vtrain_plugin.core.dtypes import Dtype
+from vtrain_plugin.core.graph import BlockKind, CollectiveKind, OpGraph, ParallelGroup, Phase
+from vtrain_plugin.cost.runtime_collectives import runtime_collectives
+from vtrain_plugin.specs.model import Family, ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
 
 GPT3 = ModelSpec(name="gpt3-175b", num_layers=96, hidden_size=12288, num_attention_heads=96,
                  seq_length=2048, vocab_size=51200, dtype="fp16")
@@ -158,9 +162,11 @@ def test_pipeline_and_data_parallel_collectives_are_derived_from_traced_tensors(
     first, middle, last = gpt3_tp8.stages[0], gpt3_tp8.stages[5], gpt3_tp8.stages[-1]
     activation = 2048 * 1 * 12288 * 2
 
+    def runtime(stage):
+        return runtime_collectives(stage, gpt3_tp8.parallel, dtype=GPT3.dtype, tied_embeddings=GPT3.tied)
+
     def p2p(stage):
-        block = next(b for b in stage.blocks if b.kind is BlockKind.P2P)
-        return Counter((c.kind, c.phase, c.nbytes) for c in block.collectives())
+        return Counter((c.kind, c.phase, c.nbytes) for c in runtime(stage).p2p)
 
     assert p2p(first) == Counter({(CollectiveKind.SEND, Phase.FORWARD, activation): 1,
                                   (CollectiveKind.RECV, Phase.BACKWARD, activation): 1})
@@ -169,18 +175,20 @@ def test_pipeline_and_data_parallel_collectives_are_derived_from_traced_tensors(
                                    (CollectiveKind.RECV, Phase.BACKWARD, activation): 1,
                                    (CollectiveKind.SEND, Phase.BACKWARD, activation): 1})
     layer = middle.layer_template()
-    dp = [c for c in layer.collectives() if c.group is ParallelGroup.DP]
+    assert not any(c.group is ParallelGroup.DP for c in layer.collectives())  # runtime, not traced
+    dp = [c for c in runtime(middle).nodes(middle) if c.group is ParallelGroup.DP and c.module == layer.name]
     # sharded: weights, QKV and fc1 biases; replicated: proj and fc2 biases, two LayerNorms
     per_layer_params = 12 * H * H // 8 + (3 * H + 4 * H) // 8 + 2 * H + 2 * 2 * H
+    assert layer.num_parameters == per_layer_params
     assert len(dp) == 1 and dp[0].group_size == 4 and dp[0].nbytes == per_layer_params * 2
-    tied = [c for s in (first, last) for b in s.blocks for c in b.collectives() if c.group is ParallelGroup.EMBEDDING]
+    tied = [c for s in (first, last) for c in runtime(s).embedding_sync if c.group is ParallelGroup.EMBEDDING]
     assert [c.nbytes for c in tied] == [51200 // 8 * H * 2] * 2
 
 
 def test_graph_json_round_trip(tmp_path, gpt3_tp8):
     path = tmp_path / "graph.json"
-    gpt3_tp8.save(path)
-    assert OpGraph.load(path) == gpt3_tp8
+    save_graph(gpt3_tp8, path)
+    assert load_graph(path) == gpt3_tp8
 
 
 def test_trace_from_a_megatron_transformer_config():
@@ -190,7 +198,7 @@ def test_trace_from_a_megatron_transformer_config():
                                normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
                                ffn_hidden_size=704, bf16=True, tensor_model_parallel_size=2)
     graph = trace(config, ParallelPlan(tensor_parallel=2), vocab_size=1000, seq_length=64)
-    assert graph.model["family"] == "llama" and graph.model["dtype"] == "bf16"
+    assert graph.model.family is Family.LLAMA and graph.model.dtype is Dtype.BF16
     layer = graph.stages[0].layer_template()
     # QKV of a GQA layer: 8 query heads + 2 x 2 KV heads of 32, split over 2 ranks
     assert ((64, 256), (256, (8 + 2 * 2) * 32 // 2)) in mm_shapes(layer, Phase.FORWARD)

@@ -1,8 +1,9 @@
 import pytest
 
-from vtrain_plugin.cluster import (ClusterSpec, cluster_preset_names, gbps_to_bytes_per_ns,
-                                   get_cluster_preset, register_cluster_preset)
-from vtrain_plugin.errors import ConfigError
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.units import gbps_to_bytes_per_ns
+from vtrain_plugin.hardware.clusters import cluster_preset_names, get_cluster_preset, resolve_cluster
+from vtrain_plugin.specs.cluster import ClusterSpec
 
 BASE = dict(gpu="a100-sxm4-80gb", intra_node_bandwidth_gbytes_per_s=300.0, intra_node_latency_us=1.0,
             inter_node_bandwidth_gbps=1600.0, inter_node_latency_us=5.0)
@@ -25,11 +26,6 @@ def test_unknown_preset_lists_valid_names():
         get_cluster_preset("dgx-z")
 
 
-def test_duplicate_preset_rejected():
-    with pytest.raises(ConfigError, match="already registered"):
-        register_cluster_preset(get_cluster_preset("dgx-a100"))
-
-
 @pytest.mark.parametrize("field, value, message", [
     ("gpus_per_node", 0, "cluster.gpus_per_node must be positive, got 0"),
     ("gpus_per_node", 8.0, "cluster.gpus_per_node must be a positive integer, got 8.0"),
@@ -37,7 +33,7 @@ def test_duplicate_preset_rejected():
     ("inter_node_bandwidth_gbps", -1.0, "cluster.inter_node_bandwidth_gbps must be positive, got -1.0"),
     ("inter_node_latency_us", -1.0, "cluster.inter_node_latency_us must be a non-negative number, got -1.0"),
     ("price_per_gpu_hour_usd", -2.0, "cluster.price_per_gpu_hour_usd must be a non-negative number"),
-    ("nccl_tables", "v100", "cluster.nccl_tables must be one of a100_sxm; got 'v100'"),
+    ("network_efficiency", 1.5, "cluster.network_efficiency must lie in (0, 1], got 1.5"),
     ("gpu", "", "cluster.gpu must be a non-empty device preset name"),
 ])
 def test_validation_messages(field, value, message):
@@ -46,18 +42,19 @@ def test_validation_messages(field, value, message):
     assert message in str(err.value)
 
 
-def test_from_dict():
-    spec = ClusterSpec.from_dict({**BASE, "gpus_per_node": 4})
-    assert spec.gpus_per_node == 4 and spec.nccl_tables is None and spec.price_per_gpu_hour_usd is None
-    assert ClusterSpec.from_dict(spec.to_dict()) == spec
-    overridden = ClusterSpec.from_dict({"preset": "dgx-a100", "inter_node_bandwidth_gbps": 800.0})
+def test_sections_resolve_against_presets():
+    spec = resolve_cluster({**BASE, "gpus_per_node": 4})
+    assert spec.gpus_per_node == 4 and spec.nccl_tables == "a100_sxm" and spec.price_per_gpu_hour_usd == 2.0
+    overridden = resolve_cluster({"preset": "dgx-a100", "inter_node_bandwidth_gbps": 800.0})
     assert overridden.inter_node_bandwidth_gbps == 800.0 and overridden.nccl_tables == "a100_sxm"
+    assert resolve_cluster({"gpu": "H100"}) == get_cluster_preset("dgx-h100").__class__(
+        **{**get_cluster_preset("dgx-h100").to_dict(), "name": ""})
 
 
-def test_from_dict_rejects_unknown_and_missing_keys():
+def test_sections_reject_unknown_keys_and_table_sets():
     with pytest.raises(ConfigError, match=r"cluster: unknown key 'nvlink'; allowed keys are .*gpus_per_node"):
-        ClusterSpec.from_dict({**BASE, "nvlink": 1})
-    with pytest.raises(ConfigError, match=r"cluster: missing key 'gpu'"):
-        ClusterSpec.from_dict({k: val for k, val in BASE.items() if k != "gpu"})
+        resolve_cluster({**BASE, "nvlink": 1})
+    with pytest.raises(ConfigError, match=r"cluster.nccl_tables must be one of a100_sxm; got 'v100'"):
+        resolve_cluster({**BASE, "nccl_tables": "v100"})
     with pytest.raises(ConfigError, match="cluster must be a mapping"):
-        ClusterSpec.from_dict([1, 2])
+        resolve_cluster([1, 2])

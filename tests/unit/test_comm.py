@@ -1,10 +1,12 @@
 import pytest
 
-from vtrain_plugin.cluster import ClusterSpec, get_cluster_preset
-from vtrain_plugin.comm import CommModel, Layout, NcclTable, load_table_set, parse_table
-from vtrain_plugin.errors import ConfigError
-from vtrain_plugin.graph import CollectiveKind as K
-from vtrain_plugin.graph import ParallelGroup as G
+from vtrain_plugin.hardware.clusters import get_cluster_preset
+from vtrain_plugin.specs.cluster import ClusterSpec
+from vtrain_plugin.cost import CommModel, Layout
+from vtrain_plugin.hardware.nccl import NcclTable, load_table_set, parse_table
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.graph import CollectiveKind as K
+from vtrain_plugin.core.graph import ParallelGroup as G
 
 # 100 GB/s NVLink (100 bytes/ns), 400 Gb/s per node (50 bytes/ns, 6.25 per GPU), 2 us / 5 us per step.
 PLAIN = ClusterSpec(gpu="a100-sxm4-80gb", gpus_per_node=8, intra_node_bandwidth_gbytes_per_s=100.0,

@@ -1,9 +1,10 @@
 import pytest
 
-from profiler.comm_bench import BenchKind, benchmark_collectives, group_sizes_for, message_sizes
+from profiler.comm_bench import BENCHMARKED, benchmark_collectives, group_sizes_for, message_sizes
+from vtrain_plugin.core.graph import CollectiveKind
 from profiler.db import ProfileDB
 from profiler.fingerprint import current_fingerprint
-from vtrain_plugin.errors import ProfileError
+from vtrain_plugin.core.errors import ProfileError
 
 
 def test_message_sizes_are_powers_of_two():
@@ -25,10 +26,10 @@ def test_gloo_benchmark_on_cpu_writes_rows(tmp_path):
     with ProfileDB.open(tmp_path / "p.sqlite") as db:
         result = benchmark_collectives("cpu", world_size=2, max_nbytes=64 * 1024, db=db, fingerprint=fp)
         sizes = [1024 << i for i in range(7)]
-        all_reduce = [r for r in result.rows if r.kind is BenchKind.ALL_REDUCE]
+        all_reduce = [r for r in result.rows if r.kind is CollectiveKind.ALL_REDUCE]
         assert [r.nbytes for r in all_reduce] == sizes
         assert all(r.group_size == 2 and r.backend == "gloo" and r.duration_ns > 0 for r in result.rows)
-        assert {r.kind for r in result.rows} | {u.kind for u in result.unsupported} == set(BenchKind)
+        assert {r.kind for r in result.rows} | {u.kind for u in result.unsupported} == set(BENCHMARKED)
         table = db.comm_table(fp, "all_reduce", 2, "gloo")
         assert [n for n, _ in table] == sizes
         assert [d for _, d in table] == [r.duration_ns for r in all_reduce]

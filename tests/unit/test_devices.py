@@ -1,16 +1,17 @@
-"""Device spec sheets: presets, aliases, units, validation of constants, and the constants writer."""
+"""Device spec sheets and calibrations: presets, aliases, units, validation of constants, the calibration writer."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 
 import pytest
 
-from profiler import devices
-from profiler.devices import DeviceConstants, DeviceSpec, get_device, known_devices, write_device_constants
-from vtrain_plugin.errors import ConfigError
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.hardware import devices
+from vtrain_plugin.hardware.calibration import Calibration, DeviceConstants, calibration_for, write_calibration
+from vtrain_plugin.hardware.clusters import cluster_preset_names
+from vtrain_plugin.hardware.devices import DeviceSpec, get_device, known_devices
 
 PRESETS = ["a100-sxm4-40gb", "a100-sxm4-80gb", "cpu", "h100-sxm", "h200-sxm"]
 
@@ -28,7 +29,10 @@ def test_known_devices_lists_presets_sorted():
 def test_every_preset_loads_with_its_own_name(name):
     spec = get_device(name)
     assert spec.name == name
-    assert 0.3 <= spec.constants.gemm_efficiency <= 1.0
+    assert spec.default_cluster in cluster_preset_names()
+    calibration = calibration_for(name, "default")
+    assert calibration.device == name and calibration.software_stack == "default"
+    assert 0.3 <= calibration.constants.gemm_efficiency <= 1.0
 
 
 def test_a100_spec_sheet_numbers():
@@ -119,39 +123,55 @@ def test_from_dict_rejects_unknown_and_missing_keys():
         DeviceSpec.from_dict({**data, "clock_mhz": 1410}, where="x.json")
     with pytest.raises(ConfigError, match="x.json: missing key 'sm_count'"):
         DeviceSpec.from_dict({k: val for k, val in data.items() if k != "sm_count"}, where="x.json")
-    constants = {k: val for k, val in data["constants"].items() if k != "host_overhead_ns"}
-    with pytest.raises(ConfigError, match="missing key 'host_overhead_ns'"):
-        DeviceSpec.from_dict({**data, "constants": constants}, where="x.json")
     assert DeviceSpec.from_dict(data, where="x.json") == get_device("A100")
 
 
-@pytest.fixture
-def spec_copy(tmp_path, monkeypatch):
-    """The presets copied to a temporary directory the registry reads instead of the package's."""
-    target = tmp_path / "device_specs"
-    shutil.copytree(devices._spec_dir(), target)
-    monkeypatch.setattr(devices, "_spec_dir", lambda: target)
-    devices._load.cache_clear()
-    yield target
-    devices._load.cache_clear()
-
-
-def test_write_device_constants_merges_and_persists(spec_copy):
-    before = get_device("A100").constants
-    spec = write_device_constants("A100", {"gemm_efficiency": 0.8, "kernel_overhead_ns": 3000})
-    assert spec.constants.gemm_efficiency == 0.8 and spec.constants.kernel_overhead_ns == 3000
-    assert get_device("a100-sxm4-80gb") == spec
-    written = json.loads((spec_copy / "a100-sxm4-80gb.json").read_text())
-    assert written["constants"]["gemm_efficiency"] == 0.8
-    assert written["constants"]["hbm_efficiency"] == before.hbm_efficiency  # untouched keys kept
-    assert written["peak_fp16_tflop_per_s"] == 312.0
-    assert sorted(p.name for p in spec_copy.iterdir()) == [f"{n}.json" for n in PRESETS]  # no temp files
-
-
-def test_write_device_constants_validates_before_writing(spec_copy):
-    before = (spec_copy / "h100-sxm.json").read_text()
+def test_constants_from_dict_rejects_unknown_and_missing_keys():
+    data = dataclasses.asdict(calibration_for("a100-sxm4-80gb", "default").constants)
     with pytest.raises(ConfigError, match="unknown key 'speed'"):
-        write_device_constants("h100-sxm", {"speed": 2.0})
+        DeviceConstants.from_dict({**data, "speed": 2.0}, where="x.json")
+    with pytest.raises(ConfigError, match="x.json constants: missing key 'host_overhead_ns'"):
+        DeviceConstants.from_dict({k: val for k, val in data.items() if k != "host_overhead_ns"}, where="x.json")
+    assert DeviceConstants.from_dict(data, where="x.json") == calibration_for("a100-sxm4-80gb", "default").constants
+
+
+@pytest.fixture
+def user_calibrations(tmp_path, monkeypatch):
+    """A temporary user calibration folder, read before the package's."""
+    folder = tmp_path / "calibrations"
+    monkeypatch.setenv("VTRAIN_CALIBRATION_DIR", str(folder))
+    return folder
+
+
+def test_write_calibration_persists_into_the_user_folder_and_is_read_first(user_calibrations):
+    before = calibration_for("a100-sxm4-80gb", "default")
+    constants = dataclasses.replace(before.constants, gemm_efficiency=0.8, kernel_overhead_ns=3000)
+    path = write_calibration(Calibration(device="a100-sxm4-80gb", software_stack="default", source="a test",
+                                         command="pytest", constants=constants))
+    assert path == user_calibrations / "a100-sxm4-80gb" / "default.json"
+    after = calibration_for("a100-sxm4-80gb", "default")
+    assert after.constants.gemm_efficiency == 0.8 and after.constants.kernel_overhead_ns == 3000
+    assert after.path == str(path) and after.source == "a test"
+    written = json.loads(path.read_text())
+    assert written["constants"]["gemm_efficiency"] == 0.8
+    assert written["constants"]["hbm_efficiency"] == before.constants.hbm_efficiency  # untouched values kept
+    assert sorted(p.name for p in path.parent.iterdir()) == ["default.json"]  # no temp files
+    # a stack's own file (here the package's) still wins over any default one
+    fitted = calibration_for("a100-sxm4-80gb", "megatron_deepspeed_2023")
+    assert fitted.software_stack == "megatron_deepspeed_2023" and fitted.path != str(path)
+
+
+def test_constants_are_validated_before_writing_and_when_read(user_calibrations):
     with pytest.raises(ConfigError, match="gemm_efficiency must lie in"):
-        write_device_constants("h100-sxm", {"gemm_efficiency": 2.0})
-    assert (spec_copy / "h100-sxm.json").read_text() == before
+        _constants(gemm_efficiency=2.0)
+    assert not user_calibrations.exists()
+    bad = calibration_for("h100-sxm", "default").to_dict()
+    bad["constants"]["gemm_efficiency"] = 2.0
+    path = user_calibrations / "h100-sxm" / "default.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="gemm_efficiency must lie in"):
+        calibration_for("h100-sxm", "default")
+    path.write_text(json.dumps({**bad, "constants": {**bad["constants"], "gemm_efficiency": 0.7, "speed": 2.0}}))
+    with pytest.raises(ConfigError, match="unknown key 'speed'"):
+        calibration_for("h100-sxm", "default")

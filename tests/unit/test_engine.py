@@ -2,9 +2,10 @@ import json
 
 import pytest
 
-from vtrain_plugin.errors import ConfigError
-from vtrain_plugin.sim import (ChunkWork, DpBucket, IntervalKind, PipelineWork, ScheduleKind, Stream,
-                               build_schedule, simulate, to_chrome_trace, write_chrome_trace)
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.cost.work import ChunkWork, DpBucket, PipelineWork
+from vtrain_plugin.sim import IntervalKind, Stream, build_schedule, simulate, to_chrome_trace, write_chrome_trace
+from vtrain_plugin.specs.training import ScheduleKind
 
 
 def uniform(p, m, tf, tb, *, v=1, schedule=ScheduleKind.ONE_F_ONE_B, dp_overlap=False, optimizer=0.0,

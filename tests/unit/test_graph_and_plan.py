@@ -4,10 +4,12 @@ import json
 
 import pytest
 
-from vtrain_plugin.errors import ConfigError
-from vtrain_plugin.graph import (SCHEMA_VERSION, Block, BlockKind, CollectiveKind, CollectiveNode, KernelKey,
-                                 OpGraph, OpNode, ParallelGroup, Phase, StageGraph)
-from vtrain_plugin.plan import ModelSpec, ParallelPlan
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.capture.graph_file import load_graph, save_graph
+from vtrain_plugin.core.graph import (SCHEMA_VERSION, Block, BlockKind, CollectiveKind, CollectiveNode, KernelKey,
+                                      OpGraph, OpNode, ParallelGroup, Phase, StageGraph)
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
 
 
 def small_graph():
@@ -17,10 +19,10 @@ def small_graph():
                 flops=2 * 4 * 8 * 2, nbytes=(32 + 16 + 8) * 2)
     coll = CollectiveNode(kind=CollectiveKind.ALL_REDUCE, nbytes=16, group=ParallelGroup.TP, group_size=2,
                           phase=Phase.FORWARD, module="decoder.layers.0.mlp")
-    layer = Block(kind=BlockKind.LAYER, name="decoder.layers.0", count=3, nodes=(op, coll))
-    stage = StageGraph(pipeline_rank=0, blocks=(layer,), num_parameters=10, activation_shape=(4, 1, 8))
-    return OpGraph(model={"family": "gpt"}, parallel=ParallelPlan().to_dict(), micro_batch_size=1,
-                   seq_length=4, stages=(stage,))
+    layer = Block(kind=BlockKind.LAYER, name="decoder.layers.0", count=3, nodes=(op, coll), num_parameters=10)
+    stage = StageGraph(pipeline_rank=0, blocks=(layer,), activation_shape=(4, 1, 8))
+    model = ModelSpec(num_layers=3, hidden_size=8, num_attention_heads=1, seq_length=4)
+    return OpGraph(model=model, parallel=ParallelPlan(), micro_batch_size=1, seq_length=4, stages=(stage,))
 
 
 def test_kernel_key_digest_is_stable_and_shape_sensitive():
@@ -36,8 +38,9 @@ def test_graph_counts_flops_and_unique_kernels_with_block_counts(tmp_path):
     (unique,) = graph.unique_kernels().values()
     assert unique.count == 3 and unique.flops == 128 and unique.nbytes == 112
     path = tmp_path / "g.json"
-    graph.save(path)
-    assert OpGraph.load(path) == graph
+    assert graph.stages[0].num_parameters == 30
+    save_graph(graph, path)
+    assert load_graph(path) == graph
     assert json.loads(path.read_text())["schema_version"] == SCHEMA_VERSION
 
 
@@ -45,7 +48,7 @@ def test_graph_of_another_schema_version_is_refused(tmp_path):
     path = tmp_path / "g.json"
     path.write_text(json.dumps({**small_graph().to_dict(), "schema_version": 99}))
     with pytest.raises(ConfigError, match="schema_version 99 is not supported"):
-        OpGraph.load(path)
+        load_graph(path)
 
 
 @pytest.mark.parametrize("plan,message", [

@@ -9,20 +9,35 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from profiler.devices import DeviceConstants, DeviceSpec, get_device
-from profiler.kernel_model import GemmDims, KernelBatch, KernelModel, gemm_dims, pipeline_ns
-from profiler.kernel_time import KernelTime, Source
-from profiler.op_classes import OpClass, classify, launches_kernel
-from vtrain_plugin.graph import KernelKey, OpNode, Phase
+from vtrain_plugin.core.graph import KernelKey, OpNode, Phase
+from vtrain_plugin.core.op_names import launches_kernel
+from vtrain_plugin.cost.host_device import Segment, SegmentTime, segment_times, sequence
+from vtrain_plugin.cost.kernel_model import GemmDims, KernelBatch, KernelModel, gemm_dims
+from vtrain_plugin.cost.op_classes import OpClass, classify
+from vtrain_plugin.hardware.calibration import DeviceConstants, calibration_for
+from vtrain_plugin.hardware.devices import DeviceSpec, get_device
 
 # 100 TFLOP/s fp16 = 1e5 FLOP/ns, 1000 GB/s = 1000 B/ns, halved by the efficiencies; 4 SMs.
 ROUND = DeviceSpec(
     name="round", peak_fp16_tflop_per_s=100, peak_bf16_tflop_per_s=100, peak_tf32_tflop_per_s=50,
     peak_fp32_tflop_per_s=10, hbm_bandwidth_gbytes_per_s=1000, memory_gibibytes=16, sm_count=4,
-    l2_cache_mebibytes=8, nvlink_gbytes_per_s_per_direction=100,
-    constants=DeviceConstants(gemm_efficiency=0.5, hbm_efficiency=0.5, kernel_overhead_ns=1000,
-                              host_overhead_ns=5000),
+    l2_cache_mebibytes=8, nvlink_gbytes_per_s_per_direction=100, default_cluster="dgx-a100",
 )
+ROUND_CONSTANTS = DeviceConstants(gemm_efficiency=0.5, hbm_efficiency=0.5, kernel_overhead_ns=1000,
+                                  host_overhead_ns=5000)
+# The A100 80GB constants fitted to Megatron-DeepSpeed (its other stacks get uncalibrated defaults).
+A100_CONSTANTS = calibration_for("a100-sxm4-80gb", "megatron_deepspeed_2023").constants
+
+
+def _round_model(**kwargs) -> KernelModel:
+    return KernelModel(ROUND, ROUND_CONSTANTS, **kwargs)
+
+
+def _preset_model(name: str) -> KernelModel:
+    device = get_device(name)
+    if device.name == "a100-sxm4-80gb":
+        return KernelModel(device, A100_CONSTANTS)
+    return KernelModel(device, calibration_for(device.name, "default").constants)
 
 
 def _key(op: str, *shapes: tuple[int, ...], dtype: str = "float16") -> KernelKey:
@@ -145,13 +160,13 @@ def test_gemm_dims(key, dims):
 def test_gemm_exact_with_flops_and_bytes_from_shapes():
     # 256^3 fp16: 4 tiles of 128x128 on 4 SMs (occupancy 1), K factor 256/320 -> efficiency 0.4.
     # compute 2*256^3 / (1e5 * 0.4) = 838.8608 ns; memory 3*256*256*2 B / 500 = 786.432 ns.
-    model = KernelModel(ROUND)
+    model = _round_model()
     assert model.gemm_efficiency(GemmDims(batch=1, m=256, n=256, k=256)) == pytest.approx(0.4)
     assert model.duration_ns(_node(_mm(256, 256, 256))) == pytest.approx(838.8608 + 1000)
 
 
 def test_gemm_uses_the_nodes_flops_and_bytes_when_present():
-    model = KernelModel(ROUND)
+    model = _round_model()
     assert model.duration_ns(_node(_mm(256, 256, 256), flops=4_000_000, nbytes=1_000_000)) == pytest.approx(
         max(4_000_000 / 40_000, 1_000_000 / 500) + 1000)
 
@@ -159,7 +174,7 @@ def test_gemm_uses_the_nodes_flops_and_bytes_when_present():
 def test_bmm_small_tiles_and_short_k():
     # 8 x (64x32 @ 32x64): 64x64 tiles, 8 tiles in 2 full waves; K factor 32/96 -> efficiency 1/6.
     # compute 2097152 / (1e5/6) = 125.83 ns < memory (65536 + 65536 B) / 500 = 262.144 ns.
-    model = KernelModel(ROUND)
+    model = _round_model()
     key = _key("aten.bmm.default", (8, 64, 32), (8, 32, 64))
     assert model.gemm_efficiency(gemm_dims(key)) == pytest.approx(0.5 / 3)
     assert model.duration_ns(_node(key)) == pytest.approx(262.144 + 1000)
@@ -167,24 +182,24 @@ def test_bmm_small_tiles_and_short_k():
 
 def test_wave_quantization():
     # 128x640: 5 tiles on 4 SMs take 2 waves -> occupancy 5/8.
-    model = KernelModel(ROUND)
+    model = _round_model()
     assert model.gemm_efficiency(GemmDims(batch=1, m=128, n=640, k=64)) == pytest.approx(0.5 * 5 / 8 * 0.5)
 
 
 def test_fp32_gemm_runs_on_tf32_unless_disabled():
     key, flops = _mm(4096, 4096, 4096, dtype="float32"), 2 * 4096**3
-    eff = KernelModel(ROUND).gemm_efficiency(gemm_dims(key))
-    assert KernelModel(ROUND).duration_for_key(key, flops=flops, nbytes=1) == pytest.approx(
+    eff = _round_model().gemm_efficiency(gemm_dims(key))
+    assert _round_model().duration_ns(_node(key, flops=flops, nbytes=1)) == pytest.approx(
         flops / (50e3 * eff) + 1000)
-    assert KernelModel(ROUND, allow_tf32=False).duration_for_key(key, flops=flops, nbytes=1) == pytest.approx(
+    assert _round_model(allow_tf32=False).duration_ns(_node(key, flops=flops, nbytes=1)) == pytest.approx(
         flops / (10e3 * eff) + 1000)
 
 
 def test_attention_and_memory_bound_ops_exact():
-    model = KernelModel(ROUND)
+    model = _round_model()
     sdpa = _key("aten._scaled_dot_product_flash_attention.default", (1, 8, 128, 64), (1, 8, 128, 64),
                 (1, 8, 128, 64), dtype="bfloat16")
-    assert model.duration_for_key(sdpa, flops=10_000_000, nbytes=1000) == pytest.approx(
+    assert model.duration_ns(_node(sdpa, flops=10_000_000, nbytes=1000)) == pytest.approx(
         10_000_000 / 50_000 + 1000)
     gelu = _key("aten.gelu.default", (1000, 250))
     assert model.duration_ns(_node(gelu, nbytes=1_000_000)) == pytest.approx(2000 + 1000)
@@ -194,43 +209,41 @@ def test_attention_and_memory_bound_ops_exact():
 
 
 def test_no_kernel_ops_cost_nothing():
-    model = KernelModel(ROUND)
+    model = _round_model()
     for node in (_node(_key("aten.view.default", (4, 4)), nbytes=64),
                  _node(_key("aten._local_scalar_dense.default", (1,)), nbytes=2),
                  _node(_mm(256, 256, 256), launches=False)):
-        assert (model.duration_ns(node), model.host_ns(node), model.effective_ns(node)) == (0, 0, 0)
+        assert (model.duration_ns(node), model.host_ns(node)) == (0, 0)
 
 
-def test_effective_time_is_the_slower_of_device_and_host():
-    model = KernelModel(ROUND)
+def test_repeated_kernels_take_the_slower_of_device_and_host():
+    model = _round_model()
     small = _node(_key("aten.add.Tensor", (10,), (10,)), nbytes=60)
-    assert model.host_ns(small) == 5000
-    assert model.effective_ns(small) == 5000
+    assert model.host_ns(small) == 5000 > model.duration_ns(small)
     big = _node(_mm(4096, 4096, 4096))
-    assert model.effective_ns(big) == model.duration_ns(big) > 5000
-
-
-def test_kernel_time_is_modeled():
-    assert KernelModel(ROUND).kernel_time(_mm(256, 256, 256)) == KernelTime(
-        duration_ns=pytest.approx(1838.8608), source=Source.MODELED)
+    assert model.duration_ns(big) > 5000 == model.host_ns(big)
+    for node in (small, big):
+        host, device = model.host_ns(node), model.duration_ns(node)
+        repeated = SegmentTime(host_ns=host, device_ns=device, pipelined_ns=host + device, count=10)
+        assert sequence([repeated]) == pytest.approx(host + device + 9 * max(host, device))
 
 
 # ---- sanity on the presets ----------------------------------------------------------------------
 
 def test_large_gemm_on_a100_reaches_60_to_90_percent_of_peak():
-    model = KernelModel(get_device("A100"))
+    model = _preset_model("A100")
     flops = 2 * 2048 * 12288 * 4608
     achieved = flops / model.duration_ns(_node(_mm(2048, 12288, 4608), flops=flops)) / 312e3
     assert 0.6 <= achieved <= 0.9
 
 
 def test_tiny_gemm_is_overhead_dominated():
-    model = KernelModel(get_device("A100"))
-    assert model.duration_ns(_node(_mm(64, 64, 64))) < 2 * get_device("A100").constants.kernel_overhead_ns
+    model = _preset_model("A100")
+    assert model.duration_ns(_node(_mm(64, 64, 64))) < 2 * A100_CONSTANTS.kernel_overhead_ns
 
 
 def test_bigger_gemm_never_takes_less_time():
-    model = KernelModel(get_device("H100"))
+    model = _preset_model("H100")
     sizes = [16, 64, 100, 128, 129, 256, 1000, 1024, 4096, 4608, 12288]
     for m in sizes:
         for n in sizes:
@@ -243,23 +256,24 @@ def test_bigger_gemm_never_takes_less_time():
 
 def test_faster_device_is_faster_on_large_gemms():
     node = _node(_mm(8192, 8192, 8192))
-    h100, a100 = KernelModel(get_device("H100")), KernelModel(get_device("A100"))
+    h100, a100 = _preset_model("H100"), _preset_model("A100")
     assert h100.duration_ns(node) < a100.duration_ns(node)
 
 
-def test_profiler_modules_do_not_import_the_simulator():
-    root = Path(__file__).resolve().parents[2] / "profiler"
-    for name in ("devices.py", "kernel_model.py", "op_classes.py", "kernel_time.py", "software_stack.py"):
+def test_kernel_cost_modules_do_not_import_the_simulator_or_the_comm_model():
+    root = Path(__file__).resolve().parents[2] / "vtrain_plugin"
+    for name in ("hardware/devices.py", "hardware/calibration.py", "cost/kernel_model.py", "cost/op_classes.py",
+                 "cost/kernel_timer.py", "cost/lowering.py"):
         tree = ast.parse((root / name).read_text())
         imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-        assert not [m for m in imported if m and m.startswith(("vtrain_plugin.sim", "vtrain_plugin.comm"))]
+        assert not [m for m in imported if m and m.startswith(("vtrain_plugin.sim", "vtrain_plugin.cost.comm"))]
 
 
 # ---- batches, host time and the CPU -> GPU pipeline ------------------------------------------------
 
 def test_batch_times_equal_per_node_times():
-    model = KernelModel(ROUND)
+    model = _round_model()
     nodes = [_node(_mm(256, 256, 256)), _node(_key("aten.gelu.default", (1000, 250)), nbytes=1_000_000),
              _node(_key("aten.view.default", (4, 4))), _node(_key("aten.bmm.default", (8, 64, 32), (8, 32, 64)))]
     batch = KernelBatch.of(nodes)
@@ -268,18 +282,23 @@ def test_batch_times_equal_per_node_times():
 
 
 def test_backward_kernels_pay_the_backward_host_overhead():
-    device = dataclasses.replace(ROUND, constants=dataclasses.replace(ROUND.constants, backward_host_overhead_ns=700))
-    model = KernelModel(device)
+    model = KernelModel(ROUND, dataclasses.replace(ROUND_CONSTANTS, backward_host_overhead_ns=700))
     add = _key("aten.add.Tensor", (10,), (10,))
     assert model.host_ns(_node(add, phase=Phase.BACKWARD)) == 700
     assert model.host_ns(_node(add, phase=Phase.RECOMPUTE)) == 5000
     assert model.host_ns(_node(add, phase=Phase.OPTIMIZER)) == 5000
 
 
-def test_constants_override_the_devices():
-    faster = dataclasses.replace(ROUND.constants, kernel_overhead_ns=500)
+def test_the_constants_set_the_overheads():
+    faster = dataclasses.replace(ROUND_CONSTANTS, kernel_overhead_ns=500)
     node = _node(_key("aten.gelu.default", (1000, 250)), nbytes=1_000_000)
-    assert KernelModel(ROUND, constants=faster).duration_ns(node) == pytest.approx(2000 + 500)
+    assert KernelModel(ROUND, faster).duration_ns(node) == pytest.approx(2000 + 500)
+
+
+def pipeline_ns(host: np.ndarray, device: np.ndarray) -> float:
+    """Pipelined time of one segment holding all the kernels."""
+    segment = Segment(block=0, phase=Phase.FORWARD, start=0, stop=len(host), count=1)
+    return float(segment_times(host, device, [segment])[2][0])
 
 
 def test_pipeline_is_the_slower_stage_plus_the_fill():

@@ -7,8 +7,8 @@ import pytest
 
 from profiler.db import APPLICATION_ID, SCHEMA_VERSION, ProfileDB, default_db_path
 from profiler.fingerprint import DeviceFingerprint, DeviceKind, current_fingerprint
-from vtrain_plugin.errors import ProfileError
-from vtrain_plugin.graph import KernelKey
+from vtrain_plugin.core.errors import ProfileError
+from vtrain_plugin.core.graph import KernelKey
 
 FP_A = DeviceFingerprint(kind=DeviceKind.CUDA, device_name="NVIDIA H100 80GB HBM3", sm_count_or_cores=132,
                          cpu_model="AMD EPYC 9654", torch_version="2.13.0", cuda_version="12.8")

@@ -8,18 +8,22 @@ import torch
 
 from profiler.db import ProfileDB
 from profiler.fingerprint import DeviceFingerprint, DeviceKind, current_fingerprint
+from profiler.lookup import measured_comm_tables, measured_durations
 from profiler.replay import TimingPolicy, replay_kernel
-from vtrain_plugin.cluster import get_cluster_preset
-from vtrain_plugin.comm import CommModel, NcclTable
-from vtrain_plugin.config import RunConfig, with_gpu
-from vtrain_plugin.errors import ConfigError, ProfileError
-from vtrain_plugin.graph import CollectiveKind as K
-from vtrain_plugin.graph import KernelKey
-from vtrain_plugin.graph import ParallelGroup as G
-from vtrain_plugin.plan import ModelSpec, ParallelPlan
-from vtrain_plugin.profiles import gpu_name_matches, measured_comm_tables, measured_durations
-from vtrain_plugin.tracer import trace
-from vtrain_plugin.training import TrainingSpec
+from vtrain_plugin.api import with_gpu
+from vtrain_plugin.capture.tracer import trace
+from vtrain_plugin.core.errors import ConfigError, ProfileError
+from vtrain_plugin.core.graph import CollectiveKind as K
+from vtrain_plugin.core.graph import KernelKey
+from vtrain_plugin.core.graph import ParallelGroup as G
+from vtrain_plugin.cost import CommModel
+from vtrain_plugin.hardware.clusters import get_cluster_preset
+from vtrain_plugin.hardware.devices import gpu_name_matches
+from vtrain_plugin.hardware.nccl import NcclTable
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.run import RunConfig
+from vtrain_plugin.specs.training import TrainingSpec
 from vtrain_plugin.validate import IterationRecorder, compare, single_device_run
 
 H100 = DeviceFingerprint(kind=DeviceKind.CUDA, device_name="NVIDIA H100 80GB HBM3", sm_count_or_cores=132,
@@ -36,6 +40,12 @@ def run_on(gpu: str) -> RunConfig:
     run = RunConfig(model=TINY, parallel=ParallelPlan(micro_batch_size=2), training=TrainingSpec(global_batch_size=4),
                     cluster=get_cluster_preset("local-cpu"))
     return with_gpu(run, gpu)
+
+
+def durations_for(run: RunConfig, db_path) -> dict[KernelKey, float]:
+    """Measured durations of ``run``'s kernels on its cluster's device."""
+    keys = trace(run.model, run.parallel).unique_kernels()
+    return measured_durations(keys, run.cluster.gpu, db_path=db_path)
 
 
 @pytest.mark.parametrize("preset, name, expected", [
@@ -55,8 +65,8 @@ def test_gpu_name_matching_rule(preset, name, expected):
 
 def test_missing_database_reads_as_empty_and_is_not_created(tmp_path):
     path = tmp_path / "none.sqlite"
-    assert measured_durations(run_on("cpu"), db_path=path) == {}
-    assert measured_comm_tables(run_on("h100"), db_path=path) == {}
+    assert durations_for(run_on("cpu"), db_path=path) == {}
+    assert measured_comm_tables(run_on("h100").cluster, db_path=path) == {}
     assert not path.exists()
 
 
@@ -64,7 +74,7 @@ def test_corrupt_database_is_a_profile_error(tmp_path):
     path = tmp_path / "bad.sqlite"
     path.write_bytes(b"not a database at all, just text" * 10)
     with pytest.raises(ProfileError, match="not a SQLite file"):
-        measured_durations(run_on("cpu"), db_path=path)
+        durations_for(run_on("cpu"), db_path=path)
 
 
 def test_durations_come_from_the_target_devices_profile_only(tmp_path):
@@ -76,22 +86,22 @@ def test_durations_come_from_the_target_devices_profile_only(tmp_path):
         db.put_kernel(A100_40, keys[0], 7.0, 5, 1.0)
         db.put_kernel(OTHER_CPU, keys[0], 9.0, 5, 1.0)
         db.put_kernel(current_fingerprint("cpu"), keys[1], 3.0, 5, 1.0)
-    h100 = measured_durations(run_on("h100"), db_path=path)
+    h100 = durations_for(run_on("h100"), db_path=path)
     assert len(h100) == len(keys) and h100[keys[0]] == 1000.0
-    assert measured_durations(run_on("a100-sxm4-40gb"), db_path=path) == {keys[0]: 7.0}
-    assert measured_durations(run_on("a100"), db_path=path) == {}  # the 80 GB preset: no 80 GB profile
-    assert measured_durations(run_on("cpu"), db_path=path) == {keys[1]: 3.0}  # this CPU, not the other
+    assert durations_for(run_on("a100-sxm4-40gb"), db_path=path) == {keys[0]: 7.0}
+    assert durations_for(run_on("a100"), db_path=path) == {}  # the 80 GB preset: no 80 GB profile
+    assert durations_for(run_on("cpu"), db_path=path) == {keys[1]: 3.0}  # this CPU, not the other
 
 
 def test_comm_tables_feed_the_comm_model(tmp_path):
     path = tmp_path / "p.sqlite"
     with ProfileDB.open(path) as db:
         for nbytes in (1024, 2048, 4096):
-            db.put_comm(H100, "all_reduce", 4, "nccl", nbytes, nbytes * 10.0)
-            db.put_comm(H100, "send_recv", 2, "nccl", nbytes, nbytes * 1.0)
-            db.put_comm(H100, "all_reduce", 4, "gloo", nbytes, 1.0)  # another backend: ignored
+            db.put_comm(H100, K.ALL_REDUCE, 4, "nccl", nbytes, nbytes * 10.0)
+            db.put_comm(H100, K.SEND, 2, "nccl", nbytes, nbytes * 1.0)
+            db.put_comm(H100, K.ALL_REDUCE, 4, "gloo", nbytes, 1.0)  # another backend: ignored
     run = run_on("h100")
-    tables = measured_comm_tables(run, db_path=path)
+    tables = measured_comm_tables(run.cluster, db_path=path)
     assert set(tables) == {(K.ALL_REDUCE, 4), (K.SEND, 2), (K.RECV, 2)}
     assert tables[(K.ALL_REDUCE, 4)].times_ns == (10240.0, 20480.0, 40960.0)
     model = CommModel.for_plan(run.cluster, ParallelPlan(tensor_parallel=4, data_parallel=2),

@@ -7,8 +7,8 @@ from profiler.db import ProfileDB
 from profiler.fingerprint import DeviceFingerprint, DeviceKind, current_fingerprint
 from profiler.progress import ProgressBar
 from profiler.replay import TimingPolicy, build_call, profile_kernels, replay_kernel
-from vtrain_plugin.errors import ProfileError
-from vtrain_plugin.graph import KernelKey
+from vtrain_plugin.core.errors import ProfileError
+from vtrain_plugin.core.graph import KernelKey
 
 F32 = "float32"
 FAST = TimingPolicy(warmup=1, min_repetitions=5, max_repetitions=10, budget_s=0.01)

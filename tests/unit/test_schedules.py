@@ -1,7 +1,8 @@
 import pytest
 
-from vtrain_plugin.errors import ConfigError
-from vtrain_plugin.sim import ScheduleKind, TaskKind, build_schedule, register_schedule, schedule_builder
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.sim import TaskKind, build_schedule, register_schedule, schedule_builder
+from vtrain_plugin.specs.training import ScheduleKind
 
 
 def order(schedule, rank):

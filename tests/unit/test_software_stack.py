@@ -7,12 +7,13 @@ import math
 
 import pytest
 
-from profiler.software_stack import MULTI_TENSOR_PASSES, SoftwareStack, map_nodes, register_stack
-from vtrain_plugin.config import run_config_from_dict
-from vtrain_plugin.errors import ConfigError
-from vtrain_plugin.graph import OpNode, Phase
-from vtrain_plugin.plan import ModelSpec, ParallelPlan
-from vtrain_plugin.training import TrainingSpec
+from vtrain_plugin.cost.lowering import MULTI_TENSOR_PASSES, SoftwareStack, map_nodes, register_stack
+from vtrain_plugin.api import run_config_from_dict
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.graph import OpNode, Phase
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.training import TrainingSpec
 
 H, HEADS, S, MB, TP = 64, 4, 32, 2, 2
 SCORES = MB * HEADS // TP * S * S  # elements of one attention-score tensor on one TP rank
@@ -22,7 +23,7 @@ MDS = SoftwareStack.MEGATRON_DEEPSPEED_2023
 
 @pytest.fixture(scope="module")
 def layer():
-    from vtrain_plugin.tracer import trace
+    from vtrain_plugin.capture.tracer import trace
 
     model = ModelSpec(num_layers=2, hidden_size=H, num_attention_heads=HEADS, seq_length=S, vocab_size=256)
     graph = trace(model, ParallelPlan(tensor_parallel=TP, micro_batch_size=MB, recompute="full"))

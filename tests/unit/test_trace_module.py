@@ -2,8 +2,8 @@
 
 import torch
 
-from vtrain_plugin.graph import Phase
-from vtrain_plugin.tracer import trace
+from vtrain_plugin.core.graph import Phase
+from vtrain_plugin.capture.tracer import trace
 
 
 class TwoLayer(torch.nn.Module):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from vtrain_plugin.sim.schedules import Task, TaskKind, build_schedule
 from vtrain_plugin.sim.timeline import Interval, IntervalKind, Stream, Timeline
-from vtrain_plugin.sim.work import PipelineWork
+from vtrain_plugin.cost.work import PipelineWork
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

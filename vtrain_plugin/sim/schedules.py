@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
 
-from vtrain_plugin import _validate as v
-from vtrain_plugin.errors import ConfigError
-from vtrain_plugin.registry import Registry
-from vtrain_plugin.sim.work import ScheduleKind
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.registry import Registry
+from vtrain_plugin.specs.training import ScheduleKind
 
 
 class TaskKind(StrEnum):

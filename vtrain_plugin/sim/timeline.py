@@ -14,8 +14,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from vtrain_plugin import _validate as v
-from vtrain_plugin.graph import atomic_write_text
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.files import atomic_write_text
 
 
 class Stream(StrEnum):

@@ -1,0 +1,81 @@
+"""Fit a calibration file: the device constants of one (device, software stack) on measured runs.
+
+``.venv/bin/python benchmarks/calibrate.py a100-sxm4-80gb megatron_deepspeed_2023`` reproduces the
+shipped A100 file from the published A100 runs (about four minutes on two cores:
+tracing the 170 runs once takes most of a minute, then every candidate set of constants re-costs all
+runs in about 0.1 s). Only the named constants of ``a100_data.FITTED`` are fitted, each inside its
+plausible range (``vtrain_plugin.hardware.devices``); the backward host cost is tied to the forward one
+(``a100_data.TIED``); nothing depends on an individual row: the objective is the
+mean absolute log error of the single-node runs and of the multi-node runs, weighted equally.
+``--dry-run`` prints the result without writing it; the file goes to the user's calibration folder
+(``$VTRAIN_CALIBRATION_DIR``, ...) unless ``--into-package`` asks for the package's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from a100_data import (FITTED, START, TIED, add_data_argument, error_stats, fit, predict_all,  # noqa: E402
+                       prepare_runs, read_runs)
+
+from vtrain_plugin.cli.render import render_table  # noqa: E402
+from vtrain_plugin.hardware.calibration import (CONSTANT_RANGES, Calibration, DeviceConstants,  # noqa: E402
+                                                write_calibration)
+
+# The measured data this script can fit on, per (device, software stack).
+DATASETS = {("a100-sxm4-80gb", "megatron_deepspeed_2023"): (
+    "144 single-node and 26 multi-node A100 SXM 80GB iteration times published with vTrain (MICRO'24), "
+    "../shared/data/a100_{single,multi}_node_calibration.csv: Megatron-DeepSpeed, fp16, full recompute, DGX A100 "
+    "nodes with 8 x 200 Gb/s InfiniBand. Bounded Nelder-Mead on the mean absolute log error, single- and "
+    "multi-node runs weighted equally; the backward host cost is tied to the forward one.")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("device", help="device preset, e.g. a100-sxm4-80gb")
+    parser.add_argument("stack", help="software stack, e.g. megatron_deepspeed_2023")
+    add_data_argument(parser)
+    parser.add_argument("--into-package", action="store_true",
+                        help="write into the package's calibration folder instead of the user's")
+    parser.add_argument("--max-evals", type=int, default=2500, help="objective evaluations of the search")
+    parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
+    args = parser.parse_args()
+    source = DATASETS.get((args.device, args.stack))
+    if source is None:
+        parser.error(f"no measured data for ({args.device}, {args.stack}); have: "
+                     f"{', '.join(f'{d} {s}' for d, s in DATASETS)}")
+
+    start = time.perf_counter()
+    runs = read_runs(args.data)
+    prepared = prepare_runs(runs)
+    print(f"traced and prepared {len(runs)} runs in {time.perf_counter() - start:.1f} s")
+    fit_start = time.perf_counter()
+    constants, error = fit(prepared, START, max_evals=args.max_evals, log=print)
+    print(f"fit in {time.perf_counter() - fit_start:.1f} s, mean absolute log error {error:.4f}")
+
+    rows = [[name, f"{getattr(START, name):.4g}", f"{getattr(constants, name):.4g}",
+             f"[{FITTED[name][0]:g}, {FITTED[name][1]:g}]", f"[{CONSTANT_RANGES[name][0]:g}, {CONSTANT_RANGES[name][1]:g}]"]
+            for name in FITTED]
+    print(render_table(rows, ["constant", "start", "fitted", "searched", "plausible"]))
+    predicted = predict_all(prepared, constants)
+    for source in ("single", "multi"):
+        idx = [i for i, r in enumerate(runs) if r.source == source]
+        s = error_stats(predicted[idx], [runs[i].measured_ms for i in idx])
+        print(f"{source}-node: MAPE {s.mape:.2f}%  median {s.median:.2f}%  p90 {s.p90:.2f}%  bias {s.bias:+.2f}%")
+    if not args.dry_run:
+        values = {name: round(float(getattr(constants, name)), 6) for name in (*FITTED, *TIED)}
+        calibration = Calibration(device=args.device, software_stack=args.stack, source=source,
+                                  command=f".venv/bin/python benchmarks/calibrate.py {args.device} {args.stack}",
+                                  constants=DeviceConstants(**values))
+        path = write_calibration(calibration, into_package=args.into_package)
+        print(f"wrote {len(values)} constants to {path}")
+    print(f"total {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Turn a flat list of records into blocks: embedding, one folded layer template, head.
+
+Layers are folded only when verified identical: same kernels, shapes, phases, collectives and
+module paths (with the layer index removed), in the same order. A layer that differs keeps a block of its own.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+
+from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveNode, Node, OpNode, ParallelGroup)
+from vtrain_plugin.capture.recorder import OpRecord, Record
+
+_LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers)\.(?P<index>\d+)(?P<rest>(?:\..*)?)$")
+_HEAD_MODULES = ("decoder.final_layernorm", "output_layer", "loss")
+
+
+def layer_index(module: str) -> int | None:
+    m = _LAYER.match(module)
+    return int(m.group("index")) if m else None
+
+
+def block_of(module: str) -> tuple[BlockKind, str]:
+    """Which block a module belongs to, and the block's name."""
+    m = _LAYER.match(module)
+    if m:
+        return BlockKind.LAYER, f"{m.group('prefix')}.{m.group('index')}"
+    if module.startswith("embedding"):
+        return BlockKind.EMBEDDING, "embedding"
+    if module.startswith(_HEAD_MODULES):
+        return BlockKind.HEAD, "head"
+    return BlockKind.STAGE, "stage"
+
+
+def to_node(record: Record, group_of: Callable[[str], ParallelGroup]) -> Node:
+    if isinstance(record, OpRecord):
+        return OpNode(key=record.key, phase=record.phase, module=record.module,
+                      output_shapes=record.output_shapes, launches_kernel=record.launches_kernel,
+                      flops=record.flops, nbytes=record.nbytes)
+    return CollectiveNode(kind=record.kind, nbytes=record.nbytes, group=group_of(record.group_name),
+                          group_size=record.group_size, phase=record.phase, module=record.module,
+                          dtype=record.dtype)
+
+
+def split_blocks(nodes: Sequence[Node], saved_nbytes: Mapping[str, int] | None = None) -> list[Block]:
+    """Group nodes by block, keeping each block's nodes in execution order; ``saved_nbytes`` (per
+    module) gives each block its activation memory."""
+    activation = _activation_by_block(nodes, saved_nbytes or {})
+    order: list[tuple[BlockKind, str]] = []
+    members: dict[tuple[BlockKind, str], list[Node]] = {}
+    for node in nodes:
+        where = block_of(node.module)
+        if where not in members:
+            members[where] = []
+            order.append(where)
+        members[where].append(node)
+    rank = {BlockKind.EMBEDDING: 0, BlockKind.STAGE: 1, BlockKind.LAYER: 2, BlockKind.HEAD: 3}
+    order.sort(key=lambda w: (rank[w[0]], layer_index(w[1]) or 0))
+    return [Block(kind=k, name=n, nodes=tuple(members[(k, n)]), activation_nbytes=activation.get((k, n), 0))
+            for k, n in order]
+
+
+def _activation_by_block(nodes: Sequence[Node], saved_nbytes: Mapping[str, int]) -> dict[tuple[BlockKind, str], int]:
+    """Sum saved activation bytes per block. Bytes saved by the container of the layers (activation
+    checkpointing saves each layer's inputs from there, e.g. ``decoder``) are spread evenly over
+    the layers, since each checkpointed layer keeps its own inputs."""
+    layers = sorted({block_of(n.module) for n in nodes if block_of(n.module)[0] is BlockKind.LAYER})
+    activation: dict[tuple[BlockKind, str], int] = {}
+    for module, nbytes in saved_nbytes.items():
+        where = block_of(module)
+        owned = [w for w in layers if module and w[1].startswith(module + ".")]
+        if where[0] is BlockKind.STAGE and owned:
+            for w in owned:
+                activation[w] = activation.get(w, 0) + nbytes // len(owned)
+        else:
+            activation[where] = activation.get(where, 0) + nbytes
+    return activation
+
+
+def _signature(block: Block) -> tuple:
+    def strip(module: str) -> str:
+        m = _LAYER.match(module)
+        return m.group("rest") if m else module
+    sig = []
+    for n in block.nodes:
+        if isinstance(n, OpNode):
+            # Ops that launch no kernel (a scratch buffer allocated by the first layer only) cost
+            # nothing and do not make two layers different.
+            if n.launches_kernel:
+                sig.append((n.key, n.phase, strip(n.module), n.output_shapes))
+        else:
+            sig.append((n.kind, n.nbytes, n.group, n.group_size, n.phase, strip(n.module)))
+    return tuple(sig)
+
+
+def fold_layers(blocks: Sequence[Block], total_layers: int) -> list[Block]:
+    """Fold identical consecutive layer blocks into the first, and scale to ``total_layers``.
+
+    ``blocks`` holds the traced layers (a prefix of the chunk's layers, all built from one spec);
+    the folded template's count becomes ``total_layers``. If the traced layers are not identical
+    they are kept apart and the last one stands for the untraced rest.
+    """
+    layers = [b for b in blocks if b.kind is BlockKind.LAYER]
+    others_before = [b for b in blocks if b.kind in (BlockKind.EMBEDDING, BlockKind.STAGE)]
+    others_after = [b for b in blocks if b.kind is BlockKind.HEAD]
+    if not layers:
+        return list(blocks)
+    groups: list[list[Block]] = [[layers[0]]]
+    for b in layers[1:]:
+        if _signature(b) == _signature(groups[-1][0]):
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    folded = [replace(g[0], count=len(g)) for g in groups]
+    folded[-1] = replace(folded[-1], count=folded[-1].count + total_layers - len(layers))
+    return others_before + folded + others_after
+
+
+def layers_identical(blocks: Sequence[Block]) -> bool:
+    layers = [b for b in blocks if b.kind is BlockKind.LAYER]
+    return all(_signature(b) == _signature(layers[0]) for b in layers[1:])

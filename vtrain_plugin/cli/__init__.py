@@ -1,0 +1,42 @@
+"""The ``vtrain`` command line: one module per command (argument parsing and rendering only).
+
+User errors become one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from vtrain_plugin.cli import estimate, profile, trace, validate
+from vtrain_plugin.cli.common import EXIT_USER_ERROR
+from vtrain_plugin.core.errors import VTrainError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vtrain", description="Predict the iteration time, memory and cost of Megatron-style training.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    trace.add_parser(sub)
+    estimate.add_parser(sub)
+    profile.add_parsers(sub)
+    validate.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="vtrain: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except VTrainError as exc:
+        print(f"vtrain: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("vtrain: interrupted", file=sys.stderr)
+        return 130

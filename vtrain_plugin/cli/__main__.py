@@ -1,0 +1,7 @@
+"""``python -m vtrain_plugin.cli``."""
+
+import sys
+
+from vtrain_plugin.cli import main
+
+sys.exit(main())

@@ -1,0 +1,71 @@
+"""``vtrain estimate CONFIG...``: the predicted iteration of each plan, from measured profiles where
+the database has them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from vtrain_plugin.api import load_run_config, with_gpu
+from vtrain_plugin.cli.common import CONFIG_HELP, EXIT_USER_ERROR, db_option, positive_int
+from vtrain_plugin.cli.render import estimate_table
+from vtrain_plugin.core.errors import VTrainError
+from vtrain_plugin.measure import estimate_with_profiles
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("estimate", help="predict the iteration time of one or more plans")
+    p.add_argument("config", nargs="+", help=CONFIG_HELP)
+    p.add_argument("--gpu", help="GPU preset to estimate for, overriding the config's "
+                                 "(a100-sxm4-40gb, a100-sxm4-80gb, h100-sxm, h200-sxm; aliases A100, H100, H200)")
+    p.add_argument("--format", choices=("table", "json", "jsonl"), default="table")
+    db_option(p)
+    p.add_argument("--explain", type=int, nargs="?", const=10, default=0, metavar="N",
+                   help="list the N largest unmeasured kernels (default 10)")
+    p.add_argument("--timeline", metavar="FILE", help="write a Chrome trace / Perfetto timeline")
+    p.add_argument("--timeline-max-stages", type=positive_int, metavar="N",
+                   help="write at most N pipeline stages (first and last always kept)")
+    p.add_argument("--timeline-max-microbatches", type=positive_int, metavar="N",
+                   help="write at most N micro-batches per stage")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    failed = 0
+    for index, path in enumerate(args.config):
+        try:
+            run_config = load_run_config(path)
+            if args.gpu:
+                run_config = with_gpu(run_config, args.gpu)
+            result = estimate_with_profiles(run_config, db_path=args.db, timeline=bool(args.timeline),
+                                            explain=args.explain or 0)
+            if args.timeline:
+                result.write_timeline(_timeline_path(args.timeline, index, len(args.config)),
+                                      max_ranks=args.timeline_max_stages,
+                                      max_microbatches=args.timeline_max_microbatches)
+        except VTrainError as exc:
+            failed += 1
+            if args.format == "jsonl":
+                sys.stdout.write(json.dumps({"config": path, "error": str(exc)}) + "\n")
+                sys.stdout.flush()
+            else:
+                print(f"vtrain: error: {exc}", file=sys.stderr)
+            continue
+        if args.format == "jsonl":
+            sys.stdout.write(json.dumps({"config": path, **result.to_dict()}) + "\n")
+            sys.stdout.flush()
+        elif args.format == "json":
+            sys.stdout.write(json.dumps({"config": path, **result.to_dict(), "largest_unmeasured": [
+                {"op": k.op, "input_shapes": k.input_shapes, "dtypes": k.dtypes, "phase": k.phase,
+                 "module": k.module, "time_ms": k.time_ms} for k in result.largest_unmeasured]}, indent=1) + "\n")
+        else:
+            sys.stdout.write(estimate_table(run_config, result) + "\n")
+    return EXIT_USER_ERROR if failed else 0
+
+
+def _timeline_path(path: str, index: int, total: int) -> Path:
+    """One timeline per config: ``t.json`` for one config, ``t.0.json``, ``t.1.json``... for several."""
+    p = Path(path)
+    return p if total == 1 else p.with_name(f"{p.stem}.{index}{p.suffix}")

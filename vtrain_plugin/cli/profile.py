@@ -1,0 +1,108 @@
+"""``vtrain profile``, ``profile-comm``, ``profile-export`` and ``profile-import``: measuring kernels and
+collectives on this machine's device, and moving profiles between machines."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from profiler.comm_bench import benchmark_collectives
+from profiler.db import ProfileDB
+from profiler.fingerprint import current_fingerprint
+from profiler.lookup import open_profile_db
+from profiler.replay import profile_kernels
+from vtrain_plugin.api import load_run_config
+from vtrain_plugin.capture.tracer import trace
+from vtrain_plugin.cli.common import CONFIG_HELP, db_option, device_and_db_options, positive_int
+from vtrain_plugin.core.errors import ProfileError
+from vtrain_plugin.validate import single_device_run
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure the unique kernels of plans on this machine's device")
+    p.add_argument("config", nargs="+", help=CONFIG_HELP)
+    device_and_db_options(p)
+    p.add_argument("--force", action="store_true", help="measure again kernels already in the database")
+    p.add_argument("--single-device", action="store_true",
+                   help="profile the one-device variant of each plan (TP=PP=DP=1), what `vtrain validate` runs")
+    p.set_defaults(func=profile)
+
+    p = sub.add_parser("profile-comm", help="measure collectives between the GPUs (NCCL) or processes (gloo) "
+                                            "of this node")
+    device_and_db_options(p)
+    p.add_argument("--max-nbytes", type=positive_int, metavar="N",
+                   help="largest message in bytes (default 1 GiB on cuda, 64 MiB on cpu)")
+    p.add_argument("--world-size", type=positive_int, metavar="N",
+                   help="ranks (default: every GPU of the node; 2-4 processes on cpu)")
+    p.set_defaults(func=profile_comm)
+
+    p = sub.add_parser("profile-export", help="write profiles to a portable JSON file")
+    p.add_argument("file", help="JSON file to write")
+    db_option(p)
+    p.add_argument("--device-name", help="only devices whose name contains this (e.g. H100)")
+    p.set_defaults(func=profile_export)
+
+    p = sub.add_parser("profile-import", help="merge a file written by profile-export into the database")
+    p.add_argument("file", help="JSON file written by `vtrain profile-export`")
+    db_option(p)
+    p.set_defaults(func=profile_import)
+
+
+def profile(args: argparse.Namespace) -> int:
+    fp = current_fingerprint(args.device)
+    keys: dict = {}
+    for path in args.config:
+        run_config = load_run_config(path)
+        if args.single_device:
+            run_config, _ = single_device_run(run_config, args.device)
+        keys.update(trace(run_config.model, run_config.parallel).unique_kernels())
+    with ProfileDB.open(args.db) as db:
+        summary = profile_kernels(keys, args.device, db, fp, force=args.force, progress=True)
+        where = db.path
+    sys.stdout.write(f"profiled {len(keys)} unique kernels of {len(args.config)} plan(s) on {fp.label} into "
+                     f"{where}: {summary.measured} measured, {summary.skipped} already in the database, "
+                     f"{len(summary.failed)} failed\n")
+    for key, reason in summary.failed:
+        sys.stdout.write(f"  failed {key.op} {[list(s) for s in key.input_shapes]}: {reason}\n")
+    return 0
+
+
+def profile_comm(args: argparse.Namespace) -> int:
+    fp = current_fingerprint(args.device)
+    with ProfileDB.open(args.db) as db:
+        result = benchmark_collectives(args.device, max_nbytes=args.max_nbytes, world_size=args.world_size,
+                                       db=db, fingerprint=fp)
+        where = db.path
+    tables = sorted({(r.kind.value, r.group_size, r.backend) for r in result.rows})
+    sys.stdout.write(f"measured {len(result.rows)} collective timings ({len(tables)} tables) on {fp.label} into "
+                     f"{where}\n")
+    for kind, group_size, backend in tables:
+        sys.stdout.write(f"  {kind} over {group_size} ranks ({backend})\n")
+    for u in result.unsupported:
+        sys.stdout.write(f"  unsupported {u.kind.value} over {u.group_size} ranks: {u.reason}\n")
+    return 0
+
+
+def profile_export(args: argparse.Namespace) -> int:
+    db = open_profile_db(args.db)
+    if db is None:
+        raise ProfileError(f"profile database {args.db or 'default'} does not exist; nothing to export")
+    with db:
+        devices = db.fingerprints()
+        if args.device_name:
+            devices = db.find_fingerprints(device_name=args.device_name)
+            if not devices:
+                raise ProfileError(f"--device-name {args.device_name!r} matches none of the devices in "
+                                   f"{db.path}: {', '.join(fp.label for fp in db.fingerprints()) or 'none'}")
+        db.export(args.file, devices)
+    sys.stdout.write(f"exported {len(devices)} device profile(s) to {args.file}\n")
+    return 0
+
+
+def profile_import(args: argparse.Namespace) -> int:
+    with ProfileDB.open(args.db) as db:
+        counts = db.import_(args.file)
+        where = db.path
+    sys.stdout.write(f"imported {counts.devices} device(s), {counts.kernels} kernels and {counts.comm} collective "
+                     f"timings into {where}\n")
+    return 0

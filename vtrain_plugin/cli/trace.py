@@ -1,0 +1,29 @@
+"""``vtrain trace CONFIG``: the operator graph of a plan, per pipeline stage."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from vtrain_plugin.api import load_run_config
+from vtrain_plugin.capture.tracer import trace
+from vtrain_plugin.cli.common import CONFIG_HELP, emit
+from vtrain_plugin.cli.render import trace_json, trace_table
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="trace a model into its operator graph")
+    p.add_argument("config", help=CONFIG_HELP)
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--output", "-o", help="write to this file instead of stdout")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_config = load_run_config(args.config)
+    graph = trace(run_config.model, run_config.parallel)
+    if args.format == "json":
+        emit(json.dumps(trace_json(graph), indent=1), args.output)
+    else:
+        emit(trace_table(graph), args.output)
+    return 0

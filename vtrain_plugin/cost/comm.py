@@ -1,0 +1,187 @@
+"""Time of one NCCL collective or point-to-point transfer on a placed group.
+
+Alpha-beta per link tier, with NCCL's algorithms:
+
+* ring all-reduce (reduce-scatter + all-gather): ``2(n-1)/n * S / B`` plus ``2(n-1)`` latency steps,
+  of which ``2(k-1)`` cross the network (k = nodes spanned); all-gather and reduce-scatter take half
+  of both (``(n-1)/n``, ``n-1`` steps); ``S`` is the full buffer (nccl-tests' "size": the all-reduce
+  tensor, the gathered output, the reduce-scatter input);
+* tree all-reduce across nodes (NCCL's double binary tree): ``S / (0.5 * 0.92 * B)`` plus
+  ``2((g-1) alpha_intra + log2(k) alpha_inter)``, the ratios of NCCL's ``tuning.cc``; the faster of
+  ring and tree is used, as NCCL's tuner does;
+* broadcast (pipelined ring): ``S / B`` plus ``n-1`` steps; all-to-all: the share sent inside the
+  node over NVLink and the share sent out over the node's NICs move concurrently, plus one latency
+  of the slowest tier per peer.
+
+Bandwidth ``B`` of a group that spans nodes. In 3D parallelism every group of one kind runs the same
+collective at the same time (all TP ranks' DP all-reduces, ...), so each GPU can count on its own
+share of the node's network, ``efficiency * node_bw / gpus_per_node`` (DGX: one NIC per GPU;
+``network_efficiency`` is the fraction of the nominal NIC rate NCCL reaches, a calibrated constant of
+the device platform, 1 by default). NCCL builds one
+ring per channel and routes each channel's node crossing through a different NIC, so a ring whose
+group has ``g`` GPUs on each node crosses nodes on ``g`` NIC shares in parallel:
+``B = min(B_nvlink, g * efficiency * node_bw / gpus_per_node)``. For DGX A100 (8 x 200 Gb/s) that is 25 GB/s for a
+DP group with tp = 8 (g = 1) and 200 GB/s for a group filling whole nodes (g = 8), as nccl-tests
+shows on such machines. Point-to-point and all-to-all traffic leaves through the sending GPU's own
+share.
+
+Measured tables. ``measured_comm`` (from the profile database, see
+:func:`profiler.lookup.measured_comm_tables`) maps ``(kind, group size)`` to a table of
+that collective measured on the target device; a group inside one node with such a table (a
+point-to-point transfer inside a node: ``(SEND, 2)``) takes its time from it, interpolated in size
+(:meth:`NcclTable.time_ns`), before anything else. Otherwise, when the cluster names a table set
+and the group lies inside one node, the measured all-reduce time replaces alpha-beta; all-gather
+and reduce-scatter take half of it: at the same bus bandwidth they move ``(n-1)/n`` instead of
+``2(n-1)/n`` of the buffer per GPU, and run half of the ring steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.hardware.nccl import NcclTable, load_table_set
+from vtrain_plugin.cost.topology import GroupPlacement, Layout
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.graph import CollectiveKind, ParallelGroup
+
+if TYPE_CHECKING:
+    from vtrain_plugin.specs.cluster import ClusterSpec
+    from vtrain_plugin.specs.parallel import ParallelPlan
+
+# NCCL tuning.cc: tree all-reduce reaches 92% of the ring's bus bandwidth and its algorithm
+# bandwidth is half its bus bandwidth.
+_TREE_BUS_EFFICIENCY = 0.92
+_TREE_ALGORITHM_RATIO = 0.5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommModel:
+    cluster: ClusterSpec
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None  # (kind, group size) -> table
+    network_efficiency: float = 1.0  # fraction of the nominal inter-node bandwidth reached, (0, 1]
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+            v.positive_int(f"parallel.{name}", getattr(self, name))
+        if not 0.0 < v.positive_number("network_efficiency", self.network_efficiency) <= 1.0:
+            raise ConfigError(f"network_efficiency must lie in (0, 1], got {self.network_efficiency:g}")
+
+    @classmethod
+    def for_plan(cls, cluster: ClusterSpec, plan: ParallelPlan, *,
+                 measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None,
+                 network_efficiency: float = 1.0) -> CommModel:
+        return cls(cluster=cluster, tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
+                   data_parallel=plan.data_parallel, measured_comm=measured_comm,
+                   network_efficiency=network_efficiency)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
+                      data_parallel=self.data_parallel, gpus_per_node=self.cluster.gpus_per_node)
+
+    def placement(self, group: ParallelGroup, *, pipeline_rank: int = 0) -> GroupPlacement:
+        return self.layout.placement(group, pipeline_rank=pipeline_rank)
+
+    def time_ns(self, kind: CollectiveKind, nbytes: int, group: ParallelGroup, *,
+                pipeline_rank: int = 0) -> float:
+        """Duration of collective ``kind`` over ``group`` of stage ``pipeline_rank``'s representative rank.
+
+        SEND/RECV on the PP group is the transfer from ``pipeline_rank`` to the next stage.
+        """
+        v.non_negative_int("nbytes", nbytes)
+        kind = CollectiveKind(kind)
+        if kind in (CollectiveKind.SEND, CollectiveKind.RECV):
+            return self.send_recv_ns(nbytes, across_nodes=self.layout.p2p_crosses_nodes(pipeline_rank))
+        placement = self.placement(group, pipeline_rank=pipeline_rank)
+        n = placement.size
+        if n == 1 or nbytes == 0:
+            return 0.0
+        measured = self._measured_ns(kind, nbytes, placement)
+        if measured is not None:
+            return measured
+        bw = self._ring_bytes_per_ns(placement)
+        match kind:
+            case CollectiveKind.ALL_REDUCE:
+                ring = 2 * (n - 1) / n * nbytes / bw + self._latency_ns(2 * (n - 1), placement)
+                return min(ring, self._tree_all_reduce_ns(nbytes, placement)) if placement.spans_nodes else ring
+            case CollectiveKind.ALL_GATHER | CollectiveKind.REDUCE_SCATTER:
+                return (n - 1) / n * nbytes / bw + self._latency_ns(n - 1, placement)
+            case CollectiveKind.BROADCAST:
+                return nbytes / bw + self._latency_ns(n - 1, placement)
+            case CollectiveKind.ALL_TO_ALL:
+                return self._all_to_all_ns(nbytes, placement)
+        raise AssertionError(f"unhandled collective kind {kind}")
+
+    def send_recv_ns(self, nbytes: int, *, across_nodes: bool) -> float:
+        """One point-to-point transfer of ``nbytes`` (a pipeline activation or gradient)."""
+        v.non_negative_int("nbytes", nbytes)
+        if nbytes == 0:
+            return 0.0
+        c = self.cluster
+        table = None if across_nodes or not self.measured_comm else self.measured_comm.get((CollectiveKind.SEND, 2))
+        if table is not None:
+            return table.time_ns(nbytes, latency_floor_ns=c.intra_node_latency_ns)
+        if across_nodes:
+            return nbytes / self._nic_share_bytes_per_ns() + c.inter_node_latency_ns
+        return nbytes / c.intra_node_bytes_per_ns + c.intra_node_latency_ns
+
+    def _nic_share_bytes_per_ns(self) -> float:
+        return self.network_efficiency * self.cluster.inter_node_bytes_per_ns / self.cluster.gpus_per_node
+
+    def _ring_bytes_per_ns(self, placement: GroupPlacement) -> float:
+        intra = self.cluster.intra_node_bytes_per_ns
+        if not placement.spans_nodes:
+            return intra
+        network = placement.gpus_per_node * self._nic_share_bytes_per_ns()
+        return network if placement.gpus_per_node == 1 else min(intra, network)
+
+    def _latency_ns(self, steps: int, placement: GroupPlacement) -> float:
+        """``steps`` ring steps, one per node crossing of the ring paying the network latency.
+
+        A ring over k nodes crosses k node boundaries per round, so ``steps * (k-1)/(n-1)`` of them
+        are network steps (NCCL: ``2(k-1)`` of the ``2(n-1)`` all-reduce steps).
+        """
+        c = self.cluster
+        inter_steps = steps * (placement.num_nodes - 1) // (placement.size - 1)
+        return (steps - inter_steps) * c.intra_node_latency_ns + inter_steps * c.inter_node_latency_ns
+
+    def _tree_all_reduce_ns(self, nbytes: int, placement: GroupPlacement) -> float:
+        c = self.cluster
+        bw = _TREE_ALGORITHM_RATIO * _TREE_BUS_EFFICIENCY * self._ring_bytes_per_ns(placement)
+        latency = 2 * ((placement.gpus_per_node - 1) * c.intra_node_latency_ns
+                       + math.ceil(math.log2(placement.num_nodes)) * c.inter_node_latency_ns)
+        return nbytes / bw + latency
+
+    def _all_to_all_ns(self, nbytes: int, placement: GroupPlacement) -> float:
+        c = self.cluster
+        n, local = placement.size, placement.gpus_per_node
+        intra_ns = (local - 1) / n * nbytes / c.intra_node_bytes_per_ns
+        if not placement.spans_nodes:
+            return intra_ns + (n - 1) * c.intra_node_latency_ns
+        inter_ns = (n - local) / n * nbytes / self._nic_share_bytes_per_ns()
+        return max(intra_ns, inter_ns) + (n - 1) * c.inter_node_latency_ns
+
+    def _measured_ns(self, kind: CollectiveKind, nbytes: int, placement: GroupPlacement) -> float | None:
+        if placement.spans_nodes:
+            return None
+        table = self.measured_comm.get((kind, placement.size)) if self.measured_comm else None
+        if table is not None:
+            return table.time_ns(nbytes, latency_floor_ns=self.cluster.intra_node_latency_ns)
+        name = self.cluster.nccl_tables
+        if name is None:
+            return None
+        if kind not in (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER):
+            return None
+        table = load_table_set(name).get(placement.size)
+        if table is None:
+            return None
+        n = placement.size
+        all_reduce_ns = table.time_ns(nbytes, latency_floor_ns=self._latency_ns(2 * (n - 1), placement))
+        return all_reduce_ns if kind is CollectiveKind.ALL_REDUCE else all_reduce_ns / 2

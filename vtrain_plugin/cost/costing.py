@@ -1,0 +1,133 @@
+"""``cost()``: a prepared graph timed on one device and cluster, as the simulation's input.
+
+This is where the hundreds of kernels of a layer are summed, once per estimate, into forward,
+backward, recompute and optimizer durations per chunk (:class:`ChunkWork`), with a few array
+operations per stage: kernel times (:mod:`vtrain_plugin.cost.kernel_timer`), the host/device pipeline
+(:mod:`vtrain_plugin.cost.host_device`), blocking tensor-parallel collectives timed by the comm model
+and entering the pipeline in place with one kernel's host cost, gradient buckets
+(:mod:`vtrain_plugin.cost.dp_buckets`), pipeline transfers and the tied-embedding synchronisation.
+Each task (a forward, a recompute, a backward of one micro-batch on one chunk) starts with the
+pipeline empty, as after Megatron's synchronisation around pipeline transfers, and each forward also
+pays ``microbatch_overhead_ns`` of host work outside the model. Activation checkpointing recomputes
+each layer right before its backward, so one layer's recompute and backward form one pipelined unit;
+the task's time is split between the two in proportion to their stand-alone times for the breakdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vtrain_plugin.core.graph import Phase
+from vtrain_plugin.cost.comm import CommModel
+from vtrain_plugin.cost.dp_buckets import BlockGradients, dp_buckets
+from vtrain_plugin.cost.host_device import SegmentTime, segment_sums, segment_times, sequence, then
+from vtrain_plugin.cost.kernel_timer import KernelTimer
+from vtrain_plugin.cost.prepare import PHASES, PreparedGraph, PreparedStage
+from vtrain_plugin.cost.provenance import Provenance
+from vtrain_plugin.cost.work import ChunkWork, PipelineWork
+from vtrain_plugin.specs.training import GradReduce, TrainingSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Costing:
+    work: PipelineWork
+    provenance: Provenance
+    flops: dict[Phase, int]  # of one micro-batch through every chunk, on one tensor-parallel rank
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """One chunk's work per micro-batch, its share of the optimizer step and its tied-embedding sync."""
+
+    work: ChunkWork
+    optimizer_ns: float
+    embedding_sync_ns: float
+
+
+def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, training: TrainingSpec,
+         num_microbatches: int, explain: bool = False) -> Costing:
+    """Time ``prepared`` with ``timer``'s device constants (``explain``: list the modeled kernels)."""
+    parallel = prepared.graph.parallel
+    pp = parallel.pipeline_parallel
+    provenance = Provenance(track_modeled=explain)
+    chunks: list[ChunkWork] = []
+    optimizer = [0.0] * pp
+    embedding_sync_ns = 0.0
+    for stage in prepared.stages:
+        staged = _stage_cost(stage, timer, comm, training, num_microbatches, provenance)
+        chunks.append(staged.work)
+        optimizer[stage.stage.pipeline_rank] += staged.optimizer_ns
+        embedding_sync_ns = max(embedding_sync_ns, staged.embedding_sync_ns)
+    work = PipelineWork(
+        chunks=tuple(chunks), pipeline_parallel=pp, virtual_pipeline=parallel.virtual_pipeline,
+        num_microbatches=num_microbatches, schedule=training.schedule,
+        dp_overlap=training.grad_reduce is GradReduce.OVERLAP, embedding_sync_ns=embedding_sync_ns,
+        optimizer_ns=tuple(optimizer))
+    return Costing(work=work, provenance=provenance, flops=dict(prepared.flops))
+
+
+def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, training: TrainingSpec,
+                num_microbatches: int, provenance: Provenance) -> StageCost:
+    stage = prepared.stage
+    rank = stage.pipeline_rank
+    constants = timer.constants
+    device = timer.device_ns(prepared.kernels, prepared.measured_ns)
+    host = timer.host_ns(prepared.kernels)
+    is_comm = np.zeros(len(device), bool)
+    for row, node in prepared.tp_rows:
+        device[row] = comm.time_ns(node.kind, node.nbytes, node.group, pipeline_rank=rank)
+        host[row] = constants.backward_host_overhead_ns if node.phase is Phase.BACKWARD else constants.host_overhead_ns
+        is_comm[row] = True
+    if timer.device.host_runs_kernels:  # a CPU issues and runs each op: no overlap to model
+        device, host = device + host, np.zeros_like(host)
+    segments = prepared.segments
+    h, d, p = segment_times(host, device, segments)
+    tp_comm = segment_sums(np.where(is_comm, device, 0.0), segments)
+    provenance.add_stage(prepared, device, is_comm, num_microbatches)
+
+    index = {(s.block, s.phase): i for i, s in enumerate(segments)}
+    blocks = stage.blocks
+
+    def time(b: int, phase: Phase) -> SegmentTime:
+        i = index[b, phase]
+        return SegmentTime(host_ns=h[i], device_ns=d[i], pipelined_ns=p[i], count=blocks[b].count)
+
+    forward_order = range(len(blocks))
+    backward_order = range(len(blocks) - 1, -1, -1)
+    totals = {Phase.FORWARD: sequence(time(b, Phase.FORWARD) for b in forward_order),
+              Phase.BACKWARD: sequence(time(b, Phase.BACKWARD) for b in backward_order),
+              Phase.RECOMPUTE: sequence(time(b, Phase.RECOMPUTE) for b in backward_order),
+              Phase.OPTIMIZER: sequence(time(b, Phase.OPTIMIZER) for b in forward_order)}
+    combined = sequence(then(time(b, Phase.RECOMPUTE), time(b, Phase.BACKWARD)) for b in backward_order)
+    alone = totals[Phase.RECOMPUTE] + totals[Phase.BACKWARD]
+    if alone:
+        totals[Phase.RECOMPUTE] = combined * totals[Phase.RECOMPUTE] / alone
+        totals[Phase.BACKWARD] = combined - totals[Phase.RECOMPUTE]
+    tp = dict.fromkeys(PHASES, 0.0)
+    for i, s in enumerate(segments):
+        tp[s.phase] += s.count * tp_comm[i]
+
+    runtime = prepared.runtime
+    sync_ns = max((comm.time_ns(n.kind, n.nbytes, n.group, pipeline_rank=rank) for n in runtime.embedding_sync),
+                  default=0.0)
+    p2p = {Phase.FORWARD: 0.0, Phase.BACKWARD: 0.0}
+    for node in runtime.sends:
+        p2p[node.phase] = comm.time_ns(node.kind, node.nbytes, node.group, pipeline_rank=rank)
+    gradients = [BlockGradients(backward_ns=_busy(time(b, Phase.BACKWARD)) + _busy(time(b, Phase.RECOMPUTE)),
+                                grad_nbytes=runtime.dp_grad_nbytes[b], count=blocks[b].count)
+                 for b in range(len(blocks))]
+    work = ChunkWork(
+        forward_ns=totals[Phase.FORWARD] + constants.microbatch_overhead_ns, backward_ns=totals[Phase.BACKWARD],
+        recompute_ns=totals[Phase.RECOMPUTE], tp_comm_forward_ns=tp[Phase.FORWARD],
+        tp_comm_backward_ns=tp[Phase.BACKWARD] + tp[Phase.RECOMPUTE],
+        p2p_forward_ns=p2p[Phase.FORWARD], p2p_backward_ns=p2p[Phase.BACKWARD],
+        dp_buckets=dp_buckets(gradients, comm, training, rank))
+    return StageCost(work=work, optimizer_ns=totals[Phase.OPTIMIZER], embedding_sync_ns=sync_ns)
+
+
+def _busy(t: SegmentTime) -> float:
+    """Steady-state time of one instance: the busier of host and device."""
+    return max(t.host_ns, t.device_ns)

@@ -1,0 +1,100 @@
+"""The host/device pipeline arithmetic: how long a sequence of kernels takes when a CPU issues them.
+
+Within one phase of a task, the CPU issues kernels and the GPU runs them as an in-order two-stage
+pipeline: kernel i is issued after kernel i-1 (``host_i`` each) and runs once issued and once kernel
+i-1 is done. Starting idle, a sequence ends at ``P = max_k (sum_{i<=k} host_i + sum_{i>=k} device_i)``:
+at least the larger of the two sums, at most their total. On a device whose host runs the kernels
+itself (``DeviceSpec.host_runs_kernels``, the CPU) the two simply add up.
+
+A segment (one phase of one block instance: consecutive rows of a stage's kernel batch) is summarised
+by its host total ``H``, device total ``D`` and pipelined time ``P``; ``n`` repetitions of a layer
+take ``P + (n-1) max(H, D)``, and a segment followed by another takes ``max(P1 + D2, H1 + P2)``, so a
+phase of a chunk is timed exactly without expanding its layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vtrain_plugin.core.graph import Phase
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One phase of one block instance: rows ``[start, stop)`` of its stage's kernel batch."""
+
+    block: int  # index in the stage's blocks
+    phase: Phase
+    start: int
+    stop: int
+    count: int  # instances of the block (layers of a folded template)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentTime:
+    """Host total, device total and pipelined time of a segment, and how often it repeats."""
+
+    host_ns: float
+    device_ns: float
+    pipelined_ns: float
+    count: int
+
+
+def _bounds(segments: Sequence[Segment]) -> tuple[np.ndarray, np.ndarray]:
+    starts = np.fromiter((s.start for s in segments), int, len(segments))
+    stops = np.fromiter((s.stop for s in segments), int, len(segments))
+    return starts, stops
+
+
+def segment_sums(values: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
+    """Per segment, the sum of ``values`` over its rows."""
+    c = np.concatenate(([0.0], np.cumsum(values)))
+    starts, stops = _bounds(segments)
+    return c[stops] - c[starts]
+
+
+def segment_times(host: np.ndarray, device: np.ndarray, segments: Sequence[Segment]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per segment: host total, device total and the two-stage pipeline time of its kernels.
+
+    With global prefix sums ``CH``, ``CD``, ``P = max_i (CH_i - CD_{i-1}) - CH_{start-1} + CD_{stop-1}``.
+    """
+    ch = np.concatenate(([0.0], np.cumsum(host)))
+    cd = np.concatenate(([0.0], np.cumsum(device)))
+    starts, stops = _bounds(segments)
+    h = ch[stops] - ch[starts]
+    d = cd[stops] - cd[starts]
+    p = np.zeros(len(segments))
+    nonempty = stops > starts
+    if nonempty.any() and len(host):
+        value = ch[1:] - cd[:-1]  # CH_i - CD_{i-1} for row i (inclusive prefix of host)
+        peak = np.maximum.reduceat(value, starts[nonempty])
+        p[nonempty] = peak - ch[starts[nonempty]] + cd[stops[nonempty]]
+    return h, d, p
+
+
+def then(first: SegmentTime, second: SegmentTime) -> SegmentTime:
+    """One instance of ``first`` followed by one of ``second``, as one pipelined unit."""
+    if first.pipelined_ns and second.pipelined_ns:
+        pipelined = max(first.pipelined_ns + second.device_ns, first.host_ns + second.pipelined_ns)
+    else:
+        pipelined = first.pipelined_ns + second.pipelined_ns
+    return SegmentTime(host_ns=first.host_ns + second.host_ns, device_ns=first.device_ns + second.device_ns,
+                       pipelined_ns=pipelined, count=first.count)
+
+
+def sequence(parts: Iterable[SegmentTime]) -> float:
+    """Pipelined time of segments run one after another, each repeated ``count`` times."""
+    total_h = total_d = total_p = 0.0
+    for part in parts:
+        n = part.count
+        if n == 0 or part.pipelined_ns == 0.0:
+            continue
+        rep_p = part.pipelined_ns + (n - 1) * max(part.host_ns, part.device_ns)
+        total_p = max(total_p + n * part.device_ns, total_h + rep_p)
+        total_h += n * part.host_ns
+        total_d += n * part.device_ns
+    return total_p

@@ -1,0 +1,42 @@
+"""Kernel durations on the target device: measured ones from a profile, modeled ones otherwise.
+
+Measured durations are looked up once per node when a graph is prepared (:func:`measured_ns`), then
+replace the modeled device time of those kernels whatever the device constants, so an estimate can
+report how much of its kernel time was measured (its provenance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from vtrain_plugin.core.graph import KernelKey, OpNode
+from vtrain_plugin.cost.kernel_model import KernelBatch, KernelModel
+from vtrain_plugin.hardware.calibration import DeviceConstants
+from vtrain_plugin.hardware.devices import DeviceSpec
+
+
+def measured_ns(nodes: Sequence[OpNode | None], measured: Mapping[KernelKey, float]) -> np.ndarray:
+    """Measured device time of each node's kernel, NaN where unmeasured (or not a kernel)."""
+    get = measured.get
+    return np.array([np.nan if n is None or not n.launches_kernel else get(n.key, np.nan) for n in nodes], float)
+
+
+class KernelTimer:
+    """Times batches of kernels on one device with one set of calibrated constants."""
+
+    def __init__(self, device: DeviceSpec, constants: DeviceConstants) -> None:
+        self.device = device
+        self.model = KernelModel(device, constants)
+
+    @property
+    def constants(self) -> DeviceConstants:
+        return self.model.constants
+
+    def device_ns(self, kernels: KernelBatch, measured: np.ndarray) -> np.ndarray:
+        """Device time of each kernel: measured where known (not NaN), modeled otherwise."""
+        return np.where(np.isnan(measured), self.model.device_ns(kernels), measured)
+
+    def host_ns(self, kernels: KernelBatch) -> np.ndarray:
+        return self.model.host_ns_batch(kernels)

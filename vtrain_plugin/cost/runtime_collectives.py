@@ -1,0 +1,97 @@
+"""Communication Megatron's runtime adds around the model: derived from the traced graph, not traced.
+
+The model's own collectives (tensor-parallel all-reduce, all-gather, reduce-scatter) are captured
+while tracing. Three more run outside the model in Megatron and are derived here from what the trace
+recorded, once per stage:
+
+- the data-parallel gradient reduction: each block's gradients (its parameters in the model dtype)
+  all-reduced over the DP group when ``data_parallel > 1``;
+- the pipeline point-to-point traffic of one micro-batch: the stage-boundary activation sent to the
+  next virtual stage in forward and its gradient sent back in backward (and the matching receives);
+- the tied-embedding synchronisation: with tied embeddings and ``pipeline_parallel > 1`` the first
+  stage's word embedding and the last stage's output weight are one tensor, whose gradient is
+  all-reduced over the two-rank embedding group.
+
+All are :class:`CollectiveNode` s marked ``synthesized``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from vtrain_plugin.core.dtypes import Dtype, element_nbytes
+from vtrain_plugin.core.graph import BlockKind, CollectiveKind, CollectiveNode, ParallelGroup, Phase, StageGraph
+from vtrain_plugin.specs.parallel import ParallelPlan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RuntimeCollectives:
+    """What Megatron's runtime communicates for one stage (see the module doc)."""
+
+    dp_grad_nbytes: tuple[int, ...]  # per block instance, in the stage's block order
+    dp_group_size: int
+    embedding_sync: tuple[CollectiveNode, ...]  # at most one
+    p2p: tuple[CollectiveNode, ...]  # per micro-batch: recv/send forward, recv/send backward
+
+    def nodes(self, stage: StageGraph) -> tuple[CollectiveNode, ...]:
+        """All of them as graph nodes (DP reductions per block, by module), for reports."""
+        dtype = stage.activation_dtype
+        dp = tuple(CollectiveNode(kind=CollectiveKind.ALL_REDUCE, nbytes=nbytes, group=ParallelGroup.DP,
+                                  group_size=self.dp_group_size, phase=Phase.BACKWARD, module=block.name,
+                                  dtype=dtype, synthesized=True)
+                   for block, nbytes in zip(stage.blocks, self.dp_grad_nbytes) if nbytes)
+        return dp + self.embedding_sync + self.p2p
+
+    @property
+    def sends(self) -> tuple[CollectiveNode, ...]:
+        return tuple(n for n in self.p2p if n.kind is CollectiveKind.SEND)
+
+
+def runtime_collectives(stage: StageGraph, plan: ParallelPlan, *, dtype: Dtype, tied_embeddings: bool
+                        ) -> RuntimeCollectives:
+    """The runtime collectives of ``stage`` under ``plan`` for a model of ``dtype`` (see the module doc)."""
+    dp = plan.data_parallel
+    grad_bytes = dtype.nbytes
+    grads = tuple(block.num_parameters * grad_bytes if dp > 1 else 0 for block in stage.blocks)
+    return RuntimeCollectives(dp_grad_nbytes=grads, dp_group_size=dp,
+                              embedding_sync=_embedding_sync(stage, plan, dtype, tied_embeddings),
+                              p2p=_p2p(stage, plan))
+
+
+def _embedding_sync(stage: StageGraph, plan: ParallelPlan, dtype: Dtype, tied: bool) -> tuple[CollectiveNode, ...]:
+    if not (tied and plan.pipeline_parallel > 1 and stage.word_embedding_parameters):
+        return ()
+    kinds = {b.kind for b in stage.blocks}
+    if BlockKind.EMBEDDING in kinds:
+        module = "embedding.word_embeddings"
+    elif BlockKind.HEAD in kinds:
+        module = "output_layer"
+    else:
+        return ()
+    return (CollectiveNode(kind=CollectiveKind.ALL_REDUCE, nbytes=stage.word_embedding_parameters * dtype.nbytes,
+                           group=ParallelGroup.EMBEDDING, group_size=2, phase=Phase.BACKWARD, module=module,
+                           dtype=dtype.torch_name, synthesized=True),)
+
+
+def _p2p(stage: StageGraph, plan: ParallelPlan) -> tuple[CollectiveNode, ...]:
+    pp = plan.pipeline_parallel
+    if pp == 1:
+        return ()
+    virtual = stage.chunk * pp + stage.pipeline_rank
+    first, last = virtual == 0, virtual == plan.num_model_chunks - 1
+    nbytes = math.prod(stage.activation_shape) * element_nbytes(stage.activation_dtype)
+
+    def node(kind: CollectiveKind, phase: Phase, module: str) -> CollectiveNode:
+        return CollectiveNode(kind=kind, nbytes=nbytes, group=ParallelGroup.PP, group_size=pp, phase=phase,
+                              module=module, dtype=stage.activation_dtype, synthesized=True)
+
+    nodes = []
+    if not first:
+        nodes.append(node(CollectiveKind.RECV, Phase.FORWARD, "pipeline.recv_forward"))
+    if not last:
+        nodes.append(node(CollectiveKind.SEND, Phase.FORWARD, "pipeline.send_forward"))
+        nodes.append(node(CollectiveKind.RECV, Phase.BACKWARD, "pipeline.recv_backward"))
+    if not first:
+        nodes.append(node(CollectiveKind.SEND, Phase.BACKWARD, "pipeline.send_backward"))
+    return tuple(nodes)

@@ -1,0 +1,116 @@
+"""Where the ranks of a 3D-parallel job sit, and how many nodes each communication group spans.
+
+megatron-core 0.16 numbers ranks in the order ``tp-cp-ep-dp-pp`` (``initialize_model_parallel``'s
+default ``order``; the first name varies fastest). With context and expert parallelism of 1::
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+and the launcher fills nodes in rank order (``node = rank // gpus_per_node``). Every group is then an
+arithmetic progression of ranks (TP: stride 1, DP: stride tp, PP: stride tp*dp, tied-embedding
+group: the first and the last pipeline rank), which is what the placement below works on. Groups are
+those of the representative rank of a pipeline stage (tp_rank = dp_rank = 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.graph import ParallelGroup
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupPlacement:
+    """One group's footprint: its size, the nodes it touches and its GPUs on each of them."""
+
+    size: int
+    num_nodes: int
+    gpus_per_node: int  # fewest GPUs of the group on one of its nodes (the network bottleneck)
+    max_gpus_per_node: int
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.num_nodes > 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "gpus_per_node"):
+            v.positive_int(f"layout.{name}", getattr(self, name))
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.world_size // self.gpus_per_node)
+
+    def rank(self, *, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
+        for name, r, size in (("tp_rank", tp_rank, self.tensor_parallel),
+                              ("dp_rank", dp_rank, self.data_parallel),
+                              ("pp_rank", pp_rank, self.pipeline_parallel)):
+            if not 0 <= r < size:
+                raise ConfigError(f"{name} must be in [0, {size}), got {r}")
+        return tp_rank + self.tensor_parallel * (dp_rank + self.data_parallel * pp_rank)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def placement(self, group: ParallelGroup, *, pipeline_rank: int = 0) -> GroupPlacement:
+        """Placement of ``group`` of the representative rank of pipeline stage ``pipeline_rank``."""
+        base = self.rank(pp_rank=pipeline_rank)
+        tp, dp, pp = self.tensor_parallel, self.data_parallel, self.pipeline_parallel
+        match ParallelGroup(group):
+            case ParallelGroup.TP:
+                offset, stride, size = base, 1, tp
+            case ParallelGroup.DP:
+                offset, stride, size = base, tp, dp
+            case ParallelGroup.PP:
+                offset, stride, size = 0, tp * dp, pp
+            case ParallelGroup.EMBEDDING:
+                offset, stride, size = 0, tp * dp * max(pp - 1, 1), min(pp, 2)
+        return _progression_placement(offset, stride, size, self.gpus_per_node)
+
+    def p2p_crosses_nodes(self, src_pipeline_rank: int) -> bool:
+        """Whether stage ``src`` sends to stage ``(src + 1) % pp`` over the network.
+
+        The wrap-around (last rank to rank 0) is the chunk hand-over of interleaved schedules.
+        """
+        dst = (src_pipeline_rank + 1) % self.pipeline_parallel
+        return self.node_of(self.rank(pp_rank=src_pipeline_rank)) != self.node_of(self.rank(pp_rank=dst))
+
+
+@lru_cache(maxsize=4096)
+def _progression_placement(offset: int, stride: int, size: int, gpus_per_node: int) -> GroupPlacement:
+    """Placement of ranks ``offset + stride * i`` for ``i < size``, in O(gpus_per_node).
+
+    With ``stride >= gpus_per_node`` every member has a node of its own. Otherwise consecutive
+    members never skip a node, and a node's member count depends only on where the node boundary
+    falls modulo ``stride``, which repeats within ``stride < gpus_per_node`` nodes; so the first
+    ``gpus_per_node + 1`` nodes and the last one cover every count that occurs.
+    """
+    if size == 1 or stride >= gpus_per_node:
+        return GroupPlacement(size=size, num_nodes=size, gpus_per_node=1, max_gpus_per_node=1)
+    first = offset // gpus_per_node
+    last = (offset + stride * (size - 1)) // gpus_per_node
+    nodes = [*range(first, min(last, first + gpus_per_node + 1) + 1), last]
+    counts = [_members_on_node(node, offset, stride, size, gpus_per_node) for node in nodes]
+    return GroupPlacement(size=size, num_nodes=last - first + 1,
+                          gpus_per_node=min(counts), max_gpus_per_node=max(counts))
+
+
+def _members_on_node(node: int, offset: int, stride: int, size: int, gpus_per_node: int) -> int:
+    def first_member_at_or_after(rank: int) -> int:
+        return min(max(-(-(rank - offset) // stride), 0), size)
+
+    return (first_member_at_or_after((node + 1) * gpus_per_node)
+            - first_member_at_or_after(node * gpus_per_node))

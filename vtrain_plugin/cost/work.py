@@ -1,0 +1,98 @@
+"""What the pipeline simulation consumes: per-chunk durations, already summed from the op graph.
+
+Everything here is per micro-batch of one representative rank (TP and DP replicas are symmetric),
+so a simulation costs O(pipeline stages x virtual stages x micro-batches) whatever the GPU count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.training import ScheduleKind
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DpBucket:
+    """One gradient bucket's data-parallel reduction (all-reduce, or reduce-scatter)."""
+
+    comm_ns: float
+    ready_fraction: float  # 0..1: ready this far into the chunk's last backward (1: at its end)
+
+    def __post_init__(self) -> None:
+        v.non_negative_number("dp_bucket.comm_ns", self.comm_ns)
+        if not 0.0 <= self.ready_fraction <= 1.0:
+            raise ConfigError(f"dp_bucket.ready_fraction must be in [0, 1], got {self.ready_fraction!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkWork:
+    """One model chunk (virtual pipeline stage) on its representative rank, per micro-batch."""
+
+    forward_ns: float  # forward compute including blocking TP collectives
+    backward_ns: float  # backward compute including blocking TP collectives, recompute excluded
+    recompute_ns: float = 0.0  # activation recompute, run right before this chunk's backward
+    tp_comm_forward_ns: float = 0.0  # share of forward_ns spent in TP collectives
+    tp_comm_backward_ns: float = 0.0  # share of backward_ns + recompute_ns spent in TP collectives
+    p2p_forward_ns: float = 0.0  # send of the output activation to the next virtual stage
+    p2p_backward_ns: float = 0.0  # send of the input gradient to the previous virtual stage
+    dp_buckets: tuple[DpBucket, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("forward_ns", "backward_ns", "recompute_ns", "tp_comm_forward_ns",
+                     "tp_comm_backward_ns", "p2p_forward_ns", "p2p_backward_ns"):
+            v.non_negative_number(f"chunk_work.{name}", getattr(self, name))
+        if self.tp_comm_forward_ns > self.forward_ns:
+            raise ConfigError(f"chunk_work.tp_comm_forward_ns ({self.tp_comm_forward_ns}) must not "
+                              f"exceed forward_ns ({self.forward_ns})")
+        if self.tp_comm_backward_ns > self.backward_ns + self.recompute_ns:
+            raise ConfigError(f"chunk_work.tp_comm_backward_ns ({self.tp_comm_backward_ns}) must not "
+                              f"exceed backward_ns + recompute_ns ({self.backward_ns + self.recompute_ns})")
+        object.__setattr__(self, "dp_buckets", tuple(self.dp_buckets))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineWork:
+    """One iteration's work: chunks indexed by virtual stage ``chunk * pp + pipeline_rank``."""
+
+    chunks: tuple[ChunkWork, ...]
+    pipeline_parallel: int
+    virtual_pipeline: int = 1
+    num_microbatches: int
+    schedule: ScheduleKind
+    # False: every DP bucket after the rank's last backward (Megatron-DeepSpeed without buckets).
+    # True: a bucket is launched when ready during its chunk's last backward (Megatron DDP
+    # overlap_grad_reduce); one DP stream per rank, first ready first served.
+    dp_overlap: bool
+    embedding_sync_ns: float = 0.0  # tied-embedding grad all-reduce, first and last rank, after DP
+    optimizer_ns: tuple[float, ...]  # per pipeline rank
+
+    def __post_init__(self) -> None:
+        v.positive_int("pipeline_work.pipeline_parallel", self.pipeline_parallel)
+        v.positive_int("pipeline_work.virtual_pipeline", self.virtual_pipeline)
+        v.positive_int("pipeline_work.num_microbatches", self.num_microbatches)
+        object.__setattr__(self, "schedule", ScheduleKind(v.one_of(
+            "pipeline_work.schedule", str(self.schedule), [k.value for k in ScheduleKind])))
+        v.boolean("pipeline_work.dp_overlap", self.dp_overlap)
+        v.non_negative_number("pipeline_work.embedding_sync_ns", self.embedding_sync_ns)
+        object.__setattr__(self, "chunks", tuple(self.chunks))
+        object.__setattr__(self, "optimizer_ns", tuple(self.optimizer_ns))
+        stages = self.pipeline_parallel * self.virtual_pipeline
+        if len(self.chunks) != stages:
+            raise ConfigError(
+                f"pipeline_work.chunks has {len(self.chunks)} entries; pipeline_parallel "
+                f"({self.pipeline_parallel}) * virtual_pipeline ({self.virtual_pipeline}) = {stages} needed")
+        if len(self.optimizer_ns) != self.pipeline_parallel:
+            raise ConfigError(
+                f"pipeline_work.optimizer_ns has {len(self.optimizer_ns)} entries; one per pipeline rank "
+                f"({self.pipeline_parallel}) needed")
+        for r, t in enumerate(self.optimizer_ns):
+            v.non_negative_number(f"pipeline_work.optimizer_ns[{r}]", t)
+
+    @property
+    def num_virtual_stages(self) -> int:
+        return self.pipeline_parallel * self.virtual_pipeline
+
+    def chunk(self, pipeline_rank: int, model_chunk: int) -> ChunkWork:
+        return self.chunks[model_chunk * self.pipeline_parallel + pipeline_rank]

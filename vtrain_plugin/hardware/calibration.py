@@ -1,0 +1,173 @@
+"""Fitted constants of the analytical model, per (device, software stack), with their provenance.
+
+A device's spec sheet (:mod:`vtrain_plugin.hardware.devices`) holds published facts only; what a
+calibration fits lives in a calibration file, one per (device, software stack): JSON with
+``format_version``, ``device``, ``software_stack`` (or ``default``: the device's constants for any
+stack without a file of its own), ``source`` (the data it was fitted on), ``command`` (what
+produced it) and ``constants``. Files are looked up in the user's calibration folder
+(``$VTRAIN_CALIBRATION_DIR``, else ``$XDG_CONFIG_HOME/vtrain/calibrations``, else
+``~/.config/vtrain/calibrations``) before the package's ``data/calibrations``, the stack's own file
+before the ``default`` one. Calibration writes into the user's folder unless asked to write into
+the package.
+
+The device constants (:class:`DeviceConstants`) and their physically plausible ranges:
+
+- ``gemm_efficiency`` in [0.3, 1.0]: the fraction of dense tensor-core peak that a large,
+  well-shaped GEMM reaches after tile and wave quantization are accounted for. cuBLAS reaches
+  80-90% on A100 and 65-80% on H100 (power and clock limits); below 0.3 a calibration is fitting
+  something other than GEMM throughput.
+- ``hbm_efficiency`` in [0.3, 1.0]: the fraction of spec HBM bandwidth a streaming kernel reaches.
+  Copy kernels reach 85-92%, PyTorch pointwise, norm and softmax kernels 60-90%.
+- ``kernel_overhead_ns`` in [500, 20000]: device time each kernel adds beyond its roofline time:
+  launch latency between back-to-back kernels on one stream, ramp-up and tail. 1-5 us in practice.
+- ``host_overhead_ns`` in [1000, 100000]: CPU time the framework spends per launched op of a
+  forward, recompute or optimizer step (Python, module hooks, dispatch, the launch call itself).
+  3-20 us in eager PyTorch.
+
+Optional constants (a preset may leave them out; the default is the neutral value):
+
+- ``backward_host_overhead_ns`` in [500, 100000], default 1000: CPU time per kernel of a backward op.
+  Autograd's C++ engine issues plain ops in 1-10 us, but Megatron's layers implement most backwards
+  as Python ``autograd.Function`` s (tensor-parallel linears and mappings, fused softmax,
+  activation checkpointing), which cost as much as forward Python: up to the forward range.
+- ``microbatch_overhead_ns`` in [0, 10000000], default 0: host time each pipeline stage spends per
+  micro-batch outside the model's ops (the schedule's Python, fetching and broadcasting the batch
+  to the tensor-parallel ranks, the synchronisation after each pipeline transfer): 0.1-5 ms.
+- ``network_efficiency`` in [0.2, 1.0], default 1.0: the fraction of a node's nominal network
+  bandwidth NCCL reaches between nodes (protocol overhead, PCIe between GPU and NIC, congestion);
+  nccl-tests on InfiniBand HDR reach 70-95%, concurrent collectives of many groups less.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.files import atomic_write_text
+
+FORMAT_VERSION = 1
+DEFAULT_STACK = "default"
+
+# Physically plausible [low, high] of each device constant; see the module docstring for why.
+CONSTANT_RANGES: dict[str, tuple[float, float]] = {
+    "gemm_efficiency": (0.3, 1.0),
+    "hbm_efficiency": (0.3, 1.0),
+    "kernel_overhead_ns": (500.0, 20000.0),
+    "host_overhead_ns": (1000.0, 100000.0),
+    "backward_host_overhead_ns": (500.0, 100000.0),
+    "microbatch_overhead_ns": (0.0, 10_000_000.0),
+    "network_efficiency": (0.2, 1.0),
+}
+# Constants a preset may omit; missing ones take these neutral values.
+OPTIONAL_CONSTANTS: dict[str, float] = {
+    "backward_host_overhead_ns": 1000.0,
+    "microbatch_overhead_ns": 0.0,
+    "network_efficiency": 1.0,
+}
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceConstants:
+    """The analytical model's fitted constants for one device (ranges in :data:`CONSTANT_RANGES`)."""
+
+    gemm_efficiency: float
+    hbm_efficiency: float
+    kernel_overhead_ns: float
+    host_overhead_ns: float
+    backward_host_overhead_ns: float = OPTIONAL_CONSTANTS["backward_host_overhead_ns"]
+    microbatch_overhead_ns: float = OPTIONAL_CONSTANTS["microbatch_overhead_ns"]
+    network_efficiency: float = OPTIONAL_CONSTANTS["network_efficiency"]
+
+    def __post_init__(self) -> None:
+        for name, (low, high) in CONSTANT_RANGES.items():
+            check = v.positive_number if low > 0 else v.non_negative_number
+            value = check(f"device constant {name}", getattr(self, name))
+            if not low <= value <= high:
+                raise ConfigError(f"device constant {name} must lie in [{low:g}, {high:g}], got {value:g}")
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_dict(cls, d: Any, *, where: str) -> DeviceConstants:
+        d = v.mapping(f"{where} constants", d)
+        v.no_unknown_keys(f"{where} constants", d, CONSTANT_RANGES)
+        missing = sorted(set(CONSTANT_RANGES) - set(OPTIONAL_CONSTANTS) - set(d))
+        if missing:
+            raise ConfigError(f"{where} constants: missing key {missing[0]!r}")
+        return cls(**d)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Calibration:
+    """The constants of one device under one software stack, and where they come from."""
+
+    device: str
+    software_stack: str  # a SoftwareStack value, or "default"
+    source: str  # the data the constants were fitted on (or why they are defaults)
+    command: str  # the command that produced this file
+    constants: DeviceConstants
+    path: str = ""  # the file it was read from
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format_version": FORMAT_VERSION, "device": self.device, "software_stack": self.software_stack,
+                "source": self.source, "command": self.command, "constants": asdict(self.constants)}
+
+
+def package_calibration_dir() -> Path:
+    return Path(str(resources.files("vtrain_plugin.hardware").joinpath("data", "calibrations")))
+
+
+def user_calibration_dir() -> Path:
+    explicit = os.environ.get("VTRAIN_CALIBRATION_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "vtrain" / "calibrations"
+
+
+def calibration_for(device: str, software_stack: str) -> Calibration:
+    """The calibration of ``device`` (a preset name) for ``software_stack`` (see the module doc)."""
+    folders = (user_calibration_dir(), package_calibration_dir())
+    for stack in (str(software_stack), DEFAULT_STACK):
+        for folder in folders:
+            path = folder / device / f"{stack}.json"
+            if path.is_file():
+                return _read(str(path), device, stack)
+    raise ConfigError(f"no calibration for device {device!r}: expected {device}/{DEFAULT_STACK}.json in "
+                      f"{' or '.join(str(f) for f in folders)}")
+
+
+@lru_cache(maxsize=64)
+def _read(path: str, device: str, stack: str) -> Calibration:
+    where = f"calibration file {path}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    data = v.mapping(where, data)
+    v.no_unknown_keys(where, data, ("format_version", "device", "software_stack", "source", "command", "constants"))
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ConfigError(f"{where}: format_version {data.get('format_version')!r} is not supported "
+                          f"(this vtrain reads {FORMAT_VERSION})")
+    if (data.get("device"), data.get("software_stack")) != (device, stack):
+        raise ConfigError(f"{where}: describes ({data.get('device')!r}, {data.get('software_stack')!r}), "
+                          f"its place says ({device!r}, {stack!r})")
+    for key in ("source", "command"):
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise ConfigError(f"{where}: {key} must be a non-empty string")
+    return Calibration(device=device, software_stack=stack, source=data["source"], command=data["command"],
+                       constants=DeviceConstants.from_dict(data["constants"], where=where), path=path)
+
+
+def write_calibration(calibration: Calibration, *, into_package: bool = False) -> Path:
+    """Write ``calibration`` atomically into the user's folder (or the package's); returns the path."""
+    folder = package_calibration_dir() if into_package else user_calibration_dir()
+    path = folder / calibration.device / f"{calibration.software_stack}.json"
+    atomic_write_text(path, json.dumps(calibration.to_dict(), indent=2) + "\n")
+    _read.cache_clear()
+    return path

@@ -1,0 +1,170 @@
+"""GPU spec sheets: published peak rates and sizes, one JSON data file per device preset.
+
+Each preset is ``data/devices/<name>.json``, named after the preset; it holds the spec-sheet numbers
+with their units in the key names (``hbm_bandwidth_gbytes_per_s``, decimal giga, as NVIDIA publishes
+them), where they come from (``reference``) and the usual node of the device (``default_cluster``).
+Rates are converted to per-nanosecond units by properties, once, where the kernel model reads them:
+1 TFLOP/s is 1e3 FLOP/ns and 1 GB/s is 1 byte/ns. The analytical model's fitted constants are not
+spec-sheet facts: they live in calibration files (:mod:`vtrain_plugin.hardware.calibration`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.dtypes import Dtype, canonical_dtype
+from vtrain_plugin.core.units import tflop_per_s_to_flop_per_ns
+
+# Short names a config may use for a preset (vTrain's ``gpu_name``), matched case-insensitively.
+ALIASES = {"a100": "a100-sxm4-80gb", "h100": "h100-sxm", "h200": "h200-sxm"}
+
+_MEMORY_TOKEN = re.compile(r"^\d+gb$")
+_NOT_SXM = ("pcie", "nvl")
+_POSITIVE_FIELDS = ("peak_fp16_tflop_per_s", "peak_bf16_tflop_per_s", "peak_tf32_tflop_per_s",
+                    "peak_fp32_tflop_per_s", "peak_fp8_tflop_per_s", "hbm_bandwidth_gbytes_per_s",
+                    "memory_gibibytes", "l2_cache_mebibytes", "nvlink_gbytes_per_s_per_direction")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceSpec:
+    """One GPU model: published peak rates and sizes (dense, no sparsity)."""
+
+    name: str
+    description: str = ""
+    reference: str = ""  # where the spec-sheet numbers come from
+    peak_fp16_tflop_per_s: float  # dense tensor-core rates
+    peak_bf16_tflop_per_s: float
+    peak_tf32_tflop_per_s: float  # fp32 matmuls on tensor cores (TF32)
+    peak_fp32_tflop_per_s: float  # CUDA cores, non-tensor
+    peak_fp8_tflop_per_s: float | None = None  # None: no fp8 tensor cores
+    hbm_bandwidth_gbytes_per_s: float
+    memory_gibibytes: float
+    sm_count: int
+    l2_cache_mebibytes: float
+    nvlink_gbytes_per_s_per_direction: float
+    default_cluster: str  # the usual node of this device (a cluster preset name)
+    # True when the processor that issues kernels also runs them (a CPU): host and kernel time add
+    # up instead of overlapping as the CPU -> GPU launch pipeline does.
+    host_runs_kernels: bool = False
+
+    def __post_init__(self) -> None:
+        where = f"device {self.name!r}"
+        v.positive_int(f"{where} sm_count", self.sm_count)
+        for name in _POSITIVE_FIELDS:
+            value = getattr(self, name)
+            if not (name == "peak_fp8_tflop_per_s" and value is None):
+                object.__setattr__(self, name, v.positive_number(f"{where} {name}", value))
+        v.boolean(f"{where} host_runs_kernels", self.host_runs_kernels)
+        if not isinstance(self.default_cluster, str) or not self.default_cluster:
+            raise ConfigError(f"{where} default_cluster must be a cluster preset name, got {self.default_cluster!r}")
+
+    @property
+    def hbm_bytes_per_ns(self) -> float:
+        return self.hbm_bandwidth_gbytes_per_s
+
+    @property
+    def nvlink_bytes_per_ns(self) -> float:
+        return self.nvlink_gbytes_per_s_per_direction
+
+    @property
+    def memory_bytes(self) -> int:
+        return round(self.memory_gibibytes * 2**30)
+
+    @property
+    def l2_cache_bytes(self) -> int:
+        return round(self.l2_cache_mebibytes * 2**20)
+
+    @property
+    def cuda_core_flop_per_ns(self) -> float:
+        """fp32 rate without tensor cores (the roofline ceiling of non-matmul kernels)."""
+        return tflop_per_s_to_flop_per_ns(self.peak_fp32_tflop_per_s)
+
+    def tensor_flop_per_ns(self, dtype: str, *, allow_tf32: bool = True) -> float:
+        """Dense tensor-core peak for matmul inputs of ``dtype``; fp32 runs on TF32 cores if allowed."""
+        kind = canonical_dtype(dtype)
+        if kind is Dtype.FP32:
+            rate = self.peak_tf32_tflop_per_s if allow_tf32 else self.peak_fp32_tflop_per_s
+        elif kind is Dtype.FP8:
+            if self.peak_fp8_tflop_per_s is None:
+                raise ConfigError(f"device {self.name!r} has no fp8 tensor cores (dtype {dtype!r})")
+            rate = self.peak_fp8_tflop_per_s
+        else:
+            rate = self.peak_fp16_tflop_per_s if kind is Dtype.FP16 else self.peak_bf16_tflop_per_s
+        return tflop_per_s_to_flop_per_ns(rate)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, *, where: str) -> DeviceSpec:
+        d = v.mapping(where, d)
+        names = [f.name for f in fields(cls)]
+        v.no_unknown_keys(where, d, names)
+        required = {"name", "sm_count", "default_cluster", *_POSITIVE_FIELDS} - {"peak_fp8_tflop_per_s"}
+        missing = sorted(required - set(d))
+        if missing:
+            raise ConfigError(f"{where}: missing key {missing[0]!r}")
+        return cls(**d)
+
+
+def _spec_dir() -> Path:
+    return Path(str(resources.files(__package__).joinpath("data", "devices")))
+
+
+def known_devices() -> list[str]:
+    """Names of the preset devices, sorted."""
+    return sorted(p.stem for p in _spec_dir().glob("*.json"))
+
+
+def _resolve(name: str) -> str:
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    known = known_devices()
+    if key not in known:
+        raise ConfigError(f"unknown GPU {name!r}; known: {', '.join(known)} "
+                          f"(aliases: {', '.join(a.upper() for a in ALIASES)})")
+    return key
+
+
+def get_device(name: str) -> DeviceSpec:
+    """The preset called ``name`` (or an alias such as ``"A100"``), case-insensitive."""
+    return _load(_resolve(name))
+
+
+@lru_cache(maxsize=None)
+def _load(name: str) -> DeviceSpec:
+    path = _spec_dir() / f"{name}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"device spec {path}: {exc}") from None
+    spec = DeviceSpec.from_dict(data, where=f"device spec {path.name}")
+    if spec.name != name:
+        raise ConfigError(f"device spec {path.name}: name {spec.name!r} must equal the file name {name!r}")
+    return spec
+
+
+def gpu_name_matches(preset: str, device_name: str) -> bool:
+    """Whether a CUDA device called ``device_name`` is an instance of GPU preset ``preset``.
+
+    The preset's family ("a100", "h100", ...) must be a word of the name (words split at spaces,
+    dashes and underscores, case-insensitive); a memory size in both ("40gb" vs "80gb") must
+    agree; and a PCIe or NVL card is not an SXM preset.
+    """
+    family, *details = preset.casefold().split("-")
+    words = set(re.split(r"[\s_\-]+", device_name.casefold()))
+    if family not in words:
+        return False
+    if any(d.startswith("sxm") for d in details) and any(w in _NOT_SXM for w in words):
+        return False
+    preset_memory = {d for d in details if _MEMORY_TOKEN.match(d)}
+    name_memory = {w for w in words if _MEMORY_TOKEN.match(w)}
+    return not (preset_memory and name_memory and not preset_memory & name_memory)

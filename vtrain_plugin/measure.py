@@ -1,0 +1,51 @@
+"""What needs the profile database or a real device: measured durations for a run, and validation.
+
+:func:`validate` builds the real megatron-core model of a plan on this machine's device (one device:
+tensor, pipeline and data parallelism set to 1, the result says which fields it overrode), trains it
+for a few iterations on random tokens with the real optimizer, and compares the median iteration
+time after warm-up with the estimate of the same one-device plan from the profile database of that
+device. This module sits above :mod:`profiler` (which imports vtrain_plugin's lower layers), so the
+package's ``__init__`` does not import it: ``from vtrain_plugin.measure import validate``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron_adapters.real_model import train
+from profiler.fingerprint import current_fingerprint
+from profiler.lookup import measured_comm_tables, measured_durations
+from vtrain_plugin.capture.tracer import trace
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.units import GIB
+from vtrain_plugin.estimate import Estimate, estimate
+from vtrain_plugin.specs.run import RunConfig
+from vtrain_plugin.validate import ValidationResult, compare, single_device_run
+
+
+def estimate_with_profiles(run: RunConfig, *, db_path: str | os.PathLike | None = None, timeline: bool = False,
+                           explain: int = 0) -> Estimate:
+    """``estimate(run)`` with the kernels and collectives the profile database has measured on its GPU."""
+    keys = trace(run.model, run.parallel).unique_kernels()
+    return estimate(run, measured=measured_durations(keys, run.cluster.gpu, db_path=db_path),
+                    measured_comm=measured_comm_tables(run.cluster, db_path=db_path), timeline=timeline,
+                    explain=explain)
+
+
+def validate(run: RunConfig, *, device: str = "cpu", db_path: str | os.PathLike | None = None,
+             iterations: int = 5, warmup: int = 1) -> ValidationResult:
+    """Train ``run`` for real on one local device and compare with its estimate (see the module doc)."""
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ConfigError(f"iterations must be a positive integer, got {iterations!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(f"warmup must be a non-negative integer, got {warmup!r}")
+    single, overridden = single_device_run(run, device)
+    predicted = estimate_with_profiles(single, db_path=db_path)
+    measured = train(single.model, single.parallel, num_microbatches=single.num_microbatches,
+                     iterations=iterations, warmup=warmup, device=device)
+    return ValidationResult(
+        config=run.source, device=current_fingerprint(device).label, overridden=overridden,
+        num_microbatches=single.num_microbatches, warmup_iterations=warmup,
+        comparison=compare(predicted, measured.iteration_ms),
+        peak_memory_measured_gib=measured.peak_memory_bytes / GIB,
+        measured_fraction=predicted.measured_fraction, breakdown_ms=predicted.breakdown_ms)

@@ -1,0 +1,74 @@
+"""The machine a job runs on: GPUs per node and the two link tiers (NVLink/NVSwitch, network).
+
+Bandwidths are given the way vendors quote them (intra-node in GB/s per GPU and direction,
+inter-node in Gbit/s per node, summed over the node's NICs) and converted to bytes per nanosecond
+once, by the properties below, for the communication model. The number of nodes is not a field: it
+follows from the plan's world size. Named clusters (DGX A100, ...) are data files of
+:mod:`vtrain_plugin.hardware.clusters`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.units import NS_PER_US, gbps_to_bytes_per_ns, gbytes_per_s_to_bytes_per_ns
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterSpec:
+    gpu: str  # device preset name, e.g. "a100-sxm4-80gb" (vtrain_plugin.hardware.devices)
+    gpus_per_node: int = 8
+    intra_node_bandwidth_gbytes_per_s: float  # per GPU and direction (NVLink/NVSwitch)
+    intra_node_latency_us: float
+    inter_node_bandwidth_gbps: float  # per node, all NICs together (e.g. 8 x 200 Gb/s = 1600)
+    inter_node_latency_us: float
+    # Fraction of the nominal network bandwidth NCCL reaches between nodes, in (0, 1]; None: the
+    # value calibrated for the GPU and software stack (vtrain_plugin.hardware.calibration), else 1.
+    network_efficiency: float | None = None
+    price_per_gpu_hour_usd: float | None = None  # None: cost unknown
+    nccl_tables: str | None = None  # measured intra-node NCCL table set, e.g. "a100_sxm"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpu, str) or not self.gpu:
+            raise ConfigError(f"cluster.gpu must be a non-empty device preset name, got {self.gpu!r}")
+        v.positive_int("cluster.gpus_per_node", self.gpus_per_node)
+        for name in ("intra_node_bandwidth_gbytes_per_s", "inter_node_bandwidth_gbps"):
+            v.positive_number(f"cluster.{name}", getattr(self, name))
+        for name in ("intra_node_latency_us", "inter_node_latency_us"):
+            v.non_negative_number(f"cluster.{name}", getattr(self, name))
+        if self.network_efficiency is not None:
+            value = v.positive_number("cluster.network_efficiency", self.network_efficiency)
+            if value > 1.0:
+                raise ConfigError(f"cluster.network_efficiency must lie in (0, 1], got {value:g}")
+        if self.price_per_gpu_hour_usd is not None:
+            v.non_negative_number("cluster.price_per_gpu_hour_usd", self.price_per_gpu_hour_usd)
+        if self.nccl_tables is not None and not isinstance(self.nccl_tables, str):
+            raise ConfigError(f"cluster.nccl_tables must be a table set name, got {self.nccl_tables!r}")
+
+    @property
+    def intra_node_bytes_per_ns(self) -> float:
+        return gbytes_per_s_to_bytes_per_ns(self.intra_node_bandwidth_gbytes_per_s)
+
+    @property
+    def inter_node_bytes_per_ns(self) -> float:
+        """Network bandwidth of one node (all NICs), bytes per nanosecond."""
+        return gbps_to_bytes_per_ns(self.inter_node_bandwidth_gbps)
+
+    @property
+    def intra_node_latency_ns(self) -> float:
+        return self.intra_node_latency_us * NS_PER_US
+
+    @property
+    def inter_node_latency_ns(self) -> float:
+        return self.inter_node_latency_us * NS_PER_US
+
+    def num_nodes(self, world_size: int) -> int:
+        v.positive_int("world_size", world_size)
+        return -(-world_size // self.gpus_per_node)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,71 @@
+"""How the iteration is run: global batch, pipeline schedule, data-parallel gradient reduction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.units import MEGABYTE
+
+
+class ScheduleKind(StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+
+class SoftwareStack(StrEnum):
+    """The kernels the training software runs for the traced ops (see :mod:`vtrain_plugin.cost.lowering`)."""
+
+    LOCAL_SPEC = "local_spec"  # megatron-core's local layer spec as traced (identity)
+    MEGATRON_DEEPSPEED_2023 = "megatron_deepspeed_2023"  # fused softmax/GeLU/dropout-add, apex LN and Adam
+
+
+class GradReduce(StrEnum):
+    AFTER_BACKWARD = "after_backward"  # one all-reduce after the last backward (Megatron-DeepSpeed)
+    OVERLAP = "overlap"  # bucketed, launched during the last backward (Megatron DDP overlap_grad_reduce)
+
+
+DEFAULT_BUCKET_SIZE_MB = 40.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingSpec:
+    global_batch_size: int
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    grad_reduce: GradReduce = GradReduce.AFTER_BACKWARD
+    bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB  # megabytes (10^6 bytes) of gradients per bucket
+    # The kernels the training software runs for the traced ops (vtrain_plugin.cost.lowering).
+    software_stack: SoftwareStack = SoftwareStack.LOCAL_SPEC
+
+    def __post_init__(self) -> None:
+        v.positive_int("training.global_batch_size", self.global_batch_size)
+        object.__setattr__(self, "schedule", ScheduleKind(
+            v.one_of("training.schedule", str(self.schedule), [s.value for s in ScheduleKind])))
+        object.__setattr__(self, "grad_reduce", GradReduce(
+            v.one_of("training.grad_reduce", str(self.grad_reduce), [g.value for g in GradReduce])))
+        v.positive_number("training.bucket_size_mb", self.bucket_size_mb)
+        object.__setattr__(self, "software_stack", SoftwareStack(
+            v.one_of("training.software_stack", str(self.software_stack), [s.value for s in SoftwareStack])))
+
+    @property
+    def bucket_nbytes(self) -> int:
+        return int(self.bucket_size_mb * MEGABYTE)
+
+    def num_microbatches(self, data_parallel: int, micro_batch_size: int) -> int:
+        per_step = data_parallel * micro_batch_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"global_batch_size ({self.global_batch_size}) must be divisible by data_parallel_size "
+                f"({data_parallel}) * micro_batch_size ({micro_batch_size}) = {per_step}")
+        return self.global_batch_size // per_step
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["schedule"] = self.schedule.value
+        d["grad_reduce"] = self.grad_reduce.value
+        d["software_stack"] = self.software_stack.value
+        return d
