@@ -1,20 +1,24 @@
 """Build one chunk of a megatron-core GPTModel from a ModelSpec and run a training step on it.
 
-Everything megatron-specific (TransformerConfig fields, layer spec, loss, mixed-precision optimizer
-emulation) stays in this module; it returns plain tensors and names to the tracer.
+Everything megatron-specific (TransformerConfig fields, layer spec, the stage's inputs) stays in
+this module; it returns plain tensors and names to the tracer. The step itself (loss, forward and
+backward, mixed-precision optimizer) is training_step.py's, the one real training runs too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from megatron_adapters.training_step import (AdamSettings, MicroBatch, MixedPrecisionAdamW, StepScopes,
+                                             assume_finite, forward_backward)
 from vtrain_plugin.core.dtypes import Dtype
-
 from vtrain_plugin.specs.model import Family, ModelSpec
-
 from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
 
 _TORCH_DTYPES = {Dtype.FP16: torch.float16, Dtype.BF16: torch.bfloat16, Dtype.FP32: torch.float32}
@@ -135,54 +139,69 @@ def stage_input_shape(model: ModelSpec, plan: ParallelPlan) -> tuple[int, int, i
     return (seq, plan.micro_batch_size, model.hidden_size)
 
 
-@dataclass(frozen=True, slots=True)
-class AdamSettings:
-    """Megatron's defaults: AdamW, loss scaling for fp16, gradient clipping at 1.0."""
-
-    lr: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip_grad: float = 1.0
-
-
 def run_training_step(gpt, model: ModelSpec, plan: ParallelPlan, role: ChunkRole, recorder,
                       adam: AdamSettings = AdamSettings()) -> None:
-    """Forward, loss, backward and the mixed-precision optimizer step of one micro-batch.
+    """Record one micro-batch's forward, loss and backward, and the optimizer step (training_step.py).
 
-    Inputs, the loss scale and optimizer state are created with recording paused: they exist
-    before the step in a real run. The optimizer mirrors Megatron's mixed precision: fp32 main
-    weights and Adam moments, model-dtype weights and gradients.
+    Inputs, the gradient from the next stage and the optimizer state are created with recording
+    paused: they exist before the step in a real run. The step is that of one micro-batch of an
+    iteration of any length: dividing the loss by the number of micro-batches is one scalar op
+    whatever the number, so the trace divides by 1.
     """
     from vtrain_plugin.core.graph import Phase
 
     b, s = plan.micro_batch_size, model.seq_length
     dtype = torch_dtype(model.dtype)
     with recorder.paused():
-        tokens = torch.zeros(b, s, dtype=torch.long)
-        position_ids = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s)
-        attention_mask = torch.ones(1, 1, s, s, dtype=torch.bool)
-        labels = torch.zeros(b, s, dtype=torch.long) if role.post_process else None
-        loss_mask = torch.ones(b, s, dtype=torch.float32)
+        optimizer = MixedPrecisionAdamW(gpt.parameters(), adam, found_inf=assume_finite)
         if not role.pre_process:
-            stage_input = torch.zeros(stage_input_shape(model, plan), dtype=dtype, requires_grad=True)
-            gpt.set_input_tensor(stage_input)
-    with recorder.phase(Phase.FORWARD):
-        output = gpt(tokens if role.pre_process else None,
-                     position_ids if role.pre_process else None,
-                     attention_mask, labels=labels)
-        if role.post_process:
-            with recorder.module("loss"):
-                loss = (output.float() * loss_mask).sum() / loss_mask.sum()
-                if model.dtype is Dtype.FP16:
-                    loss = loss * 4096.0
-    with recorder.paused():
-        grad = None if role.post_process else torch.ones_like(output)
-    with recorder.phase(Phase.BACKWARD), recorder.default_module("loss" if role.post_process else ""):
-        torch.autograd.backward(loss if role.post_process else output, grad)
-    _optimizer_step(gpt, model, recorder, adam)
-    return None
+            gpt.set_input_tensor(torch.zeros(stage_input_shape(model, plan), dtype=dtype, requires_grad=True))
+        batch = MicroBatch(
+            tokens=torch.zeros(b, s, dtype=torch.long) if role.pre_process else None,
+            position_ids=torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s) if role.pre_process else None,
+            attention_mask=torch.ones(1, 1, s, s, dtype=torch.bool),
+            labels=torch.zeros(b, s, dtype=torch.long) if role.post_process else None,
+            loss_mask=torch.ones(b, s, dtype=torch.float32) if role.post_process else None,
+            output_grad=None if role.post_process else torch.ones(stage_input_shape(model, plan), dtype=dtype))
+    global_module = _global_ops_module(optimizer.params, recorder)
+    seed_module = "loss" if role.post_process else ""
+    scopes = StepScopes(
+        forward=lambda: recorder.phase(Phase.FORWARD),
+        loss=lambda: recorder.module("loss"),
+        backward=lambda: _both(recorder.phase(Phase.BACKWARD), recorder.default_module(seed_module)),
+        optimizer=lambda: recorder.phase(Phase.OPTIMIZER),
+        parameter=lambda p: recorder.module(recorder.param_owner(p)),
+        global_ops=lambda: recorder.module(global_module),
+    )
+    forward_backward(gpt, batch, num_microbatches=1, loss_scale=optimizer.loss_scale, scopes=scopes)
+    optimizer.step(scopes)
+
+
+_LAYER_MODULE = re.compile(r"(?:^|\.)layers\.\d+(?:\.|$)")
+
+
+def _global_ops_module(params, recorder) -> str:
+    """The module the optimizer's global ops (found-inf reset, total norm, clip coefficient) are
+    attributed to: the owner of the first parameter outside the transformer layers (the embedding
+    on the first stage, the final norm on the last), or the stage itself (``""``) on a stage of
+    layers only.
+
+    Their cost lands in a block the stage has anyway (a stage of layers only has a stage block:
+    autograd seeds the output gradient there), so no block of their own appears in the graph. Not
+    in a layer, though the first parameter's owner is one on every stage but the first: that layer
+    would then differ from the others, and the traced layers would no longer fold into one template.
+    """
+    for p in params:
+        owner = recorder.param_owner(p)
+        if not _LAYER_MODULE.search(owner):
+            return owner
+    return ""
+
+
+@contextlib.contextmanager
+def _both(first, second) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 class _LanguageModelLoss(torch.nn.Module):
@@ -205,28 +224,3 @@ def prepare_for_recording(gpt) -> None:
         return
     gpt.loss = _LanguageModelLoss(gpt.compute_language_model_loss)
     object.__setattr__(gpt, "compute_language_model_loss", gpt.loss)
-
-
-def _optimizer_step(gpt, model: ModelSpec, recorder, adam: AdamSettings) -> None:
-    from vtrain_plugin.core.graph import Phase
-
-    params = [p for p in gpt.parameters() if p.grad is not None]
-    with recorder.paused():
-        state = [(torch.zeros_like(p, dtype=torch.float32),) * 3 for p in params]
-        found_inf = torch.zeros(1, dtype=torch.float32)
-        inv_scale = torch.ones(1, dtype=torch.float32)
-    fp16 = model.dtype is Dtype.FP16
-    with recorder.phase(Phase.OPTIMIZER):
-        for p, (main, exp_avg, exp_avg_sq) in zip(params, state):
-            with recorder.module(recorder.param_owner(p)):
-                g = p.grad.float()
-                if fp16:
-                    torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv_scale)
-                torch.linalg.vector_norm(g)
-                g.mul_(adam.clip_grad)
-                main.mul_(1 - adam.lr * adam.weight_decay)
-                exp_avg.lerp_(g, 1 - adam.beta1)
-                exp_avg_sq.mul_(adam.beta2).addcmul_(g, g, value=1 - adam.beta2)
-                denom = exp_avg_sq.sqrt().add_(adam.eps)
-                main.addcdiv_(exp_avg, denom, value=-adam.lr)
-                p.data.copy_(main)

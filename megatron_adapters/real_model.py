@@ -4,9 +4,10 @@ The model is the one the tracer builds (same layer spec, same TransformerConfig,
 with real, initialized weights on a real device, on a fake process group of world size 1 (every
 megatron-core parallel size is 1, so no collective runs). One iteration is what the estimate
 assumes for TP = PP = DP = 1: ``num_microbatches`` forward/backward passes accumulating gradients,
-then one optimizer step: AdamW with Megatron's defaults (decoupled weight decay, gradient clipping
-by the global norm); for fp16/bf16 models on fp32 main weights, as Megatron's mixed-precision
-optimizer keeps them (fp16 with a static loss scale of 4096, unscaled with the inf check).
+then one optimizer step, both from megatron_adapters.training_step, the step the tracer records:
+AdamW with Megatron's defaults (decoupled weight decay, gradient clipping by the global norm); for
+fp16/bf16 models on fp32 main weights, as Megatron's mixed-precision optimizer keeps them (fp16
+with a static loss scale of 4096, unscaled with the inf check, the step skipped on an inf).
 
 Peak memory. CUDA: ``torch.cuda.max_memory_allocated`` over model, optimizer and training (the
 tensors the caching allocator handed out). CPU: the process's peak resident set (``VmHWM`` of
@@ -27,14 +28,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_adapters.gpt import AdamSettings, ChunkRole, build_chunk
+from megatron_adapters.gpt import ChunkRole, build_chunk
+from megatron_adapters.training_step import AdamSettings, MicroBatch, MixedPrecisionAdamW, forward_backward
+from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import GIB
-from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
-
-_FP16_LOSS_SCALE = 4096.0
+from vtrain_plugin.specs.training import model_state_bytes_per_parameter
 _INIT_STD = 0.02
 
 
@@ -55,12 +56,14 @@ class TrainingMeasurement:
 def required_memory_bytes(model: ModelSpec, plan: ParallelPlan) -> int:
     """Rough memory one device needs to train ``model`` unsharded (the refusal check, not a prediction).
 
-    Weights, gradients and AdamW moments (16 bytes per parameter in fp32; 2 + 2 + 4 + 4 + 8 = 20 with
-    fp32 main weights and gradients for fp16/bf16), activations of one micro-batch per layer after
-    Korthikanti et al. (``34 s b h + 5 a s^2 b`` bytes at 2-byte activations, scaled to the dtype),
-    and the fp32 logits with their softmax and gradient (``3 * 4 s b V``).
+    Model states by specs.training.model_state_bytes_per_parameter, the memory model's: weight and
+    gradient in the model dtype, an fp32 main weight when that dtype is narrower and two fp32 Adam
+    moments, 2 + 2 + 4 + 8 = 16 bytes per parameter in fp16/bf16 and 4 + 4 + 8 = 16 in fp32 (the
+    optimizer step's transient fp32 main gradients are not counted); activations of one micro-batch
+    per layer after Korthikanti et al. (``34 s b h + 5 a s^2 b`` bytes at 2-byte activations, scaled
+    to the dtype); the fp32 logits with their softmax and gradient (``3 * 4 s b V``).
     """
-    per_param = 16 if model.dtype is Dtype.FP32 else 20
+    per_param = model_state_bytes_per_parameter(model.dtype)
     s, b, h, a = model.seq_length, plan.micro_batch_size, model.hidden_size, model.num_attention_heads
     scale = model.dtype.nbytes / 2
     activations = model.num_layers * (34 * s * b * h + 5 * a * s * s * b) * scale
@@ -107,7 +110,7 @@ def train(model: ModelSpec, plan: ParallelPlan, *, num_microbatches: int, iterat
         _initialize(gpt, seed)
         gpt.to(dev)
         gpt.train()
-        step = _Optimizer(gpt, model, adam)
+        optimizer = MixedPrecisionAdamW(gpt.parameters(), adam)
         generator = torch.Generator(device=dev).manual_seed(seed)
         sync = torch.cuda.synchronize if dev.type == "cuda" else _no_sync
         times_ms: list[float] = []
@@ -117,8 +120,9 @@ def train(model: ModelSpec, plan: ParallelPlan, *, num_microbatches: int, iterat
             sync()
             start_ns = time.perf_counter_ns()
             for batch in batches:
-                loss = _forward_backward(gpt, model, batch, num_microbatches)
-            step()
+                loss = forward_backward(gpt, batch, num_microbatches=num_microbatches,
+                                        loss_scale=optimizer.loss_scale)
+            optimizer.step()
             sync()
             if i >= warmup:
                 times_ms.append((time.perf_counter_ns() - start_ns) / 1e6)
@@ -126,75 +130,22 @@ def train(model: ModelSpec, plan: ParallelPlan, *, num_microbatches: int, iterat
         reset_global_memory_buffer()
     return TrainingMeasurement(iteration_ms=tuple(times_ms), warmup_iterations=warmup,
                                num_microbatches=num_microbatches, peak_memory_bytes=peak,
-                               final_loss=float(loss), device=str(dev))
+                               final_loss=float(loss.detach()), device=str(dev))
 
 
 def _no_sync() -> None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class _Batch:
-    tokens: torch.Tensor
-    position_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor
-    loss_mask: torch.Tensor
-
-
-def _batch(model: ModelSpec, plan: ParallelPlan, dev: torch.device, generator: torch.Generator) -> _Batch:
+def _batch(model: ModelSpec, plan: ParallelPlan, dev: torch.device, generator: torch.Generator) -> MicroBatch:
     """Random tokens and labels, causal mask (True = masked, megatron's convention), as the tracer's shapes."""
     b, s = plan.micro_batch_size, model.seq_length
     tokens = torch.randint(0, model.vocab_size, (b, s), device=dev, generator=generator)
     labels = torch.randint(0, model.vocab_size, (b, s), device=dev, generator=generator)
-    return _Batch(tokens=tokens,
-                  position_ids=torch.arange(s, device=dev).unsqueeze(0).expand(b, s),
-                  attention_mask=torch.ones(s, s, dtype=torch.bool, device=dev).triu(1).view(1, 1, s, s),
-                  labels=labels, loss_mask=torch.ones(b, s, dtype=torch.float32, device=dev))
-
-
-def _forward_backward(gpt, model: ModelSpec, batch: _Batch, num_microbatches: int) -> torch.Tensor:
-    """One micro-batch, as megatron_adapters.gpt.run_training_step records it; the loss is averaged
-    over micro-batches (Megatron divides each micro-batch's loss by their number)."""
-    output = gpt(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
-    loss = (output.float() * batch.loss_mask).sum() / batch.loss_mask.sum()
-    scaled = loss * _FP16_LOSS_SCALE if model.dtype is Dtype.FP16 else loss
-    (scaled / num_microbatches).backward()
-    return loss.detach()
-
-
-class _Optimizer:
-    """AdamW step with global-norm clipping; fp32 main weights for fp16/bf16 models."""
-
-    def __init__(self, gpt, model: ModelSpec, adam: AdamSettings) -> None:
-        self.params = [p for p in gpt.parameters() if p.requires_grad]
-        self.mixed = model.dtype is not Dtype.FP32
-        self.fp16 = model.dtype is Dtype.FP16
-        self.clip = adam.clip_grad
-        self.main = [p.detach().float().clone() for p in self.params] if self.mixed else self.params
-        self.adamw = torch.optim.AdamW(self.main, lr=adam.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                                       weight_decay=adam.weight_decay, foreach=False)
-        device = self.params[0].device
-        self.found_inf = torch.zeros(1, device=device)
-        self.inv_scale = torch.full((1,), 1 / _FP16_LOSS_SCALE, device=device)
-
-    def __call__(self) -> None:
-        if self.mixed:
-            for p, main in zip(self.params, self.main):
-                main.grad = p.grad.float()
-                p.grad = None
-            if self.fp16:
-                self.found_inf.zero_()
-                torch._amp_foreach_non_finite_check_and_unscale_([m.grad for m in self.main], self.found_inf,
-                                                                 self.inv_scale)
-        torch.nn.utils.clip_grad_norm_(self.main, self.clip, foreach=False)
-        if not (self.fp16 and self.found_inf.item()):
-            self.adamw.step()
-        self.adamw.zero_grad(set_to_none=True)
-        if self.mixed:
-            with torch.no_grad():
-                for p, main in zip(self.params, self.main):
-                    p.copy_(main)
+    return MicroBatch(tokens=tokens,
+                      position_ids=torch.arange(s, device=dev).unsqueeze(0).expand(b, s),
+                      attention_mask=torch.ones(s, s, dtype=torch.bool, device=dev).triu(1).view(1, 1, s, s),
+                      labels=labels, loss_mask=torch.ones(b, s, dtype=torch.float32, device=dev))
 
 
 def _initialize(gpt: torch.nn.Module, seed: int) -> None:

@@ -32,7 +32,7 @@ layer bwd: mul (dropout grad)            ``bias_dropout_add_fused_train_backward
 ``mlp`` bwd: gelu_backward               ``bias_gelu_fused_backward`` (grad, input in, grad     6
                                          out)
 native_layer_norm (and backward)         apex ``fused_layer_norm_affine`` (same bytes)          as traced
-optimizer phase, per parameter: 12 ops   ``_to_copy`` of the fp16 gradient into the fp32 main   6
+optimizer phase, per parameter: 14 ops   ``_to_copy`` of the fp16 gradient into the fp32 main   6
                                          gradient (kept, one per parameter), then for all of
                                          the block's parameters five apex multi-tensor
                                          kernels: unscale and inf check (8), gradient norm

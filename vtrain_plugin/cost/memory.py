@@ -19,21 +19,7 @@ from dataclasses import dataclass
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
-
-ADAM_MOMENTS_BYTES = 8  # two fp32 moments per parameter
-MAIN_WEIGHT_BYTES = 4  # fp32 master copy when the model dtype is fp16/bf16
-
-
-def model_state_bytes_per_parameter(dtype: Dtype) -> int:
-    """Weights and gradients in the model dtype, fp32 main weights (mixed precision) and two fp32
-    Adam moments: 16 bytes per parameter in fp16/bf16 and in fp32. The one formula of the package
-    (the real-training refusal check uses it too)."""
-    return 2 * dtype.nbytes + optimizer_bytes_per_parameter(dtype)
-
-
-def optimizer_bytes_per_parameter(dtype: Dtype) -> int:
-    return ADAM_MOMENTS_BYTES + (0 if dtype is Dtype.FP32 else MAIN_WEIGHT_BYTES)
-
+from vtrain_plugin.specs.training import optimizer_bytes_per_parameter
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankMemory:

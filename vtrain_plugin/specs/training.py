@@ -7,6 +7,7 @@ from enum import StrEnum
 from typing import Any
 
 from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import MEGABYTE
 
@@ -69,3 +70,18 @@ class TrainingSpec:
         d["grad_reduce"] = self.grad_reduce.value
         d["software_stack"] = self.software_stack.value
         return d
+
+
+ADAM_MOMENTS_BYTES = 8  # two fp32 moments per parameter
+MAIN_WEIGHT_BYTES = 4  # fp32 master copy when the model dtype is fp16/bf16
+
+
+def model_state_bytes_per_parameter(dtype: Dtype) -> int:
+    """Weights and gradients in the model dtype, fp32 main weights (mixed precision) and two fp32
+    Adam moments: 16 bytes per parameter in fp16/bf16 and in fp32. The one formula of the package
+    (cost/memory.py and the real-training refusal check use it)."""
+    return 2 * dtype.nbytes + optimizer_bytes_per_parameter(dtype)
+
+
+def optimizer_bytes_per_parameter(dtype: Dtype) -> int:
+    return ADAM_MOMENTS_BYTES + (0 if dtype is Dtype.FP32 else MAIN_WEIGHT_BYTES)
