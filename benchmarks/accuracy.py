@@ -6,7 +6,7 @@ calibrated (exactly what ``vtrain estimate --format jsonl`` prints), and prints 
 size, single-node and multi-node apart. Then a leave-one-group-out cross-validation: the constants are
 refitted without one hidden size (or one TP size), starting from the documented typical values, and
 the left-out runs are predicted; pooled over the folds, that is the honest proxy for held-out runs.
-Writes a predicted-vs-measured plot when matplotlib is installed (``pip install matplotlib``).
+Writes a predicted-vs-measured plot (matplotlib).
 
 Run with ``.venv/bin/python benchmarks/accuracy.py`` (about 6 minutes on two cores; ``--no-cv``:
 under one minute).
@@ -77,14 +77,11 @@ def cross_validate(prepared: Sequence[PreparedRun], key: str, max_evals: int) ->
 
 
 def plot(runs: Sequence[MeasuredRun], predicted: np.ndarray, path: Path) -> None:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: no plot (pip install matplotlib, then rerun for {path})")
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     measured = np.array([r.measured_ms for r in runs])
     fig, ax = plt.subplots(figsize=(6, 6))
     for source, marker in (("single", "o"), ("multi", "^")):
