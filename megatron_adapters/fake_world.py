@@ -15,12 +15,15 @@ import torch.distributed as dist
 
 from vtrain_plugin.core.errors import TraceError
 from vtrain_plugin.core.graph import ParallelGroup
+from vtrain_plugin.core.megatron import global_rank
 from vtrain_plugin.specs.parallel import ParallelPlan
 
 
 def representative_rank(plan: ParallelPlan, pipeline_rank: int) -> int:
-    """Global rank of (tp 0, dp 0, pp ``pipeline_rank``) in megatron's default tp-cp-ep-dp-pp order."""
-    return pipeline_rank * plan.tensor_parallel * plan.data_parallel
+    """Global rank of (tp 0, dp 0, pp ``pipeline_rank``) in megatron-core's rank order."""
+    sizes = {ParallelGroup.TP: plan.tensor_parallel, ParallelGroup.DP: plan.data_parallel,
+             ParallelGroup.PP: plan.pipeline_parallel}
+    return global_rank({ParallelGroup.PP: pipeline_rank}, sizes)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,6 @@ backward, mixed-precision optimizer) is training_step.py's, the one real trainin
 from __future__ import annotations
 
 import contextlib
-import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import torch
 from megatron_adapters.training_step import (AdamSettings, MicroBatch, MixedPrecisionAdamW, StepScopes,
                                              assume_finite, forward_backward)
 from vtrain_plugin.core.dtypes import Dtype
+from vtrain_plugin.core.megatron import LOSS, is_layer_module
 from vtrain_plugin.specs.model import Family, ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
 
@@ -164,10 +164,10 @@ def run_training_step(gpt, model: ModelSpec, plan: ParallelPlan, role: ChunkRole
             loss_mask=torch.ones(b, s, dtype=torch.float32) if role.post_process else None,
             output_grad=None if role.post_process else torch.ones(stage_input_shape(model, plan), dtype=dtype))
     global_module = _global_ops_module(optimizer.params, recorder)
-    seed_module = "loss" if role.post_process else ""
+    seed_module = LOSS if role.post_process else ""
     scopes = StepScopes(
         forward=lambda: recorder.phase(Phase.FORWARD),
-        loss=lambda: recorder.module("loss"),
+        loss=lambda: recorder.module(LOSS),
         backward=lambda: _both(recorder.phase(Phase.BACKWARD), recorder.default_module(seed_module)),
         optimizer=lambda: recorder.phase(Phase.OPTIMIZER),
         parameter=lambda p: recorder.module(recorder.param_owner(p)),
@@ -175,9 +175,6 @@ def run_training_step(gpt, model: ModelSpec, plan: ParallelPlan, role: ChunkRole
     )
     forward_backward(gpt, batch, num_microbatches=1, loss_scale=optimizer.loss_scale, scopes=scopes)
     optimizer.step(scopes)
-
-
-_LAYER_MODULE = re.compile(r"(?:^|\.)layers\.\d+(?:\.|$)")
 
 
 def _global_ops_module(params, recorder) -> str:
@@ -193,7 +190,7 @@ def _global_ops_module(params, recorder) -> str:
     """
     for p in params:
         owner = recorder.param_owner(p)
-        if not _LAYER_MODULE.search(owner):
+        if not is_layer_module(owner):
             return owner
     return ""
 
@@ -218,9 +215,11 @@ class _LanguageModelLoss(torch.nn.Module):
 def prepare_for_recording(gpt) -> None:
     """Route ``gpt.compute_language_model_loss`` through a submodule named ``loss`` (this instance only).
 
-    Call before attaching the recorder, so the new module gets its hooks.
+    The name is :data:`vtrain_plugin.core.megatron.LOSS`, which tracing counts in the head. Call before
+    attaching the recorder, so the new module gets its hooks.
     """
-    if not getattr(gpt, "post_process", False) or "loss" in gpt._modules:
+    if not getattr(gpt, "post_process", False) or LOSS in gpt._modules:
         return
-    gpt.loss = _LanguageModelLoss(gpt.compute_language_model_loss)
-    object.__setattr__(gpt, "compute_language_model_loss", gpt.loss)
+    loss = _LanguageModelLoss(gpt.compute_language_model_loss)
+    setattr(gpt, LOSS, loss)
+    object.__setattr__(gpt, "compute_language_model_loss", loss)

@@ -6,30 +6,28 @@ module paths (with the layer index removed), in the same order. A layer that dif
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveNode, Node, OpNode, ParallelGroup)
+from vtrain_plugin.core.megatron import EMBEDDING, is_embedding_module, is_head_module, split_layer_module
 from vtrain_plugin.capture.recorder import OpRecord, Record
-
-_LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers)\.(?P<index>\d+)(?P<rest>(?:\..*)?)$")
-_HEAD_MODULES = ("decoder.final_layernorm", "output_layer", "loss")
 
 
 def layer_index(module: str) -> int | None:
-    m = _LAYER.match(module)
-    return int(m.group("index")) if m else None
+    layer = split_layer_module(module)
+    return layer[1] if layer else None
 
 
 def block_of(module: str) -> tuple[BlockKind, str]:
     """Which block a module belongs to, and the block's name."""
-    m = _LAYER.match(module)
-    if m:
-        return BlockKind.LAYER, f"{m.group('prefix')}.{m.group('index')}"
-    if module.startswith("embedding"):
-        return BlockKind.EMBEDDING, "embedding"
-    if module.startswith(_HEAD_MODULES):
+    layer = split_layer_module(module)
+    if layer:
+        prefix, index, _ = layer
+        return BlockKind.LAYER, f"{prefix}.{index}"
+    if is_embedding_module(module):
+        return BlockKind.EMBEDDING, EMBEDDING
+    if is_head_module(module):
         return BlockKind.HEAD, "head"
     return BlockKind.STAGE, "stage"
 
@@ -81,8 +79,8 @@ def _activation_by_block(nodes: Sequence[Node], saved_nbytes: Mapping[str, int])
 
 def _signature(block: Block) -> tuple:
     def strip(module: str) -> str:
-        m = _LAYER.match(module)
-        return m.group("rest") if m else module
+        layer = split_layer_module(module)
+        return layer[2] if layer else module
     sig = []
     for n in block.nodes:
         if isinstance(n, OpNode):

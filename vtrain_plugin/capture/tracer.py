@@ -26,6 +26,7 @@ from vtrain_plugin.capture import folding
 from vtrain_plugin.core.errors import ConfigError, TraceError
 from vtrain_plugin.core.graph import Block, BlockKind, OpGraph, ParallelGroup, Phase, StageGraph
 from vtrain_plugin.core.dtypes import Dtype
+from vtrain_plugin.core.megatron import TIED_WEIGHT_OWNERS
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.capture.recorder import OpRecorder
@@ -192,7 +193,7 @@ def _parameter_counts(module: torch.nn.Module) -> tuple[dict[str, int], int]:
         owner = name.rsplit(".", 1)[0]
         _, block = folding.block_of(owner)
         counts[block] = counts.get(block, 0) + p.numel()
-        if owner in ("embedding.word_embeddings", "output_layer"):
+        if owner in TIED_WEIGHT_OWNERS:
             word_embedding = p.numel()
     return counts, word_embedding
 

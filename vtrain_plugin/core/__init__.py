@@ -1,4 +1,5 @@
-"""The bottom layer: the op graph, errors, dtypes, units, op names, registries and checks."""
+"""The bottom layer: the op graph, errors, dtypes, units, op names, registries, checks, and
+Megatron-Core's conventions (``megatron``)."""
 
 from vtrain_plugin.core.dtypes import Dtype, canonical_dtype, element_nbytes
 from vtrain_plugin.core.errors import ConfigError, ProfileError, TraceError, VTrainError

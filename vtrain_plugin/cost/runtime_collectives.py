@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from vtrain_plugin.core.dtypes import Dtype, element_nbytes
 from vtrain_plugin.core.graph import BlockKind, CollectiveKind, CollectiveNode, ParallelGroup, Phase, StageGraph
+from vtrain_plugin.core.megatron import OUTPUT_LAYER, WORD_EMBEDDING
 from vtrain_plugin.specs.parallel import ParallelPlan
 
 
@@ -64,9 +65,9 @@ def _embedding_sync(stage: StageGraph, plan: ParallelPlan, dtype: Dtype, tied: b
         return ()
     kinds = {b.kind for b in stage.blocks}
     if BlockKind.EMBEDDING in kinds:
-        module = "embedding.word_embeddings"
+        module = WORD_EMBEDDING
     elif BlockKind.HEAD in kinds:
-        module = "output_layer"
+        module = OUTPUT_LAYER
     else:
         return ()
     return (CollectiveNode(kind=CollectiveKind.ALL_REDUCE, nbytes=stage.word_embedding_parameters * dtype.nbytes,

@@ -1,14 +1,13 @@
 """Where the ranks of a 3D-parallel job sit, and how many nodes each communication group spans.
 
-megatron-core 0.16 numbers ranks in the order ``tp-cp-ep-dp-pp`` (``initialize_model_parallel``'s
-default ``order``; the first name varies fastest). With context and expert parallelism of 1::
+Ranks are numbered and placed on nodes as :mod:`vtrain_plugin.core.megatron` records megatron-core
+does it (tensor parallelism fastest, then data, then pipeline parallelism)::
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank),    node = rank // gpus_per_node
 
-and the launcher fills nodes in rank order (``node = rank // gpus_per_node``). Every group is then an
-arithmetic progression of ranks (TP: stride 1, DP: stride tp, PP: stride tp*dp, tied-embedding
-group: the first and the last pipeline rank), which is what the placement below works on. Groups are
-those of the representative rank of a pipeline stage (tp_rank = dp_rank = 0).
+Every group is then an arithmetic progression of ranks (TP: stride 1, DP: stride tp, PP: stride
+tp*dp, tied-embedding group: the first and the last pipeline rank), which is what the placement
+below works on. Groups are those of the representative rank of a pipeline stage (tp_rank = dp_rank = 0).
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from vtrain_plugin.core import checks as v
-from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import ParallelGroup
+from vtrain_plugin.core.megatron import global_rank, node_of, rank_strides
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,31 +53,32 @@ class Layout:
     def num_nodes(self) -> int:
         return -(-self.world_size // self.gpus_per_node)
 
+    @property
+    def sizes(self) -> dict[ParallelGroup, int]:
+        return {ParallelGroup.TP: self.tensor_parallel, ParallelGroup.DP: self.data_parallel,
+                ParallelGroup.PP: self.pipeline_parallel}
+
     def rank(self, *, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
-        for name, r, size in (("tp_rank", tp_rank, self.tensor_parallel),
-                              ("dp_rank", dp_rank, self.data_parallel),
-                              ("pp_rank", pp_rank, self.pipeline_parallel)):
-            if not 0 <= r < size:
-                raise ConfigError(f"{name} must be in [0, {size}), got {r}")
-        return tp_rank + self.tensor_parallel * (dp_rank + self.data_parallel * pp_rank)
+        return global_rank({ParallelGroup.TP: tp_rank, ParallelGroup.DP: dp_rank, ParallelGroup.PP: pp_rank},
+                           self.sizes)
 
     def node_of(self, rank: int) -> int:
-        return rank // self.gpus_per_node
+        return node_of(rank, self.gpus_per_node)
 
     def placement(self, group: ParallelGroup, *, pipeline_rank: int = 0) -> GroupPlacement:
         """Placement of ``group`` of the representative rank of pipeline stage ``pipeline_rank``."""
         base = self.rank(pp_rank=pipeline_rank)
-        tp, dp, pp = self.tensor_parallel, self.data_parallel, self.pipeline_parallel
+        sizes = self.sizes
+        stride = rank_strides(sizes)
+        pp = sizes[ParallelGroup.PP]
         match ParallelGroup(group):
-            case ParallelGroup.TP:
-                offset, stride, size = base, 1, tp
-            case ParallelGroup.DP:
-                offset, stride, size = base, tp, dp
+            case ParallelGroup.TP | ParallelGroup.DP as dim:
+                offset, step, size = base, stride[dim], sizes[dim]
             case ParallelGroup.PP:
-                offset, stride, size = 0, tp * dp, pp
+                offset, step, size = 0, stride[ParallelGroup.PP], pp
             case ParallelGroup.EMBEDDING:
-                offset, stride, size = 0, tp * dp * max(pp - 1, 1), min(pp, 2)
-        return _progression_placement(offset, stride, size, self.gpus_per_node)
+                offset, step, size = 0, stride[ParallelGroup.PP] * max(pp - 1, 1), min(pp, 2)
+        return _progression_placement(offset, step, size, self.gpus_per_node)
 
     def p2p_crosses_nodes(self, src_pipeline_rank: int) -> bool:
         """Whether stage ``src`` sends to stage ``(src + 1) % pp`` over the network.

@@ -1,0 +1,105 @@
+"""Megatron-Core's conventions that vtrain relies on: the module paths of a GPT model and the rank order.
+
+Tracing reads a megatron-core model by the names of its modules (which block an op belongs to, which
+parameter is the word embedding), costing attributes the collectives Megatron's runtime adds to
+those modules and places every rank on a node as Megatron numbers them, and the adapters build the
+model and its process groups. All of them follow Megatron-Core, not one another, so its conventions
+are written down once, here, in the bottom layer every package may import: a megatron-core release
+that renames a module or reorders its ranks is followed in this file alone.
+
+Module paths (megatron-core 0.16 ``GPTModel``, as ``named_modules`` spells them): the embedding
+(word and learned position embeddings) on the first stage, the transformer layers
+``decoder.layers.<i>`` (the index local to the model chunk), and the head on the last stage: the
+final layer norm, the output layer and the loss.
+
+Rank order: megatron-core numbers global ranks in the order ``tp-cp-ep-dp-pp``
+(``initialize_model_parallel``'s default ``order``), the first dimension varying fastest, and the
+launcher fills nodes in rank order. vtrain models neither context nor expert parallelism, so
+:data:`RANK_ORDER` holds tensor, data and pipeline parallelism; adding them means inserting them at
+their place in :data:`RANK_ORDER`, and every function below follows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.graph import ParallelGroup
+
+# -- module paths -----------------------------------------------------------------------------------
+
+EMBEDDING = "embedding"  # LanguageModelEmbedding; every module under it is the embedding's
+WORD_EMBEDDING = "embedding.word_embeddings"
+FINAL_LAYERNORM = "decoder.final_layernorm"
+OUTPUT_LAYER = "output_layer"
+LOSS = "loss"  # not megatron-core's: megatron_adapters.gpt gives GPTModel's loss computation this name
+HEAD_MODULES = (FINAL_LAYERNORM, OUTPUT_LAYER, LOSS)
+TIED_WEIGHT_OWNERS = (WORD_EMBEDDING, OUTPUT_LAYER)  # one tensor with share_embeddings_and_output_weights
+
+# ``<prefix>.layers.<index><rest>``, the prefix ending in ``layers`` (``decoder.layers``, or ``layers``
+# alone) and ``rest`` empty or starting with a dot; when layers nest, the innermost index is the one.
+_LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers)\.(?P<index>\d+)(?P<rest>(?:\..*)?)$")
+
+
+def split_layer_module(name: str) -> tuple[str, int, str] | None:
+    """``(prefix, index, rest)`` of a module in a transformer layer, ``None`` for any other module.
+
+    ``decoder.layers.3.mlp.linear_fc1`` splits into ``("decoder.layers", 3, ".mlp.linear_fc1")``
+    and the layer itself, ``decoder.layers.3``, into ``("decoder.layers", 3, "")``: ``rest`` keeps
+    its leading dot, and ``f"{prefix}.{index}"`` names the layer.
+    """
+    m = _LAYER.match(name)
+    return (m.group("prefix"), int(m.group("index")), m.group("rest")) if m else None
+
+
+def is_layer_module(name: str) -> bool:
+    """Whether ``name`` is a transformer layer or a module inside one."""
+    return split_layer_module(name) is not None
+
+
+def is_embedding_module(name: str) -> bool:
+    return name.startswith(EMBEDDING)
+
+
+def is_head_module(name: str) -> bool:
+    return name.startswith(HEAD_MODULES)
+
+
+# -- rank order -------------------------------------------------------------------------------------
+
+RANK_ORDER: tuple[ParallelGroup, ...] = (ParallelGroup.TP, ParallelGroup.DP, ParallelGroup.PP)  # fastest first
+
+
+def rank_strides(sizes: Mapping[ParallelGroup, int]) -> dict[ParallelGroup, int]:
+    """How far apart in global rank two ranks are that differ by one along each dimension.
+
+    ``sizes`` maps each dimension to its parallel size; one it leaves out has size 1. The stride of
+    a dimension is the product of the sizes of the dimensions before it in :data:`RANK_ORDER`.
+    """
+    strides: dict[ParallelGroup, int] = {}
+    stride = 1
+    for dim in RANK_ORDER:
+        strides[dim] = stride
+        stride *= sizes.get(dim, 1)
+    return strides
+
+
+def global_rank(coordinates: Mapping[ParallelGroup, int], sizes: Mapping[ParallelGroup, int]) -> int:
+    """The global rank of the rank at ``coordinates`` (its rank along each dimension, 0 for one left out)."""
+    unknown = set(coordinates) - set(RANK_ORDER)
+    if unknown:
+        raise ConfigError(f"ranks are numbered along {', '.join(RANK_ORDER)}, not {', '.join(sorted(unknown))}")
+    strides = rank_strides(sizes)
+    rank = 0
+    for dim in RANK_ORDER:
+        r, size = coordinates.get(dim, 0), sizes.get(dim, 1)
+        if not 0 <= r < size:
+            raise ConfigError(f"{dim}_rank must be in [0, {size}), got {r}")
+        rank += r * strides[dim]
+    return rank
+
+
+def node_of(rank: int, gpus_per_node: int) -> int:
+    """The node of global rank ``rank``: the launcher fills nodes in rank order."""
+    return rank // gpus_per_node
