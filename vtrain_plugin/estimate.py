@@ -24,15 +24,13 @@ from vtrain_plugin.cost.prepare import PreparedGraph, prepare
 from vtrain_plugin.hardware.calibration import DeviceConstants, calibration_for
 from vtrain_plugin.hardware.devices import DeviceSpec, get_device
 from vtrain_plugin.hardware.nccl import NcclTable
-from vtrain_plugin.sim.engine import RankBreakdown, SimResult, simulate
+from vtrain_plugin.sim.engine import BREAKDOWN_FIELDS, RankBreakdown, SimResult, simulate
 from vtrain_plugin.sim.schedules import build_schedule
 from vtrain_plugin.sim.timeline import Timeline, write_chrome_trace
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import TrainingSpec
 
-BREAKDOWN_FIELDS = ("forward", "backward", "recompute", "tp_comm", "pp_comm", "dp_comm",
-                    "embedding_sync", "optimizer", "bubble")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

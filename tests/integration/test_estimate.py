@@ -6,7 +6,8 @@ import math
 import pytest
 
 from vtrain_plugin.api import load_run_config, run_config_from_dict
-from vtrain_plugin.estimate import BREAKDOWN_FIELDS, estimate
+from vtrain_plugin.estimate import estimate
+from vtrain_plugin.sim.engine import BREAKDOWN_FIELDS
 
 from tests.integration.test_cli_trace import SMALL, write
 

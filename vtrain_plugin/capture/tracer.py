@@ -17,7 +17,8 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -46,6 +47,9 @@ class _ChunkTrace:
     word_embedding_params: int  # of the (possibly shared) word embedding / output weight here
     activation_shape: tuple[int, ...]
     activation_dtype: str
+    # Folded blocks per chunk layer count, filled by _assemble_stage: every stage of this role (in
+    # every plan that shares the trace) gets the same blocks, folded once.
+    folded: dict[int, tuple[Block, ...]] = field(default_factory=dict, compare=False)
 
 
 _cache: OrderedDict[tuple, _ChunkTrace] = OrderedDict()
@@ -113,9 +117,15 @@ def trace_stage(model: ModelSpec, plan: ParallelPlan, *, pipeline_rank: int, chu
 
 
 def _shape_key(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> tuple:
-    dims = {k: v for k, v in model.to_dict().items() if k not in ("num_layers", "name")}
-    return (tuple(sorted(dims.items())), plan.tensor_parallel, plan.sequence_parallel,
+    return (_model_dims(model), plan.tensor_parallel, plan.sequence_parallel,
             plan.micro_batch_size, plan.recompute.value, pre, post, built, plan.pipeline_parallel > 1)
+
+
+@lru_cache(maxsize=256)
+def _model_dims(model: ModelSpec) -> tuple:
+    """Every field of ``model`` a chunk's trace depends on (all but its name and layer count)."""
+    dims = {k: v for k, v in model.to_dict().items() if k not in ("num_layers", "name")}
+    return tuple(sorted(dims.items()))
 
 
 def _trace_chunk_cached(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> _ChunkTrace:
@@ -201,8 +211,11 @@ def _parameter_counts(module: torch.nn.Module) -> tuple[dict[str, int], int]:
 def _assemble_stage(traced: _ChunkTrace, rank: int, chunk: int, per_chunk: int) -> StageGraph:
     """One stage's graph from its role's trace: layers folded to the chunk's count, parameters
     per block. Stages of one role share their blocks' node tuples, so each is costed once."""
-    blocks = tuple(replace(block, num_parameters=traced.params_by_block.get(block.name, 0))
-                   for block in folding.fold_layers(traced.blocks, per_chunk))
+    blocks = traced.folded.get(per_chunk)
+    if blocks is None:
+        blocks = traced.folded[per_chunk] = tuple(
+            replace(block, num_parameters=traced.params_by_block.get(block.name, 0))
+            for block in folding.fold_layers(traced.blocks, per_chunk))
     return StageGraph(pipeline_rank=rank, chunk=chunk, blocks=blocks,
                       activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,
                       word_embedding_parameters=traced.word_embedding_params)

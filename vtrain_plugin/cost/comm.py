@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from vtrain_plugin.core import checks as v
@@ -66,12 +67,16 @@ class CommModel:
     data_parallel: int
     measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None  # (kind, group size) -> table
     network_efficiency: float = 1.0  # fraction of the nominal inter-node bandwidth reached, (0, 1]
+    layout: Layout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
             v.positive_int(f"parallel.{name}", getattr(self, name))
         if not 0.0 < v.positive_number("network_efficiency", self.network_efficiency) <= 1.0:
             raise ConfigError(f"network_efficiency must lie in (0, 1], got {self.network_efficiency:g}")
+        object.__setattr__(self, "layout", Layout(
+            tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
+            data_parallel=self.data_parallel, gpus_per_node=self.cluster.gpus_per_node))
 
     @classmethod
     def for_plan(cls, cluster: ClusterSpec, plan: ParallelPlan, *,
@@ -81,10 +86,11 @@ class CommModel:
                    data_parallel=plan.data_parallel, measured_comm=measured_comm,
                    network_efficiency=network_efficiency)
 
-    @property
-    def layout(self) -> Layout:
-        return Layout(tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
-                      data_parallel=self.data_parallel, gpus_per_node=self.cluster.gpus_per_node)
+    def rank_signatures(self) -> tuple[tuple, ...]:
+        """Per pipeline rank, everything :meth:`time_ns` depends on besides the message: every
+        group's placement and whether its pipeline send crosses nodes. Ranks with equal signatures
+        time every collective alike (the costing shares their stage costs)."""
+        return _rank_signatures(self.layout)
 
     def placement(self, group: ParallelGroup, *, pipeline_rank: int = 0) -> GroupPlacement:
         return self.layout.placement(group, pipeline_rank=pipeline_rank)
@@ -185,3 +191,9 @@ class CommModel:
         n = placement.size
         all_reduce_ns = table.time_ns(nbytes, latency_floor_ns=self._latency_ns(2 * (n - 1), placement))
         return all_reduce_ns if kind is CollectiveKind.ALL_REDUCE else all_reduce_ns / 2
+
+
+@lru_cache(maxsize=1024)
+def _rank_signatures(layout: Layout) -> tuple[tuple, ...]:
+    return tuple((*(layout.placement(group, pipeline_rank=r) for group in ParallelGroup), layout.p2p_crosses_nodes(r))
+                 for r in range(layout.pipeline_parallel))

@@ -26,7 +26,7 @@ from vtrain_plugin.cost.dp_buckets import BlockGradients, dp_buckets
 from vtrain_plugin.cost.host_device import SegmentTime, segment_sums, segment_times, sequence, then
 from vtrain_plugin.cost.kernel_timer import KernelTimer
 from vtrain_plugin.cost.prepare import PHASES, PreparedGraph, PreparedStage
-from vtrain_plugin.cost.provenance import Provenance
+from vtrain_plugin.cost.provenance import Provenance, StageProvenance, stage_provenance
 from vtrain_plugin.cost.work import ChunkWork, PipelineWork
 from vtrain_plugin.specs.training import GradReduce, TrainingSpec
 
@@ -45,6 +45,7 @@ class StageCost:
     work: ChunkWork
     optimizer_ns: float
     embedding_sync_ns: float
+    provenance: StageProvenance
 
 
 def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, training: TrainingSpec,
@@ -52,14 +53,21 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
     """Time ``prepared`` with ``timer``'s device constants (``explain``: list the modeled kernels)."""
     parallel = prepared.graph.parallel
     pp = parallel.pipeline_parallel
-    provenance = Provenance(track_modeled=explain)
+    provenance = Provenance()
     chunks: list[ChunkWork] = []
     optimizer = [0.0] * pp
     embedding_sync_ns = 0.0
+    placements = comm.rank_signatures()
+    costed: dict[tuple, StageCost] = {}  # stages of one role whose ranks time every collective alike
     for stage in prepared.stages:
-        staged = _stage_cost(stage, timer, comm, training, num_microbatches, provenance)
+        rank = stage.stage.pipeline_rank
+        key = (id(stage.role), id(stage.runtime), placements[rank])
+        staged = costed.get(key)
+        if staged is None:
+            staged = costed[key] = _stage_cost(stage, timer, comm, training, num_microbatches, explain)
+        provenance.add(staged.provenance)
         chunks.append(staged.work)
-        optimizer[stage.stage.pipeline_rank] += staged.optimizer_ns
+        optimizer[rank] += staged.optimizer_ns
         embedding_sync_ns = max(embedding_sync_ns, staged.embedding_sync_ns)
     work = PipelineWork(
         chunks=tuple(chunks), pipeline_parallel=pp, virtual_pipeline=parallel.virtual_pipeline,
@@ -70,23 +78,22 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
 
 
 def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, training: TrainingSpec,
-                num_microbatches: int, provenance: Provenance) -> StageCost:
-    stage = prepared.stage
+                num_microbatches: int, explain: bool) -> StageCost:
+    stage, role = prepared.stage, prepared.role
     rank = stage.pipeline_rank
     constants = timer.constants
-    device = timer.device_ns(prepared.kernels, prepared.measured_ns)
-    host = timer.host_ns(prepared.kernels)
+    device, host = timer.times_ns(role.kernels, role.measured_ns)
     is_comm = np.zeros(len(device), bool)
-    for row, node in prepared.tp_rows:
+    for row, node in role.tp_rows:
         device[row] = comm.time_ns(node.kind, node.nbytes, node.group, pipeline_rank=rank)
         host[row] = constants.backward_host_overhead_ns if node.phase is Phase.BACKWARD else constants.host_overhead_ns
         is_comm[row] = True
     if timer.device.host_runs_kernels:  # a CPU issues and runs each op: no overlap to model
         device, host = device + host, np.zeros_like(host)
-    segments = prepared.segments
+    segments = role.segments
     h, d, p = segment_times(host, device, segments)
     tp_comm = segment_sums(np.where(is_comm, device, 0.0), segments)
-    provenance.add_stage(prepared, device, is_comm, num_microbatches)
+    provenance = stage_provenance(role, device, is_comm, num_microbatches, track_modeled=explain)
 
     index = {(s.block, s.phase): i for i, s in enumerate(segments)}
     blocks = stage.blocks
@@ -125,7 +132,8 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         tp_comm_backward_ns=tp[Phase.BACKWARD] + tp[Phase.RECOMPUTE],
         p2p_forward_ns=p2p[Phase.FORWARD], p2p_backward_ns=p2p[Phase.BACKWARD],
         dp_buckets=dp_buckets(gradients, comm, training, rank))
-    return StageCost(work=work, optimizer_ns=totals[Phase.OPTIMIZER], embedding_sync_ns=sync_ns)
+    return StageCost(work=work, optimizer_ns=totals[Phase.OPTIMIZER], embedding_sync_ns=sync_ns,
+                     provenance=provenance)
 
 
 def _busy(t: SegmentTime) -> float:

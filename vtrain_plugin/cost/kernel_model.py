@@ -147,7 +147,7 @@ def _features(node: OpNode) -> tuple:
 def _tile_edges(extent: np.ndarray) -> np.ndarray:
     """Output-tile edges: the smallest power of two >= extent, clipped to [16, 128]."""
     pow2 = np.exp2(np.ceil(np.log2(np.maximum(extent, 1.0))))
-    return np.clip(pow2, _MIN_TILE, _MAX_TILE)
+    return np.minimum(np.maximum(pow2, _MIN_TILE), _MAX_TILE)
 
 
 class KernelModel:

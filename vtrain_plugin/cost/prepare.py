@@ -4,20 +4,23 @@ Each block's ops are lowered onto the kernels of the software stack (:mod:`vtrai
 and every block's phases are laid out as segments of one :class:`KernelBatch` per stage, with the
 measured durations looked up; tensor-parallel collectives are rows of the batch (they block the
 compute stream). Megatron's runtime collectives (DP gradients, pipeline transfers, tied embeddings)
-are derived per stage (:mod:`vtrain_plugin.cost.runtime_collectives`). This walks every node once and
-depends on the graph, the stack and the profile, not on the device constants or the cluster:
+are derived per stage (:mod:`vtrain_plugin.cost.runtime_collectives`). Stages that share their blocks
+(one chunk role) share one :class:`PreparedRole`, and roles prepared without measured durations are
+kept across calls. This depends on the graph, the stack and the profile, not on the device constants
+or the cluster:
 calibration prepares each run once and re-costs it (:func:`vtrain_plugin.cost.costing.cost`) per
 candidate set of constants.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from vtrain_plugin.core.graph import CollectiveNode, KernelKey, OpGraph, OpNode, ParallelGroup, Phase, StageGraph
+from vtrain_plugin.core.graph import Block, CollectiveNode, KernelKey, OpGraph, OpNode, ParallelGroup, Phase, StageGraph
 from vtrain_plugin.cost.host_device import Segment
 from vtrain_plugin.cost.kernel_model import KernelBatch
 from vtrain_plugin.cost.kernel_timer import measured_ns
@@ -30,14 +33,28 @@ _NO_KERNEL = OpNode(key=KernelKey(op="aten.empty.memory_format", input_shapes=()
                     module="", launches_kernel=False)  # the batch row of a collective
 
 
-@dataclass(frozen=True, slots=True)
-class PreparedStage:
-    stage: StageGraph
+@dataclass(frozen=True, slots=True, eq=False)
+class PreparedRole:
+    """The kernel batch of the stages that share their blocks (one traced chunk role).
+
+    Tracing folds the layers of every chunk of one role onto the same node tuples, so the stages
+    of a role (all middle stages of a pipeline, and every plan of the same shapes) share one of
+    these: prepared once, costed once per rank placement.
+    """
+
+    blocks: tuple[Block, ...]
     kernels: KernelBatch  # every segment's kernels in order; collectives are rows of kind NONE
     measured_ns: np.ndarray  # per row, NaN where unmeasured
     nodes: tuple[OpNode | None, ...]  # per row (None for a collective)
     tp_rows: tuple[tuple[int, CollectiveNode], ...]  # rows holding blocking TP collectives
     segments: tuple[Segment, ...]  # blocks in stage order, phases in PHASES order
+    flops: dict[Phase, int]  # of one micro-batch through this chunk, on one tensor-parallel rank
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedStage:
+    stage: StageGraph
+    role: PreparedRole
     runtime: RuntimeCollectives
 
 
@@ -49,27 +66,61 @@ class PreparedGraph:
     flops: dict[Phase, int]  # of one micro-batch through every chunk, on one tensor-parallel rank
 
 
+_ROLE_CACHE_SIZE = 256
+# Roles prepared without measured durations, kept across calls: a plan search prepares each chunk
+# role once. Keyed by the identity of the blocks' node tuples (the entry holds them, so no other
+# tuple can take their id while it lives) and the block counts.
+_roles: OrderedDict[tuple, PreparedRole] = OrderedDict()
+
+
 def prepare(graph: OpGraph, stack: SoftwareStack | str,
             measured: Mapping[KernelKey, float] | None = None) -> PreparedGraph:
     """Lay ``graph`` out for costing under ``stack``, with ``measured`` kernel durations (ns)."""
     stack = SoftwareStack(stack)
     pp = graph.parallel.pipeline_parallel
+    last = graph.parallel.num_model_chunks - 1
     ordered = sorted(graph.stages, key=lambda s: s.chunk * pp + s.pipeline_rank)
-    flops = {phase: sum(stage.flops(phase) for stage in ordered) for phase in PHASES}
     tied = graph.model is not None and graph.model.tied
-    stages = tuple(_prepare_stage(stage, stack, measured or {},
-                                  runtime_collectives(stage, graph.parallel, dtype=graph.dtype, tied_embeddings=tied))
-                   for stage in ordered)
-    return PreparedGraph(graph=graph, stack=stack, stages=stages, flops=flops)
+    roles: dict[tuple, PreparedRole] = {}
+    runtimes: dict[tuple, RuntimeCollectives] = {}
+    stages = []
+    for stage in ordered:
+        role_key = (stack, tuple((id(b.nodes), b.count) for b in stage.blocks))
+        role = roles.get(role_key)
+        if role is None:
+            role = roles[role_key] = _role(stage.blocks, stack, measured, role_key)
+        virtual = stage.chunk * pp + stage.pipeline_rank
+        runtime_key = (role_key, tuple(b.num_parameters for b in stage.blocks), stage.word_embedding_parameters,
+                       stage.activation_shape, stage.activation_dtype, virtual == 0, virtual == last)
+        runtime = runtimes.get(runtime_key)
+        if runtime is None:
+            runtime = runtimes[runtime_key] = runtime_collectives(stage, graph.parallel, dtype=graph.dtype,
+                                                                  tied_embeddings=tied)
+        stages.append(PreparedStage(stage=stage, role=role, runtime=runtime))
+    flops = {phase: sum(s.role.flops[phase] for s in stages) for phase in PHASES}
+    return PreparedGraph(graph=graph, stack=stack, stages=tuple(stages), flops=flops)
 
 
-def _prepare_stage(stage: StageGraph, stack: SoftwareStack, measured: Mapping[KernelKey, float],
-                   runtime: RuntimeCollectives) -> PreparedStage:
+def _role(blocks: tuple[Block, ...], stack: SoftwareStack, measured: Mapping[KernelKey, float] | None,
+          key: tuple) -> PreparedRole:
+    if measured:
+        return _prepare_role(blocks, stack, measured)
+    role = _roles.get(key)
+    if role is None:
+        role = _roles[key] = _prepare_role(blocks, stack, {})
+        if len(_roles) > _ROLE_CACHE_SIZE:
+            _roles.popitem(last=False)
+    else:
+        _roles.move_to_end(key)
+    return role
+
+
+def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, measured: Mapping[KernelKey, float]) -> PreparedRole:
     rows: list[OpNode | None] = []
     phases: list[Phase] = []
     tp_rows: list[tuple[int, CollectiveNode]] = []
     segments: list[Segment] = []
-    for b, block in enumerate(stage.blocks):
+    for b, block in enumerate(blocks):
         by_phase: dict[Phase, list[OpNode | CollectiveNode]] = {p: [] for p in PHASES}
         for node in map_nodes(block.nodes, stack):
             if isinstance(node, OpNode):
@@ -89,5 +140,6 @@ def _prepare_stage(stage: StageGraph, stack: SoftwareStack, measured: Mapping[Ke
             segments.append(Segment(block=b, phase=phase, start=start, stop=len(rows), count=block.count))
     kernels = KernelBatch.of([n if n is not None else _NO_KERNEL for n in rows])
     kernels = replace(kernels, backward=np.array([p is Phase.BACKWARD for p in phases], bool))
-    return PreparedStage(stage=stage, kernels=kernels, measured_ns=measured_ns(rows, measured), nodes=tuple(rows),
-                         tp_rows=tuple(tp_rows), segments=tuple(segments), runtime=runtime)
+    flops = {phase: sum(b.count * op.flops for b in blocks for op in b.ops(phase)) for phase in PHASES}
+    return PreparedRole(blocks=blocks, kernels=kernels, measured_ns=measured_ns(rows, measured), nodes=tuple(rows),
+                        tp_rows=tuple(tp_rows), segments=tuple(segments), flops=flops)

@@ -8,15 +8,45 @@ import numpy as np
 
 from vtrain_plugin.core.graph import KernelKey, OpNode, Phase
 from vtrain_plugin.cost.host_device import segment_sums
-from vtrain_plugin.cost.prepare import PreparedStage
+from vtrain_plugin.cost.prepare import PreparedRole
+
+
+@dataclass(frozen=True, slots=True)
+class StageProvenance:
+    """One stage's share, per iteration: kernel time, its measured part, each modeled kernel's total."""
+
+    kernel_ns: float
+    measured_kernel_ns: float
+    modeled: tuple[tuple[KernelKey, float, OpNode], ...] = ()
+
+
+def stage_provenance(role: PreparedRole, device_ns: np.ndarray, is_comm: np.ndarray, num_microbatches: int, *,
+                     track_modeled: bool) -> StageProvenance:
+    segments = role.segments
+    measured_rows = ~np.isnan(role.measured_ns)
+    kernel = segment_sums(np.where(is_comm, 0.0, device_ns), segments)
+    measured = segment_sums(np.where(measured_rows, device_ns, 0.0), segments)
+    kernel_ns = measured_ns = 0.0
+    modeled: dict[KernelKey, tuple[float, OpNode]] = {}
+    for i, s in enumerate(segments):
+        runs = s.count * (1 if s.phase is Phase.OPTIMIZER else num_microbatches)
+        kernel_ns += runs * kernel[i]
+        measured_ns += runs * measured[i]
+        if track_modeled:
+            for row in range(s.start, s.stop):
+                node = role.nodes[row]
+                if node is not None and not measured_rows[row]:
+                    previous = modeled.get(node.key)
+                    modeled[node.key] = ((previous[0] if previous else 0.0) + runs * device_ns[row], node)
+    return StageProvenance(kernel_ns=kernel_ns, measured_kernel_ns=measured_ns,
+                           modeled=tuple((key, ns, node) for key, (ns, node) in modeled.items()))
 
 
 @dataclass(slots=True)
 class Provenance:
     """Accumulates, over the stages of one costing, kernel time per iteration on the representative
-    ranks (all stages), the measured part of it, and with ``track_modeled`` each modeled kernel's total."""
+    ranks (all stages), the measured part of it, and each modeled kernel's total."""
 
-    track_modeled: bool = False
     kernel_ns: float = 0.0
     measured_kernel_ns: float = 0.0
     _modeled: dict[KernelKey, tuple[float, OpNode]] = field(default_factory=dict)
@@ -29,19 +59,9 @@ class Provenance:
         """The ``count`` modeled kernels with the most time per iteration: (ns, an op of that key)."""
         return tuple(sorted(self._modeled.values(), key=lambda x: -x[0])[:count])
 
-    def add_stage(self, prepared: PreparedStage, device_ns: np.ndarray, is_comm: np.ndarray,
-                  num_microbatches: int) -> None:
-        segments = prepared.segments
-        measured_rows = ~np.isnan(prepared.measured_ns)
-        kernel = segment_sums(np.where(is_comm, 0.0, device_ns), segments)
-        measured = segment_sums(np.where(measured_rows, device_ns, 0.0), segments)
-        for i, s in enumerate(segments):
-            runs = s.count * (1 if s.phase is Phase.OPTIMIZER else num_microbatches)
-            self.kernel_ns += runs * kernel[i]
-            self.measured_kernel_ns += runs * measured[i]
-            if self.track_modeled:
-                for row in range(s.start, s.stop):
-                    node = prepared.nodes[row]
-                    if node is not None and not measured_rows[row]:
-                        previous = self._modeled.get(node.key)
-                        self._modeled[node.key] = ((previous[0] if previous else 0.0) + runs * device_ns[row], node)
+    def add(self, stage: StageProvenance) -> None:
+        self.kernel_ns += stage.kernel_ns
+        self.measured_kernel_ns += stage.measured_kernel_ns
+        for key, ns, node in stage.modeled:
+            previous = self._modeled.get(key)
+            self._modeled[key] = ((previous[0] if previous else 0.0) + ns, node)

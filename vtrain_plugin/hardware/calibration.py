@@ -132,8 +132,21 @@ def user_calibration_dir() -> Path:
 
 def calibration_for(device: str, software_stack: str) -> Calibration:
     """The calibration of ``device`` (a preset name) for ``software_stack`` (see the module doc)."""
-    folders = (user_calibration_dir(), package_calibration_dir())
-    for stack in (str(software_stack), DEFAULT_STACK):
+    user_dir = user_calibration_dir()
+    try:
+        version = (user_dir / device).stat().st_mtime_ns
+    except OSError:
+        version = None
+    return _locate(device, str(software_stack), user_dir, version)
+
+
+@lru_cache(maxsize=256)
+def _locate(device: str, software_stack: str, user_dir: Path, version: int | None) -> Calibration:
+    """Looked up again only when the user's folder for ``device`` changes (``version``: its
+    modification time; a file written atomically, as :func:`write_calibration` does, changes it),
+    so an estimate costs one ``stat`` here, not a search of both folders."""
+    folders = (user_dir, package_calibration_dir())
+    for stack in (software_stack, DEFAULT_STACK):
         for folder in folders:
             path = folder / device / f"{stack}.json"
             if path.is_file():

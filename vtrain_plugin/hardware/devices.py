@@ -121,7 +121,12 @@ def _spec_dir() -> Path:
 
 def known_devices() -> list[str]:
     """Names of the preset devices, sorted."""
-    return sorted(p.stem for p in _spec_dir().glob("*.json"))
+    return list(_preset_names())
+
+
+@lru_cache(maxsize=1)
+def _preset_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in _spec_dir().glob("*.json")))
 
 
 def _resolve(name: str) -> str:

@@ -24,9 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vtrain_plugin.sim import array_engine
 from vtrain_plugin.sim.schedules import Task, TaskKind, build_schedule
 from vtrain_plugin.sim.timeline import Interval, IntervalKind, Stream, Timeline
 from vtrain_plugin.cost.work import PipelineWork
+
+
+BREAKDOWN_FIELDS = ("forward", "backward", "recompute", "tp_comm", "pp_comm", "dp_comm",
+                    "embedding_sync", "optimizer", "bubble")  # RankBreakdown's ``<name>_ns`` fields
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,13 +59,19 @@ class SimResult:
     timeline: Timeline | None = None  # only when simulated with record_timeline=True
 
 
-def simulate(work: PipelineWork, *, record_timeline: bool = False) -> SimResult:
+def simulate(work: PipelineWork, *, record_timeline: bool = False, reference: bool = False) -> SimResult:
+    """Simulate one iteration. The compute streams are evaluated level by level with arrays
+    (:mod:`vtrain_plugin.sim.array_engine`) unless a timeline is recorded or ``reference`` asks for
+    the task-by-task loop below, which the array path is tested against."""
     pp, vp, m = work.pipeline_parallel, work.virtual_pipeline, work.num_microbatches
-    schedule = build_schedule(work.schedule, pp, vp, m)
     chunks = work.chunks
     intervals: list[list[Interval]] | None = [[] for _ in range(pp)] if record_timeline else None
 
-    compute_end, last_backward_start, pp_wait = _run_compute(work, schedule.tasks, intervals)
+    if intervals is None and not reference:
+        compute_end, last_backward_start, pp_wait = array_engine.run_compute(work)
+    else:
+        schedule = build_schedule(work.schedule, pp, vp, m)
+        compute_end, last_backward_start, pp_wait = _run_compute(work, schedule.tasks, intervals)
 
     grads_ready = [_reduce_gradients(work, r, compute_end[r], last_backward_start, intervals)
                    for r in range(pp)]

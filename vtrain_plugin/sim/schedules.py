@@ -39,18 +39,17 @@ class Schedule:
     num_microbatches: int
     tasks: tuple[tuple[Task, ...], ...]  # per pipeline rank, in execution order
 
+    peak_inflight_per_rank: tuple[int, ...]  # see peak_inflight
+
     def peak_inflight(self, pipeline_rank: int) -> int:
         """Most (chunk, micro-batch) pairs whose activations rank ``pipeline_rank`` holds at once.
 
         A forward stores its chunk's activations until the matching backward frees them; the peak
         is taken right after a forward (GPipe: m, 1F1B: min(pp - rank, m), interleaved:
-        min((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v)).
+        min((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v)). Counted from the tasks when the
+        schedule is built.
         """
-        live = peak = 0
-        for task in self.tasks[pipeline_rank]:
-            live += 1 if task.kind is TaskKind.FORWARD else -1
-            peak = max(peak, live)
-        return peak
+        return self.peak_inflight_per_rank[pipeline_rank]
 
     @property
     def peak_inflight_microbatches(self) -> tuple[float, ...]:
@@ -86,7 +85,16 @@ def build_schedule(kind: ScheduleKind | str, pipeline_parallel: int, virtual_pip
     tasks = tuple(tuple(builder(pipeline_parallel, virtual_pipeline, num_microbatches, r))
                   for r in range(pipeline_parallel))
     return Schedule(kind=ScheduleKind(kind), pipeline_parallel=pipeline_parallel,
-                    virtual_pipeline=virtual_pipeline, num_microbatches=num_microbatches, tasks=tasks)
+                    virtual_pipeline=virtual_pipeline, num_microbatches=num_microbatches, tasks=tasks,
+                    peak_inflight_per_rank=tuple(_peak_inflight(rank_tasks) for rank_tasks in tasks))
+
+
+def _peak_inflight(tasks: tuple[Task, ...]) -> int:
+    live = peak = 0
+    for task in tasks:
+        live += 1 if task.kind is TaskKind.FORWARD else -1
+        peak = max(peak, live)
+    return peak
 
 
 # Tasks carry no rank, so every rank shares the same immutable instances.
