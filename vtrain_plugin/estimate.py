@@ -1,4 +1,5 @@
-"""``estimate()``: the predicted time, throughput and cost of one training iteration.
+"""``estimate()``: the predicted time, throughput and cost of one training iteration, and of the whole
+run when the training spec says how many tokens it consumes.
 
 Inputs are the traced graph (or a plan to trace), the cluster and the training spec; kernel
 durations come from a profile database when it has them for the target GPU, from the analytical
@@ -15,7 +16,7 @@ from typing import Any
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey, OpGraph, Phase
-from vtrain_plugin.core.units import GIB, NS_PER_MS, NS_PER_S, SECONDS_PER_HOUR
+from vtrain_plugin.core.units import GIB, MS_PER_S, NS_PER_MS, NS_PER_S, SECONDS_PER_DAY, SECONDS_PER_HOUR
 from vtrain_plugin.cost.comm import CommModel
 from vtrain_plugin.cost.costing import Costing, cost
 from vtrain_plugin.cost.kernel_timer import KernelTimer
@@ -45,7 +46,13 @@ class UnmeasuredKernel:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Estimate:
-    """One iteration of one plan on one cluster. Times in milliseconds."""
+    """One iteration of one plan on one cluster. Times in milliseconds.
+
+    With ``total_tokens`` (``TrainingSpec.total_tokens``), also the whole run: ``iterations``
+    (:meth:`TrainingSpec.train_iterations`, rounded up) times the iteration, in days, GPU-hours and
+    dollars; steady-state iterations only (no start-up, checkpoints, evaluation or restarts). All
+    four are None without ``total_tokens``, and ``train_cost_usd`` also without a price.
+    """
 
     iteration_time_ms: float
     breakdown_ms: dict[str, float]  # of the bottleneck pipeline stage (the one with most compute)
@@ -63,6 +70,8 @@ class Estimate:
     memory_gib: tuple[RankMemory, ...]  # per pipeline rank, see vtrain_plugin.cost.memory
     gpu_memory_gib: float  # capacity of one GPU
     largest_unmeasured: tuple[UnmeasuredKernel, ...] = ()
+    total_tokens: float | None = None  # of the whole run
+    iterations: int | None = None  # that train total_tokens
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -72,6 +81,24 @@ class Estimate:
     @property
     def fits_in_memory(self) -> bool:
         return self.peak_memory_gib <= self.gpu_memory_gib
+
+    @property
+    def train_days(self) -> float | None:
+        if self.iterations is None:
+            return None
+        return self.iterations * self.iteration_time_ms / MS_PER_S / SECONDS_PER_DAY
+
+    @property
+    def train_gpu_hours(self) -> float | None:
+        if self.iterations is None:
+            return None
+        return self.iterations * self.iteration_time_ms / MS_PER_S * self.num_gpus / SECONDS_PER_HOUR
+
+    @property
+    def train_cost_usd(self) -> float | None:
+        if self.iterations is None or self.cost_usd is None:
+            return None
+        return self.iterations * self.cost_usd
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +119,11 @@ class Estimate:
             "gpu_memory_gib": self.gpu_memory_gib,
             "fits_in_memory": self.fits_in_memory,
             "memory_gib_per_stage": [m.to_dict() for m in self.memory_gib],
+            "total_tokens": self.total_tokens,
+            "iterations": self.iterations,
+            "train_days": self.train_days,
+            "train_gpu_hours": self.train_gpu_hours,
+            "train_cost_usd": self.train_cost_usd,
         }
 
     def write_timeline(self, path: str | os.PathLike, *, max_ranks: int | None = None,
@@ -190,6 +222,8 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         largest_unmeasured=unmeasured,
         memory_gib=rank_memory(graph, [schedule.peak_inflight(r) for r in range(plan.pipeline_parallel)]),
         gpu_memory_gib=device.memory_bytes / GIB,
+        total_tokens=training.total_tokens,
+        iterations=training.train_iterations(graph.seq_length),
         timeline=result.timeline,
     )
 

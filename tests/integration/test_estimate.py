@@ -71,6 +71,29 @@ def test_cli_jsonl_one_line_per_config_and_errors_inline(tmp_path, run_cli):
     assert lines[0]["iteration_time_ms"] == lines[2]["iteration_time_ms"]
 
 
+TOKENS_PLAN = """
+model: {num_layers: 4, hidden_size: 256, num_attention_heads: 8, seq_length: 128}
+parallel: {tensor_parallel: 2, pipeline_parallel: 2, data_parallel: 2, micro_batch_size: 2}
+training: {global_batch_size: 16, total_tokens: 1e6}
+cluster: {preset: dgx-a100}
+"""
+
+
+def test_cli_tokens_override_the_plan_and_give_the_run(tmp_path, run_cli):
+    plan = write(tmp_path, "plan.yaml", TOKENS_PLAN)
+    line = json.loads(run_cli("estimate", plan, "--tokens", "270e9", "--format", "jsonl", check=True).stdout)
+    assert line["total_tokens"] == 2.7e11
+    assert line["iterations"] == math.ceil(2.7e11 / (16 * 128)) == 131835938
+    assert line["train_days"] == line["iterations"] * line["iteration_time_ms"] / 1e3 / 86400.0
+    assert line["train_gpu_hours"] == line["iterations"] * line["iteration_time_ms"] / 1e3 * 8 / 3600.0
+    assert line["train_cost_usd"] == line["iterations"] * line["cost_usd"]
+    table = run_cli("estimate", plan, check=True).stdout
+    assert "to train 1,000,000 tokens: 489 iterations" in table
+    proc = run_cli("estimate", plan, plan, "--tokens", "-1", "--format", "jsonl")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["vtrain: error: --tokens must be positive and finite, got -1.0"]
+
+
 def test_cli_table_and_timeline(tmp_path, run_cli):
     timeline = tmp_path / "t.json"
     proc = run_cli("estimate", write(tmp_path, "c.json", SMALL), "--gpu", "h100", "--timeline", str(timeline),

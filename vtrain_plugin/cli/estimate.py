@@ -1,17 +1,19 @@
 """``vtrain estimate CONFIG...``: the predicted iteration of each plan, from measured profiles where
-the database has them."""
+the database has them, and with ``--tokens`` the time and cost of the whole run."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from vtrain_plugin.api import load_run_config, with_gpu
 from vtrain_plugin.cli.common import CONFIG_HELP, EXIT_USER_ERROR, db_option, positive_int
 from vtrain_plugin.cli.render import estimate_table
-from vtrain_plugin.core.errors import VTrainError
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.errors import ConfigError, VTrainError
 from vtrain_plugin.measure import estimate_with_profiles
 
 
@@ -20,6 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="+", help=CONFIG_HELP)
     p.add_argument("--gpu", help="GPU preset to estimate for, overriding the config's "
                                  "(a100-sxm4-40gb, a100-sxm4-80gb, h100-sxm, h200-sxm; aliases A100, H100, H200)")
+    p.add_argument("--tokens", metavar="N", help="tokens of the whole training run (e.g. 270e9), overriding "
+                                                  "training.total_tokens: adds iterations, days, GPU-hours and cost")
     p.add_argument("--format", choices=("table", "json", "jsonl"), default="table")
     db_option(p)
     p.add_argument("--explain", type=int, nargs="?", const=10, default=0, metavar="N",
@@ -33,12 +37,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    tokens = None if args.tokens is None else _total_tokens(args.tokens)
     failed = 0
     for index, path in enumerate(args.config):
         try:
             run_config = load_run_config(path)
             if args.gpu:
                 run_config = with_gpu(run_config, args.gpu)
+            if tokens is not None:
+                run_config = replace(run_config, training=replace(run_config.training, total_tokens=tokens))
             result = estimate_with_profiles(run_config, db_path=args.db, timeline=bool(args.timeline),
                                             explain=args.explain or 0)
             if args.timeline:
@@ -63,6 +70,15 @@ def run(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(estimate_table(run_config, result) + "\n")
     return EXIT_USER_ERROR if failed else 0
+
+
+def _total_tokens(text: str) -> float:
+    """``--tokens``, checked before any config is read: a bad value is one error, not one per config."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"--tokens must be a number of tokens such as 270e9, got {text!r}") from None
+    return v.positive_finite_number("--tokens", value)
 
 
 def _timeline_path(path: str, index: int, total: int) -> Path:

@@ -124,6 +124,10 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
     cost = "n/a" if result.cost_usd is None else f"${result.cost_usd:,.2f} per iteration"
     lines.append(f"tokens/s {result.tokens_per_second:,.0f}   model TFLOP/s per GPU {result.tflops_per_gpu:.1f}   "
                  f"MFU {100 * result.mfu:.1f}%   cost {cost}")
+    if result.iterations is not None:
+        train_cost = "" if result.train_cost_usd is None else f", ${result.train_cost_usd:,.0f}"
+        lines.append(f"to train {result.total_tokens:,.0f} tokens: {result.iterations:,} iterations, "
+                     f"{result.train_days:,.1f} days, {result.train_gpu_hours:,.0f} GPU-hours{train_cost}")
     lines.append(f"kernel time measured: {100 * result.measured_fraction:.1f}% (rest modeled)")
     peak = max(result.memory_gib, key=lambda m: m.total_gib)
     verdict = "fits" if result.fits_in_memory else "DOES NOT FIT"

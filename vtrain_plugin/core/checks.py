@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -28,6 +29,19 @@ def positive_number(name: str, value: Any) -> float:
     if not value > 0:
         raise ConfigError(f"{name} must be positive, got {value}")
     return float(value)
+
+
+def positive_finite_number(name: str, value: Any) -> float:
+    """A count given as a number, as large counts are written (``270e9`` tokens): positive, not inf or nan."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a positive number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        number = math.inf
+    if not (number > 0 and math.isfinite(number)):
+        raise ConfigError(f"{name} must be positive and finite, got {value}")
+    return number
 
 
 def non_negative_number(name: str, value: Any) -> float:

@@ -14,7 +14,9 @@ MEGABYTE = 10**6  # decimal: gradient bucket sizes are given in MB as Megatron's
 NS_PER_US = 1e3
 NS_PER_MS = 1e6
 NS_PER_S = 1e9
+MS_PER_S = 1e3
 SECONDS_PER_HOUR = 3600.0
+SECONDS_PER_DAY = 86400.0
 
 
 def gbytes_per_s_to_bytes_per_ns(gbytes_per_s: float) -> float:

@@ -6,11 +6,15 @@ A plan file has four sections, each the fields of one spec (see README, "Plan fi
 cluster section is returned as given: named presets and GPU aliases are hardware data, resolved by
 :func:`vtrain_plugin.hardware.clusters.resolve_cluster`. A vTrain config
 (:mod:`vtrain_plugin.specs.vtrain_config`) is translated into these sections first.
+
+YAML is read with YAML 1.2's float syntax (as JSON has it): ``270e9`` and ``2.7e11`` are numbers,
+where PyYAML's YAML 1.1 rules would read them as strings (it wants a dot and a signed exponent).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -26,6 +30,14 @@ from vtrain_plugin.specs.training import TrainingSpec
 from vtrain_plugin.specs.vtrain_config import from_vtrain_config, is_vtrain_config
 
 SECTIONS = ("model", "parallel", "training", "cluster")
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.safe_load`` that also reads exponent forms without a dot or sign (``270e9``) as floats."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,7 +56,7 @@ def read_mapping(path: Path) -> Mapping[str, Any]:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_Loader)
         else:
             data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -1,7 +1,9 @@
-"""How the iteration is run: global batch, pipeline schedule, data-parallel gradient reduction."""
+"""How the iteration is run: global batch, pipeline schedule, data-parallel gradient reduction, and
+how many tokens the whole training run consumes."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -41,6 +43,9 @@ class TrainingSpec:
     bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB  # megabytes (10^6 bytes) of gradients per bucket
     # The kernels the training software runs for the traced ops (vtrain_plugin.cost.lowering).
     software_stack: SoftwareStack = SoftwareStack.LOCAL_SPEC
+    # Tokens of the whole training run (a float: counts such as 270e9 are written that way);
+    # None: the estimate covers one iteration only.
+    total_tokens: float | None = None
 
     def __post_init__(self) -> None:
         v.positive_int("training.global_batch_size", self.global_batch_size)
@@ -51,6 +56,9 @@ class TrainingSpec:
         v.positive_number("training.bucket_size_mb", self.bucket_size_mb)
         object.__setattr__(self, "software_stack", SoftwareStack(
             v.one_of("training.software_stack", str(self.software_stack), [s.value for s in SoftwareStack])))
+        if self.total_tokens is not None:
+            object.__setattr__(self, "total_tokens",
+                               v.positive_finite_number("training.total_tokens", self.total_tokens))
 
     @property
     def bucket_nbytes(self) -> int:
@@ -63,6 +71,15 @@ class TrainingSpec:
                 f"global_batch_size ({self.global_batch_size}) must be divisible by data_parallel_size "
                 f"({data_parallel}) * micro_batch_size ({micro_batch_size}) = {per_step}")
         return self.global_batch_size // per_step
+
+    def train_iterations(self, seq_length: int) -> int | None:
+        """Iterations that consume ``total_tokens`` at ``global_batch_size * seq_length`` tokens each,
+        rounded up: the last global batch is a full one, so at least ``total_tokens`` are trained
+        (Megatron-LM's ``--train-samples`` rounds down instead, at most one batch fewer). None
+        without ``total_tokens``."""
+        if self.total_tokens is None:
+            return None
+        return math.ceil(self.total_tokens / (self.global_batch_size * seq_length))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
