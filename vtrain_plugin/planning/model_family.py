@@ -1,0 +1,165 @@
+"""The model shapes compute-optimal sizing chooses among, Chinchilla's token count, and the
+fixed-MFU answer (:func:`naive_size`) that a searched answer is compared with.
+
+**Shapes.** One rule for GPT and Llama, so that a family is a ladder of hidden sizes:
+
+- head dimension :data:`HEAD_DIM` = 128, so ``num_attention_heads = hidden_size / 128``;
+- ``num_layers = hidden_size / HIDDEN_PER_LAYER`` with :data:`HIDDEN_PER_LAYER` = 128, the aspect
+  ratio of the published shapes used as anchors: GPT-3 6.7B (4096 / 32), 13B (5140 / 40) and 175B
+  (12288 / 96) (Brown et al. 2020, Table 2.1), Llama 7B (4096 / 32) and 13B (5120 / 40) (Touvron et
+  al. 2023, Table 2). The ladder reproduces GPT-3 175B, Llama 7B and Llama 13B exactly. Kaplan et
+  al. 2020 (section 3.1, Fig. 5) found the loss within a few percent across a wide range of aspect
+  ratios at a fixed parameter count, so one ratio costs little;
+- the FFN as :class:`ModelSpec` defaults it: 4h for GPT, Llama's SwiGLU 8h/3 rounded up to a
+  multiple of 256; multi-head attention (no query groups); GPT ties its embeddings, Llama does not;
+- vocabulary, sequence length and dtype per family (:data:`FAMILY_DEFAULTS`): GPT 51200 / 2048 /
+  fp16 (GPT-3 as Megatron-LM trains it), Llama 32000 / 4096 / bf16 (Llama 2).
+
+Hidden sizes step by :data:`HIDDEN_STEP` = 1024 (any multiple of 128 may be asked for): heads and
+layers are then multiples of 8, so tensor parallelism up to 8 divides the heads and pipeline
+parallelism up to 8 the layers of every shape, and a plan search finds plans for each. Consecutive
+shapes differ by ``((k + 1) / k)^3`` in parameters, 27% at GPT-3 175B's size.
+
+Parameter counts are :attr:`ModelSpec.num_parameters`: the traced model's, embeddings and positions
+included, with the vocabulary as given (the traced shards add Megatron's padding of the vocabulary
+to a multiple of 128 x TP, which depends on the plan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import takewhile
+
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.dtypes import Dtype
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.units import SECONDS_PER_DAY
+from vtrain_plugin.specs.model import Family, ModelSpec
+
+HEAD_DIM = 128
+HIDDEN_PER_LAYER = 128  # hidden size / layers: GPT-3 and Llama's published aspect ratio
+HIDDEN_STEP = 1024  # heads and layers multiples of 8
+# Hoffmann et al. 2022 (Chinchilla): compute-optimal training uses about 20 tokens per parameter
+# (Table 3; Chinchilla itself: 70B parameters trained on 1.4T tokens).
+CHINCHILLA_TOKENS_PER_PARAMETER = 20.0
+# Kaplan et al. 2020, section 2.1: a dense transformer does about 2 FLOPs per parameter and token in
+# the forward pass and 4 in the backward pass.
+TRAINING_FLOPS_PER_PARAMETER_TOKEN = 6
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FamilyDefaults:
+    vocab_size: int
+    seq_length: int
+    dtype: Dtype
+
+
+FAMILY_DEFAULTS = {
+    Family.GPT: FamilyDefaults(vocab_size=51200, seq_length=2048, dtype=Dtype.FP16),
+    Family.LLAMA: FamilyDefaults(vocab_size=32000, seq_length=4096, dtype=Dtype.BF16),
+}
+
+
+def family_shape(family: Family | str, hidden_size: int, *, vocab_size: int | None = None,
+                 seq_length: int | None = None, dtype: Dtype | str | None = None) -> ModelSpec:
+    """The family's model of ``hidden_size`` (a multiple of :data:`HIDDEN_PER_LAYER`), see the module doc."""
+    family = _family(family)
+    v.positive_int("hidden_size", hidden_size)
+    if hidden_size % HIDDEN_PER_LAYER:
+        raise ConfigError(f"hidden_size ({hidden_size}) must be a multiple of {HIDDEN_PER_LAYER}: "
+                          f"head dim {HEAD_DIM}, {HIDDEN_PER_LAYER} hidden per layer")
+    defaults = FAMILY_DEFAULTS[family]
+    layers = hidden_size // HIDDEN_PER_LAYER
+    return ModelSpec(family=family, num_layers=layers, hidden_size=hidden_size,
+                     num_attention_heads=hidden_size // HEAD_DIM,
+                     seq_length=defaults.seq_length if seq_length is None else seq_length,
+                     vocab_size=defaults.vocab_size if vocab_size is None else vocab_size,
+                     dtype=defaults.dtype if dtype is None else dtype,
+                     name=f"{family.value}-h{hidden_size}-l{layers}")
+
+
+def family_shapes(family: Family | str, *, min_params: float, max_params: float, hidden_step: int = HIDDEN_STEP,
+                  vocab_size: int | None = None, seq_length: int | None = None,
+                  dtype: Dtype | str | None = None) -> list[ModelSpec]:
+    """The family's shapes with ``min_params <= num_parameters <= max_params``, by parameter count
+    (which grows with the hidden size)."""
+    low = v.positive_number("min_params", min_params)
+    high = v.positive_number("max_params", max_params)
+    if low > high:
+        raise ConfigError(f"min_params ({min_params:g}) must not exceed max_params ({max_params:g})")
+    ladder = _ladder(family, hidden_step, vocab_size=vocab_size, seq_length=seq_length, dtype=dtype)
+    return [m for m in takewhile(lambda m: m.num_parameters <= high, ladder) if m.num_parameters >= low]
+
+
+def chinchilla_tokens(params: float, tokens_per_parameter: float = CHINCHILLA_TOKENS_PER_PARAMETER) -> float:
+    """Compute-optimal training tokens of a model of ``params`` parameters (Hoffmann et al. 2022)."""
+    return v.positive_number("params", params) * v.positive_number("tokens_per_parameter", tokens_per_parameter)
+
+
+def training_flops(params: float, tokens: float) -> float:
+    """``6 * N * D``: model FLOPs of training ``params`` parameters on ``tokens`` tokens. Attention's
+    sequence-length term is left out, and so is activation recompute (which adds a forward pass,
+    about 2ND more): these are model FLOPs, the quantity MFU is measured against."""
+    return TRAINING_FLOPS_PER_PARAMETER_TOKEN * params * tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NaiveSize:
+    """The largest family shape whose Chinchilla-optimal training fits a FLOP budget at a fixed MFU."""
+
+    model: ModelSpec
+    tokens: float  # chinchilla_tokens of the model
+    flops: float  # training_flops(num_parameters, tokens)
+    budget_flops: float  # gpus * peak * mfu * days
+
+    @property
+    def num_parameters(self) -> int:
+        return self.model.num_parameters
+
+
+def naive_size(family: Family | str, *, peak_tflop_per_s: float, gpus: int, days: float, mfu: float = 0.5,
+               tokens_per_parameter: float = CHINCHILLA_TOKENS_PER_PARAMETER, hidden_step: int = HIDDEN_STEP,
+               vocab_size: int | None = None, seq_length: int | None = None,
+               dtype: Dtype | str | None = None) -> NaiveSize:
+    """The "fixed MFU" answer: the largest shape whose ``6 * N * D`` FLOPs, ``D`` its Chinchilla
+    tokens, fit ``gpus * peak_tflop_per_s * mfu * days``. ``peak_tflop_per_s`` is one GPU's dense
+    tensor rate for the model dtype. It assumes every model trains at the same MFU whatever its
+    shape and plan, which is what a searched plan replaces with its estimated iteration time."""
+    v.positive_int("gpus", gpus)
+    v.positive_number("peak_tflop_per_s", peak_tflop_per_s)
+    v.positive_number("days", days)
+    if isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
+        raise ConfigError(f"mfu must be a fraction in (0, 1], got {mfu!r}")
+    budget = gpus * peak_tflop_per_s * 1e12 * mfu * days * SECONDS_PER_DAY
+    best = None
+    for model in _ladder(family, hidden_step, vocab_size=vocab_size, seq_length=seq_length, dtype=dtype):
+        tokens = chinchilla_tokens(model.num_parameters, tokens_per_parameter)
+        flops = training_flops(model.num_parameters, tokens)
+        if flops > budget:
+            break
+        best = NaiveSize(model=model, tokens=tokens, flops=flops, budget_flops=budget)
+    if best is None:  # the loop stopped at the smallest shape
+        raise ConfigError(
+            f"no {model.family.value} shape fits the budget: the smallest, {model.name} with "
+            f"{model.num_parameters:,} parameters, needs 6 * N * D = {flops:.3g} FLOPs on {tokens:.3g} tokens; "
+            f"gpus ({gpus}) * peak ({peak_tflop_per_s:g} TFLOP/s) * mfu ({mfu:g}) * days ({days:g}) "
+            f"= {budget:.3g} FLOPs")
+    return best
+
+
+def _family(family: Family | str) -> Family:
+    return Family(v.one_of("family", str(family), [f.value for f in Family]))
+
+
+def _ladder(family: Family | str, hidden_step: int, *, vocab_size: int | None, seq_length: int | None,
+            dtype: Dtype | str | None) -> Iterator[ModelSpec]:
+    """Every shape of the family, smallest first: hidden sizes ``hidden_step``, ``2 * hidden_step``..."""
+    family = _family(family)
+    v.positive_int("hidden_step", hidden_step)
+    if hidden_step % HIDDEN_PER_LAYER:
+        raise ConfigError(f"hidden_step ({hidden_step}) must be a multiple of {HIDDEN_PER_LAYER}")
+    hidden = hidden_step
+    while True:
+        yield family_shape(family, hidden, vocab_size=vocab_size, seq_length=seq_length, dtype=dtype)
+        hidden += hidden_step
