@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from vtrain_plugin.core.errors import TraceError
 from vtrain_plugin.core.graph import ParallelGroup
-from vtrain_plugin.core.megatron import global_rank
+from megatron_adapters.conventions import global_rank
 from vtrain_plugin.specs.parallel import ParallelPlan
 
 

@@ -17,7 +17,7 @@ import torch
 from megatron_adapters.training_step import (AdamSettings, MicroBatch, MixedPrecisionAdamW, StepScopes,
                                              assume_finite, forward_backward)
 from vtrain_plugin.core.dtypes import Dtype
-from vtrain_plugin.core.megatron import LOSS, is_layer_module
+from megatron_adapters.conventions import LOSS, is_layer_module
 from vtrain_plugin.specs.model import Family, ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
 
@@ -215,7 +215,7 @@ class _LanguageModelLoss(torch.nn.Module):
 def prepare_for_recording(gpt) -> None:
     """Route ``gpt.compute_language_model_loss`` through a submodule named ``loss`` (this instance only).
 
-    The name is :data:`vtrain_plugin.core.megatron.LOSS`, which tracing counts in the head. Call before
+    The name is :data:`megatron_adapters.conventions.LOSS`, which tracing counts in the head. Call before
     attaching the recorder, so the new module gets its hooks.
     """
     if not getattr(gpt, "post_process", False) or LOSS in gpt._modules:

@@ -1,11 +1,11 @@
-"""vtrain_plugin.core.megatron: megatron-core's module paths and rank order, checked by hand."""
+"""megatron_adapters.conventions: megatron-core's module paths and rank order, checked by hand."""
 
 import pytest
 
 from megatron_adapters.fake_world import representative_rank
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import ParallelGroup as G
-from vtrain_plugin.core.megatron import (HEAD_MODULES, RANK_ORDER, TIED_WEIGHT_OWNERS, global_rank,
+from megatron_adapters.conventions import (HEAD_MODULES, RANK_ORDER, TIED_WEIGHT_OWNERS, global_rank,
                                          is_embedding_module, is_head_module, is_layer_module, node_of,
                                          rank_strides, split_layer_module)
 from vtrain_plugin.cost.topology import Layout

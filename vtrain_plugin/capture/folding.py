@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveNode, Node, OpNode, ParallelGroup)
-from vtrain_plugin.core.megatron import EMBEDDING, is_embedding_module, is_head_module, split_layer_module
+from megatron_adapters.conventions import EMBEDDING, is_embedding_module, is_head_module, split_layer_module
 from vtrain_plugin.capture.recorder import OpRecord, Record
 
 

@@ -27,7 +27,7 @@ from vtrain_plugin.capture import folding
 from vtrain_plugin.core.errors import ConfigError, TraceError
 from vtrain_plugin.core.graph import Block, BlockKind, OpGraph, ParallelGroup, Phase, StageGraph
 from vtrain_plugin.core.dtypes import Dtype
-from vtrain_plugin.core.megatron import TIED_WEIGHT_OWNERS
+from megatron_adapters.conventions import TIED_WEIGHT_OWNERS
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.capture.recorder import OpRecorder

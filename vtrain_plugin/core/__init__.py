@@ -1,5 +1,4 @@
-"""The bottom layer: the op graph, errors, dtypes, units, op names, registries, checks, and
-Megatron-Core's conventions (``megatron``)."""
+"""The bottom layer: the op graph, errors, dtypes, units, op names, registries, checks."""
 
 from vtrain_plugin.core.dtypes import Dtype, canonical_dtype, element_nbytes
 from vtrain_plugin.core.errors import ConfigError, ProfileError, TraceError, VTrainError

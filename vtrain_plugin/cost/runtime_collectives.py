@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from vtrain_plugin.core.dtypes import Dtype, element_nbytes
 from vtrain_plugin.core.graph import BlockKind, CollectiveKind, CollectiveNode, ParallelGroup, Phase, StageGraph
-from vtrain_plugin.core.megatron import OUTPUT_LAYER, WORD_EMBEDDING
+from megatron_adapters.conventions import OUTPUT_LAYER, WORD_EMBEDDING
 from vtrain_plugin.specs.parallel import ParallelPlan
 
 

@@ -1,6 +1,6 @@
 """Where the ranks of a 3D-parallel job sit, and how many nodes each communication group spans.
 
-Ranks are numbered and placed on nodes as :mod:`vtrain_plugin.core.megatron` records megatron-core
+Ranks are numbered and placed on nodes as :mod:`megatron_adapters.conventions` records megatron-core
 does it (tensor parallelism fastest, then data, then pipeline parallelism)::
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank),    node = rank // gpus_per_node
@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.graph import ParallelGroup
-from vtrain_plugin.core.megatron import global_rank, node_of, rank_strides
+from megatron_adapters.conventions import global_rank, node_of, rank_strides
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

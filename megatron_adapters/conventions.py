@@ -4,8 +4,9 @@ Tracing reads a megatron-core model by the names of its modules (which block an 
 parameter is the word embedding), costing attributes the collectives Megatron's runtime adds to
 those modules and places every rank on a node as Megatron numbers them, and the adapters build the
 model and its process groups. All of them follow Megatron-Core, not one another, so its conventions
-are written down once, here, in the bottom layer every package may import: a megatron-core release
-that renames a module or reorders its ranks is followed in this file alone.
+are written down once, here, with the rest of what knows Megatron (DESIGN.md, "Layout"): a
+megatron-core release that renames a module or reorders its ranks is followed in this file alone.
+This module imports nothing from megatron-core, so capture and cost read it without loading Megatron.
 
 Module paths (megatron-core 0.16 ``GPTModel``, as ``named_modules`` spells them): the embedding
 (word and learned position embeddings) on the first stage, the transformer layers
