@@ -14,11 +14,12 @@ are float32; when ``group_size`` does not divide the element count the row recor
 actually moved.
 
 Timing (rank 0): after a barrier, a window of ``k`` back-to-back operations (``k`` from 20 for
-small messages down to 1, so launch skew is amortized) timed with CUDA events on GPU or
-``time.perf_counter_ns`` on CPU; the duration is the median over windows of the per-operation
-time. send is timed as a ping-pong, one way being half a round trip. All five kinds work
-with gloo in torch 2.13; a kind the backend rejects is reported in ``unsupported`` with the
-backend's reason, never emulated.
+small messages down to 1, so launch skew is amortized) timed by
+:func:`profiler.device_timing.elapsed_ns` (CUDA events on GPU, ``time.perf_counter_ns`` on CPU);
+the duration is the median over windows of the per-operation time. send is timed as a
+ping-pong, one way being half a round trip. All five kinds work with gloo in torch 2.13; a
+kind the backend rejects is reported in ``unsupported`` with the backend's reason, never
+emulated.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import os
 import socket
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from profiler.db import ProfileDB
+from profiler.device_timing import elapsed_ns
 from profiler.fingerprint import DeviceFingerprint, current_fingerprint
 from vtrain_plugin.core.errors import ProfileError
 from vtrain_plugin.core.graph import CollectiveKind
@@ -225,19 +226,7 @@ def _operation(kind: CollectiveKind, full: int, per_rank: int, rank: int, group:
 def _window(op: Callable[[], None], k: int, group: Any, dev: torch.device) -> float:
     """Nanoseconds that ``k`` back-to-back ``op`` calls take on this rank, after a barrier."""
     dist.barrier(group=group)
-    if dev.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(dev)
-        start.record()
-        for _ in range(k):
-            op()
-        end.record()
-        torch.cuda.synchronize(dev)
-        return start.elapsed_time(end) * 1e6
-    t0 = time.perf_counter_ns()
-    for _ in range(k):
-        op()
-    return float(time.perf_counter_ns() - t0)
+    return elapsed_ns(op, k, dev)
 
 
 def _loopback_interface() -> str:

@@ -4,8 +4,8 @@ A row is keyed by the :class:`~profiler.fingerprint.DeviceFingerprint` id of the
 measured on, so a profile taken on an H100 is never returned for a CPU (or an A100) unless the
 caller asks for the H100's fingerprint explicitly (see :meth:`ProfileDB.find_fingerprints`).
 
-The file identifies itself with ``PRAGMA application_id`` and records its schema version in both
-``PRAGMA user_version`` and the ``meta`` table; anything else (not SQLite, corrupt, another
+The file format (identity, tables, migrations, row validation) is :mod:`profiler.db_schema`; a
+file that is not a vtrain profile of a schema this code reads (not SQLite, corrupt, another
 application's database, a newer schema) raises :class:`ProfileError` instead of yielding numbers.
 Writers use WAL mode, a busy timeout and short ``BEGIN IMMEDIATE`` transactions retried while the
 file is locked, so several profiling processes can fill one file at once.
@@ -14,7 +14,6 @@ file is locked, so several profiling processes can fill one file at once.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sqlite3
 import time
@@ -24,53 +23,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
+from profiler.db_schema import (INSERT_COMM, INSERT_KERNEL, SCHEMA_VERSION, check_header, check_identity, comm_row,
+                                insert_device, kernel_row, migrate, read_identity)
 from profiler.fingerprint import DeviceFingerprint
 from vtrain_plugin.core.errors import ProfileError
 from vtrain_plugin.core.files import atomic_write_text
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey
 
-SCHEMA_VERSION = 2
-APPLICATION_ID = int.from_bytes(b"vTrn", "big")  # 0x7654726e
 EXPORT_FORMAT = "vtrain-profile"
 EXPORT_VERSION = 1
 ENV_VAR = "VTRAIN_PROFILE_DB"
 
-_SQLITE_MAGIC = b"SQLite format 3\x00"
 _LOCK_TIMEOUT_S = 60.0
 _BATCH = 500  # bound parameters per IN (...) query
-_INSERT_KERNEL = ("INSERT OR REPLACE INTO kernels (fingerprint_id, digest, op, key_json, duration_ns, repetitions,"
-                  " spread_ns, measured_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
-_INSERT_COMM = ("INSERT OR REPLACE INTO comm (fingerprint_id, kind, group_size, backend, nbytes, duration_ns,"
-                " measured_at) VALUES (?, ?, ?, ?, ?, ?, ?)")
 
 T = TypeVar("T")
-
-
-def _migrate_0_to_1(conn: sqlite3.Connection) -> None:
-    conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-    conn.execute(
-        "CREATE TABLE devices (fingerprint_id TEXT PRIMARY KEY, label TEXT NOT NULL,"
-        " device_name TEXT NOT NULL, fingerprint_json TEXT NOT NULL)")
-    conn.execute(
-        "CREATE TABLE kernels (fingerprint_id TEXT NOT NULL, digest TEXT NOT NULL, op TEXT NOT NULL,"
-        " key_json TEXT NOT NULL, duration_ns REAL NOT NULL, repetitions INTEGER NOT NULL,"
-        " spread_ns REAL NOT NULL, measured_at TEXT NOT NULL,"
-        " PRIMARY KEY (fingerprint_id, digest)) WITHOUT ROWID")
-    conn.execute(
-        "CREATE TABLE comm (fingerprint_id TEXT NOT NULL, kind TEXT NOT NULL, group_size INTEGER NOT NULL,"
-        " backend TEXT NOT NULL, nbytes INTEGER NOT NULL, duration_ns REAL NOT NULL,"
-        " measured_at TEXT NOT NULL,"
-        " PRIMARY KEY (fingerprint_id, kind, group_size, backend, nbytes)) WITHOUT ROWID")
-
-
-def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
-    """Collective kinds are CollectiveKind values: the point-to-point benchmark is ``send``."""
-    conn.execute("UPDATE comm SET kind = 'send' WHERE kind = 'send_recv'")
-
-
-# _MIGRATIONS[v] upgrades a file at schema version v to v + 1; version 0 is a new, empty file.
-_MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_0_to_1, _migrate_1_to_2)
-assert len(_MIGRATIONS) == SCHEMA_VERSION
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,7 +69,7 @@ class ProfileDB:
     def open(cls, path: str | os.PathLike | None = None) -> ProfileDB:
         """Open (creating or migrating as needed) the database at ``path`` or :func:`default_db_path`."""
         resolved = Path(path).expanduser() if path is not None else default_db_path()
-        _check_header(resolved)
+        check_header(resolved)
         try:
             resolved.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(resolved, timeout=_LOCK_TIMEOUT_S, isolation_level=None)
@@ -117,10 +84,10 @@ class ProfileDB:
         return db
 
     def _prepare(self) -> None:
-        app_id, version, objects = self._retry(self._identity)
-        self._check_identity(app_id, version, objects)
+        app_id, version, objects = self._retry(lambda: read_identity(self._conn))
+        check_identity(self.path, app_id, version, objects)
         if version < SCHEMA_VERSION:
-            self._transaction(self._migrate)
+            self._transaction(lambda conn: migrate(conn, self.path))
         mode = self._retry(lambda: self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0])
         if str(mode).lower() != "wal":
             raise ProfileError(f"profile database {self.path}: cannot switch to WAL journal mode (got {mode})")
@@ -131,44 +98,16 @@ class ProfileDB:
                 f"profile database {self.path}: meta schema_version {rows[0][0] if rows else None!r} "
                 f"disagrees with user_version {SCHEMA_VERSION}")
 
-    def _identity(self) -> tuple[int, int, int]:
-        app_id = self._conn.execute("PRAGMA application_id").fetchone()[0]
-        version = self._conn.execute("PRAGMA user_version").fetchone()[0]
-        objects = self._conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
-        return app_id, version, objects
-
-    def _check_identity(self, app_id: int, version: int, objects: int) -> None:
-        if app_id == 0 and objects == 0:
-            return  # a new, empty file: version 0
-        if app_id != APPLICATION_ID:
-            raise ProfileError(
-                f"profile database {self.path} belongs to another application (application_id "
-                f"{app_id:#x}, vtrain uses {APPLICATION_ID:#x})")
-        if version > SCHEMA_VERSION:
-            raise ProfileError(
-                f"profile database {self.path} has schema_version {version}, newer than this vtrain "
-                f"reads ({SCHEMA_VERSION}); upgrade vtrain or use another file")
-
-    def _migrate(self, conn: sqlite3.Connection) -> None:
-        app_id, version, objects = self._identity()  # again, under the write lock
-        self._check_identity(app_id, version, objects)
-        for step in _MIGRATIONS[version:]:
-            step(conn)
-        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
-                     (str(SCHEMA_VERSION),))
-
     # ---- kernels -------------------------------------------------------------------------------
 
     def put_kernel(self, fp: DeviceFingerprint, key: KernelKey, duration_ns: float, repetitions: int,
                    spread_ns: float) -> None:
         """Store (replacing) the median ``duration_ns`` of ``key`` on ``fp``; ``spread_ns`` is the IQR."""
-        row = _kernel_row(fp.id, key, duration_ns, repetitions, spread_ns, _now(), where=str(self.path))
+        row = kernel_row(fp.id, key, duration_ns, repetitions, spread_ns, _now(), where=str(self.path))
 
         def body(conn: sqlite3.Connection) -> None:
-            _insert_device(conn, fp)
-            conn.execute(_INSERT_KERNEL, row)
+            insert_device(conn, fp)
+            conn.execute(INSERT_KERNEL, row)
 
         self._transaction(body)
 
@@ -200,12 +139,12 @@ class ProfileDB:
     def put_comm(self, fp: DeviceFingerprint, kind: CollectiveKind, group_size: int, backend: str, nbytes: int,
                  duration_ns: float) -> None:
         """Store (replacing) the duration of one collective ``kind`` of ``nbytes`` over ``group_size`` ranks."""
-        row = _comm_row(fp.id, str(kind), group_size, str(backend), nbytes, duration_ns, _now(),
-                        where=str(self.path))
+        row = comm_row(fp.id, str(kind), group_size, str(backend), nbytes, duration_ns, _now(),
+                       where=str(self.path))
 
         def body(conn: sqlite3.Connection) -> None:
-            _insert_device(conn, fp)
-            conn.execute(_INSERT_COMM, row)
+            insert_device(conn, fp)
+            conn.execute(INSERT_COMM, row)
 
         self._transaction(body)
 
@@ -285,21 +224,21 @@ class ProfileDB:
                         f"profile export {where}: device id {d['id']!r} does not match its fingerprint ({fp.id})")
                 devices[fp.id] = fp
             kernel_rows = [
-                _kernel_row(_known(devices, r["fingerprint_id"], where), KernelKey.from_dict(r["key"]),
-                            r["duration_ns"], r["repetitions"], r["spread_ns"], str(r["measured_at"]), where=where)
+                kernel_row(_known(devices, r["fingerprint_id"], where), KernelKey.from_dict(r["key"]),
+                           r["duration_ns"], r["repetitions"], r["spread_ns"], str(r["measured_at"]), where=where)
                 for r in doc["kernels"]]
             comm_rows = [
-                _comm_row(_known(devices, r["fingerprint_id"], where), str(r["kind"]), r["group_size"],
-                          str(r["backend"]), r["nbytes"], r["duration_ns"], str(r["measured_at"]), where=where)
+                comm_row(_known(devices, r["fingerprint_id"], where), str(r["kind"]), r["group_size"],
+                         str(r["backend"]), r["nbytes"], r["duration_ns"], str(r["measured_at"]), where=where)
                 for r in doc["comm"]]
         except (KeyError, TypeError, AttributeError) as exc:
             raise ProfileError(f"profile export {where}: malformed entry ({exc!r})") from None
 
         def body(conn: sqlite3.Connection) -> None:
             for fp in devices.values():
-                _insert_device(conn, fp)
-            conn.executemany(_INSERT_KERNEL, kernel_rows)
-            conn.executemany(_INSERT_COMM, comm_rows)
+                insert_device(conn, fp)
+            conn.executemany(INSERT_KERNEL, kernel_rows)
+            conn.executemany(INSERT_COMM, comm_rows)
 
         self._transaction(body)
         return ImportCounts(devices=len(devices), kernels=len(kernel_rows), comm=len(comm_rows))
@@ -348,58 +287,6 @@ class ProfileDB:
                 raise ProfileError(f"profile database {self.path}: {text}") from None
             except sqlite3.DatabaseError as exc:
                 raise ProfileError(f"profile database {self.path} is corrupt or unreadable: {exc}") from None
-
-
-def _check_header(path: Path) -> None:
-    if path.is_dir():
-        raise ProfileError(f"profile database {path} is a directory, not a file")
-    try:
-        with path.open("rb") as f:
-            head = f.read(len(_SQLITE_MAGIC))
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise ProfileError(f"profile database {path}: cannot read: {exc}") from None
-    if head and head != _SQLITE_MAGIC:
-        raise ProfileError(f"profile database {path} is not a SQLite file (bad header)")
-
-
-def _insert_device(conn: sqlite3.Connection, fp: DeviceFingerprint) -> None:
-    conn.execute("INSERT OR IGNORE INTO devices (fingerprint_id, label, device_name, fingerprint_json)"
-                 " VALUES (?, ?, ?, ?)",
-                 (fp.id, fp.label, fp.device_name, json.dumps(fp.to_dict(), sort_keys=True)))
-
-
-def _kernel_row(fid: str, key: KernelKey, duration_ns: float, repetitions: int, spread_ns: float,
-                measured_at: str, *, where: str) -> tuple:
-    _check_duration(duration_ns, f"{where}: kernel {key.op} duration_ns")
-    _check_number(spread_ns, f"{where}: kernel {key.op} spread_ns", minimum=0.0)
-    if not isinstance(repetitions, int) or repetitions < 1:
-        raise ProfileError(f"{where}: kernel {key.op} repetitions ({repetitions!r}) must be an integer >= 1")
-    key_json = json.dumps(key.to_dict(), sort_keys=True, separators=(",", ":"))
-    return (fid, key.digest, key.op, key_json, float(duration_ns), repetitions, float(spread_ns), measured_at)
-
-
-def _comm_row(fid: str, kind: str, group_size: int, backend: str, nbytes: int, duration_ns: float,
-              measured_at: str, *, where: str) -> tuple:
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ProfileError(f"{where}: {kind} group_size ({group_size!r}) must be an integer >= 1")
-    if not isinstance(nbytes, int) or nbytes < 0:
-        raise ProfileError(f"{where}: {kind} nbytes ({nbytes!r}) must be an integer >= 0")
-    _check_duration(duration_ns, f"{where}: {kind} of {nbytes} bytes duration_ns")
-    return (fid, kind, group_size, backend, nbytes, float(duration_ns), measured_at)
-
-
-def _check_duration(value: object, what: str) -> None:
-    _check_number(value, what, minimum=0.0)
-    if value == 0:
-        raise ProfileError(f"{what} ({value!r}) must be > 0")
-
-
-def _check_number(value: object, what: str, *, minimum: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < minimum:
-        raise ProfileError(f"{what} ({value!r}) must be a finite number >= {minimum:g}")
 
 
 def _known(devices: dict[str, DeviceFingerprint], fid: object, where: str) -> str:

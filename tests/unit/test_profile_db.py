@@ -5,7 +5,8 @@ import sqlite3
 
 import pytest
 
-from profiler.db import APPLICATION_ID, SCHEMA_VERSION, ProfileDB, default_db_path
+from profiler.db import ProfileDB, default_db_path
+from profiler.db_schema import APPLICATION_ID, SCHEMA_VERSION
 from profiler.fingerprint import DeviceFingerprint, DeviceKind, current_fingerprint
 from vtrain_plugin.core.errors import ProfileError
 from vtrain_plugin.core.graph import KernelKey

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from profiler.db import ProfileDB
+from profiler.device_timing import TimingPolicy
 from profiler.fingerprint import DeviceFingerprint, DeviceKind, current_fingerprint
 from profiler.lookup import measured_comm_tables, measured_durations
-from profiler.replay import TimingPolicy, replay_kernel
+from profiler.replay import replay_kernel
 from vtrain_plugin.api import with_gpu
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.errors import ConfigError, ProfileError

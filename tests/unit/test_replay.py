@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from profiler.db import ProfileDB
+from profiler.device_timing import TimingPolicy
 from profiler.fingerprint import DeviceFingerprint, DeviceKind, current_fingerprint
+from profiler.kernel_call import build_call
 from profiler.progress import ProgressBar
-from profiler.replay import TimingPolicy, build_call, profile_kernels, replay_kernel
+from profiler.replay import profile_kernels, replay_kernel
 from vtrain_plugin.core.errors import ProfileError
 from vtrain_plugin.core.graph import KernelKey
 
