@@ -9,7 +9,8 @@ Typical use::
 
 The layers of the package, lowest first (each imports only the ones before it): ``core``, ``specs``,
 ``hardware``, ``capture``, ``cost``, ``sim``, then the public API (``api``, ``estimate``,
-``validate``) and ``cli``; see README, "How the code is laid out".
+``validate``), ``planning`` (``vtrain_plugin.planning.search``) and ``cli``; see README, "How the
+code is laid out".
 """
 
 from vtrain_plugin.api import load_run_config, run_config_from_dict, with_gpu

@@ -116,9 +116,15 @@ def trace_stage(model: ModelSpec, plan: ParallelPlan, *, pipeline_rank: int, chu
     return _assemble_stage(traced, pipeline_rank, chunk, per_chunk)
 
 
+def plan_shape_key(plan: ParallelPlan) -> tuple:
+    """What of a plan its chunk traces depend on: plans with different keys share no chunk trace
+    (the plan search groups plans by it, so that each shape is traced in one process)."""
+    return (plan.tensor_parallel, plan.sequence_parallel, plan.micro_batch_size, plan.recompute.value,
+            plan.pipeline_parallel > 1)
+
+
 def _shape_key(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> tuple:
-    return (_model_dims(model), plan.tensor_parallel, plan.sequence_parallel,
-            plan.micro_batch_size, plan.recompute.value, pre, post, built, plan.pipeline_parallel > 1)
+    return (_model_dims(model), *plan_shape_key(plan), pre, post, built)
 
 
 @lru_cache(maxsize=256)

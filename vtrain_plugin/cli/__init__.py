@@ -10,7 +10,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from vtrain_plugin.cli import estimate, profile, trace, validate
+from vtrain_plugin.cli import estimate, profile, search, trace, validate
 from vtrain_plugin.cli.common import EXIT_USER_ERROR
 from vtrain_plugin.core.errors import VTrainError
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_parser(sub)
     profile.add_parsers(sub)
     validate.add_parser(sub)
+    search.add_parser(sub)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Human and machine renderings of the CLI's results: traced graphs, estimates, validations.
+"""Human and machine renderings of the CLI's results: traced graphs, estimates, validations, searches.
 
 A traced graph is shown with Megatron's runtime collectives (DP gradients, pipeline transfers, tied
 embeddings) that costing derives from it, marked ``synthesized``.
@@ -6,12 +6,19 @@ embeddings) that costing derives from it, marked ``synthesized``.
 
 from __future__ import annotations
 
+import json
+import math
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
+
+import pandas as pd
 
 from vtrain_plugin.core.graph import Block, OpGraph, OpNode, Phase, StageGraph
 from vtrain_plugin.cost.runtime_collectives import runtime_collectives
 from vtrain_plugin.estimate import Estimate
+from vtrain_plugin.planning.search import SearchResult
+from vtrain_plugin.planning.space import format_skipped
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.validate import ValidationResult
 
@@ -160,3 +167,75 @@ def validation_table(result: ValidationResult) -> str:
         lines.append("(kernels missing from the profile database were modeled; run `vtrain profile` on this "
                      "device first)")
     return "\n".join(lines)
+
+
+def _money(usd: float) -> str:
+    if math.isnan(usd):
+        return "n/a"
+    if usd >= 1000:
+        return f"${usd:,.0f}"
+    return f"${usd:,.2f}" if usd >= 1 else f"${usd:.3g}"
+
+
+def _plan_label(row: Mapping[str, Any]) -> str:
+    return (f"tp={row['tensor_parallel']} pp={row['pipeline_parallel']} dp={row['data_parallel']} "
+            f"micro-batch={row['micro_batch_size']} vp={row['virtual_pipeline']} "
+            f"sp={'on' if row['sequence_parallel'] else 'off'} recompute={row['recompute']}")
+
+
+def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = None) -> str:
+    """The top plans of ``vtrain search`` and a summary line (and the baseline, if any)."""
+    table = result.table
+    trained = "train_days" in table
+    header = ["rank", "tp", "pp", "dp", "mb", "vp", "sp", "recompute", "grad reduce", "GPUs", "iteration ms",
+              "tokens/s", "MFU", "memory GiB", "fits", "$/iteration", *(["days", "$ to train"] if trained else []),
+              "front"]
+    rows = []
+    for row in result.top().to_dict(orient="records"):
+        rows.append([
+            str(row["rank"]), str(row["tensor_parallel"]), str(row["pipeline_parallel"]), str(row["data_parallel"]),
+            str(row["micro_batch_size"]), str(row["virtual_pipeline"]), "on" if row["sequence_parallel"] else "off",
+            row["recompute"], row["grad_reduce"], f"{row['num_gpus']:,}", f"{row['iteration_time_ms']:,.1f}",
+            f"{row['tokens_per_second']:,.0f}", f"{100 * row['mfu']:.1f}%", f"{row['peak_memory_gib']:.1f}",
+            "yes" if row["fits_in_memory"] else "NO", _money(row["cost_usd"]),
+            *([f"{row['train_days']:,.1f}", _money(row["train_cost_usd"])] if trained else []),
+            "*" if row["pareto"] else ""])
+    skipped = sum(result.skipped.values())
+    lines = [render_table(rows, header), "",
+             f"{len(table):,} plans evaluated, {result.num_fitting:,} fit in memory, "
+             f"{int(table['pareto'].sum()):,} on the Pareto front (*), ranked by {result.objective}; "
+             f"skipped {skipped:,}" + (f" ({format_skipped(result.skipped)})" if skipped else "")]
+    if baseline is not None:
+        lines.append(_baseline_line(result, baseline))
+    return "\n".join(lines)
+
+
+def _baseline_line(result: SearchResult, baseline: Mapping[str, Any]) -> str:
+    line = (f"baseline {_plan_label(baseline)} on {baseline['num_gpus']:,} GPUs: "
+            f"{baseline['iteration_time_ms']:,.1f} ms, {_money(baseline['cost_usd'])} per iteration"
+            + ("" if baseline["fits_in_memory"] else ", DOES NOT FIT in memory"))
+    best = result.table.iloc[0]
+    if not best["fits_in_memory"]:
+        return line
+    if result.objective == "time":
+        return line + f"; the top plan is {baseline['iteration_time_ms'] / best['iteration_time_ms']:.2f}x faster"
+    return line + f"; the top plan costs {best['cost_usd'] / baseline['cost_usd']:.2f}x as much"
+
+
+def search_csv(table: pd.DataFrame) -> str:
+    """Every evaluated plan, one CSV row each (NaN as an empty field)."""
+    return table.to_csv(index=False)
+
+
+def search_jsonl(table: pd.DataFrame) -> str:
+    """Every evaluated plan, one JSON object per line (NaN as null)."""
+    return "".join(json.dumps({k: _json_value(v) for k, v in row.items()}, allow_nan=False) + "\n"
+                   for row in table.to_dict(orient="records"))
+
+
+def _json_value(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy scalar
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

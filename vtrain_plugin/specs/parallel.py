@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -15,7 +16,6 @@ class Recompute(StrEnum):
     NONE = "none"
     SELECTIVE = "selective"  # core attention only (Megatron's --recompute-granularity selective)
     FULL = "full"  # every transformer layer, uniform, one layer per checkpoint
-
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,21 +51,10 @@ class ParallelPlan:
         return self.pipeline_parallel * self.virtual_pipeline
 
     def check_fits(self, model: ModelSpec) -> None:
-        """Raise ConfigError when this layout cannot shard ``model``."""
-        tp = self.tensor_parallel
-        v.divides("tensor_parallel_size", tp, "num_attention_heads", model.num_attention_heads)
-        v.divides("tensor_parallel_size", tp, "num_query_groups", model.query_groups)
-        v.divides("tensor_parallel_size", tp, "ffn_hidden_size", model.ffn_size)
-        chunks = self.num_model_chunks
-        if model.num_layers % chunks:
-            if self.virtual_pipeline > 1:
-                raise ConfigError(
-                    f"pipeline_parallel_size ({self.pipeline_parallel}) * virtual_pipeline "
-                    f"({self.virtual_pipeline}) = {chunks} must divide num_layers ({model.num_layers})")
-            raise ConfigError(
-                f"pipeline_parallel_size ({self.pipeline_parallel}) must divide num_layers ({model.num_layers})")
-        if self.sequence_parallel:
-            v.divides("tensor_parallel_size", tp, "seq_length", model.seq_length)
+        """Raise ConfigError at the first of :data:`LAYOUT_RULES` this layout breaks for ``model``."""
+        for rule in LAYOUT_RULES:
+            if rule.broken(self, model):
+                raise ConfigError(rule.message(self, model))
 
     def layers_per_chunk(self, model: ModelSpec) -> int:
         return model.num_layers // self.num_model_chunks
@@ -74,3 +63,43 @@ class ParallelPlan:
         d = asdict(self)
         d["recompute"] = self.recompute.value
         return d
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutRule:
+    """A rule a layout keeps to shard a model. ``name`` is the short label the plan search counts
+    skipped plans under; ``message`` shows the arithmetic that failed."""
+
+    name: str
+    broken: Callable[[ParallelPlan, ModelSpec], bool]
+    message: Callable[[ParallelPlan, ModelSpec], str]
+
+
+def _divides(name: str, divisor: str, dividend: str, get_divisor: Callable[[ParallelPlan], int],
+             get_dividend: Callable[[ModelSpec], int], when: Callable[[ParallelPlan], bool] = lambda p: True
+             ) -> LayoutRule:
+    return LayoutRule(
+        name=name,
+        broken=lambda p, m: when(p) and get_dividend(m) % get_divisor(p) != 0,
+        message=lambda p, m: f"{divisor} ({get_divisor(p)}) must divide {dividend} ({get_dividend(m)})")
+
+
+# In the order check_fits tests them (and the plan search reports them).
+LAYOUT_RULES: tuple[LayoutRule, ...] = (
+    _divides("heads % tp", "tensor_parallel_size", "num_attention_heads",
+             lambda p: p.tensor_parallel, lambda m: m.num_attention_heads),
+    _divides("query groups % tp", "tensor_parallel_size", "num_query_groups",
+             lambda p: p.tensor_parallel, lambda m: m.query_groups),
+    _divides("ffn % tp", "tensor_parallel_size", "ffn_hidden_size",
+             lambda p: p.tensor_parallel, lambda m: m.ffn_size),
+    _divides("layers % pp", "pipeline_parallel_size", "num_layers",
+             lambda p: p.pipeline_parallel, lambda m: m.num_layers),
+    LayoutRule(
+        name="layers % (pp*vp)",
+        broken=lambda p, m: m.num_layers % p.num_model_chunks != 0,
+        message=lambda p, m: (f"pipeline_parallel_size ({p.pipeline_parallel}) * virtual_pipeline "
+                              f"({p.virtual_pipeline}) = {p.num_model_chunks} must divide num_layers "
+                              f"({m.num_layers})")),
+    _divides("seq % tp (sp)", "tensor_parallel_size", "seq_length",
+             lambda p: p.tensor_parallel, lambda m: m.seq_length, when=lambda p: p.sequence_parallel),
+)

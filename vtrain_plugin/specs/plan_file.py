@@ -70,11 +70,18 @@ def read_mapping(path: Path) -> Mapping[str, Any]:
     return data
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSections:
+    """What a plan file says besides its parallel plan: the model, and defaults for a search."""
+
+    model: ModelSpec
+    training: TrainingSpec | None  # None when the file has no training section
+    cluster: Mapping[str, Any]  # unresolved cluster section
+
+
 def parse_plan(data: Mapping[str, Any]) -> PlanSections:
     """Build the specs of a plan-file mapping (or a vTrain config's)."""
-    if is_vtrain_config(data):
-        data = from_vtrain_config(data)
-    v.no_unknown_keys("plan", data, SECTIONS)
+    data = _sections(data)
     for section in ("model", "parallel", "training"):
         if section not in data:
             raise ConfigError(f"plan: missing section {section!r}")
@@ -82,6 +89,24 @@ def parse_plan(data: Mapping[str, Any]) -> PlanSections:
                         parallel=build_spec(ParallelPlan, "parallel", data["parallel"]),
                         training=build_spec(TrainingSpec, "training", data["training"]),
                         cluster=v.mapping("cluster", data.get("cluster", {})))
+
+
+def parse_model_sections(data: Mapping[str, Any]) -> ModelSections:
+    """The model, training and cluster of a plan-file mapping (or a vTrain config's); only the
+    model section is required, and the parallel section is not read."""
+    data = _sections(data)
+    if "model" not in data:
+        raise ConfigError("plan: missing section 'model'")
+    training = build_spec(TrainingSpec, "training", data["training"]) if "training" in data else None
+    return ModelSections(model=build_spec(ModelSpec, "model", data["model"]), training=training,
+                         cluster=v.mapping("cluster", data.get("cluster", {})))
+
+
+def _sections(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    if is_vtrain_config(data):
+        data = from_vtrain_config(data)
+    v.no_unknown_keys("plan", data, SECTIONS)
+    return data
 
 
 def build_spec(cls: type, section: str, values: Any) -> Any:

@@ -1,0 +1,123 @@
+"""``vtrain search MODEL_FILE``: every valid plan of a model within a GPU budget, estimated and ranked."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from vtrain_plugin.api import ModelFile, load_model_file, load_run_config
+from vtrain_plugin.cli.common import emit
+from vtrain_plugin.cli.render import search_csv, search_jsonl, search_table
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.hardware.clusters import cluster_for_gpu, cluster_preset_names, get_cluster_preset
+from vtrain_plugin.planning.backends import BACKENDS
+from vtrain_plugin.planning.plot import plot_search
+from vtrain_plugin.planning.search import OBJECTIVES, evaluate_baseline, search
+from vtrain_plugin.planning.space import AXES, Candidate, GpuBudget, SearchSpace
+from vtrain_plugin.specs.cluster import ClusterSpec
+
+FORMATS = ("table", "csv", "jsonl")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("search", help="estimate every valid plan within a GPU budget and rank them")
+    p.add_argument("model_file", metavar="MODEL_FILE",
+                   help="plan file (YAML/JSON) or vTrain config: its model; its cluster and training are defaults")
+    cluster = p.add_mutually_exclusive_group()
+    cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, a100-sxm4-40gb, ...)")
+    cluster.add_argument("--cluster", help=f"cluster preset ({', '.join(cluster_preset_names())})")
+    p.add_argument("--global-batch", metavar="N",
+                   help="sequences per iteration (default: the file's training.global_batch_size)")
+    p.add_argument("--gpus", metavar="BUDGET",
+                   help="GPUs a plan may use: a count (3360), a range (1024:4096) or a list (2240,2800,3360)")
+    for axis in AXES:
+        p.add_argument(f"--{axis.flag.replace('_', '-')}", dest=axis.name, metavar="LIST",
+                       help=f"{axis.label}; comma-separated (default: every valid one)")
+    p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node)")
+    p.add_argument("--objective", default="time", help="rank the plans that fit by time or cost (default time)")
+    p.add_argument("--top", default="10", metavar="K", help="plans in the table (default 10)")
+    p.add_argument("--format", choices=FORMATS, default="table",
+                   help="table: the top K and a summary; csv, jsonl: every evaluated plan")
+    p.add_argument("--output", "-o", help="write to this file instead of stdout")
+    p.add_argument("--plot", metavar="FILE.png", help="draw time against cost, the Pareto front and the baseline")
+    p.add_argument("--baseline", metavar="CONFIG", help="plan file or vTrain config of a plan to compare with")
+    p.add_argument("--workers", metavar="N", help="worker processes or Ray tasks at once (default: CPU count)")
+    p.add_argument("--backend", default="local", help=f"{' | '.join(BACKENDS)} (default local)")
+    p.add_argument("--tokens", metavar="N", help="also the days and cost to train on N tokens, e.g. 270e9")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    source = load_model_file(args.model_file)
+    if args.objective not in OBJECTIVES:
+        raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}; got {args.objective!r}")
+    if args.backend not in BACKENDS:
+        raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}; got {args.backend!r}")
+    if args.gpus is None:
+        raise ConfigError("--gpus is required: a count (3360), a range (1024:4096) or a list (2240,2800,3360)")
+    cluster = _cluster(args, source)
+    global_batch = _global_batch(args, source)
+    tokens = _number("--tokens", args.tokens, float) if args.tokens is not None else None
+    space = SearchSpace(
+        **{axis.name: axis.values(getattr(args, axis.name).split(","), where=f"--{axis.flag.replace('_', '-')}")
+           for axis in AXES if getattr(args, axis.name) is not None},
+        max_tp=_number("--max-tp", args.max_tp, int) if args.max_tp is not None else None)
+    baseline = _baseline(args.baseline, source, cluster, global_batch, tokens) if args.baseline else None
+    result = search(source.model, cluster=cluster, global_batch_size=global_batch,
+                    gpus=GpuBudget.parse(args.gpus, where="--gpus"), space=space, training=source.training,
+                    objective=args.objective, top_k=_number("--top", args.top, int),
+                    workers=_number("--workers", args.workers, int) if args.workers is not None else None,
+                    backend=args.backend, progress=sys.stderr.isatty(), tokens=tokens)
+    if args.format == "csv":
+        emit(search_csv(result.table), args.output)
+    elif args.format == "jsonl":
+        emit(search_jsonl(result.table), args.output)
+    else:
+        emit(search_table(result, baseline=baseline), args.output)
+    if args.plot:
+        plot_search(result, args.plot, baseline=baseline,
+                    baseline_label=f"baseline {Path(args.baseline).name}" if baseline else "baseline")
+    return 0
+
+
+def _cluster(args: argparse.Namespace, source: ModelFile) -> ClusterSpec:
+    if args.gpu:
+        return cluster_for_gpu(args.gpu)
+    if args.cluster:
+        return get_cluster_preset(args.cluster)
+    return source.cluster
+
+
+def _global_batch(args: argparse.Namespace, source: ModelFile) -> int:
+    if args.global_batch is not None:
+        return _number("--global-batch", args.global_batch, int)
+    if source.training is None:
+        raise ConfigError(f"--global-batch is required: {source.source} has no training section")
+    return source.training.global_batch_size
+
+
+def _number(flag: str, text: str, kind: type[int] | type[float]) -> int | float:
+    """A positive int or float option; a one-line error naming the flag otherwise."""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0 or value == float("inf"):
+        noun = "a positive integer" if kind is int else "a positive number"
+        raise ConfigError(f"{flag} must be {noun}, got {text!r}")
+    return value
+
+
+def _baseline(path: str, source: ModelFile, cluster: ClusterSpec, global_batch: int,
+              tokens: float | None) -> dict:
+    """The row of the plan in ``path``, on the search's cluster with its global batch."""
+    run = load_run_config(path)
+    if replace(run.model, name="") != replace(source.model, name=""):
+        raise ConfigError(f"--baseline {path}: its model is not the model of {source.source}")
+    try:
+        candidate = Candidate(parallel=run.parallel, training=replace(run.training, global_batch_size=global_batch))
+        return evaluate_baseline(source.model, candidate, cluster, tokens)
+    except ConfigError as exc:
+        raise ConfigError(f"--baseline {path}: {exc}") from None

@@ -1,0 +1,68 @@
+"""Where batches of plans are evaluated: this process, local worker processes, or a Ray cluster.
+
+Every backend returns the rows of :func:`~vtrain_plugin.planning.evaluate.evaluate_batch`, so a
+search gives the same numbers whichever runs it. Local workers are spawned (not forked: the parent
+holds torch's thread pools), so each pays one import of torch and megatron-core; one worker per
+batch at most. Ray runs each batch as a task, on a local Ray started with ``workers`` CPUs, or on
+the cluster that ``ray.init`` connects to (``RAY_ADDRESS``) or that the caller already initialised.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.planning.evaluate import Batch, Row, evaluate_batch
+
+BACKENDS = ("local", "ray")
+Results = list[tuple[int, Row]]
+
+
+def run_batches(batches: Sequence[Batch], *, workers: int, backend: str,
+                on_plans: Callable[[int], None]) -> Results:
+    """Evaluate ``batches``; ``on_plans(n)`` reports progress as plans complete."""
+    if backend == "ray":
+        return _run_ray(batches, workers, on_plans)
+    if workers == 1 or len(batches) == 1:
+        return [row for batch in batches for row in evaluate_batch(batch, lambda: on_plans(1))]
+    return _run_processes(batches, workers, on_plans)
+
+
+def _run_processes(batches: Sequence[Batch], workers: int, on_plans: Callable[[int], None]) -> Results:
+    results: Results = []
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(workers, len(batches)), mp_context=context) as pool:
+        futures = {pool.submit(evaluate_batch, batch): len(batch.candidates) for batch in batches}
+        for future in as_completed(futures):
+            results.extend(future.result())
+            on_plans(futures[future])
+    return results
+
+
+def _run_ray(batches: Sequence[Batch], workers: int, on_plans: Callable[[int], None]) -> Results:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("backend ray needs `pip install vtrain[ray]`") from None
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=None if os.environ.get("RAY_ADDRESS") else workers, include_dashboard=False,
+                 log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        task = ray.remote(evaluate_batch)
+        sizes = {task.remote(batch): len(batch.candidates) for batch in batches}
+        pending = list(sizes)
+        results: Results = []
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                results.extend(ray.get(ref))
+                on_plans(sizes[ref])
+        return results
+    finally:
+        if started:
+            ray.shutdown()

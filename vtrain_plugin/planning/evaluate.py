@@ -1,0 +1,94 @@
+"""Evaluating candidate plans: trace and estimate each one, the one path of the search and its workers.
+
+Plans are grouped into batches by the shape their chunk traces depend on
+(:func:`~vtrain_plugin.capture.tracer.plan_shape_key`): batches share no trace, so a process that
+evaluates a whole batch traces each of its shapes once, and no two processes trace the same one.
+A batch is plain data and :func:`evaluate_batch` a module-level function, so both travel to
+spawned processes and Ray workers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vtrain_plugin.capture.tracer import plan_shape_key, trace
+from vtrain_plugin.core.units import SECONDS_PER_HOUR
+from vtrain_plugin.estimate import Estimate, estimate
+from vtrain_plugin.planning.space import Candidate
+from vtrain_plugin.specs.cluster import ClusterSpec
+from vtrain_plugin.specs.model import ModelSpec
+
+Row = dict[str, Any]
+
+PLAN_COLUMNS = ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "virtual_pipeline",
+                "sequence_parallel", "recompute", "grad_reduce", "schedule")
+ESTIMATE_COLUMNS = ("num_gpus", "num_microbatches", "iteration_time_ms", "tokens_per_second", "tflops_per_gpu",
+                    "mfu", "peak_memory_gib", "fits_in_memory", "cost_usd", "gpu_hours")
+TRAIN_COLUMNS = ("iterations", "train_days", "train_cost_usd")  # with TrainingSpec.total_tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    """Plans of one trace shape, with their positions in the enumeration."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    candidates: tuple[Candidate, ...]
+    positions: tuple[int, ...]
+
+
+def evaluate(model: ModelSpec, candidate: Candidate, cluster: ClusterSpec) -> Estimate:
+    """The estimate of one plan, exactly as a user gets it from ``trace`` and ``estimate``."""
+    return estimate(trace(model, candidate.parallel), cluster=cluster, training=candidate.training)
+
+
+def plan_row(candidate: Candidate, est: Estimate) -> Row:
+    """One row of the search table: the plan's columns, then its estimate's."""
+    plan, training = candidate.parallel, candidate.training
+    return {
+        "tensor_parallel": plan.tensor_parallel,
+        "pipeline_parallel": plan.pipeline_parallel,
+        "data_parallel": plan.data_parallel,
+        "micro_batch_size": plan.micro_batch_size,
+        "virtual_pipeline": plan.virtual_pipeline,
+        "sequence_parallel": plan.sequence_parallel,
+        "recompute": plan.recompute.value,
+        "grad_reduce": training.grad_reduce.value,
+        "schedule": training.schedule.value,
+        "num_gpus": est.num_gpus,
+        "num_microbatches": est.num_microbatches,
+        "iteration_time_ms": est.iteration_time_ms,
+        "tokens_per_second": est.tokens_per_second,
+        "tflops_per_gpu": est.tflops_per_gpu,
+        "mfu": est.mfu,
+        "peak_memory_gib": est.peak_memory_gib,
+        "fits_in_memory": est.fits_in_memory,
+        "cost_usd": math.nan if est.cost_usd is None else est.cost_usd,
+        "gpu_hours": est.num_gpus * est.iteration_time_ms / 1000 / SECONDS_PER_HOUR,
+        **({} if est.iterations is None else {
+            "iterations": est.iterations, "train_days": est.train_days,
+            "train_cost_usd": math.nan if est.train_cost_usd is None else est.train_cost_usd}),
+    }
+
+
+def make_batches(model: ModelSpec, cluster: ClusterSpec, candidates: Sequence[Candidate]) -> list[Batch]:
+    """The candidates grouped by trace shape, largest batch first (it bounds a parallel run)."""
+    groups: dict[tuple, list[int]] = {}
+    for position, candidate in enumerate(candidates):
+        groups.setdefault(plan_shape_key(candidate.parallel), []).append(position)
+    ordered = sorted(groups.values(), key=len, reverse=True)
+    return [Batch(model=model, cluster=cluster, candidates=tuple(candidates[p] for p in positions),
+                  positions=tuple(positions)) for positions in ordered]
+
+
+def evaluate_batch(batch: Batch, on_plan: Callable[[], None] | None = None) -> list[tuple[int, Row]]:
+    """``(position, row)`` for every plan of ``batch``; ``on_plan`` is called after each one."""
+    out = []
+    for position, candidate in zip(batch.positions, batch.candidates):
+        out.append((position, plan_row(candidate, evaluate(batch.model, candidate, batch.cluster))))
+        if on_plan is not None:
+            on_plan()
+    return out

@@ -1,0 +1,61 @@
+"""A picture of a search: every plan's time against its cost, the Pareto front, a baseline."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from vtrain_plugin.core.files import atomic_write_bytes
+from vtrain_plugin.planning.search import SearchResult
+
+AXIS_LABELS = {
+    "iteration_time_ms": "iteration time (ms)",
+    "train_days": "days to train",
+    "cost_usd": "cost per iteration (USD)",
+    "train_cost_usd": "cost to train (USD)",
+    "gpu_hours": "GPU-hours per iteration",
+}
+_WIDE = 20.0  # log scale on an axis whose values span more than this factor
+
+
+def plot_search(result: SearchResult, path: str | os.PathLike, *, baseline: Mapping[str, Any] | None = None,
+                baseline_label: str = "baseline", title: str = "") -> None:
+    """Write a PNG of ``result`` to ``path`` (atomically): plans that fit as dots, the others grey
+    crosses, the front as a step line, and ``baseline`` (a row with the table's columns) as a
+    labelled star."""
+    table, x, y = result.table, result.time_column, result.cost_column
+    figure = Figure(figsize=(8, 5.5), dpi=120)
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    fits = table["fits_in_memory"].to_numpy(dtype=bool)
+    if not fits.all():
+        ax.scatter(table[x][~fits], table[y][~fits], marker="x", s=14, color="0.7", label="does not fit in memory")
+    ax.scatter(table[x][fits], table[y][fits], s=14, color="tab:blue", alpha=0.6, label="fits in memory")
+    front = result.front
+    ax.step(front[x], front[y], where="post", color="tab:orange", linewidth=1.5)
+    ax.scatter(front[x], front[y], s=30, color="tab:orange", zorder=3, label="Pareto front")
+    if baseline is not None:
+        ax.scatter([baseline[x]], [baseline[y]], marker="*", s=180, color="tab:red", zorder=4, label=baseline_label)
+        ax.annotate(baseline_label, (baseline[x], baseline[y]), xytext=(-8, 8), textcoords="offset points",
+                    ha="right", color="tab:red")
+    for values, set_scale in ((table[x], ax.set_xscale), (table[y], ax.set_yscale)):
+        positive = values.to_numpy(dtype=float)
+        positive = positive[np.isfinite(positive) & (positive > 0)]
+        if positive.size and positive.max() > _WIDE * positive.min():
+            set_scale("log")
+    ax.set_xlabel(AXIS_LABELS.get(x, x))
+    ax.set_ylabel(AXIS_LABELS.get(y, y))
+    ax.set_title(title or f"{len(table):,} plans, {int(front.shape[0])} on the Pareto front")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    atomic_write_bytes(Path(path), buffer.getvalue())

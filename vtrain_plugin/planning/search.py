@@ -1,0 +1,143 @@
+"""``search()``: estimate every valid plan of a space, rank them, and mark the Pareto front.
+
+Each plan is estimated exactly as ``estimate(trace(model, plan), cluster=..., training=...)``
+would, so a row of the result has the numbers of that plan run on its own. Plans that do not fit
+in GPU memory are kept (``fits_in_memory`` False), ranked after every plan that fits and never on
+the front. The front is of time against cost, per iteration or, with ``tokens``, to train on them;
+without a price on the cluster, of time against GPU-hours per iteration (the same front for any
+price).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from tqdm import tqdm
+
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.planning.backends import BACKENDS, run_batches
+from vtrain_plugin.planning.evaluate import (ESTIMATE_COLUMNS, PLAN_COLUMNS, TRAIN_COLUMNS, evaluate, make_batches,
+                                            plan_row)
+from vtrain_plugin.planning.pareto import pareto_front
+from vtrain_plugin.planning.space import Candidate, GpuBudget, SearchSpace, enumerate_plans
+from vtrain_plugin.specs.cluster import ClusterSpec
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.training import TrainingSpec
+
+log = logging.getLogger(__name__)
+
+OBJECTIVES = ("time", "cost")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchResult:
+    """``table``: one row per evaluated plan, in the order of ``rank`` (see :func:`search`)."""
+
+    table: pd.DataFrame = field(repr=False)
+    skipped: dict[str, int]  # rule -> combinations skipped (vtrain_plugin.planning.space)
+    objective: str
+    time_column: str  # the time and cost the ranking and the front use: per iteration, or to train
+    cost_column: str
+    top_k: int = 10
+
+    def top(self, k: int | None = None) -> pd.DataFrame:
+        """The ``k`` best plans (default ``top_k``), those that fit first."""
+        return self.table.head(self.top_k if k is None else k)
+
+    @property
+    def front(self) -> pd.DataFrame:
+        """The plans on the Pareto front, fastest first."""
+        return self.table[self.table["pareto"]].sort_values(self.time_column, kind="stable")
+
+    @property
+    def num_fitting(self) -> int:
+        return int(self.table["fits_in_memory"].sum())
+
+
+def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
+           gpus: GpuBudget | int | str | Iterable[int], space: SearchSpace | None = None,
+           training: TrainingSpec | None = None, objective: str = "time", top_k: int = 10,
+           workers: int | None = None, backend: str = "local", progress: bool = False,
+           tokens: float | None = None) -> SearchResult:
+    """Estimate every valid plan of ``space`` (default: every axis over its whole range) for
+    ``model`` on ``cluster`` with ``global_batch_size`` sequences per iteration and a GPU count
+    in ``gpus`` (a :class:`GpuBudget`, a count, ``"1024:4096"``, ``"2240,2800,3360"``, or counts).
+
+    ``training`` is the base training spec (schedule, gradient bucket size, software stack).
+    ``objective`` ranks the plans that fit: ``"time"`` (iteration time) or ``"cost"`` (per
+    iteration; needs a price on the cluster). ``workers`` processes (default: the CPU count; 1
+    evaluates in this process) or, with ``backend="ray"``, Ray tasks; the processes are spawned, so
+    a script that calls this with several workers does so under ``if __name__ == "__main__":``.
+    ``progress`` draws a bar on stderr. ``tokens`` adds ``train_days`` and ``train_cost_usd`` for
+    training on that many tokens.
+
+    Columns: the plan (``tensor_parallel, pipeline_parallel, data_parallel, micro_batch_size,
+    virtual_pipeline, sequence_parallel, recompute, grad_reduce, schedule``), its estimate
+    (``num_gpus, num_microbatches, iteration_time_ms, tokens_per_second, tflops_per_gpu, mfu,
+    peak_memory_gib, fits_in_memory, cost_usd`` (NaN without a price), ``gpu_hours`` per
+    iteration), then ``train_days, train_cost_usd`` with ``tokens``, ``pareto`` and ``rank``.
+    """
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
+    if objective == "cost" and cluster.price_per_gpu_hour_usd is None:
+        raise ConfigError(f"objective cost needs a price: cluster {cluster.name or cluster.gpu!r} has no "
+                          f"price_per_gpu_hour_usd")
+    v.one_of("backend", backend, BACKENDS)
+    v.positive_int("top_k", top_k)
+    workers = v.positive_int("workers", workers) if workers is not None else os.cpu_count() or 1
+    base = training or TrainingSpec(global_batch_size=global_batch_size)
+    if tokens is not None:
+        base = replace(base, total_tokens=v.positive_number("tokens", tokens))
+    tokens = base.total_tokens
+    enumeration = enumerate_plans(model, space or SearchSpace(), global_batch_size=global_batch_size,
+                                  budget=GpuBudget.of(gpus), training=base, gpus_per_node=cluster.gpus_per_node)
+    candidates = enumeration.candidates
+    batches = make_batches(model, cluster, candidates)
+    log.info("evaluating %d plans of %d trace shapes (%s, %d workers)", len(candidates), len(batches),
+             backend, workers)
+    with tqdm(total=len(candidates), unit="plan", file=sys.stderr, disable=not progress) as bar:
+        results = run_batches(batches, workers=workers, backend=backend, on_plans=bar.update)
+    rows = [row for _, row in sorted(results, key=lambda item: item[0])]
+    table = pd.DataFrame(rows, columns=[*PLAN_COLUMNS, *ESTIMATE_COLUMNS, *(TRAIN_COLUMNS if tokens else ())])
+    time_column, cost_column = measures(priced=cluster.price_per_gpu_hour_usd is not None, tokens=tokens)
+    table = rank_plans(table, objective, time_column=time_column, cost_column=cost_column)
+    return SearchResult(table=table, skipped=enumeration.skipped, objective=objective, time_column=time_column,
+                        cost_column=cost_column, top_k=top_k)
+
+
+def measures(*, priced: bool, tokens: float | None) -> tuple[str, str]:
+    """The (time, cost) columns that rank plans and draw the front: to train on ``tokens`` when
+    given, else per iteration; GPU-hours per iteration stand for the cost without a price."""
+    if not priced:
+        return "iteration_time_ms", "gpu_hours"
+    return ("train_days", "train_cost_usd") if tokens is not None else ("iteration_time_ms", "cost_usd")
+
+
+def evaluate_baseline(model: ModelSpec, candidate: Candidate, cluster: ClusterSpec,
+                      tokens: float | None = None) -> dict[str, Any]:
+    """The row of one given plan, with the columns of a search's table (bar ``pareto`` and ``rank``)."""
+    if tokens is not None:
+        candidate = replace(candidate, training=replace(candidate.training, total_tokens=tokens))
+    return plan_row(candidate, evaluate(model, candidate, cluster))
+
+
+def rank_plans(table: pd.DataFrame, objective: str, *, time_column: str, cost_column: str) -> pd.DataFrame:
+    """Mark the Pareto front and rank: fitting plans first, by the objective's measure, then the
+    other, then the table's order; the table comes back sorted by rank."""
+    time = table[time_column].to_numpy(dtype=float)
+    cost = table[cost_column].to_numpy(dtype=float)
+    fits = table["fits_in_memory"].to_numpy(dtype=bool)
+    first, second = (time, cost) if objective == "time" else (cost, time)
+    order = np.lexsort((np.arange(len(table)), second, first, ~fits))
+    rank = np.empty(len(table), dtype=int)
+    rank[order] = np.arange(1, len(table) + 1)
+    table = table.assign(pareto=pareto_front(time, cost, fits), rank=rank)
+    return table.sort_values("rank", kind="stable").reset_index(drop=True)

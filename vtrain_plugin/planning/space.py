@@ -1,0 +1,386 @@
+"""The plans a search evaluates: the one place that enumerates parallel layouts and training options.
+
+A :class:`SearchSpace` pins each axis to a tuple of values or leaves it ``None`` for its default
+range. The axes form an ordered table, :data:`AXES`; an axis's default range may depend on the
+values already chosen for the axes before it:
+
+=================  ==================================================================================
+tensor_parallel    divisors of num_attention_heads that are <= max_tp and keep the layout rules
+                   (divide num_query_groups and the FFN size); max_tp defaults to the GPUs per node
+pipeline_parallel  divisors of num_layers
+data_parallel      every DP size that puts TP x PP x DP in the GPU budget
+micro_batch_size   divisors of the per-replica batch, global_batch / DP
+virtual_pipeline   1, plus every divisor v > 1 of layers / PP when PP > 1 (interleaved 1F1B then)
+sequence_parallel  off, plus on when TP > 1 and TP divides seq_length
+recompute          none, selective, full
+grad_reduce        after_backward, overlap
+=================  ==================================================================================
+
+Each combination of values is checked against :data:`RULES`, in that order (the axes' rules, axis
+by axis). A combination that breaks one is skipped and counted once, under the first rule it
+breaks; the enumeration stops at the first axis that breaks a rule, so a skipped count is the
+number of combinations of the *pinned* values of the later axes (an unpinned later axis counts
+once: its range depends on the values before it). An unpinned axis whose default range is empty
+for the values before it (no DP size puts the GPU count in the budget; DP does not divide the
+global batch, so no micro-batch size does) counts that prefix under the axis's first rule.
+
+Adding an axis (context or expert parallelism, fp8, the distributed optimizer) is one entry in
+:data:`AXES` and one field of :class:`SearchSpace`, named like the :class:`ParallelPlan` or
+:class:`TrainingSpec` field it sets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from enum import StrEnum
+from typing import Any
+
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import LAYOUT_RULES, ParallelPlan, Recompute
+from vtrain_plugin.specs.training import GradReduce, ScheduleKind, TrainingSpec
+
+_BUDGET_FORMS = "a GPU count (3360), a range LOW:HIGH (1024:4096) or a list (2240,2800,3360)"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuBudget:
+    """How many GPUs a plan may use: one of ``counts``, or any number in ``[low, high]``."""
+
+    counts: tuple[int, ...] = ()
+    low: int | None = None
+    high: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.counts:
+            if self.low is not None or self.high is not None:
+                raise ConfigError("gpus: give counts or a range low:high, not both")
+            object.__setattr__(self, "counts", tuple(sorted({v.positive_int("gpus", n) for n in self.counts})))
+            return
+        if self.low is None or self.high is None:
+            raise ConfigError(f"gpus: give {_BUDGET_FORMS}")
+        v.positive_int("gpus", self.low)
+        v.positive_int("gpus", self.high)
+        if self.low > self.high:
+            raise ConfigError(f"gpus: the range {self.low}:{self.high} is empty (low > high)")
+
+    @classmethod
+    def parse(cls, text: str, *, where: str = "gpus") -> GpuBudget:
+        """``"3360"``, ``"1024:4096"`` or ``"2240,2800,3360"``; errors name ``where``."""
+        text = text.strip()
+        try:
+            if ":" in text:
+                low, high = (int(part) for part in text.split(":"))
+                parsed = {"low": low, "high": high}
+            else:
+                parsed = {"counts": tuple(int(part) for part in text.split(","))}
+        except ValueError:
+            raise ConfigError(f"{where}: {text!r} is not {_BUDGET_FORMS}") from None
+        try:
+            return cls(**parsed)
+        except ConfigError as exc:
+            raise ConfigError(where + str(exc).removeprefix("gpus")) from None
+
+    @classmethod
+    def of(cls, value: GpuBudget | int | str | Iterable[int]) -> GpuBudget:
+        if isinstance(value, GpuBudget):
+            return value
+        if isinstance(value, str):
+            return cls.parse(value)
+        if isinstance(value, int):
+            return cls(counts=(value,))
+        return cls(counts=tuple(value))
+
+    def __contains__(self, num_gpus: int) -> bool:
+        if self.counts:
+            return num_gpus in self.counts
+        return self.low <= num_gpus <= self.high
+
+    def data_parallel_sizes(self, model_parallel: int) -> tuple[int, ...]:
+        """Every DP size whose ``model_parallel x DP`` GPUs lie in the budget, ascending."""
+        if self.counts:
+            return tuple(n // model_parallel for n in self.counts if n % model_parallel == 0)
+        return tuple(range(-(-self.low // model_parallel), self.high // model_parallel + 1))
+
+    def __str__(self) -> str:
+        return ",".join(map(str, self.counts)) if self.counts else f"{self.low}:{self.high}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Values of an axis
+
+
+@dataclass(frozen=True, slots=True)
+class ValueKind:
+    """What one value of an axis is: ``convert`` takes the value or its text (the CLI's) and
+    raises ValueError when it is not one."""
+
+    description: str
+    convert: Callable[[Any], Any]
+
+
+def _positive_int(value: Any) -> int:
+    if isinstance(value, str):
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(value)
+    return value
+
+
+_SWITCH_TEXT = {"on": True, "off": False, "true": True, "false": False}
+
+
+def _switch(value: Any) -> bool:
+    if isinstance(value, str):
+        return _SWITCH_TEXT[value.strip().lower()]
+    if not isinstance(value, bool):
+        raise ValueError(value)
+    return value
+
+
+def _choice(enum: type[StrEnum]) -> ValueKind:
+    return ValueKind(f"one of {', '.join(e.value for e in enum)}", lambda value: enum(str(value).strip()))
+
+
+POSITIVE_INT = ValueKind("a positive integer", _positive_int)
+SWITCH = ValueKind("on or off", _switch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules and axes
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    model: ModelSpec
+    global_batch_size: int
+    budget: GpuBudget
+    max_tp: int
+
+
+Prefix = Mapping[str, Any]  # axis name -> value, for the axes chosen so far
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """A rule a combination keeps; ``name`` is the short label skipped plans are counted under."""
+
+    name: str
+    broken: Callable[[_Context, Prefix], bool]
+
+
+_PLAN_FIELDS = frozenset(f.name for f in fields(ParallelPlan))
+
+
+def _layout_plan(prefix: Prefix) -> ParallelPlan:
+    return ParallelPlan(**{name: value for name, value in prefix.items() if name in _PLAN_FIELDS})
+
+
+def _layout_rule(name: str) -> Rule:
+    """One of :data:`LAYOUT_RULES` (the rules of ``ParallelPlan.check_fits``) on the values so far."""
+    (rule,) = (r for r in LAYOUT_RULES if r.name == name)
+    return Rule(name, lambda ctx, c: rule.broken(_layout_plan(c), ctx.model))
+
+
+def _microbatches(ctx: _Context, c: Prefix) -> int:
+    return ctx.global_batch_size // (c["data_parallel"] * c["micro_batch_size"])
+
+
+@dataclass(frozen=True, slots=True)
+class Axis:
+    name: str  # the SearchSpace field, named like the ParallelPlan or TrainingSpec field it sets
+    flag: str  # short name: in rule labels and the CLI option (--tp)
+    label: str  # what its values are, for help texts
+    kind: ValueKind
+    default: Callable[[_Context, Prefix], tuple[Any, ...]]  # the range when unpinned
+    rules: tuple[Rule, ...] = ()  # checked, in order, once this axis has its value
+
+    def values(self, raw: Iterable[Any], *, where: str) -> tuple[Any, ...]:
+        """Pinned values (or their texts), converted, duplicates dropped; errors name ``where``."""
+        out: list[Any] = []
+        for item in raw:
+            try:
+                value = self.kind.convert(item)
+            except (ValueError, LookupError, TypeError):
+                raise ConfigError(f"{where}: {item!r} is not {self.kind.description}") from None
+            if value not in out:
+                out.append(value)
+        if not out:
+            raise ConfigError(f"{where}: give at least one value")
+        return tuple(out)
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(sorted({*small, *(n // d for d in small)}))
+
+
+def _keeping(axis_rules: tuple[Rule, ...], name: str, candidates: Callable[[_Context, Prefix], Iterable[Any]]
+             ) -> Callable[[_Context, Prefix], tuple[Any, ...]]:
+    """A default range: the candidates that break none of the axis's rules."""
+    def default(ctx: _Context, c: Prefix) -> tuple[Any, ...]:
+        return tuple(x for x in candidates(ctx, c)
+                     if not any(r.broken(ctx, {**c, name: x}) for r in axis_rules))
+    return default
+
+
+_TP_RULES = (
+    Rule("tp > max_tp", lambda ctx, c: c["tensor_parallel"] > ctx.max_tp),
+    _layout_rule("heads % tp"),
+    _layout_rule("query groups % tp"),
+    _layout_rule("ffn % tp"),
+)
+_SP_RULES = (
+    Rule("sp needs tp > 1", lambda ctx, c: c["sequence_parallel"] and c["tensor_parallel"] == 1),
+    _layout_rule("seq % tp (sp)"),
+)
+
+AXES: tuple[Axis, ...] = (
+    Axis("tensor_parallel", "tp", "tensor-parallel sizes", POSITIVE_INT,
+         _keeping(_TP_RULES, "tensor_parallel", lambda ctx, c: _divisors(ctx.model.num_attention_heads)),
+         _TP_RULES),
+    Axis("pipeline_parallel", "pp", "pipeline-parallel sizes", POSITIVE_INT,
+         lambda ctx, c: _divisors(ctx.model.num_layers),
+         (_layout_rule("layers % pp"),)),
+    Axis("data_parallel", "dp", "data-parallel sizes", POSITIVE_INT,
+         lambda ctx, c: ctx.budget.data_parallel_sizes(c["tensor_parallel"] * c["pipeline_parallel"]),
+         (Rule("gpus not in budget", lambda ctx, c: (c["tensor_parallel"] * c["pipeline_parallel"]
+                                                     * c["data_parallel"]) not in ctx.budget),)),
+    Axis("micro_batch_size", "micro_batch", "micro-batch sizes", POSITIVE_INT,
+         lambda ctx, c: (() if ctx.global_batch_size % c["data_parallel"]
+                         else _divisors(ctx.global_batch_size // c["data_parallel"])),
+         (Rule("global_batch % (dp*micro_batch)",
+               lambda ctx, c: ctx.global_batch_size % (c["data_parallel"] * c["micro_batch_size"]) != 0),)),
+    Axis("virtual_pipeline", "vp", "model chunks per pipeline rank (interleaved 1F1B when > 1)", POSITIVE_INT,
+         lambda ctx, c: (1,) if c["pipeline_parallel"] == 1 else
+         (1, *(d for d in _divisors(ctx.model.num_layers // c["pipeline_parallel"]) if d > 1)),
+         (Rule("vp needs pp > 1", lambda ctx, c: c["virtual_pipeline"] > 1 and c["pipeline_parallel"] == 1),
+          _layout_rule("layers % (pp*vp)"),
+          Rule("num_microbatches % pp (interleaved)",
+               lambda ctx, c: c["virtual_pipeline"] > 1 and _microbatches(ctx, c) % c["pipeline_parallel"] != 0))),
+    Axis("sequence_parallel", "sp", "sequence parallelism: on, off", SWITCH,
+         _keeping(_SP_RULES, "sequence_parallel", lambda ctx, c: (False, True)),
+         _SP_RULES),
+    Axis("recompute", "recompute", "activation recompute: none, selective, full", _choice(Recompute),
+         lambda ctx, c: tuple(Recompute)),
+    Axis("grad_reduce", "grad_reduce", "data-parallel gradient reduction: after_backward, overlap",
+         _choice(GradReduce), lambda ctx, c: tuple(GradReduce)),
+)
+RULES: tuple[str, ...] = tuple(rule.name for axis in AXES for rule in axis.rules)
+
+
+# ---------------------------------------------------------------------------------------------
+# The space and its enumeration
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchSpace:
+    """Each axis: ``None`` (its whole valid range, see the module doc) or the values to try."""
+
+    tensor_parallel: tuple[int, ...] | None = None
+    pipeline_parallel: tuple[int, ...] | None = None
+    data_parallel: tuple[int, ...] | None = None
+    micro_batch_size: tuple[int, ...] | None = None
+    virtual_pipeline: tuple[int, ...] | None = None
+    sequence_parallel: tuple[bool, ...] | None = None
+    recompute: tuple[Recompute, ...] | None = None
+    grad_reduce: tuple[GradReduce, ...] | None = None
+    max_tp: int | None = None  # largest TP tried; None: the cluster's GPUs per node
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            raw = getattr(self, axis.name)
+            if raw is not None:
+                if isinstance(raw, (str, bytes)) or not isinstance(raw, Iterable):
+                    raw = (raw,)
+                object.__setattr__(self, axis.name, axis.values(raw, where=f"search.{axis.name}"))
+        if self.max_tp is not None:
+            v.positive_int("search.max_tp", self.max_tp)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    """One plan to evaluate: the layout and the training spec it runs with."""
+
+    parallel: ParallelPlan
+    training: TrainingSpec
+
+    @property
+    def num_gpus(self) -> int:
+        return self.parallel.world_size
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Enumeration:
+    candidates: tuple[Candidate, ...]
+    skipped: dict[str, int]  # rule -> combinations skipped, in the order of RULES, zero counts left out
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+
+def format_skipped(skipped: Mapping[str, int]) -> str:
+    """``"heads % tp: 4, gpus not in budget: 2"``."""
+    return ", ".join(f"{rule}: {count:,}" for rule, count in skipped.items()) or "none"
+
+
+def enumerate_plans(model: ModelSpec, space: SearchSpace, *, global_batch_size: int,
+                    budget: GpuBudget, training: TrainingSpec, gpus_per_node: int) -> Enumeration:
+    """Every valid plan of ``space`` for ``model`` within ``budget``, in axis order, with the skip
+    counts by rule (see the module doc). ``training`` is the base of each plan's training spec
+    (schedule, bucket size, software stack): its global batch is replaced by ``global_batch_size``;
+    plans with a virtual pipeline run the interleaved 1F1B schedule, the others the base's schedule
+    (1F1B when that is the interleaved one). Raises ConfigError when no plan is valid."""
+    v.positive_int("global_batch_size", global_batch_size)
+    ctx = _Context(model=model, global_batch_size=global_batch_size, budget=budget,
+                   max_tp=space.max_tp if space.max_tp is not None else gpus_per_node)
+    pinned = [getattr(space, axis.name) for axis in AXES]
+    later_pinned = [math.prod(len(p) for p in pinned[i + 1:] if p is not None) for i in range(len(AXES))]
+    skipped = dict.fromkeys(RULES, 0)
+    found: list[dict[str, Any]] = []
+    prefix: dict[str, Any] = {}
+
+    def walk(i: int) -> None:
+        if i == len(AXES):
+            found.append(dict(prefix))
+            return
+        axis = AXES[i]
+        values = pinned[i] if pinned[i] is not None else axis.default(ctx, prefix)
+        if not values:
+            skipped[axis.rules[0].name] += later_pinned[i]
+            return
+        for value in values:
+            prefix[axis.name] = value
+            broken = next((rule.name for rule in axis.rules if rule.broken(ctx, prefix)), None)
+            if broken is None:
+                walk(i + 1)
+            else:
+                skipped[broken] += later_pinned[i]
+        del prefix[axis.name]
+
+    walk(0)
+    skipped = {rule: count for rule, count in skipped.items() if count}
+    if not found:
+        raise ConfigError(f"no valid plan: {sum(skipped.values()):,} skipped ({format_skipped(skipped)})")
+    base = replace(training, global_batch_size=global_batch_size)
+    specs: dict[tuple, TrainingSpec] = {}
+    candidates = []
+    for values in found:
+        plan_values = {k: x for k, x in values.items() if k in _PLAN_FIELDS}
+        training_values = {k: x for k, x in values.items() if k not in _PLAN_FIELDS}
+        schedule = _schedule(base.schedule, plan_values["virtual_pipeline"])
+        key = (schedule, *training_values.items())
+        if key not in specs:
+            specs[key] = replace(base, schedule=schedule, **training_values)
+        candidates.append(Candidate(parallel=ParallelPlan(**plan_values), training=specs[key]))
+    return Enumeration(candidates=tuple(candidates), skipped=skipped)
+
+
+def _schedule(base: ScheduleKind, virtual_pipeline: int) -> ScheduleKind:
+    if virtual_pipeline > 1:
+        return ScheduleKind.INTERLEAVED_1F1B
+    return ScheduleKind.ONE_F_ONE_B if base is ScheduleKind.INTERLEAVED_1F1B else base
