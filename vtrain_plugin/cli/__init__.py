@@ -10,7 +10,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from vtrain_plugin.cli import estimate, profile, search, trace, validate
+from vtrain_plugin.cli import estimate, profile, search, size, trace, validate
 from vtrain_plugin.cli.common import EXIT_USER_ERROR
 from vtrain_plugin.core.errors import VTrainError
 
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_parsers(sub)
     validate.add_parser(sub)
     search.add_parser(sub)
+    size.add_parser(sub)
     return parser
 
 

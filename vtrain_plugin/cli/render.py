@@ -18,6 +18,7 @@ from vtrain_plugin.core.graph import Block, OpGraph, OpNode, Phase, StageGraph
 from vtrain_plugin.cost.runtime_collectives import runtime_collectives
 from vtrain_plugin.estimate import Estimate
 from vtrain_plugin.planning.search import SearchResult
+from vtrain_plugin.planning.sizing import SizingResult
 from vtrain_plugin.planning.space import format_skipped
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.validate import ValidationResult
@@ -239,3 +240,43 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def sizing_table(result: SizingResult) -> str:
+    """The shapes ``vtrain size`` searched, its answer and the naive fixed-MFU answer."""
+    header = ["model", "params", "layers", "hidden", "heads", "tokens", "best plan", "GPUs", "MFU", "days",
+              "$ to train", "within budget"]
+    rows = []
+    for o in result.evaluated:
+        d = o.to_dict()
+        plan = (f"tp={d['tensor_parallel']} pp={d['pipeline_parallel']} dp={d['data_parallel']} "
+                f"mb={d['micro_batch_size']} {d['recompute']}" if o.plan is not None else "none fits")
+        mark = " <- answer" if o.model == result.answer.model else ""
+        if result.naive is not None and o.model == result.naive.model:
+            mark += " <- naive"
+        rows.append([d["model"], f"{d['num_parameters'] / 1e9:,.2f}B", str(d["num_layers"]), str(d["hidden_size"]),
+                     str(d["num_attention_heads"]), f"{d['tokens'] / 1e9:,.1f}B", plan,
+                     f"{d['num_gpus']:,}" if o.plan is not None else "",
+                     f"{100 * d['mfu']:.1f}%" if o.plan is not None else "",
+                     _days(o.train_days) if o.plan is not None else "",
+                     _money(o.train_cost_usd) if o.plan is not None else "",
+                     ("yes" if o.within_budget else "no") + mark])
+    budget = " and ".join(part for part in (f"{result.days:g} days" if result.days is not None else "",
+                                            f"${result.budget_usd:,.0f}" if result.budget_usd is not None else "")
+                          if part)
+    answer = result.answer
+    lines = [render_table(rows, header), "",
+             f"largest model within {budget}: {answer.model.name}, {answer.model.num_parameters / 1e9:,.2f}B "
+             f"parameters on {answer.tokens / 1e9:,.1f}B tokens, {_days(answer.train_days)} days"
+             + (f", {_money(answer.train_cost_usd)}" if not math.isnan(answer.train_cost_usd) else "")]
+    if result.naive is not None:
+        naive = result.naive_outcome
+        verdict = f"vtrain: {_days(naive.train_days)} days" if naive.plan is not None else "vtrain: no plan fits"
+        lines.append(f"naive answer at a fixed {100 * result.naive_mfu:.0f}% MFU: {naive.model.name}, "
+                     f"{naive.model.num_parameters / 1e9:,.2f}B parameters ({verdict}"
+                     + ("" if naive.within_budget else ", over budget") + ")")
+    return "\n".join(lines)
+
+
+def _days(days: float) -> str:
+    return f"{days:,.1f}" if days >= 10 else f"{days:.3g}"

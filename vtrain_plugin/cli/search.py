@@ -60,10 +60,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = _cluster(args, source)
     global_batch = _global_batch(args, source)
     tokens = _number("--tokens", args.tokens, float) if args.tokens is not None else None
-    space = SearchSpace(
-        **{axis.name: axis.values(getattr(args, axis.name).split(","), where=f"--{axis.flag.replace('_', '-')}")
-           for axis in AXES if getattr(args, axis.name) is not None},
-        max_tp=_number("--max-tp", args.max_tp, int) if args.max_tp is not None else None)
+    space = space_from_args(args)
     baseline = _baseline(args.baseline, source, cluster, global_batch, tokens) if args.baseline else None
     result = search(source.model, cluster=cluster, global_batch_size=global_batch,
                     gpus=GpuBudget.parse(args.gpus, where="--gpus"), space=space, training=source.training,
@@ -80,6 +77,14 @@ def run(args: argparse.Namespace) -> int:
         plot_search(result, args.plot, baseline=baseline,
                     baseline_label=f"baseline {Path(args.baseline).name}" if baseline else "baseline")
     return 0
+
+
+def space_from_args(args: argparse.Namespace) -> SearchSpace:
+    """The search space of the axis flags (``--tp 4,8``, ...) and ``--max-tp``."""
+    return SearchSpace(
+        **{axis.name: axis.values(getattr(args, axis.name).split(","), where=f"--{axis.flag.replace('_', '-')}")
+           for axis in AXES if getattr(args, axis.name) is not None},
+        max_tp=_number("--max-tp", args.max_tp, int) if args.max_tp is not None else None)
 
 
 def _cluster(args: argparse.Namespace, source: ModelFile) -> ClusterSpec:

@@ -14,6 +14,7 @@ from matplotlib.figure import Figure
 
 from vtrain_plugin.core.files import atomic_write_bytes
 from vtrain_plugin.planning.search import SearchResult
+from vtrain_plugin.planning.sizing import SizingResult
 
 AXIS_LABELS = {
     "iteration_time_ms": "iteration time (ms)",
@@ -53,6 +54,40 @@ def plot_search(result: SearchResult, path: str | os.PathLike, *, baseline: Mapp
     ax.set_xlabel(AXIS_LABELS.get(x, x))
     ax.set_ylabel(AXIS_LABELS.get(y, y))
     ax.set_title(title or f"{len(table):,} plans, {int(front.shape[0])} on the Pareto front")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    atomic_write_bytes(Path(path), buffer.getvalue())
+
+
+def plot_sizing(result: SizingResult, path: str | os.PathLike) -> None:
+    """Write a PNG of ``vtrain size`` to ``path`` (atomically): each searched shape's parameters
+    against its days to train with its best plan, the days budget, the answer and the naive answer."""
+    figure = Figure(figsize=(8, 5.5), dpi=120)
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    shapes = [o for o in result.evaluated if o.plan is not None]
+    for within, color, label in ((True, "tab:green", "within budget"), (False, "tab:red", "over budget")):
+        chosen = [o for o in shapes if o.within_budget is within]
+        ax.scatter([o.model.num_parameters for o in chosen], [o.train_days for o in chosen], s=30, color=color,
+                   label=label, zorder=3)
+    ax.plot([o.model.num_parameters for o in shapes], [o.train_days for o in shapes], color="0.6", linewidth=1)
+    if result.days is not None:
+        ax.axhline(result.days, color="black", linestyle="--", linewidth=1, label=f"budget: {result.days:g} days")
+    answer = result.answer
+    ax.annotate(f"answer: {answer.model.name}", (answer.model.num_parameters, answer.train_days),
+                xytext=(6, -14), textcoords="offset points", color="tab:green")
+    if result.naive_outcome is not None and result.naive_outcome.plan is not None:
+        naive = result.naive_outcome
+        ax.scatter([naive.model.num_parameters], [naive.train_days], marker="*", s=180, color="tab:orange",
+                   zorder=4, label=f"naive answer ({100 * result.naive_mfu:.0f}% MFU)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("days to train (compute-optimal tokens)")
+    ax.set_title("largest model within budget")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="best", fontsize="small")
     figure.tight_layout()

@@ -1,0 +1,79 @@
+"""``size_model()`` and ``vtrain size`` on a ladder of tiny GPTs: the answer keeps its own budget."""
+
+import json
+
+import pytest
+
+from vtrain_plugin.cli import main
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.hardware.clusters import get_cluster_preset
+from vtrain_plugin.planning.sizing import size_model
+from vtrain_plugin.planning.space import SearchSpace
+
+CLUSTER = get_cluster_preset("dgx-a100")
+# Shapes of 15M, 46M, 84M, 155M and 250M parameters; one plan per shape keeps the searches small.
+LADDER = {"min_params": 5e6, "max_params": 3e8, "hidden_step": 256}
+SPACE = SearchSpace(tensor_parallel=(1,), pipeline_parallel=(1,), micro_batch_size=(1,), virtual_pipeline=(1,),
+                    sequence_parallel=(False,), recompute=("full",), grad_reduce=("overlap",))
+DAYS = 0.05
+
+
+@pytest.fixture(scope="module")
+def sized():
+    return size_model("gpt", cluster=CLUSTER, gpus=8, days=DAYS, space=SPACE, workers=1, batch_tokens=2**16,
+                      **LADDER)
+
+
+def test_answer_keeps_its_budget_and_the_tokens_per_parameter_rule(sized):
+    answer = sized.answer
+    assert answer.within_budget
+    assert answer.train_days <= DAYS
+    assert answer.tokens == 20 * answer.model.num_parameters
+    assert answer.plan["num_gpus"] == 8
+    larger = [o for o in sized.evaluated if o.model.num_parameters > answer.model.num_parameters]
+    assert larger and not any(o.within_budget for o in larger)
+    assert all(o.train_days > DAYS for o in larger)
+
+
+def test_days_grow_with_the_shape(sized):
+    days = [o.train_days for o in sized.evaluated]
+    assert days == sorted(days)
+
+
+def test_naive_fixed_mfu_answer_is_reported_with_vtrains_verdict(sized):
+    assert sized.naive is not None
+    assert sized.naive.flops <= sized.naive.budget_flops
+    assert sized.naive_outcome.model == sized.naive.model
+    assert sized.naive.model.num_parameters >= sized.answer.model.num_parameters
+    table = sized.table()
+    assert table["answer"].sum() == 1 and table["naive"].sum() == 1
+
+
+def test_budget_too_small_is_one_error():
+    with pytest.raises(ConfigError, match="budget too small: the smallest shape"):
+        size_model("gpt", cluster=CLUSTER, gpus=8, days=1e-6, space=SPACE, workers=1, batch_tokens=2**16,
+                   **LADDER)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu", "A100", "--gpus", "8"], "give a budget"),
+    (["--gpu", "A100", "--gpus", "8", "--days", "-3"], "--days must be a positive number"),
+    (["--gpu", "A100", "--gpus", "8", "--days", "3", "--family", "bert"], "--family must be one of"),
+    (["--gpu", "A100", "--gpus", "8", "--days", "3", "--mfu", "1.5"], "--mfu must lie in"),
+    (["--gpu", "A100", "--gpus", "eight", "--days", "3"], "gpus"),
+])
+def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
+    assert main(["size", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_cli_json(tmp_path, capsys):
+    args = ["size", "--gpu", "A100", "--gpus", "8", "--days", str(DAYS), "--min-params", "5e6", "--max-params",
+            "1e8", "--hidden-step", "256", "--tp", "1", "--pp", "1", "--micro-batch", "1", "--vp", "1", "--sp", "off",
+            "--recompute", "full", "--grad-reduce", "overlap", "--batch-tokens", "65536", "--workers", "1",
+            "--format", "json", "--plot", str(tmp_path / "size.png")]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["answer"]["within_budget"] and out["answer"]["train_days"] <= DAYS
+    assert (tmp_path / "size.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

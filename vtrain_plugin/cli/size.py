@@ -1,0 +1,79 @@
+"""``vtrain size``: the largest model of a family that trains compute-optimally within a budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from vtrain_plugin.cli.common import emit
+from vtrain_plugin.cli.render import sizing_table
+from vtrain_plugin.cli.search import _number, space_from_args
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.hardware.clusters import cluster_for_gpu, cluster_preset_names, get_cluster_preset
+from vtrain_plugin.planning.model_family import CHINCHILLA_TOKENS_PER_PARAMETER, HIDDEN_STEP
+from vtrain_plugin.planning.plot import plot_sizing
+from vtrain_plugin.planning.sizing import DEFAULT_BATCH_TOKENS, DEFAULT_NAIVE_MFU, size_model
+from vtrain_plugin.planning.space import AXES, GpuBudget
+from vtrain_plugin.specs.model import Family
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("size", help="the largest model that trains compute-optimally within days or dollars")
+    p.add_argument("--family", default="gpt", help=f"model family: {', '.join(f.value for f in Family)} (default gpt)")
+    cluster = p.add_mutually_exclusive_group(required=True)
+    cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, ...)")
+    cluster.add_argument("--cluster", help=f"cluster preset ({', '.join(cluster_preset_names())})")
+    p.add_argument("--gpus", required=True, metavar="BUDGET", help="GPUs: a count, a range LOW:HIGH or a list")
+    p.add_argument("--days", metavar="D", help="wall-clock budget in days")
+    p.add_argument("--budget-usd", metavar="USD", help="dollar budget (needs a price on the cluster)")
+    p.add_argument("--tokens-per-parameter", default=str(CHINCHILLA_TOKENS_PER_PARAMETER), metavar="R",
+                   help=f"training tokens per parameter (default {CHINCHILLA_TOKENS_PER_PARAMETER:g}, Chinchilla)")
+    p.add_argument("--batch-tokens", default=str(DEFAULT_BATCH_TOKENS), metavar="N",
+                   help=f"tokens per iteration (default {DEFAULT_BATCH_TOKENS:,})")
+    p.add_argument("--mfu", default=str(DEFAULT_NAIVE_MFU), metavar="F",
+                   help=f"MFU of the naive fixed-MFU answer (default {DEFAULT_NAIVE_MFU:g})")
+    p.add_argument("--min-params", default="1e9", metavar="N", help="smallest shape (default 1e9)")
+    p.add_argument("--max-params", default="2e12", metavar="N", help="largest shape (default 2e12)")
+    p.add_argument("--hidden-step", default=str(HIDDEN_STEP), metavar="N",
+                   help=f"hidden-size step of the ladder (default {HIDDEN_STEP})")
+    for axis in AXES:
+        p.add_argument(f"--{axis.flag.replace('_', '-')}", dest=axis.name, metavar="LIST",
+                       help=f"{axis.label} of each shape's search; comma-separated (default: every valid one)")
+    p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node)")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--output", "-o", help="write to this file instead of stdout")
+    p.add_argument("--plot", metavar="FILE.png", help="draw parameters against days to train, with the budget")
+    p.add_argument("--workers", metavar="N", help="worker processes per search (default: CPU count)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.days is None and args.budget_usd is None:
+        raise ConfigError("give a budget: --days and/or --budget-usd")
+    try:
+        family = Family(args.family)
+    except ValueError:
+        raise ConfigError(f"--family must be one of {', '.join(f.value for f in Family)}; got {args.family!r}") from None
+    cluster = cluster_for_gpu(args.gpu) if args.gpu else get_cluster_preset(args.cluster)
+    mfu = _number("--mfu", args.mfu, float)
+    if mfu > 1:
+        raise ConfigError(f"--mfu must lie in (0, 1], got {args.mfu!r}")
+    result = size_model(
+        family, cluster=cluster, gpus=GpuBudget.parse(args.gpus, where="--gpus"),
+        days=_number("--days", args.days, float) if args.days is not None else None,
+        budget_usd=_number("--budget-usd", args.budget_usd, float) if args.budget_usd is not None else None,
+        tokens_per_parameter=_number("--tokens-per-parameter", args.tokens_per_parameter, float),
+        batch_tokens=_number("--batch-tokens", args.batch_tokens, int), naive_mfu=mfu,
+        min_params=_number("--min-params", args.min_params, float),
+        max_params=_number("--max-params", args.max_params, float),
+        hidden_step=_number("--hidden-step", args.hidden_step, int), space=space_from_args(args),
+        workers=_number("--workers", args.workers, int) if args.workers is not None else None,
+        progress=sys.stderr.isatty())
+    if args.format == "json":
+        emit(json.dumps(result.to_dict(), indent=2, allow_nan=False) + "\n", args.output)
+    else:
+        emit(sizing_table(result) + "\n", args.output)
+    if args.plot:
+        plot_sizing(result, args.plot)
+    return 0

@@ -1,0 +1,188 @@
+"""``size_model()``: the largest model of a family that trains compute-optimally within a budget.
+
+Each shape of the family ladder (:mod:`vtrain_plugin.planning.model_family`) is given its Chinchilla
+token count; :func:`~vtrain_plugin.planning.search.search` finds its plans on the cluster within the
+GPU budget, and the shape is *within budget* when a plan that fits in memory trains it in at most
+``days`` and for at most ``budget_usd`` (whichever are given; the fastest such plan is reported).
+Days to train grow with the shape (tokens and FLOPs per token both grow with the parameter count),
+so the ladder is bisected: about ``log2(len(ladder))`` searches, each on a shape's own traces.
+
+The result also carries the naive answer, the largest shape whose ``6 N D`` FLOPs fit the budget at
+a fixed MFU (:func:`~vtrain_plugin.planning.model_family.naive_size`), and vtrain's days for that
+shape: the vTrain paper's point is that the fixed-MFU answer overshoots the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.hardware.devices import get_device
+from vtrain_plugin.planning.model_family import (CHINCHILLA_TOKENS_PER_PARAMETER, HIDDEN_STEP, NaiveSize,
+                                                 chinchilla_tokens, family_shapes, naive_size)
+from vtrain_plugin.planning.search import search
+from vtrain_plugin.planning.space import GpuBudget, SearchSpace
+from vtrain_plugin.specs.cluster import ClusterSpec
+from vtrain_plugin.specs.model import Family, ModelSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_TOKENS = 2**22  # ~4M tokens per iteration, as Llama 2 and (3.1M) GPT-3 175B trained
+DEFAULT_NAIVE_MFU = 0.5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShapeOutcome:
+    """One shape of the ladder: its tokens, its chosen plan (a row of its search), and the verdict."""
+
+    model: ModelSpec
+    tokens: float
+    plan: dict[str, Any] | None = field(default=None, repr=False)  # None: no plan fits in memory
+    within_budget: bool
+    reason: str  # why not within budget ("" when it is)
+
+    @property
+    def train_days(self) -> float:
+        return math.nan if self.plan is None else float(self.plan["train_days"])
+
+    @property
+    def train_cost_usd(self) -> float:
+        return math.nan if self.plan is None else float(self.plan["train_cost_usd"])
+
+    def to_dict(self) -> dict[str, Any]:
+        plan = self.plan or {}
+        return {
+            "model": self.model.name, "num_parameters": self.model.num_parameters,
+            "num_layers": self.model.num_layers, "hidden_size": self.model.hidden_size,
+            "num_attention_heads": self.model.num_attention_heads, "tokens": self.tokens,
+            **{key: plan.get(key) for key in ("tensor_parallel", "pipeline_parallel", "data_parallel",
+                                              "micro_batch_size", "recompute", "num_gpus", "mfu",
+                                              "iteration_time_ms")},
+            "train_days": None if self.plan is None else self.train_days,
+            "train_cost_usd": None if self.plan is None or math.isnan(self.train_cost_usd) else self.train_cost_usd,
+            "within_budget": self.within_budget, "reason": self.reason,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SizingResult:
+    answer: ShapeOutcome  # the largest shape within budget
+    evaluated: tuple[ShapeOutcome, ...]  # every shape searched, by parameter count
+    naive: NaiveSize | None  # the fixed-MFU answer (needs a days budget)
+    naive_outcome: ShapeOutcome | None  # vtrain's verdict on the naive answer
+    days: float | None
+    budget_usd: float | None
+    naive_mfu: float
+
+    def table(self) -> pd.DataFrame:
+        """One row per evaluated shape, with ``answer`` / ``naive`` marking the two answers."""
+        rows = [{**o.to_dict(), "answer": o.model == self.answer.model,
+                 "naive": self.naive is not None and o.model == self.naive.model} for o in self.evaluated]
+        return pd.DataFrame(rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"days": self.days, "budget_usd": self.budget_usd, "answer": self.answer.to_dict(),
+                "naive": None if self.naive is None else {
+                    **self.naive_outcome.to_dict(), "naive_mfu": self.naive_mfu,
+                    "naive_flops": self.naive.flops, "budget_flops": self.naive.budget_flops},
+                "evaluated": [o.to_dict() for o in self.evaluated]}
+
+
+def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | int | str | Iterable[int],
+               days: float | None = None, budget_usd: float | None = None,
+               tokens_per_parameter: float = CHINCHILLA_TOKENS_PER_PARAMETER,
+               batch_tokens: int = DEFAULT_BATCH_TOKENS, naive_mfu: float = DEFAULT_NAIVE_MFU,
+               min_params: float = 1e9, max_params: float = 2e12, hidden_step: int = HIDDEN_STEP,
+               space: SearchSpace | None = None, workers: int | None = None, progress: bool = False) -> SizingResult:
+    """The largest ``family`` shape (``min_params`` .. ``max_params`` parameters) that trains on
+    ``tokens_per_parameter`` tokens per parameter within ``days`` and/or ``budget_usd`` on ``gpus``
+    GPUs of ``cluster`` (see the module doc). ``batch_tokens``: tokens per iteration, rounded down
+    to whole sequences. ``space`` restricts each shape's search (default: every valid plan)."""
+    if days is None and budget_usd is None:
+        raise ConfigError("size: give a budget: days and/or budget_usd")
+    if days is not None:
+        days = v.positive_number("days", days)
+    if budget_usd is not None:
+        budget_usd = v.positive_number("budget_usd", budget_usd)
+        if cluster.price_per_gpu_hour_usd is None:
+            raise ConfigError(f"budget_usd needs a price: cluster {cluster.name or cluster.gpu!r} has no "
+                              f"price_per_gpu_hour_usd")
+    v.positive_number("tokens_per_parameter", tokens_per_parameter)
+    v.positive_int("batch_tokens", batch_tokens)
+    if not 0 < naive_mfu <= 1:
+        raise ConfigError(f"naive_mfu must lie in (0, 1], got {naive_mfu!r}")
+    budget = GpuBudget.of(gpus)
+    shapes = family_shapes(family, min_params=min_params, max_params=max_params, hidden_step=hidden_step)
+    if not shapes:
+        raise ConfigError(f"size: no {family} shape has between {min_params:.3g} and {max_params:.3g} parameters "
+                          f"(hidden step {hidden_step})")
+    outcomes: dict[int, ShapeOutcome] = {}
+
+    def judge(model: ModelSpec) -> ShapeOutcome:
+        key = model.num_parameters
+        if key not in outcomes:
+            outcomes[key] = _judge(model, cluster=cluster, budget=budget, days=days, budget_usd=budget_usd,
+                                   tokens_per_parameter=tokens_per_parameter, batch_tokens=batch_tokens,
+                                   space=space, workers=workers, progress=progress)
+            log.info("%s: %s", model.name, outcomes[key].reason or "within budget")
+        return outcomes[key]
+
+    low, high = 0, len(shapes) - 1  # invariant: the answer, if any, lies in shapes[low..high]
+    if not judge(shapes[0]).within_budget:
+        first = outcomes[shapes[0].num_parameters]
+        raise ConfigError(f"size: budget too small: the smallest shape, {shapes[0].name} "
+                          f"({shapes[0].num_parameters / 1e9:.2f}B parameters), {first.reason}")
+    while low < high:
+        middle = (low + high + 1) // 2
+        if judge(shapes[middle]).within_budget:
+            low = middle
+        else:
+            high = middle - 1
+    naive = naive_outcome = None
+    if days is not None:
+        peak = get_device(cluster.gpu).tensor_flop_per_ns(shapes[0].dtype) * 1e-3  # TFLOP/s
+        naive = naive_size(family, peak_tflop_per_s=peak, gpus=max(budget.counts or (budget.high,)), days=days,
+                           mfu=naive_mfu, tokens_per_parameter=tokens_per_parameter, hidden_step=hidden_step)
+        naive_outcome = judge(naive.model)
+    evaluated = tuple(outcomes[k] for k in sorted(outcomes))
+    return SizingResult(answer=outcomes[shapes[low].num_parameters], evaluated=evaluated, naive=naive,
+                        naive_outcome=naive_outcome, days=days, budget_usd=budget_usd, naive_mfu=naive_mfu)
+
+
+def _judge(model: ModelSpec, *, cluster: ClusterSpec, budget: GpuBudget, days: float | None,
+           budget_usd: float | None, tokens_per_parameter: float, batch_tokens: int, space: SearchSpace | None,
+           workers: int | None, progress: bool) -> ShapeOutcome:
+    tokens = chinchilla_tokens(model.num_parameters, tokens_per_parameter)
+    global_batch = max(1, batch_tokens // model.seq_length)
+    try:
+        result = search(model, cluster=cluster, global_batch_size=global_batch, gpus=budget, space=space,
+                        objective="time", workers=workers, progress=progress, tokens=tokens)
+    except ConfigError as exc:  # no valid plan at all for this shape within the GPU budget
+        return ShapeOutcome(model=model, tokens=tokens, within_budget=False, reason=str(exc))
+    fitting = result.table[result.table["fits_in_memory"]]
+    if fitting.empty:
+        return ShapeOutcome(model=model, tokens=tokens, within_budget=False,
+                            reason="no plan fits in GPU memory")
+    fastest = fitting.sort_values("train_days", kind="stable")
+    meets = fastest
+    if days is not None:
+        meets = meets[meets["train_days"] <= days]
+    if budget_usd is not None:
+        meets = meets[meets["train_cost_usd"] <= budget_usd]
+    if not meets.empty:
+        return ShapeOutcome(model=model, tokens=tokens, plan=meets.iloc[0].to_dict(), within_budget=True, reason="")
+    best = fastest.iloc[0].to_dict()
+    over = []
+    if days is not None and best["train_days"] > days:
+        over.append(f"needs {best['train_days']:.3g} days > {days:g}")
+    if budget_usd is not None:
+        over.append(f"the cheapest plan costs ${fitting['train_cost_usd'].min():,.0f} > ${budget_usd:,.0f}")
+    return ShapeOutcome(model=model, tokens=tokens, plan=best, within_budget=False,
+                        reason=" and ".join(over) or "no plan meets both budgets at once")
