@@ -19,6 +19,8 @@ from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.cost.prepare import prepare
 from vtrain_plugin.estimate import estimate, predict
 from vtrain_plugin.hardware.calibration import calibration_for
+from vtrain_plugin.planning.search import search
+from vtrain_plugin.planning.space import SearchSpace
 from vtrain_plugin.sim.engine import simulate
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
@@ -96,6 +98,22 @@ def sweep(count: int) -> list[list[str]]:
     return rows
 
 
+def search_rate() -> list[str]:
+    """``search()`` over the sweep's space in one process, its traces cached by the sweep."""
+    space = SearchSpace(tensor_parallel=(8, 4, 2, 1), pipeline_parallel=(35, 21, 15, 7, 5),
+                        data_parallel=(12, 16, 8, 20, 24, 32, 40, 4, 6, 10), micro_batch_size=(1, 2, 4),
+                        virtual_pipeline=(1,), sequence_parallel=(False,), recompute=("full",),
+                        grad_reduce=("after_backward",))
+    start = time.perf_counter()
+    result = search(MT_NLG, cluster=CLUSTER, global_batch_size=GLOBAL_BATCH, gpus="280:6720", space=space, workers=1)
+    elapsed = time.perf_counter() - start
+    best = result.top(1).iloc[0]
+    return [f"search() of {len(result.table)} MT-NLG plans, traces cached", f"{elapsed:.2f}",
+            f"{1000 * elapsed / len(result.table):.2f}", f"{60 * len(result.table) / elapsed:,.0f}",
+            f"tp {best.tensor_parallel} pp {best.pipeline_parallel} dp {best.data_parallel} "
+            f"mb {best.micro_batch_size}: {best.iteration_time_ms / 1000:.2f} s"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=200)
@@ -103,8 +121,8 @@ def main() -> None:
     args = parser.parse_args()
     print(render_table(single_estimate(args.repeats), ["MT-NLG estimate, trace cached", "median ms", "best ms"]))
     print()
-    print(render_table(sweep(args.layouts), ["sweep", "total s", "ms per plan", "plans per minute",
-                                            "fastest layout"]))
+    print(render_table([*sweep(args.layouts), search_rate()],
+                       ["sweep", "total s", "ms per plan", "plans per minute", "fastest layout"]))
 
 
 if __name__ == "__main__":
