@@ -8,6 +8,7 @@ process group created on the fake backend, and tears it all down on exit.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -36,6 +37,9 @@ def fake_world(plan: ParallelPlan, *, pipeline_rank: int = 0) -> Iterator[dict[s
     if dist.is_initialized():
         raise TraceError("torch.distributed is already initialized in this process; "
                          "vtrain traces on its own fake process group")
+    # init_process_group wraps sys.excepthook to prefix every later traceback with "[rank<r>]:";
+    # the fake world is gone after tracing, so its prefix must go too.
+    excepthook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=representative_rank(plan, pipeline_rank),
                             world_size=plan.world_size)
     try:
@@ -50,6 +54,7 @@ def fake_world(plan: ParallelPlan, *, pipeline_rank: int = 0) -> Iterator[dict[s
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 def _group_names(ps) -> dict[str, ParallelGroup]:

@@ -203,3 +203,16 @@ def test_trace_from_a_megatron_transformer_config():
     # QKV of a GQA layer: 8 query heads + 2 x 2 KV heads of 32, split over 2 ranks
     assert ((64, 256), (256, (8 + 2 * 2) * 32 // 2)) in mm_shapes(layer, Phase.FORWARD)
     assert layer.count == 4
+
+
+def test_tracing_leaves_the_process_excepthook_alone():
+    """torch's init_process_group prefixes every later traceback with "[rank<r>]:" unless undone."""
+    import sys
+
+    from vtrain_plugin.capture.tracer import clear_cache
+
+    before = sys.excepthook
+    clear_cache()
+    trace(ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128),
+          ParallelPlan(tensor_parallel=2))
+    assert sys.excepthook is before
