@@ -17,7 +17,7 @@ from vtrain_plugin.api import load_run_config, run_config_from_dict, with_gpu
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.errors import ConfigError, ProfileError, TraceError, VTrainError
 from vtrain_plugin.core.graph import OpGraph
-from vtrain_plugin.estimate import Estimate, estimate
+from vtrain_plugin.estimate import Estimate, estimate, estimates_frame
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
@@ -28,5 +28,5 @@ from vtrain_plugin.validate import Comparison, IterationRecorder, ValidationResu
 
 __all__ = ["ClusterSpec", "Comparison", "ConfigError", "Estimate", "IterationRecorder", "ModelSpec", "OpGraph",
            "ParallelPlan", "ProfileError", "RunConfig", "TraceError", "TrainingSpec", "VTrainError",
-           "ValidationResult", "compare", "estimate", "get_cluster_preset", "load_run_config",
+           "ValidationResult", "compare", "estimate", "estimates_frame", "get_cluster_preset", "load_run_config",
            "run_config_from_dict", "single_device_run", "trace", "with_gpu"]

@@ -9,9 +9,11 @@ device model otherwise; the pipeline schedule is simulated by :mod:`vtrain_plugi
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import pandas as pd
 
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.errors import ConfigError
@@ -126,11 +128,30 @@ class Estimate:
             "train_cost_usd": self.train_cost_usd,
         }
 
+    def to_row(self) -> dict[str, Any]:
+        """The scalar fields of :meth:`to_dict`, with the bottleneck stage's breakdown flattened to
+        ``<part>_ms`` columns: one row of a table of estimates."""
+        row = {k: v for k, v in self.to_dict().items()
+               if k not in ("breakdown_ms", "stage_breakdown_ms", "memory_gib_per_stage")}
+        row.update({f"{part}_ms": ms for part, ms in self.breakdown_ms.items()})
+        return row
+
+    def to_frame(self) -> pd.DataFrame:
+        """This estimate as a one-row pandas DataFrame (see :func:`estimates_frame`)."""
+        return estimates_frame([self])
+
     def write_timeline(self, path: str | os.PathLike, *, max_ranks: int | None = None,
                        max_microbatches: int | None = None) -> None:
         if self.timeline is None:
             raise ConfigError("this estimate has no timeline; call estimate(..., timeline=True)")
         write_chrome_trace(self.timeline, path, max_ranks=max_ranks, max_microbatches=max_microbatches)
+
+
+def estimates_frame(estimates: Iterable[Estimate], *, index: Iterable[str] | None = None) -> pd.DataFrame:
+    """Many estimates as one DataFrame, a row each (:meth:`Estimate.to_row`); ``index`` names the
+    rows (e.g. the config paths)."""
+    rows = [e.to_row() for e in estimates]
+    return pd.DataFrame(rows, index=None if index is None else list(index))
 
 
 def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None = None,

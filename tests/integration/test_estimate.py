@@ -151,3 +151,16 @@ def test_same_llama_plan_gives_byte_identical_json_in_two_processes(tmp_path, ru
     first, second = (run_cli("estimate", str(plan), "--format", "json", check=True).stdout for _ in range(2))
     assert first == second
     assert json.loads(first)["memory_gib_per_stage"]
+
+
+def test_estimates_as_a_dataframe(gpt3_estimate):
+    from vtrain_plugin import estimates_frame
+
+    frame = estimates_frame([gpt3_estimate, gpt3_estimate], index=["a", "b"])
+    assert list(frame.index) == ["a", "b"]
+    assert frame.loc["a", "iteration_time_ms"] == gpt3_estimate.iteration_time_ms
+    assert frame.loc["b", "bubble_ms"] == gpt3_estimate.breakdown_ms["bubble"]
+    assert frame.loc["a", "peak_memory_gib"] == gpt3_estimate.peak_memory_gib
+    one = gpt3_estimate.to_frame()
+    assert one.shape[0] == 1 and set(frame.columns) == set(one.columns)
+    assert {f"{part}_ms" for part in BREAKDOWN_FIELDS} <= set(one.columns)
