@@ -134,7 +134,7 @@ def prepare_runs(runs: Sequence[MeasuredRun]) -> list[PreparedRun]:
     for m in runs:
         run = m.run
         graph = trace(run.model, run.parallel)
-        out.append(PreparedRun(measured=m, run=run, prepared=prepare(graph, run.training.software_stack)))
+        out.append(PreparedRun(measured=m, run=run, prepared=prepare(graph, run.training.stack_for(run.model))))
     return out
 
 

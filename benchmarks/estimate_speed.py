@@ -54,8 +54,9 @@ def single_estimate(repeats: int) -> list[list[str]]:
     graph = trace(MT_NLG, plan)
     trace_s = time.perf_counter() - start
     result = estimate(graph, cluster=CLUSTER, training=training)
-    work = predict(prepare(graph, training.software_stack), cluster=CLUSTER, training=training,
-                   constants=calibration_for(result.gpu, training.software_stack).constants)[0].work
+    stack = training.stack_for(MT_NLG)
+    work = predict(prepare(graph, stack), cluster=CLUSTER, training=training,
+                   constants=calibration_for(result.gpu, stack).constants)[0].work
     rows = []
     for label, run in (("estimate()", lambda: estimate(graph, cluster=CLUSTER, training=training)),
                        ("  of which simulate (array engine)", lambda: simulate(work)),

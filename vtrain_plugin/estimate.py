@@ -32,7 +32,7 @@ from vtrain_plugin.sim.schedules import build_schedule
 from vtrain_plugin.sim.timeline import Timeline, write_chrome_trace
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.run import RunConfig
-from vtrain_plugin.specs.training import TrainingSpec
+from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
 
 
 
@@ -67,6 +67,7 @@ class Estimate:
     hardware_tflops_per_gpu: float  # recompute included
     mfu: float  # model FLOPs utilization against the GPU's dense peak for the model dtype
     gpu: str
+    software_stack: str  # the kernels assumed (TrainingSpec.stack_for)
     cost_usd: float | None  # of this iteration, at the cluster's price per GPU-hour
     measured_fraction: float  # share of kernel time from measured profiles (0..1)
     memory_gib: tuple[RankMemory, ...]  # per pipeline rank, see vtrain_plugin.cost.memory
@@ -115,6 +116,7 @@ class Estimate:
             "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
             "mfu": self.mfu,
             "gpu": self.gpu,
+            "software_stack": self.software_stack,
             "cost_usd": self.cost_usd,
             "measured_fraction": self.measured_fraction,
             "peak_memory_gib": self.peak_memory_gib,
@@ -182,11 +184,12 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
             raise ConfigError("estimate: give training=TrainingSpec(...) or global_batch_size")
         training = TrainingSpec(global_batch_size=global_batch_size)
     device = get_device(cluster.gpu)
-    calibration = calibration_for(device.name, training.software_stack)
-    prepared = prepare(graph, training.software_stack, measured)
+    stack = training.stack_for(graph.model)
+    calibration = calibration_for(device.name, stack)
+    prepared = prepare(graph, stack, measured)
     costing, result = predict(prepared, cluster=cluster, training=training, constants=calibration.constants,
                               measured_comm=measured_comm, timeline=timeline, explain=explain > 0)
-    return _summarize(graph, device, cluster, training, result, costing, explain)
+    return _summarize(graph, device, cluster, training, result, costing, explain, stack)
 
 
 def predict(prepared: PreparedGraph, *, cluster: ClusterSpec, training: TrainingSpec, constants: DeviceConstants,
@@ -206,7 +209,7 @@ def predict(prepared: PreparedGraph, *, cluster: ClusterSpec, training: Training
 
 
 def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, training: TrainingSpec,
-               result: SimResult, costing: Costing, explain: int) -> Estimate:
+               result: SimResult, costing: Costing, explain: int, stack: SoftwareStack) -> Estimate:
     plan = graph.parallel
     num_microbatches = costing.work.num_microbatches
     seconds = result.iteration_ns / NS_PER_S
@@ -238,6 +241,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         hardware_tflops_per_gpu=hardware_flops / seconds / gpus / 1e12,
         mfu=tflops * 1e12 / peak_flop_per_s,
         gpu=device.name,
+        software_stack=stack.value,
         cost_usd=None if price is None else price * gpus * seconds / SECONDS_PER_HOUR,
         measured_fraction=costing.provenance.measured_fraction,
         largest_unmeasured=unmeasured,

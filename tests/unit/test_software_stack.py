@@ -121,7 +121,15 @@ def test_unknown_and_duplicate_stacks_are_rejected():
 
 
 def test_stack_is_a_training_field_and_vtrain_configs_use_megatron_deepspeed():
-    assert TrainingSpec(global_batch_size=8).software_stack is SoftwareStack.LOCAL_SPEC
+    plain = TrainingSpec(global_batch_size=8)
+    assert plain.software_stack is None
+    gpt = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
+    assert plain.stack_for(ModelSpec(**gpt, dtype="fp16")) is MDS
+    assert plain.stack_for(ModelSpec(**gpt, dtype="bf16")) is SoftwareStack.LOCAL_SPEC
+    assert plain.stack_for(ModelSpec(**gpt, family="llama", dtype="fp16")) is SoftwareStack.LOCAL_SPEC
+    assert plain.stack_for(None) is SoftwareStack.LOCAL_SPEC
+    assert TrainingSpec(global_batch_size=8, software_stack="local_spec").stack_for(ModelSpec(**gpt)) is \
+        SoftwareStack.LOCAL_SPEC
     with pytest.raises(ConfigError, match="training.software_stack must be one of"):
         TrainingSpec(global_batch_size=8, software_stack="te")
     run = run_config_from_dict({

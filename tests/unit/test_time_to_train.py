@@ -92,7 +92,7 @@ def _estimate(*, iterations, cost_usd, total_tokens=None):
                         inflight_microbatches=1)
     return Estimate(iteration_time_ms=3_600_000.0, breakdown_ms={}, stage_breakdown_ms=(), num_gpus=8,
                     num_microbatches=1, global_batch_size=8, tokens_per_second=1.0, tflops_per_gpu=1.0,
-                    hardware_tflops_per_gpu=1.0, mfu=0.5, gpu="a100-sxm4-80gb", cost_usd=cost_usd,
+                    hardware_tflops_per_gpu=1.0, mfu=0.5, gpu="a100-sxm4-80gb", software_stack="local_spec", cost_usd=cost_usd,
                     measured_fraction=0.0, memory_gib=(memory,), gpu_memory_gib=80.0, total_tokens=total_tokens,
                     iterations=iterations)
 

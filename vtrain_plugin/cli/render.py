@@ -121,7 +121,8 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
         f"{run.model.hidden_size} on {result.num_gpus} x {result.gpu} "
         f"(tp={plan.tensor_parallel} pp={plan.pipeline_parallel} dp={plan.data_parallel} "
         f"micro-batch={plan.micro_batch_size} global batch={result.global_batch_size} "
-        f"micro-batches={result.num_microbatches}, {run.training.schedule.value}, recompute={plan.recompute.value})",
+        f"micro-batches={result.num_microbatches}, {run.training.schedule.value}, recompute={plan.recompute.value}, "
+        f"stack {result.software_stack})",
         "",
     ]
     total = result.iteration_time_ms

@@ -12,6 +12,7 @@ from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import MEGABYTE
+from vtrain_plugin.specs.model import Family, ModelSpec
 
 
 class ScheduleKind(StrEnum):
@@ -41,8 +42,9 @@ class TrainingSpec:
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     grad_reduce: GradReduce = GradReduce.AFTER_BACKWARD
     bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB  # megabytes (10^6 bytes) of gradients per bucket
-    # The kernels the training software runs for the traced ops (vtrain_plugin.cost.lowering).
-    software_stack: SoftwareStack = SoftwareStack.LOCAL_SPEC
+    # The kernels the training software runs for the traced ops (vtrain_plugin.cost.lowering);
+    # None: the plan's default, see stack_for.
+    software_stack: SoftwareStack | None = None
     # Tokens of the whole training run (a float: counts such as 270e9 are written that way);
     # None: the estimate covers one iteration only.
     total_tokens: float | None = None
@@ -54,8 +56,9 @@ class TrainingSpec:
         object.__setattr__(self, "grad_reduce", GradReduce(
             v.one_of("training.grad_reduce", str(self.grad_reduce), [g.value for g in GradReduce])))
         v.positive_number("training.bucket_size_mb", self.bucket_size_mb)
-        object.__setattr__(self, "software_stack", SoftwareStack(
-            v.one_of("training.software_stack", str(self.software_stack), [s.value for s in SoftwareStack])))
+        if self.software_stack is not None:
+            object.__setattr__(self, "software_stack", SoftwareStack(
+                v.one_of("training.software_stack", str(self.software_stack), [s.value for s in SoftwareStack])))
         if self.total_tokens is not None:
             object.__setattr__(self, "total_tokens",
                                v.positive_finite_number("training.total_tokens", self.total_tokens))
@@ -81,12 +84,26 @@ class TrainingSpec:
             return None
         return math.ceil(self.total_tokens / (self.global_batch_size * seq_length))
 
+    def stack_for(self, model: ModelSpec | None) -> SoftwareStack:
+        """The software stack of this run: the one given, else the plan's default
+        (:func:`default_software_stack`), the same for the Python API, the CLI and a search."""
+        return self.software_stack or default_software_stack(model)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["schedule"] = self.schedule.value
         d["grad_reduce"] = self.grad_reduce.value
-        d["software_stack"] = self.software_stack.value
+        d["software_stack"] = None if self.software_stack is None else self.software_stack.value
         return d
+
+
+def default_software_stack(model: ModelSpec | None) -> SoftwareStack:
+    """An fp16 GPT runs the fused kernels of Megatron-DeepSpeed (2023), the software of the vTrain
+    paper's A100 runs that the A100 constants are calibrated on; a bf16/fp32 or Llama model, or a
+    plain module, runs megatron-core's local layer spec as traced."""
+    if model is not None and model.family is Family.GPT and model.dtype is Dtype.FP16:
+        return SoftwareStack.MEGATRON_DEEPSPEED_2023
+    return SoftwareStack.LOCAL_SPEC
 
 
 ADAM_MOMENTS_BYTES = 8  # two fp32 moments per parameter
