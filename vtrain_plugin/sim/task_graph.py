@@ -102,7 +102,8 @@ def task_graph(kind: ScheduleKind, pipeline_parallel: int, virtual_pipeline: int
 
     levels = [level[t] for t in order]
     starts = [0] + [i for i in range(1, n) if levels[i] != levels[i - 1]] + [n]
-    steady = _steady_state(order, level, prev_of, dep_of, rank_of, stage_of, forward_of, len(starts) - 1)
+    steady = _steady_state(order, level, prev_of, dep_of, rank_of, stage_of, forward_of, len(starts) - 1,
+                           max_period=2 * stages)
     last_task = np.zeros(pp, dtype=np.intp)
     last_backward = np.full(stages, n, dtype=np.intp)
     for t in range(n):  # rank-major execution order: later tasks overwrite earlier ones
@@ -123,8 +124,16 @@ _MIN_REPEATS = 4  # a repeating stretch shorter than this many periods is not wo
 
 
 def _steady_state(order: list[int], level: list[int], prev_of: list[int], dep_of: list[int], rank_of: list[int],
-                  stage_of: list[int], forward_of: list[bool], num_levels: int) -> SteadyState | None:
-    """The longest stretch of levels that repeats with some period (the steady 1F1B phase), if any."""
+                  stage_of: list[int], forward_of: list[bool], num_levels: int, *,
+                  max_period: int) -> SteadyState | None:
+    """The longest stretch of levels that repeats with some period (the steady 1F1B phase), if any.
+
+    Periods up to ``max_period`` levels are searched: one forward and one backward of every virtual
+    stage on every rank (``2 * pp * vp``) is the longest period of Megatron's schedules, and a search
+    over all periods would grow with the square of the micro-batches. The steady state only saves
+    simulation work (each repeat is checked against the simulated end times before it is used), so a
+    schedule whose period were longer would be simulated in full, with the same result.
+    """
     def delta(t: int, other: int) -> int:
         return level[t] - level[other] if other >= 0 else -1
 
@@ -139,7 +148,7 @@ def _steady_state(order: list[int], level: list[int], prev_of: list[int], dep_of
         lookback[k] = max(max(p, d) for _, _, _, p, d in tasks)
     best: SteadyState | None = None
     best_saved = 0
-    for period in range(1, num_levels // _MIN_REPEATS + 1):
+    for period in range(1, min(num_levels // _MIN_REPEATS, max_period) + 1):
         same = np.concatenate(([False], signature[period:] == signature[:-period], [False]))
         edges = np.flatnonzero(np.diff(same.astype(np.int8)))
         for begin, end in zip(edges[::2], edges[1::2]):  # levels begin+period .. end+period-1 match
