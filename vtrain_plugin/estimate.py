@@ -43,7 +43,7 @@ class UnmeasuredKernel:
     dtypes: tuple[str, ...]
     phase: str
     module: str
-    time_ms: float  # modeled time per iteration, all occurrences on the representative ranks
+    time_ms: float  # modeled time per iteration of this (kernel, phase, module) on the stage that spends the most on it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,7 +62,7 @@ class Estimate:
     num_gpus: int
     num_microbatches: int
     global_batch_size: int
-    tokens_per_second: float
+    tokens_per_second: float | None  # None for a plain module traced without a known sequence length
     tflops_per_gpu: float  # model FLOPs (recompute excluded) per second per GPU
     hardware_tflops_per_gpu: float  # recompute included
     mfu: float  # model FLOPs utilization against the GPU's dense peak for the model dtype
@@ -236,7 +236,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         num_gpus=gpus,
         num_microbatches=num_microbatches,
         global_batch_size=training.global_batch_size,
-        tokens_per_second=training.global_batch_size * graph.seq_length / seconds,
+        tokens_per_second=training.global_batch_size * graph.seq_length / seconds if graph.seq_length else None,
         tflops_per_gpu=tflops,
         hardware_tflops_per_gpu=hardware_flops / seconds / gpus / 1e12,
         mfu=tflops * 1e12 / peak_flop_per_s,

@@ -164,3 +164,18 @@ def test_estimates_as_a_dataframe(gpt3_estimate):
     one = gpt3_estimate.to_frame()
     assert one.shape[0] == 1 and set(frame.columns) == set(one.columns)
     assert {f"{part}_ms" for part in BREAKDOWN_FIELDS} <= set(one.columns)
+
+
+def test_explain_lists_each_kernel_use_per_stage_not_summed_over_stages():
+    """Regression: one GEMM shape used by a forward, its recompute and a backward was summed over all
+    uses and all 16 stages, and listed at 136 s in a 54 s iteration."""
+    e = estimate(load_run_config(GPT3_CONFIG), explain=6)
+    uses = [(k.op, k.input_shapes, k.phase, k.module) for k in e.largest_unmeasured]
+    assert len(uses) == len(set(uses)) == 6
+    assert all(0 < k.time_ms < e.iteration_time_ms for k in e.largest_unmeasured)
+    fc1 = {k.phase: k.time_ms for k in e.largest_unmeasured if k.module.endswith("mlp.linear_fc1")
+           and k.input_shapes == ((2048, 12288), (12288, 6144))}
+    assert set(fc1) == {"forward", "recompute"} and fc1["forward"] == fc1["recompute"]
+    layers_per_stage, micro_batches = 96 // 16, 1536 // 4
+    per_kernel_ms = fc1["forward"] / (layers_per_stage * micro_batches)
+    assert e.breakdown_ms["forward"] > layers_per_stage * micro_batches * per_kernel_ms

@@ -1,5 +1,6 @@
 """Tracing a plain torch.nn.Module on the meta device."""
 
+import pytest
 import torch
 
 from vtrain_plugin.core.graph import Phase
@@ -29,3 +30,33 @@ def test_plain_module_is_traced_with_modules_and_phases():
     # 2*M*N*K per GEMM; forward + two backward GEMMs for fc2, forward + weight-grad for fc1
     assert graph.flops(Phase.FORWARD) == 2 * 8 * (32 * 64 + 64 * 16)
     assert graph.micro_batch_size == 8
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 32)
+        self.head = torch.nn.Linear(32, 100)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+def test_sample_batch_is_one_micro_batch_and_tokens_per_second_is_reported():
+    """Regression: a sample batch of 8 with a global batch of 8 was counted as 8 micro-batches and
+    the estimate reported 0 tokens/s."""
+    from vtrain_plugin.estimate import estimate
+    from vtrain_plugin.hardware.clusters import get_cluster_preset
+    from vtrain_plugin.specs.training import TrainingSpec
+
+    cluster = get_cluster_preset("dgx-a100")
+    token_graph = trace(TinyLM(), sample_input=torch.zeros(8, 128, dtype=torch.long))
+    assert (token_graph.parallel.micro_batch_size, token_graph.seq_length) == (8, 128)
+    est = estimate(token_graph, cluster=cluster, training=TrainingSpec(global_batch_size=16))
+    assert est.num_microbatches == 2
+    assert est.tokens_per_second == pytest.approx(16 * 128 / (est.iteration_time_ms / 1000), rel=1e-12)
+
+    dense = trace(TwoLayer(), sample_input=torch.randn(8, 32))
+    assert estimate(dense, cluster=cluster, training=TrainingSpec(global_batch_size=8)).tokens_per_second is None
+    stated = trace(TwoLayer(), sample_input=torch.randn(8, 32), seq_length=4)
+    assert estimate(stated, cluster=cluster, training=TrainingSpec(global_batch_size=8)).tokens_per_second > 0

@@ -67,7 +67,9 @@ def trace(model: Any, parallel: ParallelPlan | None = None, *, micro_batch_size:
 
     ``model`` is a :class:`ModelSpec`, a megatron-core ``TransformerConfig`` (then ``vocab_size``
     and ``seq_length`` are required; the GPT family is inferred from its normalization), or a
-    built ``torch.nn.Module`` (then ``sample_input`` is required). ``parallel`` defaults to one GPU;
+    built ``torch.nn.Module`` (then ``sample_input`` is required: its first dimension is the
+    micro-batch size; ``seq_length`` is the tokens per sample, read from the input when it is a
+    2-D integer tensor of token ids, else unknown and tokens/s is not reported). ``parallel`` defaults to one GPU;
     ``micro_batch_size`` overrides the plan's. ``traced_layers`` is how many layers of each chunk
     are actually built and run (``None``: all of them).
     """
@@ -77,7 +79,7 @@ def trace(model: Any, parallel: ParallelPlan | None = None, *, micro_batch_size:
     if isinstance(model, torch.nn.Module):
         if sample_input is None:
             raise ConfigError("sample_input is required to trace a plain torch.nn.Module")
-        return _trace_module(model, sample_input, loss_fn)
+        return _trace_module(model, sample_input, loss_fn, seq_length=seq_length)
     if not isinstance(model, ModelSpec):
         model = _spec_from_transformer_config(model, vocab_size=vocab_size, seq_length=seq_length)
     if traced_layers is not None and traced_layers < 1:
@@ -235,8 +237,10 @@ def _spec_from_transformer_config(config: Any, *, vocab_size: int | None, seq_le
     return model_spec_from_transformer_config(config, vocab_size=vocab_size, seq_length=seq_length)
 
 
-def _trace_module(module: torch.nn.Module, sample_input: Any, loss_fn: Callable | None) -> OpGraph:
-    """Trace a plain module on the meta device: forward, loss, backward, Adam step, one stage."""
+def _trace_module(module: torch.nn.Module, sample_input: Any, loss_fn: Callable | None, *,
+                  seq_length: int | None) -> OpGraph:
+    """Trace a plain module on the meta device: forward, loss, backward, Adam step, one stage. The
+    sample input is one micro-batch."""
     meta = copy.deepcopy(module).to("meta")
     inputs = _to_meta(sample_input if isinstance(sample_input, (tuple, list)) else (sample_input,))
     recorder = OpRecorder(meta)
@@ -257,9 +261,14 @@ def _trace_module(module: torch.nn.Module, sample_input: Any, loss_fn: Callable 
                   num_parameters=sum(p.numel() for p in params))
     stage = StageGraph(pipeline_rank=0, blocks=(block,))
     first = inputs[0] if inputs else None
-    batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
-    return OpGraph(model=None, module_name=type(module).__name__, parallel=ParallelPlan(),
-                   micro_batch_size=int(batch), seq_length=0, stages=(stage,))
+    batch = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
+    if seq_length is None:
+        token_ids = isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point()
+        seq_length = int(first.shape[1]) if token_ids else 0
+    elif not (isinstance(seq_length, int) and seq_length > 0):
+        raise ConfigError(f"seq_length must be a positive integer, got {seq_length!r}")
+    return OpGraph(model=None, module_name=type(module).__name__, parallel=ParallelPlan(micro_batch_size=batch),
+                   micro_batch_size=batch, seq_length=seq_length, stages=(stage,))
 
 
 def _to_meta(value: Any) -> Any:

@@ -131,7 +131,8 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
     lines.append(render_table(rows, ["breakdown (bottleneck stage)", "ms", "share"]))
     lines.append("")
     cost = "n/a" if result.cost_usd is None else f"${result.cost_usd:,.2f} per iteration"
-    lines.append(f"tokens/s {result.tokens_per_second:,.0f}   model TFLOP/s per GPU {result.tflops_per_gpu:.1f}   "
+    tokens = "n/a" if result.tokens_per_second is None else f"{result.tokens_per_second:,.0f}"
+    lines.append(f"tokens/s {tokens}   model TFLOP/s per GPU {result.tflops_per_gpu:.1f}   "
                  f"MFU {100 * result.mfu:.1f}%   cost {cost}")
     if result.iterations is not None:
         train_cost = "" if result.train_cost_usd is None else f", ${result.train_cost_usd:,.0f}"
@@ -146,9 +147,10 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
                  f"{peak.inflight_microbatches} micro-batches in flight)")
     if result.largest_unmeasured:
         lines.append("")
-        rows = [[k.op, " x ".join(str(list(s)) for s in k.input_shapes), k.phase, k.module, f"{k.time_ms:,.1f}"]
-                for k in result.largest_unmeasured]
-        lines.append(render_table(rows, ["largest unmeasured kernels", "shapes", "phase", "module", "ms/iter"]))
+        rows = [[k.op, " x ".join(str(list(s)) for s in k.input_shapes), k.phase, k.module, f"{k.time_ms:,.1f}",
+                 f"{100 * k.time_ms / total:.1f}%"] for k in result.largest_unmeasured]
+        lines.append(render_table(rows, ["largest unmeasured kernels", "shapes", "phase", "module",
+                                         "ms/iter on its busiest stage", "of iteration"]))
     return "\n".join(lines)
 
 
