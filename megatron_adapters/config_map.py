@@ -1,26 +1,162 @@
-"""Map a megatron-core ``TransformerConfig`` onto vtrain's ModelSpec (read by attribute, so no
-megatron type leaks out)."""
+"""Map a megatron-core ``TransformerConfig`` onto vtrain's ModelSpec and ParallelPlan.
+
+Fields are read by attribute, so no megatron type leaks out. Every field that changes the traced
+graph is either honoured (dims, GQA, dtype, the GPT or Llama layer, TP, PP, virtual pipeline, SP,
+recompute) or refused with a one-line :class:`ConfigError` naming it (context and expert
+parallelism, MoE, fp8 / fp4, multi-token prediction, uneven pipeline splits, ...): a config is never
+traced as something it is not.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vtrain_plugin.core.dtypes import Dtype
+from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.model import Family, ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
+
+
+@dataclass(frozen=True, slots=True)
+class Unmodelled:
+    """A TransformerConfig field vtrain cannot trace yet: refused unless ``is_default(value)``."""
+
+    field: str
+    is_default: Callable[[Any], bool]
+    what: str
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def _is_false(value: Any) -> bool:
+    return not value
+
+
+def _is_one(value: Any) -> bool:
+    return value in (None, 1)
+
+
+UNMODELLED = (
+    Unmodelled("context_parallel_size", _is_one, "context parallelism"),
+    Unmodelled("expert_model_parallel_size", _is_one, "expert parallelism"),
+    Unmodelled("num_moe_experts", _is_none, "mixture-of-experts layers"),
+    Unmodelled("fp8", _is_none, "fp8 training"),
+    Unmodelled("fp4", _is_none, "fp4 training"),
+    Unmodelled("mtp_num_layers", _is_none, "multi-token prediction layers"),
+    Unmodelled("num_layers_in_first_pipeline_stage", _is_none, "uneven pipeline splits"),
+    Unmodelled("num_layers_in_last_pipeline_stage", _is_none, "uneven pipeline splits"),
+    Unmodelled("pipeline_model_parallel_layout", _is_none, "custom pipeline layouts"),
+    Unmodelled("account_for_embedding_in_pipeline_split", _is_false, "uneven pipeline splits"),
+    Unmodelled("account_for_loss_in_pipeline_split", _is_false, "uneven pipeline splits"),
+    Unmodelled("multi_latent_attention", _is_false, "multi-latent attention"),
+    Unmodelled("window_size", _is_none, "sliding-window attention"),
+    Unmodelled("qk_layernorm", _is_false, "query/key layer norm"),
+    Unmodelled("add_qkv_bias", _is_false, "a QKV bias without the other linear biases"),
+    Unmodelled("tp_comm_overlap", _is_false, "TP communication overlap"),
+    Unmodelled("cpu_offloading", _is_false, "activation offloading to the CPU"),
+    Unmodelled("fine_grained_activation_offloading", _is_false, "activation offloading to the CPU"),
+    Unmodelled("heterogeneous_block_specs", _is_false, "heterogeneous layers"),
+)
+
+
+def refuse_unmodelled(config: Any) -> None:
+    """A ConfigError for the first field of ``config`` that vtrain cannot trace yet."""
+    for rule in UNMODELLED:
+        value = getattr(config, rule.field, None)
+        if not rule.is_default(value):
+            raise ConfigError(f"TransformerConfig.{rule.field}={value!r}: {rule.what} is not modelled yet "
+                              f"(leave it at its default to trace the rest)")
 
 
 def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_length: int) -> ModelSpec:
-    """A ModelSpec for a megatron-core TransformerConfig built with the local layer spec."""
-    llama = getattr(config, "normalization", "LayerNorm") == "RMSNorm" or getattr(config, "gated_linear_unit", False)
-    dtype = Dtype.BF16 if getattr(config, "bf16", False) else Dtype.FP16 if getattr(config, "fp16", False) else Dtype.FP32
+    """The ModelSpec of a megatron-core TransformerConfig built with the local layer spec."""
+    refuse_unmodelled(config)
+    family = _family(config)
+    heads = config.num_attention_heads
+    kv_channels = getattr(config, "kv_channels", None)
+    if kv_channels is not None and kv_channels * heads != config.hidden_size:
+        raise ConfigError(f"TransformerConfig.kv_channels({kv_channels}) * num_attention_heads({heads}) != "
+                          f"hidden_size({config.hidden_size}): vtrain models head_dim = hidden / heads")
     return ModelSpec(
-        family=Family.LLAMA if llama else Family.GPT,
+        family=family,
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads,
+        num_attention_heads=heads,
         num_query_groups=config.num_query_groups,
         ffn_hidden_size=config.ffn_hidden_size,
         seq_length=seq_length,
         vocab_size=vocab_size,
-        dtype=dtype,
+        dtype=Dtype.BF16 if getattr(config, "bf16", False) else Dtype.FP16 if getattr(config, "fp16", False) else Dtype.FP32,
     )
+
+
+def _family(config: Any) -> Family:
+    """GPT (LayerNorm, GeLU, biases, dropout) or Llama (RMSNorm, SwiGLU, no biases, no dropout); a
+    mix of the two is refused, naming the field that disagrees with the normalization."""
+    normalization = getattr(config, "normalization", "LayerNorm")
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ConfigError(f"TransformerConfig.normalization={normalization!r}: must be 'LayerNorm' or 'RMSNorm'")
+    llama = normalization == "RMSNorm"
+    activation = getattr(getattr(config, "activation_func", None), "__name__", "")
+    expected = {
+        "gated_linear_unit": (bool(getattr(config, "gated_linear_unit", False)), llama),
+        "activation_func": (activation, "silu" if llama else "gelu"),
+        "add_bias_linear": (bool(getattr(config, "add_bias_linear", True)), not llama),
+        "hidden_dropout > 0": (getattr(config, "hidden_dropout", 0.1) > 0, not llama),
+        "attention_dropout > 0": (getattr(config, "attention_dropout", 0.1) > 0, not llama),
+    }
+    for field, (got, want) in expected.items():
+        if got != want:
+            layer = ("Llama layer (RMSNorm, SwiGLU, no linear biases, no dropout)" if llama
+                     else "GPT layer (LayerNorm, GeLU, linear biases, dropout)")
+            raise ConfigError(f"TransformerConfig.{field} is {got!r} with normalization={normalization!r}: "
+                              f"vtrain traces the {layer}")
+    return Family.LLAMA if llama else Family.GPT
+
+
+def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None) -> ParallelPlan:
+    """``plan`` checked against the config's parallel fields, or the config's own plan when ``plan``
+    is None. A field the config sets away from its default must agree with ``plan``."""
+    stated = {
+        "tensor_parallel": ("tensor_model_parallel_size", config.tensor_model_parallel_size or 1),
+        "pipeline_parallel": ("pipeline_model_parallel_size", config.pipeline_model_parallel_size or 1),
+        "virtual_pipeline": ("virtual_pipeline_model_parallel_size", config.virtual_pipeline_model_parallel_size or 1),
+        "sequence_parallel": ("sequence_parallel", bool(config.sequence_parallel)),
+        "recompute": ("recompute_granularity", _recompute(config)),
+    }
+    if plan is None:
+        return ParallelPlan(**{name: value for name, (_, value) in stated.items()})
+    defaults = ParallelPlan()
+    for name, (field, value) in stated.items():
+        ours = getattr(plan, name)
+        if value != getattr(defaults, name) and value != ours:
+            raise ConfigError(f"parallel.{name} ({_show(ours)}) != TransformerConfig.{field} ({_show(value)}): "
+                              f"pass a plan that agrees with the config, or parallel=None to use the config's")
+    return plan
+
+
+def _recompute(config: Any) -> Recompute:
+    granularity = getattr(config, "recompute_granularity", None)
+    if granularity is None:
+        return Recompute.NONE
+    if granularity == "selective":
+        modules = list(getattr(config, "recompute_modules", None) or ["core_attn"])
+        if modules != ["core_attn"]:
+            raise ConfigError(f"TransformerConfig.recompute_modules={modules!r}: selective recompute of "
+                              f"modules other than ['core_attn'] is not modelled yet")
+        return Recompute.SELECTIVE
+    if granularity == "full":
+        method, layers = getattr(config, "recompute_method", None), getattr(config, "recompute_num_layers", None)
+        if (method, layers) != ("uniform", 1):
+            raise ConfigError(f"TransformerConfig.recompute_method={method!r}, recompute_num_layers={layers!r}: "
+                              f"vtrain models full recompute of every layer (method 'uniform', 1 layer per group)")
+        return Recompute.FULL
+    raise ConfigError(f"TransformerConfig.recompute_granularity={granularity!r}: must be None, 'selective' or 'full'")
+
+
+def _show(value: Any) -> str:
+    return value.value if isinstance(value, Recompute) else repr(value) if isinstance(value, bool) else str(value)

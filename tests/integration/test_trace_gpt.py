@@ -3,6 +3,7 @@
 from collections import Counter
 
 import pytest
+import torch
 
 from vtrain_plugin.capture.graph_file import load_graph, save_graph
 from vtrain_plugin.capture.tracer import trace
@@ -191,18 +192,56 @@ def test_graph_json_round_trip(tmp_path, gpt3_tp8):
     assert load_graph(path) == gpt3_tp8
 
 
-def test_trace_from_a_megatron_transformer_config():
+def _llama_config(**fields):
+    import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2,
-                               normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
-                               ffn_hidden_size=704, bf16=True, tensor_model_parallel_size=2)
-    graph = trace(config, ParallelPlan(tensor_parallel=2), vocab_size=1000, seq_length=64)
+    llama = dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2, normalization="RMSNorm",
+                 gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                 hidden_dropout=0.0, attention_dropout=0.0, ffn_hidden_size=704, bf16=True)
+    return TransformerConfig(**{**llama, **fields})
+
+
+def test_trace_from_a_megatron_transformer_config():
+    graph = trace(_llama_config(tensor_model_parallel_size=2), ParallelPlan(tensor_parallel=2),
+                  vocab_size=1000, seq_length=64)
     assert graph.model.family is Family.LLAMA and graph.model.dtype is Dtype.BF16
     layer = graph.stages[0].layer_template()
     # QKV of a GQA layer: 8 query heads + 2 x 2 KV heads of 32, split over 2 ranks
     assert ((64, 256), (256, (8 + 2 * 2) * 32 // 2)) in mm_shapes(layer, Phase.FORWARD)
     assert layer.count == 4
+
+
+def test_a_bare_transformer_config_is_traced_with_its_own_parallel_plan():
+    """Regression: trace(config) ignored the config's TP / PP / SP / recompute and traced TP 1, PP 1."""
+    config = _llama_config(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, pipeline_dtype=torch.bfloat16,
+                           sequence_parallel=True,
+                           recompute_granularity="selective")
+    graph = trace(config, vocab_size=1000, seq_length=64)
+    assert graph.parallel == ParallelPlan(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True,
+                                          recompute="selective")
+    assert len(graph.stages) == 2
+
+
+@pytest.mark.parametrize("fields, plan, message", [
+    (dict(tensor_model_parallel_size=4), ParallelPlan(tensor_parallel=2),
+     "parallel.tensor_parallel (2) != TransformerConfig.tensor_model_parallel_size (4)"),
+    (dict(context_parallel_size=2), None, "TransformerConfig.context_parallel_size=2: context parallelism is not modelled"),
+    (dict(num_moe_experts=8), None, "TransformerConfig.num_moe_experts=8: mixture-of-experts layers is not modelled"),
+    (dict(fp8="hybrid"), None, "TransformerConfig.fp8='hybrid': fp8 training is not modelled"),
+    (dict(add_bias_linear=True), None, "TransformerConfig.add_bias_linear is True with normalization='RMSNorm'"),
+    (dict(hidden_dropout=0.1), None, "TransformerConfig.hidden_dropout > 0 is True with normalization='RMSNorm'"),
+    (dict(kv_channels=64), None, "TransformerConfig.kv_channels(64) * num_attention_heads(8) != hidden_size(256)"),
+    (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2), None,
+     "TransformerConfig.recompute_method='block', recompute_num_layers=2"),
+])
+def test_transformer_config_fields_vtrain_does_not_model_are_refused(fields, plan, message):
+    """Regression: MoE, context-parallel and fp8 fields were ignored without a word."""
+    from vtrain_plugin.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        trace(_llama_config(**fields), plan, vocab_size=1000, seq_length=64)
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_tracing_leaves_the_process_excepthook_alone():

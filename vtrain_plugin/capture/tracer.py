@@ -66,22 +66,24 @@ def trace(model: Any, parallel: ParallelPlan | None = None, *, micro_batch_size:
     """Trace one training iteration of ``model`` into an :class:`OpGraph`.
 
     ``model`` is a :class:`ModelSpec`, a megatron-core ``TransformerConfig`` (then ``vocab_size``
-    and ``seq_length`` are required; the GPT family is inferred from its normalization), or a
+    and ``seq_length`` are required; the GPT or Llama layer is read from its fields, its TP / PP /
+    virtual pipeline / SP / recompute are the plan when ``parallel`` is None and must agree with
+    ``parallel`` otherwise, and fields vtrain does not model yet are refused), or a
     built ``torch.nn.Module`` (then ``sample_input`` is required: its first dimension is the
     micro-batch size; ``seq_length`` is the tokens per sample, read from the input when it is a
     2-D integer tensor of token ids, else unknown and tokens/s is not reported). ``parallel`` defaults to one GPU;
     ``micro_batch_size`` overrides the plan's. ``traced_layers`` is how many layers of each chunk
     are actually built and run (``None``: all of them).
     """
-    plan = parallel or ParallelPlan()
-    if micro_batch_size is not None:
-        plan = replace(plan, micro_batch_size=micro_batch_size)
     if isinstance(model, torch.nn.Module):
         if sample_input is None:
             raise ConfigError("sample_input is required to trace a plain torch.nn.Module")
         return _trace_module(model, sample_input, loss_fn, seq_length=seq_length)
     if not isinstance(model, ModelSpec):
-        model = _spec_from_transformer_config(model, vocab_size=vocab_size, seq_length=seq_length)
+        model, parallel = _from_transformer_config(model, parallel, vocab_size=vocab_size, seq_length=seq_length)
+    plan = parallel or ParallelPlan()
+    if micro_batch_size is not None:
+        plan = replace(plan, micro_batch_size=micro_batch_size)
     if traced_layers is not None and traced_layers < 1:
         raise ConfigError(f"traced_layers must be positive or None, got {traced_layers}")
     return trace_gpt(model, plan, traced_layers=traced_layers)
@@ -229,12 +231,15 @@ def _assemble_stage(traced: _ChunkTrace, rank: int, chunk: int, per_chunk: int) 
                       word_embedding_parameters=traced.word_embedding_params)
 
 
-def _spec_from_transformer_config(config: Any, *, vocab_size: int | None, seq_length: int | None) -> ModelSpec:
-    from megatron_adapters.config_map import model_spec_from_transformer_config
+def _from_transformer_config(config: Any, parallel: ParallelPlan | None, *, vocab_size: int | None,
+                             seq_length: int | None) -> tuple[ModelSpec, ParallelPlan]:
+    """The model and plan of a TransformerConfig: its fields honoured, or refused when not modelled."""
+    from megatron_adapters.config_map import model_spec_from_transformer_config, parallel_plan_from_transformer_config
 
     if vocab_size is None or seq_length is None:
         raise ConfigError("vocab_size and seq_length are required when tracing from a TransformerConfig")
-    return model_spec_from_transformer_config(config, vocab_size=vocab_size, seq_length=seq_length)
+    model = model_spec_from_transformer_config(config, vocab_size=vocab_size, seq_length=seq_length)
+    return model, parallel_plan_from_transformer_config(config, parallel)
 
 
 def _trace_module(module: torch.nn.Module, sample_input: Any, loss_fn: Callable | None, *,
