@@ -22,7 +22,7 @@ from vtrain_plugin.api import run_config_from_dict
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.cost.prepare import PreparedGraph, prepare
 from vtrain_plugin.estimate import predict
-from vtrain_plugin.hardware.calibration import DeviceConstants
+from vtrain_plugin.hardware.calibration import CONSTANT_RANGES, DeviceConstants
 from vtrain_plugin.specs.run import RunConfig
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -144,15 +144,21 @@ def predict_all(prepared: Sequence[PreparedRun], constants: DeviceConstants) -> 
 
 # ---- the fit ---------------------------------------------------------------------------------------
 
-# The constants calibration fits, each searched inside its plausible range (vtrain_plugin.hardware.devices):
-# lower and upper bound of the search, and whether the search is on a log scale.
+# The constants calibration fits, each searched exactly inside its plausible range
+# (vtrain_plugin.hardware.calibration.CONSTANT_RANGES: a bounded fit, never clipped afterwards), and
+# whether the search is on a log scale.
 FITTED: dict[str, tuple[float, float, bool]] = {
-    "gemm_efficiency": (0.5, 1.0, False),
-    "hbm_efficiency": (0.5, 1.0, False),
-    "kernel_overhead_ns": (500.0, 20000.0, True),
-    "host_overhead_ns": (1000.0, 100000.0, True),
-    "microbatch_overhead_ns": (1000.0, 5_000_000.0, True),
-    "network_efficiency": (0.3, 1.0, False),
+    name: (*CONSTANT_RANGES[name], log) for name, log in (
+        ("gemm_efficiency", False),
+        ("hbm_efficiency", False),
+        ("kernel_overhead_ns", True),
+        ("host_overhead_ns", True),
+        ("module_host_overhead_ns", True),
+        ("layer_host_overhead_ns", True),
+        ("collective_host_overhead_ns", True),
+        ("microbatch_overhead_ns", True),
+        ("network_efficiency", False),
+    )
 }
 
 
@@ -161,8 +167,9 @@ TIED = ("backward_host_overhead_ns",)
 
 
 # Where every fit starts: typical values from the documentation of each constant, not from the data.
-START = DeviceConstants(gemm_efficiency=0.8, hbm_efficiency=0.8, kernel_overhead_ns=2000.0, host_overhead_ns=10000.0,
-                        backward_host_overhead_ns=3000.0, microbatch_overhead_ns=100_000.0, network_efficiency=0.8)
+START = DeviceConstants(gemm_efficiency=0.8, hbm_efficiency=0.8, kernel_overhead_ns=2000.0, host_overhead_ns=5000.0,
+                        backward_host_overhead_ns=5000.0, module_host_overhead_ns=20000.0,
+                        layer_host_overhead_ns=100_000.0, collective_host_overhead_ns=20000.0, microbatch_overhead_ns=500_000.0, network_efficiency=0.85)
 
 
 def _to_unit(name: str, value: float) -> float:
@@ -178,9 +185,9 @@ def _from_unit(name: str, u: float) -> float:
 
 
 def constants_from_unit(base: DeviceConstants, u: np.ndarray) -> DeviceConstants:
-    """Constants at unit-cube point ``u``. Backward ops get the forward host cost: Megatron-DeepSpeed
-    runs both through Python (autograd Functions in backward), and a separate constant is not
-    identifiable from iteration times (the fit trades one against the other)."""
+    """Constants at unit-cube point ``u``. Backward kernels get the forward per-kernel host cost:
+    dispatch and launch cost the same from autograd's engine (the Python of both directions is the
+    per-module cost), and a separate constant is not identifiable from iteration times."""
     values = {name: _from_unit(name, float(x)) for name, x in zip(FITTED, u)}
     values["backward_host_overhead_ns"] = values["host_overhead_ns"]
     return DeviceConstants(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **values})

@@ -31,8 +31,9 @@ from vtrain_plugin.hardware.calibration import (CONSTANT_RANGES, Calibration, De
 DATASETS = {("a100-sxm4-80gb", "megatron_deepspeed_2023"): (
     "144 single-node and 26 multi-node A100 SXM 80GB iteration times published with vTrain (MICRO'24), "
     "../shared/data/a100_{single,multi}_node_calibration.csv: Megatron-DeepSpeed, fp16, full recompute, DGX A100 "
-    "nodes with 8 x 200 Gb/s InfiniBand. Bounded Nelder-Mead on the mean absolute log error, single- and "
-    "multi-node runs weighted equally; the backward host cost is tied to the forward one.")}
+    "nodes with 8 x 200 Gb/s InfiniBand. Nelder-Mead bounded to each constant's plausible range on the mean "
+    "absolute log error, single- and multi-node runs weighted equally; the backward per-kernel host cost is "
+    "tied to the forward one.")}
 
 
 def main() -> None:
@@ -63,10 +64,10 @@ def main() -> None:
             for name in FITTED]
     print(render_table(rows, ["constant", "start", "fitted", "searched", "plausible"]))
     predicted = predict_all(prepared, constants)
-    for source in ("single", "multi"):
-        idx = [i for i, r in enumerate(runs) if r.source == source]
+    for nodes in ("single", "multi"):
+        idx = [i for i, r in enumerate(runs) if r.source == nodes]
         s = error_stats(predicted[idx], [runs[i].measured_ms for i in idx])
-        print(f"{source}-node: MAPE {s.mape:.2f}%  median {s.median:.2f}%  p90 {s.p90:.2f}%  bias {s.bias:+.2f}%")
+        print(f"{nodes}-node: MAPE {s.mape:.2f}%  median {s.median:.2f}%  p90 {s.p90:.2f}%  bias {s.bias:+.2f}%")
     if not args.dry_run:
         values = {name: round(float(getattr(constants, name)), 6) for name in (*FITTED, *TIED)}
         calibration = Calibration(device=args.device, software_stack=args.stack, source=source,

@@ -82,3 +82,26 @@ def test_memory_per_rank_is_model_states_plus_activations_in_flight():
     assert (first.inflight_microbatches, first.activations_gib) == (2, 12.0)
     assert (second.inflight_microbatches, second.activations_gib) == (1, 2.0)
     assert first.total_gib == 28.0
+
+
+def test_module_and_layer_host_work_falls_before_the_first_kernel_of_each_call():
+    from vtrain_plugin.core.graph import KernelKey, OpNode
+    from vtrain_plugin.cost.prepare import host_calls
+
+    def op(module, phase):
+        return OpNode(key=KernelKey(op="aten.mm.default", input_shapes=((2, 2), (2, 2)), dtypes=("fp16", "fp16")),
+                      phase=phase, module=module)
+
+    f, b, o = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER
+    nodes = [op("emb", f), op("l.qkv", f), op("l.qkv", f), None, op("l", f), op("l.qkv", f), op("l.fc", f),
+             op("l.fc", b), op("l.qkv", b), op("l", o), op("l", o)]
+    segments = [Segment(block=0, phase=f, start=0, stop=1, count=1),
+                Segment(block=1, phase=f, start=1, stop=7, count=3),
+                Segment(block=1, phase=b, start=7, stop=9, count=3),
+                Segment(block=1, phase=o, start=9, stop=11, count=3)]
+    blocks = (Block(kind=BlockKind.EMBEDDING, name="emb", nodes=()), Block(kind=BlockKind.LAYER, name="l", nodes=()))
+    modules, layers = host_calls(nodes, segments, blocks)
+    # one call per distinct module per segment, at its first kernel; no module calls in the optimizer
+    assert modules.tolist() == [1, 1, 0, 0, 1, 0, 1, 1, 1, 0, 0]
+    # one layer entry per forward / backward segment of a layer block, none for the embedding
+    assert layers.tolist() == [0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]

@@ -99,14 +99,37 @@ def test_spec_is_frozen():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("gemm_efficiency", 1.2, r"gemm_efficiency must lie in \[0.3, 1\], got 1.2"),
-    ("hbm_efficiency", 0.1, r"hbm_efficiency must lie in \[0.3, 1\], got 0.1"),
-    ("kernel_overhead_ns", 100, r"kernel_overhead_ns must lie in \[500, 20000\], got 100"),
+    ("gemm_efficiency", 1.2, r"gemm_efficiency must lie in \[0.5, 0.95\], got 1.2"),
+    ("hbm_efficiency", 0.1, r"hbm_efficiency must lie in \[0.5, 0.95\], got 0.1"),
+    ("kernel_overhead_ns", 5880, r"kernel_overhead_ns must lie in \[1000, 5000\], got 5880"),
     ("host_overhead_ns", 0, r"host_overhead_ns must be positive, got 0"),
+    ("host_overhead_ns", 51549, r"host_overhead_ns must lie in \[1000, 15000\], got 51549"),
+    ("microbatch_overhead_ns", 1305, r"microbatch_overhead_ns must lie in \[100000, 5e\+06\], got 1305"),
+    ("network_efficiency", 0.51, r"network_efficiency must lie in \[0.7, 0.95\], got 0.51"),
+    ("module_host_overhead_ns", 500, r"module_host_overhead_ns must lie in \[2000, 100000\], got 500"),
 ])
 def test_constants_outside_plausible_range_are_rejected(field, value, message):
     with pytest.raises(ConfigError, match=message):
         _constants(**{field: value})
+
+
+def test_neutral_values_of_optional_constants_mean_not_modelled():
+    neutral = _constants()
+    assert (neutral.module_host_overhead_ns, neutral.layer_host_overhead_ns, neutral.network_efficiency) == (0, 0, 1)
+
+
+def test_every_shipped_calibration_file_lies_inside_the_documented_ranges():
+    """Fitted constants are physical: each one in a shipped file inside CONSTANT_RANGES (the neutral
+    value of an optional constant only where the file leaves it out)."""
+    from vtrain_plugin.hardware.calibration import CONSTANT_RANGES, package_calibration_dir
+
+    files = sorted(package_calibration_dir().glob("*/*.json"))
+    assert len(files) >= 6
+    for path in files:
+        constants = json.loads(path.read_text())["constants"]
+        for name, value in constants.items():
+            low, high = CONSTANT_RANGES[name]
+            assert low <= value <= high, f"{path.parent.name}/{path.name}: {name} = {value} outside [{low}, {high}]"
 
 
 def test_spec_validation_names_the_field():

@@ -4,11 +4,13 @@ This is where the hundreds of kernels of a layer are summed, once per estimate, 
 backward, recompute and optimizer durations per chunk (:class:`ChunkWork`), with a few array
 operations per stage: kernel times (:mod:`vtrain_plugin.cost.kernel_timer`), the host/device pipeline
 (:mod:`vtrain_plugin.cost.host_device`), blocking tensor-parallel collectives timed by the comm model
-and entering the pipeline in place with one kernel's host cost, gradient buckets
+and entering the pipeline in place with ``collective_host_overhead_ns`` of host cost (a kernel's when
+that is not modelled), gradient buckets
 (:mod:`vtrain_plugin.cost.dp_buckets`), pipeline transfers and the tied-embedding synchronisation.
 Each task (a forward, a recompute, a backward of one micro-batch on one chunk) starts with the
 pipeline empty, as after Megatron's synchronisation around pipeline transfers, and each forward also
-pays ``microbatch_overhead_ns`` of host work outside the model. Activation checkpointing recomputes
+pays ``microbatch_overhead_ns`` of host work outside the model. Host time is spent per kernel
+(the timer's), per module call and per layer (:func:`vtrain_plugin.cost.prepare.host_calls`). Activation checkpointing recomputes
 each layer right before its backward, so one layer's recompute and backward form one pipelined unit;
 the task's time is split between the two in proportion to their stand-alone times for the breakdown.
 """
@@ -83,10 +85,12 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     rank = stage.pipeline_rank
     constants = timer.constants
     device, host = timer.times_ns(role.kernels, role.measured_ns)
+    host += constants.module_host_overhead_ns * role.module_calls + constants.layer_host_overhead_ns * role.layer_calls
     is_comm = np.zeros(len(device), bool)
     for row, node in role.tp_rows:
         device[row] = comm.time_ns(node.kind, node.nbytes, node.group, pipeline_rank=rank)
-        host[row] = constants.backward_host_overhead_ns if node.phase is Phase.BACKWARD else constants.host_overhead_ns
+        host[row] = constants.collective_host_overhead_ns or (
+            constants.backward_host_overhead_ns if node.phase is Phase.BACKWARD else constants.host_overhead_ns)
         is_comm[row] = True
     if timer.device.host_runs_kernels:  # a CPU issues and runs each op: no overlap to model
         device, host = device + host, np.zeros_like(host)

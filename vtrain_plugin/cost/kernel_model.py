@@ -17,9 +17,10 @@ Device time of one kernel is ``max(compute_ns, memory_ns) + kernel_overhead_ns``
   is usually 0 and the kernel is memory-bound at the achievable HBM bandwidth).
 - views, metadata and host reads (NO_KERNEL, HOST_SYNC) take no device time.
 
-Host time: the CPU spends ``host_overhead_ns`` issuing each kernel of a forward, recompute or
-optimizer op (Python, module hooks, dispatch, the launch call) and ``backward_host_overhead_ns`` for
-each kernel of a backward op (issued by autograd's C++ engine, no Python). For small models the GPU
+Host time per kernel: the CPU spends ``host_overhead_ns`` issuing each kernel of a forward,
+recompute or optimizer op (ATen dispatch, the launch call) and ``backward_host_overhead_ns`` for
+each kernel of a backward op (issued by autograd's C++ engine); the framework's Python per module
+call and per layer is added by the costing (:func:`vtrain_plugin.cost.prepare.host_calls`). For small models the GPU
 waits on the CPU; the caller combines host and device times of a kernel sequence as a two-stage
 pipeline (see :mod:`vtrain_plugin.cost.host_device`).
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from vtrain_plugin.core.graph import Block, CollectiveNode, KernelKey, OpGraph, OpNode, ParallelGroup, Phase, StageGraph
+from vtrain_plugin.core.graph import Block, BlockKind, CollectiveNode, KernelKey, OpGraph, OpNode, ParallelGroup, Phase, StageGraph
 from vtrain_plugin.cost.host_device import Segment
 from vtrain_plugin.cost.kernel_model import KernelBatch
 from vtrain_plugin.cost.kernel_timer import measured_ns
@@ -49,6 +49,33 @@ class PreparedRole:
     tp_rows: tuple[tuple[int, CollectiveNode], ...]  # rows holding blocking TP collectives
     segments: tuple[Segment, ...]  # blocks in stage order, phases in PHASES order
     flops: dict[Phase, int]  # of one micro-batch through this chunk, on one tensor-parallel rank
+    module_calls: np.ndarray  # per row: 1 where a module call's host work starts (see host_calls)
+    layer_calls: np.ndarray  # per row: 1 where a transformer layer's own host work starts
+
+
+def host_calls(nodes: list[OpNode | None], segments: list[Segment], blocks: tuple[Block, ...]
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Where the framework's per-module and per-layer host work falls, as row flags.
+
+    Every module that issues kernels is called once per layer and phase (forward, recompute,
+    backward; the optimizer step is no module call): its host work is put before its first kernel
+    of the segment. A transformer layer's own work (its Python, the checkpoint wrapper) is put before
+    the first kernel of each of its forward, recompute and backward segments.
+    """
+    modules = np.zeros(len(nodes))
+    layers = np.zeros(len(nodes))
+    for s in segments:
+        if s.phase is Phase.OPTIMIZER or s.stop == s.start:
+            continue
+        seen: set[str] = set()
+        for row in range(s.start, s.stop):
+            node = nodes[row]
+            if node is not None and node.module not in seen:
+                seen.add(node.module)
+                modules[row] = 1.0
+        if blocks[s.block].kind is BlockKind.LAYER:
+            layers[s.start] = 1.0
+    return modules, layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,5 +168,7 @@ def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, measured: Map
     kernels = KernelBatch.of([n if n is not None else _NO_KERNEL for n in rows])
     kernels = replace(kernels, backward=np.array([p is Phase.BACKWARD for p in phases], bool))
     flops = {phase: sum(b.count * op.flops for b in blocks for op in b.ops(phase)) for phase in PHASES}
+    module_calls, layer_calls = host_calls(rows, segments, blocks)
     return PreparedRole(blocks=blocks, kernels=kernels, measured_ns=measured_ns(rows, measured), nodes=tuple(rows),
-                        tp_rows=tuple(tp_rows), segments=tuple(segments), flops=flops)
+                        tp_rows=tuple(tp_rows), segments=tuple(segments), flops=flops,
+                        module_calls=module_calls, layer_calls=layer_calls)

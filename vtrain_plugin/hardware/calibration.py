@@ -10,32 +10,55 @@ produced it) and ``constants``. Files are looked up in the user's calibration fo
 before the ``default`` one. Calibration writes into the user's folder unless asked to write into
 the package.
 
-The device constants (:class:`DeviceConstants`) and their physically plausible ranges:
+The device constants (:class:`DeviceConstants`) and their physically plausible ranges. A
+calibration is a bounded fit inside these ranges (not clipped afterwards); a file whose constant
+lies outside its range is refused. Host time is modelled the way the CPU spends it: per launched
+kernel, per module call, per transformer layer and per micro-batch, each its own constant, so that
+constants fitted on one model, GPU or scale carry over to another (host costs are software costs:
+they do not change with the GPU).
 
-- ``gemm_efficiency`` in [0.3, 1.0]: the fraction of dense tensor-core peak that a large,
+- ``gemm_efficiency`` in [0.5, 0.95]: the fraction of dense tensor-core peak that a large,
   well-shaped GEMM reaches after tile and wave quantization are accounted for. cuBLAS reaches
-  80-90% on A100 and 65-80% on H100 (power and clock limits); below 0.3 a calibration is fitting
-  something other than GEMM throughput.
-- ``hbm_efficiency`` in [0.3, 1.0]: the fraction of spec HBM bandwidth a streaming kernel reaches.
-  Copy kernels reach 85-92%, PyTorch pointwise, norm and softmax kernels 60-90%.
-- ``kernel_overhead_ns`` in [500, 20000]: device time each kernel adds beyond its roofline time:
-  launch latency between back-to-back kernels on one stream, ramp-up and tail. 1-5 us in practice.
-- ``host_overhead_ns`` in [1000, 100000]: CPU time the framework spends per launched op of a
-  forward, recompute or optimizer step (Python, module hooks, dispatch, the launch call itself).
-  3-20 us in eager PyTorch.
+  80-90% on A100 and 65-80% on H100 (power and clock limits; NVIDIA's cuBLAS / CUTLASS profiler
+  figures); below 0.5 a calibration is fitting something other than GEMM throughput.
+- ``hbm_efficiency`` in [0.5, 0.95]: the fraction of spec HBM bandwidth a streaming kernel reaches.
+  Copy kernels reach 85-92% (STREAM-like device copies), PyTorch pointwise, norm and softmax
+  kernels 60-90%.
+- ``kernel_overhead_ns`` in [1000, 5000]: device time each kernel adds beyond its roofline time:
+  launch latency between back-to-back kernels on one stream, ramp-up and tail; 2-5 us measured
+  for back-to-back small kernels (e.g. the CUDA launch-latency microbenchmarks of Jia et al.,
+  "Dissecting the NVIDIA Volta/Ampere GPU architecture via microbenchmarking").
+- ``host_overhead_ns`` in [1000, 15000]: CPU time per launched kernel of a forward, recompute or
+  optimizer op: ATen dispatch plus the launch call. Eager PyTorch spends 3-10 us per op on small
+  tensors (PyTorch's operator-overhead benchmarks, ``benchmarks/operator_benchmark``), the
+  cudaLaunchKernel call 2-5 us of it.
 
-Optional constants (a preset may leave them out; the default is the neutral value):
+Optional constants (a file may leave them out; then the neutral value below applies, which means
+"not modelled" and is exempt from the range):
 
-- ``backward_host_overhead_ns`` in [500, 100000], default 1000: CPU time per kernel of a backward op.
-  Autograd's C++ engine issues plain ops in 1-10 us, but Megatron's layers implement most backwards
-  as Python ``autograd.Function`` s (tensor-parallel linears and mappings, fused softmax,
-  activation checkpointing), which cost as much as forward Python: up to the forward range.
-- ``microbatch_overhead_ns`` in [0, 10000000], default 0: host time each pipeline stage spends per
-  micro-batch outside the model's ops (the schedule's Python, fetching and broadcasting the batch
-  to the tensor-parallel ranks, the synchronisation after each pipeline transfer): 0.1-5 ms.
-- ``network_efficiency`` in [0.2, 1.0], default 1.0: the fraction of a node's nominal network
+- ``backward_host_overhead_ns`` in [500, 15000], neutral 1000: CPU time per kernel of a backward op,
+  issued by autograd's C++ engine (dispatch and launch as in forward, without Python).
+- ``module_host_overhead_ns`` in [2000, 100000], neutral 0: CPU time per module call that issues
+  kernels, in every phase but the optimizer: ``nn.Module.__call__`` with its hooks, the module's
+  Python ``forward``, and Megatron's ``autograd.Function`` s (tensor-parallel linears and
+  mappings, fused softmax) whose Python ``forward`` and ``backward`` run per call. A bare module
+  call costs 5-10 us; with forward hooks and a Python autograd Function 20-60 us (PyTorch
+  profiler traces of Megatron layers show 20-80 us of CPU between the kernels of one module).
+- ``collective_host_overhead_ns`` in [5000, 100000], neutral 0: CPU time to issue one blocking
+  tensor-parallel collective instead of a kernel's dispatch and launch: the ``torch.distributed``
+  Python call, ProcessGroupNCCL's work object and its CUDA events, and ``ncclAllReduce`` enqueueing
+  its kernel; 15-50 us per call in PyTorch profiler traces of Megatron's tensor-parallel layers.
+- ``layer_host_overhead_ns`` in [10000, 1000000], neutral 0: CPU time per transformer layer per
+  forward, recompute and backward, outside its modules: the layer's own Python, and with
+  activation checkpointing the checkpoint wrapper (saving and restoring the CPU and CUDA RNG
+  states, detaching and re-attaching inputs, DeepSpeed's activation partitioning bookkeeping),
+  0.05-1 ms per layer in published profiler traces.
+- ``microbatch_overhead_ns`` in [100000, 5000000], neutral 0: host time each pipeline stage spends
+  per micro-batch outside the model's ops (the schedule's Python, fetching and broadcasting the
+  batch to the tensor-parallel ranks, the synchronisation after each pipeline transfer): 0.1-5 ms.
+- ``network_efficiency`` in [0.7, 0.95], neutral 1.0: the fraction of a node's nominal network
   bandwidth NCCL reaches between nodes (protocol overhead, PCIe between GPU and NIC, congestion);
-  nccl-tests on InfiniBand HDR reach 70-95%, concurrent collectives of many groups less.
+  nccl-tests on InfiniBand HDR / NDR report 70-95% of line rate for large all-reduce buses.
 """
 
 from __future__ import annotations
@@ -57,20 +80,27 @@ DEFAULT_STACK = "default"
 
 # Physically plausible [low, high] of each device constant; see the module docstring for why.
 CONSTANT_RANGES: dict[str, tuple[float, float]] = {
-    "gemm_efficiency": (0.3, 1.0),
-    "hbm_efficiency": (0.3, 1.0),
-    "kernel_overhead_ns": (500.0, 20000.0),
-    "host_overhead_ns": (1000.0, 100000.0),
-    "backward_host_overhead_ns": (500.0, 100000.0),
-    "microbatch_overhead_ns": (0.0, 10_000_000.0),
-    "network_efficiency": (0.2, 1.0),
+    "gemm_efficiency": (0.5, 0.95),
+    "hbm_efficiency": (0.5, 0.95),
+    "kernel_overhead_ns": (1000.0, 5000.0),
+    "host_overhead_ns": (1000.0, 15000.0),
+    "backward_host_overhead_ns": (500.0, 15000.0),
+    "module_host_overhead_ns": (2000.0, 100000.0),
+    "layer_host_overhead_ns": (10000.0, 1_000_000.0),
+    "collective_host_overhead_ns": (5000.0, 100000.0),
+    "microbatch_overhead_ns": (100_000.0, 5_000_000.0),
+    "network_efficiency": (0.7, 0.95),
 }
-# Constants a preset may omit; missing ones take these neutral values.
+# Constants a file may omit; missing ones take these neutral values ("not modelled"), exempt from the ranges.
 OPTIONAL_CONSTANTS: dict[str, float] = {
     "backward_host_overhead_ns": 1000.0,
+    "module_host_overhead_ns": 0.0,
+    "layer_host_overhead_ns": 0.0,
+    "collective_host_overhead_ns": 0.0,
     "microbatch_overhead_ns": 0.0,
     "network_efficiency": 1.0,
 }
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceConstants:
@@ -81,14 +111,17 @@ class DeviceConstants:
     kernel_overhead_ns: float
     host_overhead_ns: float
     backward_host_overhead_ns: float = OPTIONAL_CONSTANTS["backward_host_overhead_ns"]
+    module_host_overhead_ns: float = OPTIONAL_CONSTANTS["module_host_overhead_ns"]
+    layer_host_overhead_ns: float = OPTIONAL_CONSTANTS["layer_host_overhead_ns"]
+    collective_host_overhead_ns: float = OPTIONAL_CONSTANTS["collective_host_overhead_ns"]
     microbatch_overhead_ns: float = OPTIONAL_CONSTANTS["microbatch_overhead_ns"]
     network_efficiency: float = OPTIONAL_CONSTANTS["network_efficiency"]
 
     def __post_init__(self) -> None:
         for name, (low, high) in CONSTANT_RANGES.items():
-            check = v.positive_number if low > 0 else v.non_negative_number
+            check = v.positive_number if low > 0 and OPTIONAL_CONSTANTS.get(name, 1.0) > 0 else v.non_negative_number
             value = check(f"device constant {name}", getattr(self, name))
-            if not low <= value <= high:
+            if not low <= value <= high and value != OPTIONAL_CONSTANTS.get(name):
                 raise ConfigError(f"device constant {name} must lie in [{low:g}, {high:g}], got {value:g}")
             object.__setattr__(self, name, value)
 
