@@ -57,19 +57,20 @@ class LaunchCommand:
                                   "--nproc-per-node in the script)")
             return gpus
         nproc = self.nproc_per_node or "1"
-        nodes = (self.nnodes or "1").split(":")
         where = f"torchrun --nnodes {self.nnodes or 1} x --nproc-per-node {nproc}"
-        if not nproc.isdigit() or not all(n.isdigit() for n in nodes) or len(nodes) > 2:
+        counts = [_count(n) for n in (self.nnodes or "1").split(":")]
+        per_node = _count(nproc)
+        if per_node is None or len(counts) > 2 or None in counts:
             if gpus is None:
-                raise ConfigError(f"the GPU count is unknown: {where} is not a product of numbers; give --gpus N")
+                raise ConfigError(f"the GPU count is unknown: {where} is not a product of whole numbers; give --gpus N")
             return gpus
-        low, high, per_node = int(nodes[0]), int(nodes[-1]), int(nproc)
+        low, high = counts[0], counts[-1]
+        if per_node == 0 or low == 0:
+            raise ConfigError(f"the GPU count must be positive: {where}")
         if low == high:
             written = low * per_node
             if gpus is not None and gpus != written:
                 raise ConfigError(f"--gpus ({gpus}) disagrees with the script: {where} = {written} GPUs")
-            if written <= 0:
-                raise ConfigError(f"the GPU count must be positive: {where} = {written}")
             return written
         if gpus is None:
             raise ConfigError(f"the GPU count is unknown: {where} is a range of nodes; give --gpus N")
@@ -77,6 +78,10 @@ class LaunchCommand:
             raise ConfigError(f"--gpus ({gpus}) disagrees with the script: {where} gives {low * per_node} to "
                               f"{high * per_node} GPUs in steps of {per_node}")
         return gpus
+
+
+def _count(text: str) -> int | None:
+    return int(text) if re.fullmatch(r"[0-9]{1,9}", text) else None
 
 
 def launch_command(words: Sequence[str], *, line: int = 0) -> LaunchCommand:

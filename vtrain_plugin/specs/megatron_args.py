@@ -231,7 +231,7 @@ def parse_flags(argv: Sequence[str]) -> dict[str, Any]:
         if not word.startswith("-"):
             raise ConfigError(f"unexpected word {word!r}: not the value of a Megatron-LM flag")
         flag = word.partition("=")[0]
-        close = difflib.get_close_matches(flag, MEGATRON_FLAGS, n=1)
+        close = difflib.get_close_matches(flag, MEGATRON_FLAGS, n=1, cutoff=0.8)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ConfigError(f"unknown argument {flag}: not a Megatron-LM argument vtrain knows{hint}")
     given = {flag: value for flag, value in vars(namespace).items() if value is not None}

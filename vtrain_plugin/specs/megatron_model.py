@@ -18,7 +18,7 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.model import Family
 from vtrain_plugin.specs.parallel import Recompute
 
-Given = Mapping[str, Any]  # the flags a command line gives: "--flag" -> str, list of str, or True
+Given = Mapping[str, Any]  # the flags a command line gives, each to its value, list of values, or True
 
 _FAMILIES = {
     Family.GPT: {"normalization": "LayerNorm", "activation": "gelu", "positions": "learned_absolute",

@@ -21,6 +21,21 @@ from vtrain_plugin.specs.shell_words import Part, Word
 _EXPANSION = re.compile(r"\\[$`\"\\]|\$\{[^}]*\}|\$\(\(.*?\)\)|\$\([^)]*\)|`[^`]*`|\$[A-Za-z_][A-Za-z0-9_]*|\$.")
 
 
+class Unknown(str):
+    """The text of an expansion whose value is not known without running the script; kept as one word."""
+
+
+def _concat(left: str | None, right: str) -> str:
+    """``left + right``, unknown if either part is."""
+    text = (left or "") + right
+    return Unknown(text) if isinstance(left, Unknown) or isinstance(right, Unknown) else text
+
+
+def _joined(values: Sequence[str]) -> str:
+    text = " ".join(values)
+    return Unknown(text) if any(isinstance(v, Unknown) for v in values) else text
+
+
 class Environment:
     """The variables of a script as it is read. Each variable also remembers the blocks (``if``
     branches, loops: ids given by the reader) whose assignments its value depends on."""
@@ -37,7 +52,7 @@ class Environment:
         if elements is not None:
             new = [f for word in elements for f in self._fields(word, split=True)]
         else:
-            new = ["".join(self._fields(value, split=False))]
+            new = self._fields(value, split=False)[:1] or [""]
         if append and name in self.values:
             old = self.values[name]
             new = old + new if elements is not None else old[:-1] + [(old[-1] if old else "") + new[0]]
@@ -65,24 +80,24 @@ class Environment:
 
         for part in word.parts:
             if not part.expansion:
-                current = (current or "") + part.text
+                current = _concat(current, part.text)
                 continue
             pieces = self._expand_part(part)
             if not split:
-                current = (current or "") + " ".join(pieces)
+                current = _concat(current, _joined(pieces))
             elif part.quoted:
                 for k, piece in enumerate(pieces):
                     if k:
                         flush()
-                    current = (current or "") + piece
+                    current = _concat(current, piece)
             else:
                 for k, piece in enumerate(pieces):
                     if k or piece[:1].isspace():
                         flush()
-                    for t, token in enumerate(piece.split()):
+                    for t, token in enumerate([piece] if isinstance(piece, Unknown) else piece.split()):
                         if t:
                             flush()
-                        current = (current or "") + token
+                        current = _concat(current, token)
                     if piece[-1:].isspace():
                         flush()
         flush()
@@ -95,27 +110,28 @@ class Environment:
         values = [""]
         position = 0
         for match in _EXPANSION.finditer(part.text):
-            values[-1] += part.text[position:match.start()]
+            values[-1] = _concat(values[-1], part.text[position:match.start()])
             token = match.group()
             if token.startswith("\\"):
-                values[-1] += token[1:]
+                values[-1] = _concat(values[-1], token[1:])
             else:
                 expanded = self._expansion(token)
-                values[-1] += expanded[0] if expanded else ""
+                values[-1] = _concat(values[-1], expanded[0] if expanded else "")
                 values.extend(expanded[1:])
             position = match.end()
-        values[-1] += part.text[position:]
+        values[-1] = _concat(values[-1], part.text[position:])
         return values
 
     def _expansion(self, token: str) -> list[str]:
         if token.startswith("$((") and token.endswith("))"):
-            return [_arithmetic(token, self._scalar)]
+            value = _arithmetic(token, self._scalar)
+            return [Unknown(token) if value is None else value]
         if token.startswith(("$(", "`")):
-            return [token]  # a command substitution: never run
+            return [Unknown(token)]  # a command substitution: never run
         inner = token[2:-1] if token.startswith("${") else token[1:]
         match = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*|[0-9]+)(\[[@*]\])?(?:(:?[-=+])(.*))?", inner, re.S)
         if match is None:
-            return [token]
+            return [Unknown(token)]
         name, index, op, default = match.groups()
         value = self._lookup(name)
         if op is not None:
@@ -125,7 +141,9 @@ class Environment:
             if unset:
                 return [self._expand_default(default)]
         if value is None:
-            return [token]
+            return [Unknown(token)]
+        if index == "[*]":
+            return [_joined(value)]
         return value if index else value[:1]
 
     def _expand_default(self, text: str) -> str:
@@ -145,17 +163,17 @@ _OPERATORS: dict[type, Callable[..., int]] = {ast.Add: operator.add, ast.Sub: op
                                     ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
-def _arithmetic(token: str, scalar: Callable[[str], str | None]) -> str:
-    """Bash integer arithmetic ``$(( ... ))`` over + - * / %, with variables; else the token itself."""
-    expression = token[3:-2]
+def _arithmetic(token: str, scalar: Callable[[str], str | None]) -> str | None:
+    """Bash integer arithmetic ``$(( ... ))`` over + - * / %, with variables; None if not that."""
+    expression = token[3:-2].strip()
     names = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", r"\1", expression)
     substituted = re.sub(r"[A-Za-z_][A-Za-z0-9_]*", lambda m: scalar(m.group()) or "x", names)
     if len(substituted) > 200 or not re.fullmatch(r"[0-9+\-*/%() \t]*", substituted):
-        return token
+        return None
     try:
         return str(_evaluate(ast.parse(substituted.replace("/", "//"), mode="eval").body))
     except (SyntaxError, ZeroDivisionError, KeyError, ValueError):
-        return token
+        return None
 
 
 def _evaluate(node: ast.AST) -> int:
