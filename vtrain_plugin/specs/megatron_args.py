@@ -27,6 +27,11 @@ from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import GradReduce, ScheduleKind, TrainingSpec
 
+
+def _as_given(flag: str, value: Any) -> Any:
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class FlagField:
     """A flag that sets one spec field as given (``"section.field"``), or that shapes the plan in a way
@@ -56,27 +61,27 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--moe-router-topk", None, None, "mixture of experts"),
     FlagField("--moe-ffn-hidden-size", None, None, "mixture of experts"),
     FlagField("--moe-shared-expert-intermediate-size", None, None, "mixture of experts"),
-    FlagField("--use-distributed-optimizer", None, False, "the distributed optimizer", lambda f, v: v),
+    FlagField("--use-distributed-optimizer", None, False, "the distributed optimizer", _as_given),
     FlagField("--overlap-param-gather", None, False, "the distributed optimizer's parameter all-gather",
-              lambda f, v: v),
+              _as_given),
     FlagField("--num-distributed-optimizer-instances", None, 1, "the distributed optimizer"),
-    FlagField("--use-torch-fsdp2", None, False, "FSDP", lambda f, v: v),
-    FlagField("--use-custom-fsdp", None, False, "FSDP", lambda f, v: v),
-    FlagField("--use-megatron-fsdp", None, False, "FSDP", lambda f, v: v),
-    FlagField("--optimizer-cpu-offload", None, False, "optimizer offloading", lambda f, v: v),
-    FlagField("--optimizer", None, "adam", "an optimizer other than Adam", lambda f, v: v),
-    FlagField("--fp8-format", None, None, "fp8 training", lambda f, v: v),
-    FlagField("--fp4-format", None, None, "fp4 training", lambda f, v: v),
-    FlagField("--multi-latent-attention", None, False, "multi-latent attention", lambda f, v: v),
+    FlagField("--use-torch-fsdp2", None, False, "FSDP", _as_given),
+    FlagField("--use-custom-fsdp", None, False, "FSDP", _as_given),
+    FlagField("--use-megatron-fsdp", None, False, "FSDP", _as_given),
+    FlagField("--optimizer-cpu-offload", None, False, "optimizer offloading", _as_given),
+    FlagField("--optimizer", None, "adam", "an optimizer other than Adam", _as_given),
+    FlagField("--fp8-format", None, None, "fp8 training", _as_given),
+    FlagField("--fp4-format", None, None, "fp4 training", _as_given),
+    FlagField("--multi-latent-attention", None, False, "multi-latent attention", _as_given),
     FlagField("--mtp-num-layers", None, None, "multi-token prediction"),
     FlagField("--decoder-first-pipeline-num-layers", None, None, "an uneven pipeline split"),
     FlagField("--decoder-last-pipeline-num-layers", None, None, "an uneven pipeline split"),
-    FlagField("--pipeline-model-parallel-layout", None, None, "an uneven pipeline split", lambda f, v: v),
+    FlagField("--pipeline-model-parallel-layout", None, None, "an uneven pipeline split", _as_given),
     FlagField("--account-for-embedding-in-pipeline-split", None, False, "an uneven pipeline split",
-              lambda f, v: v),
-    FlagField("--account-for-loss-in-pipeline-split", None, False, "an uneven pipeline split", lambda f, v: v),
-    FlagField("--heterogeneous-layers-config-path", None, None, "heterogeneous layers", lambda f, v: v),
-    FlagField("--heterogeneous-layers-config-encoded-json", None, None, "heterogeneous layers", lambda f, v: v),
+              _as_given),
+    FlagField("--account-for-loss-in-pipeline-split", None, False, "an uneven pipeline split", _as_given),
+    FlagField("--heterogeneous-layers-config-path", None, None, "heterogeneous layers", _as_given),
+    FlagField("--heterogeneous-layers-config-encoded-json", None, None, "heterogeneous layers", _as_given),
 )
 _FIELD_OF = {row.flag: row for row in FIELDS}
 
