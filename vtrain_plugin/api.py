@@ -27,6 +27,7 @@ from vtrain_plugin.specs.training import TrainingSpec
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelFile:
     """The model of a plan file or vTrain config, with its training and cluster (``vtrain search``
