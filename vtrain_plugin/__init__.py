@@ -13,7 +13,8 @@ The layers of the package, lowest first (each imports only the ones before it): 
 code is laid out".
 """
 
-from vtrain_plugin.api import load_run_config, run_config_from_dict, with_gpu
+from vtrain_plugin.api import (load_megatron_script, load_run_config, run_config_from_dict,
+                               run_config_from_megatron_args, with_gpu)
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.errors import ConfigError, ProfileError, TraceError, VTrainError
 from vtrain_plugin.core.graph import OpGraph
@@ -28,5 +29,6 @@ from vtrain_plugin.validate import Comparison, IterationRecorder, ValidationResu
 
 __all__ = ["ClusterSpec", "Comparison", "ConfigError", "Estimate", "IterationRecorder", "ModelSpec", "OpGraph",
            "ParallelPlan", "ProfileError", "RunConfig", "TraceError", "TrainingSpec", "VTrainError",
-           "ValidationResult", "compare", "estimate", "estimates_frame", "get_cluster_preset", "load_run_config",
-           "run_config_from_dict", "single_device_run", "trace", "with_gpu"]
+           "ValidationResult", "compare", "estimate", "estimates_frame", "get_cluster_preset", "load_megatron_script",
+           "load_run_config", "run_config_from_dict", "run_config_from_megatron_args", "single_device_run", "trace",
+           "with_gpu"]

@@ -1,12 +1,14 @@
-"""Run descriptions from files: a plan file (YAML/JSON) or a vTrain config JSON, resolved into a
-:class:`RunConfig` against the hardware data (cluster presets, GPU aliases).
+"""Run descriptions from files: a plan file (YAML/JSON), a vTrain config JSON or Megatron-LM arguments
+(a command line or a launch script), resolved into a :class:`RunConfig` against the hardware data
+(cluster presets, GPU aliases).
 
 Every error is a :class:`ConfigError` naming the file, the field and the rule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,10 +18,14 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.hardware.clusters import cluster_for_gpu, resolve_cluster
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.specs.cluster import ClusterSpec
+from vtrain_plugin.specs.launch_script import LaunchCommand, launch_command, read_command_line, read_launch_file
+from vtrain_plugin.specs.megatron_args import script_plan
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.plan_file import parse_model_sections, parse_plan, read_mapping
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import TrainingSpec
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,8 +56,43 @@ def load_model_file(path: str | Path) -> ModelFile:
                          cluster=resolve_cluster(sections.cluster), source=str(path))
 
 
+def run_config_from_megatron_args(argv: str | Sequence[str], *, gpus: int | None = None,
+                                  cluster: ClusterSpec | None = None, source: str = "") -> RunConfig:
+    """The run that Megatron-LM arguments describe: ``argv`` is ``pretrain_gpt.py``'s flags as a list of
+    words or as one command line (quotes and line continuations as bash reads them), with or without
+    a ``torchrun`` / ``python -m torch.distributed.run`` launcher in front. The GPU count is ``gpus`` or
+    the launcher's ``--nnodes`` x ``--nproc-per-node`` (both given, they must agree); the cluster is
+    ``cluster``, else the default GPU's usual node. Flags vtrain does not model but that change
+    performance are logged in one warning; errors are prefixed with ``source`` when given."""
+    with _errors_name(source):
+        command = read_command_line(argv) if isinstance(argv, str) else launch_command(argv)
+        return _megatron_run(command, gpus=gpus, cluster=cluster, source=source)
+
+
+def load_megatron_script(path: str | Path, *, gpus: int | None = None, cluster: ClusterSpec | None = None
+                         ) -> RunConfig:
+    """The run of a launch script (``train.sh``) that holds the training command: it is read, never
+    run (see :mod:`vtrain_plugin.specs.launch_script`); otherwise as :func:`run_config_from_megatron_args`."""
+    path = Path(path)
+    with _errors_name(path):
+        return _megatron_run(read_launch_file(path), gpus=gpus, cluster=cluster, source=str(path))
+
+
+def _megatron_run(commands: LaunchCommand | tuple[LaunchCommand, ...], *, gpus: int | None,
+                  cluster: ClusterSpec | None, source: str) -> RunConfig:
+    plan = script_plan(commands if isinstance(commands, tuple) else (commands,), gpus=gpus)
+    run = RunConfig(model=plan.model, parallel=plan.parallel, training=plan.training,
+                    cluster=cluster or resolve_cluster({}), source=source)
+    if plan.warning:
+        logger.warning("warning: %s%s", f"{source}: " if source else "", plan.warning)
+    return run
+
+
 @contextmanager
-def _errors_name(path: Path) -> Iterator[None]:
+def _errors_name(path: Path | str) -> Iterator[None]:
+    if not str(path):
+        yield
+        return
     try:
         yield
     except ConfigError as exc:

@@ -9,8 +9,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from vtrain_plugin.api import load_run_config, with_gpu
+from vtrain_plugin.api import with_gpu
 from vtrain_plugin.cli.common import CONFIG_HELP, EXIT_USER_ERROR, db_option, positive_int
+from vtrain_plugin.cli.megatron_input import add_megatron_options, run_inputs
 from vtrain_plugin.cli.render import estimate_table
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError, VTrainError
@@ -19,7 +20,8 @@ from vtrain_plugin.measure import estimate_with_profiles
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("estimate", help="predict the iteration time of one or more plans")
-    p.add_argument("config", nargs="+", help=CONFIG_HELP)
+    p.add_argument("config", nargs="*", help=f"{CONFIG_HELP}, or a Megatron-LM launch script (.sh)")
+    add_megatron_options(p)
     p.add_argument("--gpu", help="GPU preset to estimate for, overriding the config's "
                                  "(a100-sxm4-40gb, a100-sxm4-80gb, h100-sxm, h200-sxm; aliases A100, H100, H200)")
     p.add_argument("--tokens", metavar="N", help="tokens of the whole training run (e.g. 270e9), overriding "
@@ -38,10 +40,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     tokens = None if args.tokens is None else _total_tokens(args.tokens)
+    inputs = run_inputs(args)
     failed = 0
-    for index, path in enumerate(args.config):
+    for index, (path, load) in enumerate(inputs):
         try:
-            run_config = load_run_config(path)
+            run_config = load()
             if args.gpu:
                 run_config = with_gpu(run_config, args.gpu)
             if tokens is not None:
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             result = estimate_with_profiles(run_config, db_path=args.db, timeline=bool(args.timeline),
                                             explain=args.explain or 0)
             if args.timeline:
-                result.write_timeline(_timeline_path(args.timeline, index, len(args.config)),
+                result.write_timeline(_timeline_path(args.timeline, index, len(inputs)),
                                       max_ranks=args.timeline_max_stages,
                                       max_microbatches=args.timeline_max_microbatches)
         except VTrainError as exc:

@@ -1,0 +1,59 @@
+"""``vtrain estimate`` from Megatron-LM arguments: a launch script and --megatron-args, in a subprocess."""
+
+import json
+
+SMALL_GPT = """#!/bin/bash
+# A small GPT launched on 2 nodes of 4 GPUs
+NNODES=2
+GPUS_PER_NODE=4
+MODEL_ARGS=(
+    --num-layers 4 --hidden-size 256 --num-attention-heads 8
+    --seq-length 128 --max-position-embeddings 128
+)
+TRAINING_ARGS="
+    --micro-batch-size 2 \\
+    --global-batch-size 32 \\
+    --lr 1e-4 --train-iters 100 \\
+    --fp16
+"
+torchrun --nnodes $NNODES --nproc_per_node $GPUS_PER_NODE pretrain_gpt.py \\
+    ${MODEL_ARGS[@]} $TRAINING_ARGS \\
+    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \\
+    --tokenizer-type GPT2BPETokenizer --use-flash-attn \\
+    --save /checkpoints/small --log-interval 10 2>&1 | tee train.log
+"""
+
+
+def test_estimate_from_a_launch_script_takes_the_gpu_count_from_torchrun(tmp_path, run_cli):
+    script = tmp_path / "train_small.sh"
+    script.write_text(SMALL_GPT)
+    proc = run_cli("estimate", str(script), "--format", "json", check=True)
+    result = json.loads(proc.stdout)
+    assert result["config"] == str(script)
+    assert result["num_gpus"] == 8 and result["num_microbatches"] == 32 // (2 * 2)
+    assert result["iteration_time_ms"] > 0 and result["software_stack"] == "megatron_deepspeed_2023"
+    assert proc.stderr.splitlines() == [
+        f"vtrain: warning: {script}: Megatron-LM arguments vtrain does not model (they may change speed or "
+        f"memory): --use-flash-attn"]
+
+
+def test_megatron_args_errors_are_one_line_with_exit_2(tmp_path, run_cli):
+    flags = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128 --micro-batch-size 2"
+    unknown = run_cli("estimate", "--megatron-args", f"{flags} --vocab-size 1000 --deepspeed-zero 3", "--gpus", "8")
+    assert unknown.returncode == 2
+    assert unknown.stderr.splitlines() == ["vtrain: error: --megatron-args: unknown argument --deepspeed-zero: not "
+                                           "a Megatron-LM argument vtrain knows"]
+    arithmetic = run_cli("estimate", "--megatron-args", f"{flags} --vocab-size 1000 --tensor-model-parallel-size 4",
+                         "--gpus", "6", "--format", "jsonl")
+    assert arithmetic.returncode == 2
+    assert json.loads(arithmetic.stdout) == {
+        "config": "--megatron-args",
+        "error": "--megatron-args: GPUs (6) must be a multiple of --tensor-model-parallel-size (4) x "
+                 "--pipeline-model-parallel-size (1) x --context-parallel-size (1) = 4: data parallel size = "
+                 "6 / 4 = 1.5"}
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text("{}")
+    misplaced = run_cli("estimate", str(plan_file), "--gpus", "8")
+    assert misplaced.returncode == 2
+    assert misplaced.stderr.splitlines() == ["vtrain: error: --gpus applies to Megatron-LM arguments only "
+                                             "(--megatron-args or a .sh launch script)"]

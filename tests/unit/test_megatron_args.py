@@ -1,0 +1,223 @@
+"""How each Megatron-LM flag that shapes the plan maps onto vtrain's specs, and the one-line errors."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from vtrain_plugin.core.dtypes import Dtype
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.launch_script import read_command_line
+from vtrain_plugin.specs.megatron_args import FIELDS, MegatronPlan, megatron_plan
+from vtrain_plugin.specs.megatron_flags import MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, Arity
+from vtrain_plugin.specs.model import Family
+from vtrain_plugin.specs.parallel import Recompute
+from vtrain_plugin.specs.training import GradReduce, ScheduleKind
+
+BASE = "--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 256 --micro-batch-size 2 --vocab-size 1000"
+
+
+def plan(flags: str = "", gpus: int | None = 8) -> MegatronPlan:
+    return megatron_plan(read_command_line(f"{BASE} {flags}"), gpus=gpus)
+
+
+def error(flags: str = "", gpus: int | None = 8) -> str:
+    with pytest.raises(ConfigError) as exc:
+        plan(flags, gpus)
+    return str(exc.value)
+
+
+def test_every_flag_the_mapping_reads_is_a_megatron_flag():
+    specs = Path(__file__).resolve().parents[2] / "vtrain_plugin" / "specs"
+    read = {flag for name in ("megatron_args.py", "megatron_model.py")
+            for flag in re.findall(r'"(--[a-z0-9-]+)"', (specs / name).read_text())}
+    mapped = read | {row.flag for row in FIELDS} | PERFORMANCE_FLAGS | set(RETIRED_FLAGS)
+    assert sorted(mapped - set(MEGATRON_FLAGS)) == []
+    assert MEGATRON_FLAGS["--rampup-batch-size"] is Arity.LIST and MEGATRON_FLAGS["--fp16"] is Arity.SWITCH
+
+
+def test_defaults_are_megatrons():
+    p = plan()
+    assert p.model.family is Family.GPT and p.model.dtype is Dtype.FP32 and p.model.tied
+    assert p.model.ffn_hidden_size == 4 * 512 and p.model.num_query_groups is None
+    assert (p.parallel.tensor_parallel, p.parallel.pipeline_parallel, p.parallel.data_parallel) == (1, 1, 8)
+    assert p.training.global_batch_size == 2 * 8  # micro-batch x data parallel
+    assert p.parallel.recompute is Recompute.NONE and p.training.grad_reduce is GradReduce.AFTER_BACKWARD
+    assert p.unmodelled == ()
+
+
+def test_swiglu_makes_a_llama_layer_with_megatrons_ffn_size():
+    p = plan("--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+             "--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 --hidden-size 4096 "
+             "--num-attention-heads 32 --group-query-attention --num-query-groups 8 --bf16 --grad-reduce-in-bf16")
+    assert p.model.family is Family.LLAMA and not p.model.tied and p.model.num_query_groups == 8
+    assert p.model.ffn_hidden_size == 10880  # int(4 x 4096 x 2/3 / 64) x 64, not vtrain's own 11008
+    assert p.unmodelled == ()
+
+
+def test_layer_features_other_than_the_familys_are_noted_not_refused():
+    p = plan("--swiglu --position-embedding-type learned_absolute --num-query-groups 2 --bf16")
+    assert p.model.family is Family.LLAMA and p.model.num_query_groups is None
+    assert p.unmodelled == (
+        "--normalization LayerNorm (vtrain's llama layers: RMSNorm)",
+        "--position-embedding-type learned_absolute (vtrain's llama layers: rope)",
+        "linear biases on (vtrain's llama layers: off)",
+        "--num-query-groups 2 without --group-query-attention (Megatron-LM ignores it)",
+        "--hidden-dropout 0.1 (vtrain's llama layers: 0.0)", "--attention-dropout 0.1 (vtrain's llama layers: 0.0)",
+        "--bf16 without --grad-reduce-in-bf16 (Megatron-LM reduces gradients in fp32, vtrain in bf16)")
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--squared-relu", "--squared-relu: a squared-ReLU MLP is not modelled by vtrain yet"),
+    ("--kv-channels 128", "--kv-channels 128: a head dimension other than --hidden-size / --num-attention-heads "
+                          "= 512 / 8 is not modelled by vtrain yet"),
+    ("--context-parallel-size 2", "--context-parallel-size 2: context parallelism is not modelled by vtrain yet"),
+    ("--expert-model-parallel-size 2", "--expert-model-parallel-size 2: expert parallelism is not modelled by "
+                                       "vtrain yet"),
+    ("--num-experts 8 --moe-router-topk 2", "--num-experts 8: mixture of experts is not modelled by vtrain yet"),
+    ("--use-distributed-optimizer", "--use-distributed-optimizer: the distributed optimizer is not modelled by "
+                                    "vtrain yet"),
+    ("--fp8-format e4m3", "--fp8-format e4m3: fp8 training is not modelled by vtrain yet"),
+    ("--optimizer sgd", "--optimizer sgd: an optimizer other than Adam is not modelled by vtrain yet"),
+    ("--decoder-first-pipeline-num-layers 2", "--decoder-first-pipeline-num-layers 2: an uneven pipeline split is "
+                                              "not modelled by vtrain yet"),
+    ("--fp16 --bf16", "--fp16 and --bf16 exclude each other"),
+    ("--batch-size 4", "--batch-size is retired in Megatron-LM; use --micro-batch-size"),
+    ("--num-layers x", "--num-layers must be a positive integer, got 'x'"),
+    ("--no-position-embedding", "--no-position-embedding is deprecated in Megatron-LM; use --position-embedding-type"),
+    ("--max-position-embeddings 128", "--max-position-embeddings (128) must be at least --seq-length (256)"),
+])
+def test_refusals_are_one_line(flags, message):
+    assert error(flags) == message
+
+
+def test_flags_at_their_inactive_value_are_accepted():
+    p = plan("--context-parallel-size 1 --expert-model-parallel-size 1 --optimizer adam")
+    assert p.parallel.data_parallel == 8
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--num-layer 4", "unknown argument --num-layer: not a Megatron-LM argument vtrain knows (did you mean "
+                      "--num-layers?)"),
+    ("--my-own-flag=3", "unknown argument --my-own-flag: not a Megatron-LM argument vtrain knows"),
+    ("--fp16 stray", "unexpected word 'stray': not the value of a Megatron-LM flag"),
+    ("--lr", "Megatron-LM arguments: argument --lr: expected one argument"),
+])
+def test_words_that_are_not_megatron_arguments_are_refused(flags, message):
+    assert error(flags) == message
+
+
+def test_data_parallel_size_shows_its_arithmetic():
+    assert plan("--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2", gpus=64).parallel.data_parallel == 8
+    assert error("--tensor-model-parallel-size 8", gpus=12) == (
+        "GPUs (12) must be a multiple of --tensor-model-parallel-size (8) x --pipeline-model-parallel-size (1) x "
+        "--context-parallel-size (1) = 8: data parallel size = 12 / 8 = 1.5")
+    assert error(gpus=None) == ("the GPU count is unknown: give --gpus N (or torchrun --nnodes and "
+                                "--nproc-per-node in the script)")
+
+
+def test_torchrun_gives_the_gpu_count_and_gpus_must_agree():
+    command = read_command_line(f"torchrun --nnodes=2 --nproc-per-node 4 pretrain_gpt.py {BASE}")
+    assert megatron_plan(command).parallel.data_parallel == 8
+    assert megatron_plan(command, gpus=8).parallel.data_parallel == 8
+    with pytest.raises(ConfigError, match=r"^--gpus \(16\) disagrees with the script: torchrun --nnodes 2 x "
+                                          r"--nproc-per-node 4 = 8 GPUs$"):
+        megatron_plan(command, gpus=16)
+    elastic = read_command_line(f"torchrun --nnodes 1:4 --nproc_per_node 8 pretrain_gpt.py {BASE}")
+    assert megatron_plan(elastic, gpus=24).parallel.data_parallel == 24
+    with pytest.raises(ConfigError, match=r"gives 8 to 32 GPUs in steps of 8$"):
+        megatron_plan(elastic, gpus=12)
+    auto = read_command_line(f"python -m torch.distributed.run --nproc-per-node gpu pretrain_gpt.py {BASE}")
+    with pytest.raises(ConfigError, match=r"--nproc-per-node gpu is not a product of whole numbers; give "
+                                          r"--gpus N$"):
+        megatron_plan(auto)
+    assert megatron_plan(auto, gpus=4).parallel.data_parallel == 4
+
+
+@pytest.mark.parametrize("flags, vocab_size", [
+    ("--tokenizer-type GPT2BPETokenizer", 50257),
+    ("--tokenizer-type NullTokenizer --vocab-size 128256", 128257),  # NullTokenizer adds its end-of-document token
+    ("--tokenizer-type HuggingFaceTokenizer --vocab-size 32000", 32000),
+    ("--vocab-size 50257 --make-vocab-size-divisible-by 64", 50304),  # Megatron-LM's padding, a multiple of 128 too
+    ("--vocab-size 50257 --make-vocab-size-divisible-by 256 --tensor-model-parallel-size 2", 50688),
+])
+def test_vocabulary_sizes(flags, vocab_size):
+    base = BASE.replace(" --vocab-size 1000", "")
+    p = megatron_plan(read_command_line(f"{base} {flags}"), gpus=8)
+    assert p.model.vocab_size == vocab_size
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--tokenizer-type Llama2Tokenizer", "the vocabulary size is unknown (--tokenizer-type Llama2Tokenizer): give "
+                                         "--vocab-size N, the tokenizer's size before Megatron-LM pads it"),
+    ("--tokenizer-type GPT2BPETokenizer --vocab-size 50000",
+     "--vocab-size (50000) contradicts --tokenizer-type GPT2BPETokenizer (50257 tokens, which Megatron-LM uses)"),
+    ("--vocab-size 50257 --make-vocab-size-divisible-by 100",
+     "--make-vocab-size-divisible-by 100: Megatron-LM pads the vocabulary (50257) to 50300, a multiple of 100 x TP 1; "
+     "vtrain pads to multiples of 128 x TP and 50300 is not one: not modelled by vtrain yet"),
+])
+def test_vocabulary_errors(flags, message):
+    base = BASE.replace(" --vocab-size 1000", "")
+    with pytest.raises(ConfigError) as exc:
+        megatron_plan(read_command_line(f"{base} {flags}"), gpus=8)
+    assert str(exc.value) == message
+
+
+@pytest.mark.parametrize("flags, mode", [
+    ("--recompute-activations", Recompute.SELECTIVE),
+    ("--recompute-granularity selective --recompute-modules core_attn", Recompute.SELECTIVE),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", Recompute.FULL),
+    ("--recompute-granularity full --recompute-method uniform", Recompute.FULL),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 4", Recompute.FULL),
+])
+def test_recompute_modes(flags, mode):
+    assert plan(f"--pipeline-model-parallel-size 2 {flags}").parallel.recompute is mode  # 4 layers per stage
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--recompute-granularity full", "--recompute-granularity full needs --recompute-method uniform or block, "
+                                     "got None"),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
+     "--recompute-method uniform --recompute-num-layers 2: checkpoints of 2 layers are not modelled by vtrain yet "
+     "(only 1)"),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 2",
+     "--recompute-method block --recompute-num-layers 2: recomputing 2 of the 4 layers of a chunk is not modelled "
+     "by vtrain yet (only all)"),
+    ("--recompute-granularity selective --recompute-modules core_attn mlp",
+     "--recompute-modules core_attn mlp: selective recompute of other modules than core_attn is not modelled by "
+     "vtrain yet"),
+])
+def test_recompute_refusals(flags, message):
+    assert error(f"--pipeline-model-parallel-size 2 {flags}") == message
+
+
+def test_virtual_pipeline_from_either_flag():
+    by_layers = plan("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2", gpus=4)
+    assert by_layers.parallel.virtual_pipeline == 2 and by_layers.training.schedule is ScheduleKind.INTERLEAVED_1F1B
+    assert plan("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 4").parallel.virtual_pipeline == 4
+    assert error("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3") == (
+        "--num-layers (8) / --pipeline-model-parallel-size (2) = 4 layers per stage must be a multiple of "
+        "--num-layers-per-virtual-pipeline-stage (3)")
+
+
+def test_sequence_parallel_and_its_megatron_quirk_at_tp1():
+    assert plan("--tensor-model-parallel-size 2 --sequence-parallel").parallel.sequence_parallel
+    p = plan("--sequence-parallel")
+    assert not p.parallel.sequence_parallel
+    assert p.unmodelled == ("--sequence-parallel at TP 1 (Megatron-LM turns it off)",)
+
+
+def test_overlapped_gradient_buckets_hold_megatrons_parameter_counts():
+    p = plan("--overlap-grad-reduce --bf16 --grad-reduce-in-bf16", gpus=64)
+    assert p.training.grad_reduce is GradReduce.OVERLAP
+    assert p.training.bucket_size_mb == 128.0  # max(4e7, 1e6 x 64 data-parallel ranks) parameters x 2 bytes
+    assert plan("--overlap-grad-reduce --ddp-bucket-size 10000000").training.bucket_size_mb == 40.0  # fp32
+
+
+def test_performance_flags_are_listed_with_their_values_in_one_warning():
+    p = plan("--use-flash-attn --tp-comm-overlap --attention-backend flash --no-gradient-accumulation-fusion "
+             "--max-position-embeddings 1024 --log-interval 10 --save /ckpt --lr 3e-4 --seed 7")
+    assert p.warning == (
+        "Megatron-LM arguments vtrain does not model (they may change speed or memory): --attention-backend flash, "
+        "--tp-comm-overlap, --use-flash-attn, --no-gradient-accumulation-fusion, "
+        "--max-position-embeddings 1024 (vtrain's position table has --seq-length 256 rows)")

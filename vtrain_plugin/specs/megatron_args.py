@@ -1,0 +1,246 @@
+"""Megatron-LM arguments (the command line of ``pretrain_gpt.py``) as vtrain specs.
+
+Flags are parsed with argparse against the table of Megatron-LM's arguments
+(:mod:`vtrain_plugin.specs.megatron_flags`), then mapped: the flags that shape the plan set
+:class:`ModelSpec`, :class:`ParallelPlan` and :class:`TrainingSpec` fields, with Megatron-LM's own
+defaults where a flag is absent (ffn size, global batch, vocabulary padding, DDP bucket size);
+flags vtrain does not model yet are refused unless at their inactive value; flags that change
+performance but are not modelled are listed in :attr:`MegatronPlan.unmodelled`; the rest (logging,
+checkpoints, data paths, learning rate...) are accepted and change nothing. README, "Megatron-LM
+arguments", has the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Any
+
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.launch_script import LaunchCommand
+from vtrain_plugin.specs.megatron_flags import MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, Arity
+from vtrain_plugin.specs.megatron_model import Given, model_fields, positive_int, recompute_mode
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.training import GradReduce, ScheduleKind, TrainingSpec
+
+
+def _as_given(flag: str, value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class FlagField:
+    """A flag that sets one spec field as given (``"section.field"``), or that shapes the plan in a way
+    vtrain does not model yet (``field`` None): refused unless at ``inactive``. Modelling one later is
+    naming its field here."""
+
+    flag: str
+    field: str | None
+    inactive: Any = None  # None: refused whenever given
+    what: str = ""  # what is not modelled, for the refusal
+    convert: Callable[[str, Any], Any] = positive_int
+
+
+FIELDS: tuple[FlagField, ...] = (
+    FlagField("--num-layers", "model.num_layers"),
+    FlagField("--hidden-size", "model.hidden_size"),
+    FlagField("--num-attention-heads", "model.num_attention_heads"),
+    FlagField("--seq-length", "model.seq_length"),
+    FlagField("--tensor-model-parallel-size", "parallel.tensor_parallel"),
+    FlagField("--pipeline-model-parallel-size", "parallel.pipeline_parallel"),
+    FlagField("--micro-batch-size", "parallel.micro_batch_size"),
+    FlagField("--global-batch-size", "training.global_batch_size"),
+    FlagField("--context-parallel-size", None, 1, "context parallelism"),
+    FlagField("--expert-model-parallel-size", None, 1, "expert parallelism"),
+    FlagField("--expert-tensor-parallel-size", None, None, "expert tensor parallelism"),
+    FlagField("--num-experts", None, None, "mixture of experts"),
+    FlagField("--moe-router-topk", None, None, "mixture of experts"),
+    FlagField("--moe-ffn-hidden-size", None, None, "mixture of experts"),
+    FlagField("--moe-shared-expert-intermediate-size", None, None, "mixture of experts"),
+    FlagField("--use-distributed-optimizer", None, False, "the distributed optimizer", _as_given),
+    FlagField("--overlap-param-gather", None, False, "the distributed optimizer's parameter all-gather",
+              _as_given),
+    FlagField("--num-distributed-optimizer-instances", None, 1, "the distributed optimizer"),
+    FlagField("--use-torch-fsdp2", None, False, "FSDP", _as_given),
+    FlagField("--use-custom-fsdp", None, False, "FSDP", _as_given),
+    FlagField("--use-megatron-fsdp", None, False, "FSDP", _as_given),
+    FlagField("--optimizer-cpu-offload", None, False, "optimizer offloading", _as_given),
+    FlagField("--optimizer", None, "adam", "an optimizer other than Adam", _as_given),
+    FlagField("--fp8-format", None, None, "fp8 training", _as_given),
+    FlagField("--fp4-format", None, None, "fp4 training", _as_given),
+    FlagField("--multi-latent-attention", None, False, "multi-latent attention", _as_given),
+    FlagField("--mtp-num-layers", None, None, "multi-token prediction"),
+    FlagField("--decoder-first-pipeline-num-layers", None, None, "an uneven pipeline split"),
+    FlagField("--decoder-last-pipeline-num-layers", None, None, "an uneven pipeline split"),
+    FlagField("--pipeline-model-parallel-layout", None, None, "an uneven pipeline split", _as_given),
+    FlagField("--account-for-embedding-in-pipeline-split", None, False, "an uneven pipeline split",
+              _as_given),
+    FlagField("--account-for-loss-in-pipeline-split", None, False, "an uneven pipeline split", _as_given),
+    FlagField("--heterogeneous-layers-config-path", None, None, "heterogeneous layers", _as_given),
+    FlagField("--heterogeneous-layers-config-encoded-json", None, None, "heterogeneous layers", _as_given),
+)
+_FIELD_OF = {row.flag: row for row in FIELDS}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MegatronPlan:
+    """The specs a Megatron-LM command line describes, and what it gives that vtrain does not model."""
+
+    model: ModelSpec
+    parallel: ParallelPlan
+    training: TrainingSpec
+    unmodelled: tuple[str, ...] = ()  # flags (with values) and notes, for one warning line
+
+    @property
+    def warning(self) -> str | None:
+        if not self.unmodelled:
+            return None
+        return ("Megatron-LM arguments vtrain does not model (they may change speed or memory): "
+                + ", ".join(self.unmodelled))
+
+
+def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> MegatronPlan:
+    """The specs of a Megatron-LM command line on ``command.num_gpus(gpus)`` GPUs (see the module doc)."""
+    given = parse_flags(command.megatron_args)
+    values: dict[str, dict[str, Any]] = {"model": {}, "parallel": {}, "training": {}}
+    for flag, value in given.items():
+        row = _FIELD_OF.get(flag)
+        if row is None:
+            continue
+        converted = row.convert(flag, value)
+        if row.field is None and converted != row.inactive:
+            raise ConfigError(f"{_shown(flag, value)}: {row.what} is not modelled by vtrain yet")
+        if row.field is not None:
+            section, name = row.field.split(".")
+            values[section][name] = converted
+    if "micro_batch_size" not in values["parallel"]:
+        raise ConfigError("--micro-batch-size is required")
+    notes = [_shown(flag, given[flag]) for flag in given if flag in PERFORMANCE_FLAGS]
+    tp = values["parallel"].setdefault("tensor_parallel", 1)
+    values["parallel"].setdefault("pipeline_parallel", 1)
+    values["model"].update(model_fields(given, values["model"], tensor_parallel=tp, notes=notes))
+    model = ModelSpec(**values["model"])
+    parallel = _parallel(given, values["parallel"], model, command.num_gpus(gpus), notes)
+    training = _training(given, values["training"], model, parallel)
+    return MegatronPlan(model=model, parallel=parallel, training=training, unmodelled=tuple(notes))
+
+
+def script_plan(commands: Sequence[LaunchCommand], *, gpus: int | None = None) -> MegatronPlan:
+    """The plan of a launch script read as one or more command lines (one per way the blocks it
+    depends on may run, :func:`vtrain_plugin.specs.launch_script.read_launch_script`): they must all
+    give the same plan, or fail the same way."""
+    outcomes: list[MegatronPlan | ConfigError] = []
+    for command in commands:
+        try:
+            outcomes.append(megatron_plan(command, gpus=gpus))
+        except ConfigError as exc:
+            outcomes.append(exc)
+    first = outcomes[0]
+    if isinstance(first, ConfigError):
+        if all(isinstance(o, ConfigError) and str(o) == str(first) for o in outcomes):
+            raise first
+    elif all(isinstance(o, MegatronPlan) and (o.model, o.parallel, o.training) ==
+             (first.model, first.parallel, first.training) for o in outcomes):
+        notes = dict.fromkeys(note for o in outcomes if isinstance(o, MegatronPlan) for note in o.unmodelled)
+        return replace(first, unmodelled=tuple(notes))
+    command = commands[0]
+    raise ConfigError(
+        f"line {command.line}: the plan depends on whether the if/for/while/case blocks at line"
+        f"{'s' if len(command.blocks) > 1 else ''} {', '.join(map(str, command.blocks))} run, which set variables "
+        f"the training command reads; vtrain reads the script without running it, so write those flags outside "
+        f"the blocks")
+
+
+def _parallel(given: Given, values: dict[str, Any], model: ModelSpec, num_gpus: int, notes: list[str]
+              ) -> ParallelPlan:
+    tp, pp = values["tensor_parallel"], values["pipeline_parallel"]
+    cp = positive_int("--context-parallel-size", given.get("--context-parallel-size", 1))
+    model_parallel = tp * pp * cp
+    if num_gpus % model_parallel:
+        raise ConfigError(
+            f"GPUs ({num_gpus}) must be a multiple of --tensor-model-parallel-size ({tp}) x "
+            f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {model_parallel}: "
+            f"data parallel size = {num_gpus} / {model_parallel} = {num_gpus / model_parallel:g}")
+    values["data_parallel"] = num_gpus // model_parallel
+    values["virtual_pipeline"] = _virtual_pipeline(given, model.num_layers, pp)
+    if given.get("--sequence-parallel"):
+        values["sequence_parallel"] = tp > 1
+        if tp == 1:
+            notes.append("--sequence-parallel at TP 1 (Megatron-LM turns it off)")
+    values["recompute"] = recompute_mode(given, model.num_layers, pp * values["virtual_pipeline"])
+    return ParallelPlan(**values)
+
+
+def _virtual_pipeline(given: Given, num_layers: int, pp: int) -> int:
+    per_stage_flag, per_rank_flag = "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"
+    if per_stage_flag in given and per_rank_flag in given:
+        raise ConfigError(f"give {per_stage_flag} or {per_rank_flag}, not both")
+    if per_rank_flag in given:
+        return positive_int(per_rank_flag, given[per_rank_flag])
+    if per_stage_flag not in given:
+        return 1
+    per_chunk = positive_int(per_stage_flag, given[per_stage_flag])
+    if num_layers % pp or (num_layers // pp) % per_chunk:
+        raise ConfigError(
+            f"--num-layers ({num_layers}) / --pipeline-model-parallel-size ({pp}) = {num_layers / pp:g} layers "
+            f"per stage must be a multiple of {per_stage_flag} ({per_chunk})")
+    return num_layers // pp // per_chunk
+
+
+def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: ParallelPlan) -> TrainingSpec:
+    """Megatron-LM's defaults: global batch = micro-batch x data parallel; DDP buckets of
+    max(4e7, 1e6 x data parallel) parameters when gradient reduction overlaps backward."""
+    values.setdefault("global_batch_size", parallel.micro_batch_size * parallel.data_parallel)
+    values["schedule"] = ScheduleKind.INTERLEAVED_1F1B if parallel.virtual_pipeline > 1 else ScheduleKind.ONE_F_ONE_B
+    if given.get("--overlap-grad-reduce"):
+        values["grad_reduce"] = GradReduce.OVERLAP
+        flag = "--ddp-bucket-size"
+        elements = (positive_int(flag, given[flag]) if flag in given
+                    else max(40_000_000, 1_000_000 * parallel.data_parallel))
+        values["bucket_size_mb"] = elements * model.dtype.nbytes / 1e6
+    return TrainingSpec(**values)
+
+
+def _shown(flag: str, value: Any) -> str:
+    if value is True:
+        return flag
+    return f"{flag} {' '.join(value) if isinstance(value, list) else value}".rstrip()
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"Megatron-LM arguments: {message}")
+
+
+@lru_cache(maxsize=1)
+def _parser() -> _Parser:
+    parser = _Parser(prog="pretrain_gpt.py", allow_abbrev=False, add_help=False)
+    for flag, arity in MEGATRON_FLAGS.items():
+        if arity is Arity.SWITCH:
+            parser.add_argument(flag, dest=flag, action="store_true", default=None)
+        else:
+            parser.add_argument(flag, dest=flag, nargs="*" if arity is Arity.LIST else None)
+    return parser
+
+
+def parse_flags(argv: Sequence[str]) -> dict[str, Any]:
+    """The Megatron-LM flags ``argv`` gives (flag -> value, list of values, or True); a word that is not
+    a Megatron-LM argument is refused, naming the closest one."""
+    namespace, extra = _parser().parse_known_args(list(argv))
+    if extra:
+        word = next((w for w in extra if w.startswith("-")), extra[0])
+        if not word.startswith("-"):
+            raise ConfigError(f"unexpected word {word!r}: not the value of a Megatron-LM flag")
+        flag = word.partition("=")[0]
+        close = difflib.get_close_matches(flag, MEGATRON_FLAGS, n=1, cutoff=0.8)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"unknown argument {flag}: not a Megatron-LM argument vtrain knows{hint}")
+    given = {flag: value for flag, value in vars(namespace).items() if value is not None}
+    for flag, replacement in RETIRED_FLAGS.items():
+        if flag in given:
+            raise ConfigError(f"{flag} is retired in Megatron-LM; use {replacement}")
+    return given

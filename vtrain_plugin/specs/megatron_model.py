@@ -1,0 +1,194 @@
+"""The model and the recompute mode that Megatron-LM flags describe (used by
+:mod:`vtrain_plugin.specs.megatron_args`).
+
+vtrain's layers come in two families (:class:`Family`): ``gpt`` (LayerNorm, GeLU MLP, learned absolute
+positions, linear biases, dropout 0.1) and ``llama`` (RMSNorm, SwiGLU, rotary positions, no biases, no
+dropout). The MLP picks the family (``--swiglu``: llama), as it shapes the GEMMs; a normalization,
+position embedding, bias or dropout other than the family's is accepted and noted in the warning
+(they change small kernels, not the GEMMs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vtrain_plugin.core.dtypes import Dtype
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.model import Family
+from vtrain_plugin.specs.parallel import Recompute
+
+Given = Mapping[str, Any]  # the flags a command line gives, each to its value, list of values, or True
+
+_FAMILIES = {
+    Family.GPT: {"normalization": "LayerNorm", "activation": "gelu", "positions": "learned_absolute",
+                 "biases": "on", "dropout": 0.1},
+    Family.LLAMA: {"normalization": "RMSNorm", "activation": "swiglu", "positions": "rope",
+                   "biases": "off", "dropout": 0.0},
+}
+# Tokenizers whose vocabulary size is fixed by the tokenizer itself (Megatron-LM's GPT-2 BPE files).
+TOKENIZER_VOCAB_SIZES = {"GPT2BPETokenizer": 50257}
+VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's default --make-vocab-size-divisible-by, which ModelSpec pads to
+
+
+def positive_int(flag: str, text: Any) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    return value
+
+
+def _fraction(flag: str, text: Any) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} must be a number, got {text!r}") from None
+
+
+def data_type(given: Given) -> Dtype:
+    if given.get("--fp16") and given.get("--bf16"):
+        raise ConfigError("--fp16 and --bf16 exclude each other")
+    return Dtype.FP16 if given.get("--fp16") else Dtype.BF16 if given.get("--bf16") else Dtype.FP32
+
+
+def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: int, notes: list[str]
+                 ) -> dict[str, Any]:
+    """The ModelSpec fields the flags give besides the directly mapped ``fields``; what is not
+    modelled but accepted is appended to ``notes``."""
+    for name, flag in (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+                       ("num_attention_heads", "--num-attention-heads")):
+        if name not in fields:
+            raise ConfigError(f"{flag} is required")
+    hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
+    family = _family(given, notes)
+    out: dict[str, Any] = {"family": family, "dtype": data_type(given), "seq_length": _seq_length(given, fields),
+                           "tied_embeddings": not given.get("--untie-embeddings-and-output-weights"),
+                           "vocab_size": vocab_size(given, tensor_parallel)}
+    if "--ffn-hidden-size" in given:
+        out["ffn_hidden_size"] = positive_int("--ffn-hidden-size", given["--ffn-hidden-size"])
+    elif family is Family.LLAMA:  # Megatron-LM's default for --swiglu: 2/3 of 4h, down to a multiple of 64
+        out["ffn_hidden_size"] = int(4 * hidden * 2 / 3 / 64) * 64
+    else:
+        out["ffn_hidden_size"] = 4 * hidden
+    if "--kv-channels" in given:
+        kv = positive_int("--kv-channels", given["--kv-channels"])
+        if kv * heads != hidden:
+            raise ConfigError(f"--kv-channels {kv}: a head dimension other than --hidden-size / "
+                              f"--num-attention-heads = {hidden} / {heads} is not modelled by vtrain yet")
+    if given.get("--group-query-attention"):
+        out["num_query_groups"] = positive_int("--num-query-groups", given.get("--num-query-groups", 1))
+    elif "--num-query-groups" in given:
+        notes.append(f"--num-query-groups {given['--num-query-groups']} without --group-query-attention "
+                     f"(Megatron-LM ignores it)")
+    _position_table(given, family, out["seq_length"], notes)
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        expected = _FAMILIES[family]["dropout"]
+        if _fraction(flag, given.get(flag, 0.1)) != expected:
+            notes.append(f"{flag} {given.get(flag, 0.1)} (vtrain's {family.value} layers: {expected})")
+    if out["dtype"] is Dtype.BF16 and not given.get("--grad-reduce-in-bf16") \
+            and not given.get("--accumulate-allreduce-grads-in-fp32"):
+        notes.append("--bf16 without --grad-reduce-in-bf16 (Megatron-LM reduces gradients in fp32, vtrain in bf16)")
+    return out
+
+
+def _seq_length(given: Given, fields: Mapping[str, Any]) -> int:
+    if "seq_length" in fields:
+        return fields["seq_length"]
+    if "--encoder-seq-length" in given:
+        return positive_int("--encoder-seq-length", given["--encoder-seq-length"])
+    raise ConfigError("--seq-length is required")
+
+
+def _family(given: Given, notes: list[str]) -> Family:
+    """The family of the MLP (``--swiglu``: llama, GeLU: gpt), the one difference between the families
+    that shapes GEMMs; the layer's other features that differ from the family's are noted."""
+    if given.get("--squared-relu"):
+        raise ConfigError("--squared-relu: a squared-ReLU MLP is not modelled by vtrain yet")
+    family = Family.LLAMA if given.get("--swiglu") else Family.GPT
+    expected = _FAMILIES[family]
+    positions = "rope" if given.get("--use-rotary-position-embeddings") else \
+        given.get("--position-embedding-type", "learned_absolute")
+    if given.get("--no-position-embedding") and positions != "rope":  # with rope it changes nothing
+        raise ConfigError("--no-position-embedding is deprecated in Megatron-LM; use --position-embedding-type")
+    features = {"--normalization": given.get("--normalization", "LayerNorm"),
+                "--position-embedding-type": positions,
+                "linear biases": "off" if given.get("--disable-bias-linear") else "on"}
+    for (name, value), key in zip(features.items(), ("normalization", "positions", "biases")):
+        if value != expected[key]:
+            notes.append(f"{name} {value} (vtrain's {family.value} layers: {expected[key]})")
+    return family
+
+
+def _position_table(given: Given, family: Family, seq_length: int, notes: list[str]) -> None:
+    """Learned positions: vtrain's table has ``seq_length`` rows, Megatron-LM's ``--max-position-embeddings``."""
+    if family is not Family.GPT or given.get("--position-embedding-type", "learned_absolute") != "learned_absolute" \
+            or "--max-position-embeddings" not in given:
+        return
+    rows = positive_int("--max-position-embeddings", given["--max-position-embeddings"])
+    if rows < seq_length:
+        raise ConfigError(f"--max-position-embeddings ({rows}) must be at least --seq-length ({seq_length})")
+    if rows > seq_length:
+        notes.append(f"--max-position-embeddings {rows} (vtrain's position table has --seq-length {seq_length} rows)")
+
+
+def vocab_size(given: Given, tensor_parallel: int) -> int:
+    """The vocabulary before ModelSpec pads it to a multiple of 128 x TP: the tokenizer's size
+    (``--vocab-size``, plus the end-of-document token NullTokenizer adds; or the fixed size of a
+    known tokenizer). With another ``--make-vocab-size-divisible-by`` Megatron-LM's padded size is
+    given, when ModelSpec's padding keeps it."""
+    tokenizer = given.get("--tokenizer-type")
+    if tokenizer in TOKENIZER_VOCAB_SIZES:
+        size = TOKENIZER_VOCAB_SIZES[tokenizer]
+        if "--vocab-size" in given and positive_int("--vocab-size", given["--vocab-size"]) != size:
+            raise ConfigError(f"--vocab-size ({given['--vocab-size']}) contradicts --tokenizer-type {tokenizer} "
+                              f"({size} tokens, which Megatron-LM uses)")
+    elif "--vocab-size" in given:
+        size = positive_int("--vocab-size", given["--vocab-size"]) + (tokenizer == "NullTokenizer")
+    else:
+        what = f"--tokenizer-type {tokenizer}" if tokenizer else "no --tokenizer-type"
+        raise ConfigError(f"the vocabulary size is unknown ({what}): give --vocab-size N, the tokenizer's size "
+                          f"before Megatron-LM pads it")
+    divisor = positive_int("--make-vocab-size-divisible-by",
+                           given.get("--make-vocab-size-divisible-by", VOCAB_DIVISIBLE_BY))
+    if divisor == VOCAB_DIVISIBLE_BY:
+        return size
+    multiple = divisor * tensor_parallel
+    padded = -(-size // multiple) * multiple
+    if padded % (VOCAB_DIVISIBLE_BY * tensor_parallel):
+        raise ConfigError(
+            f"--make-vocab-size-divisible-by {divisor}: Megatron-LM pads the vocabulary ({size}) to {padded}, a "
+            f"multiple of {divisor} x TP {tensor_parallel}; vtrain pads to multiples of {VOCAB_DIVISIBLE_BY} x TP "
+            f"and {padded} is not one: not modelled by vtrain yet")
+    return padded
+
+
+def recompute_mode(given: Given, num_layers: int, num_chunks: int) -> Recompute:
+    """vtrain's recompute modes: ``selective`` is core attention only, ``full`` every layer checkpointed
+    on its own (``--recompute-method uniform --recompute-num-layers 1``, or ``block`` covering every
+    layer of a chunk)."""
+    granularity = "selective" if given.get("--recompute-activations") else given.get("--recompute-granularity")
+    if granularity is None:
+        return Recompute.NONE
+    if granularity == "selective":
+        modules = given.get("--recompute-modules") or ["core_attn"]
+        if modules != ["core_attn"]:
+            raise ConfigError(f"--recompute-modules {' '.join(modules)}: selective recompute of other modules "
+                              f"than core_attn is not modelled by vtrain yet")
+        return Recompute.SELECTIVE
+    if granularity != "full":
+        raise ConfigError(f"--recompute-granularity must be full or selective, got {granularity!r}")
+    method = given.get("--recompute-method")
+    if method not in ("uniform", "block"):
+        raise ConfigError(f"--recompute-granularity full needs --recompute-method uniform or block, got {method!r}")
+    count = positive_int("--recompute-num-layers", given.get("--recompute-num-layers", 1))
+    per_chunk = num_layers // num_chunks
+    if (method == "uniform" and count == 1) or (method == "block" and count >= per_chunk):
+        return Recompute.FULL
+    if method == "uniform":
+        raise ConfigError(f"--recompute-method uniform --recompute-num-layers {count}: checkpoints of "
+                          f"{count} layers are not modelled by vtrain yet (only 1)")
+    raise ConfigError(f"--recompute-method block --recompute-num-layers {count}: recomputing {count} of the "
+                      f"{per_chunk} layers of a chunk is not modelled by vtrain yet (only all)")
