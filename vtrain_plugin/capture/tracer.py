@@ -5,9 +5,10 @@ chunk of the plan is built through :mod:`megatron_adapters` on a fake process gr
 FakeTensorMode (no memory), and one micro-batch of forward, loss, backward and the optimizer step
 is recorded. Chunks that play the same role (first, middle, last) share one trace; a chunk is
 traced with ``traced_layers`` layers, which must come out identical, and the folded layer stands
-for all of the chunk's layers. Chunk traces are cached in-process by their shape key
-(:func:`~vtrain_plugin.capture.chunk.shape_key`); torch and megatron-core are imported only when a
-chunk must be traced.
+for all of the chunk's layers. Chunk traces are cached by their shape key
+(:func:`~vtrain_plugin.capture.chunk.shape_key`) in this process and on disk
+(:mod:`~vtrain_plugin.capture.disk_cache`); torch and megatron-core are imported only when a chunk
+is in neither, so re-estimating a plan traced before loads neither.
 
 A plain ``torch.nn.Module`` with a sample input is traced on the meta device as a single stage.
 """
@@ -22,7 +23,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from megatron_adapters.conventions import chunk_role
-from vtrain_plugin.capture import folding
+from vtrain_plugin.capture import disk_cache, folding
 from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import OpGraph, StageGraph
@@ -41,6 +42,7 @@ _cache: OrderedDict[tuple, ChunkTrace] = OrderedDict()
 
 
 def clear_cache() -> None:
+    """Forget the traces of this process (the on-disk cache is :mod:`~vtrain_plugin.capture.disk_cache`'s)."""
     _cache.clear()
 
 
@@ -106,18 +108,24 @@ def trace_stage(model: ModelSpec, plan: ParallelPlan, *, pipeline_rank: int, chu
 
 
 def _trace_chunk_cached(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> ChunkTrace:
+    """The chunk's trace from this process's cache, else the disk cache, else traced (and stored in both)."""
     key = shape_key(model, plan, pre, post, built)
     hit = _cache.get(key)
     if hit is not None:
         _cache.move_to_end(key)
         return hit
-    # torch and megatron-core are loaded here, when a chunk must really be traced, and only then.
-    from vtrain_plugin.capture.megatron_chunk import trace_chunk
+    traced = disk_cache.load(key)
+    if traced is not None:
+        log.info("read chunk (pre=%s post=%s, %d layers) from the trace cache", pre, post, built)
+    else:
+        # torch and megatron-core are loaded here, when a chunk must really be traced, and only then.
+        from vtrain_plugin.capture.megatron_chunk import trace_chunk
 
-    start = time.perf_counter()
-    traced = trace_chunk(model, plan, pre, post, built)
-    log.info("traced chunk (pre=%s post=%s, %d layers) in %.2f s", pre, post, built,
-             time.perf_counter() - start)
+        start = time.perf_counter()
+        traced = trace_chunk(model, plan, pre, post, built)
+        log.info("traced chunk (pre=%s post=%s, %d layers) in %.2f s", pre, post, built,
+                 time.perf_counter() - start)
+        disk_cache.store(key, traced)
     _cache[key] = traced
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
