@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import ParallelGroup
+from vtrain_plugin.specs.parallel import ParallelPlan
 
 # -- module paths -----------------------------------------------------------------------------------
 
@@ -65,6 +67,29 @@ def is_embedding_module(name: str) -> bool:
 
 def is_head_module(name: str) -> bool:
     return name.startswith(HEAD_MODULES)
+
+
+# -- model chunks -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRole:
+    """The model chunk a pipeline rank holds: ``pre_process`` (the embedding) on the first chunk of
+    the first rank, ``post_process`` (the head) on the last chunk of the last rank."""
+
+    pipeline_rank: int
+    chunk: int
+    pre_process: bool
+    post_process: bool
+
+
+def chunk_role(plan: ParallelPlan, pipeline_rank: int, chunk: int) -> ChunkRole:
+    return ChunkRole(
+        pipeline_rank=pipeline_rank,
+        chunk=chunk,
+        pre_process=pipeline_rank == 0 and chunk == 0,
+        post_process=pipeline_rank == plan.pipeline_parallel - 1 and chunk == plan.virtual_pipeline - 1,
+    )
 
 
 # -- rank order -------------------------------------------------------------------------------------

@@ -10,14 +10,13 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from megatron_adapters.training_step import (AdamSettings, MicroBatch, MixedPrecisionAdamW, StepScopes,
                                              assume_finite, forward_backward)
 from vtrain_plugin.core.dtypes import Dtype
-from megatron_adapters.conventions import LOSS, is_layer_module
+from megatron_adapters.conventions import LOSS, ChunkRole, is_layer_module
 from vtrain_plugin.specs.model import Family, ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
 
@@ -74,23 +73,6 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         hidden_dropout=0.0 if llama else 0.1,
         attention_dropout=0.0 if llama else 0.1,
         **recompute,
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkRole:
-    pipeline_rank: int
-    chunk: int
-    pre_process: bool
-    post_process: bool
-
-
-def chunk_role(plan: ParallelPlan, pipeline_rank: int, chunk: int) -> ChunkRole:
-    return ChunkRole(
-        pipeline_rank=pipeline_rank,
-        chunk=chunk,
-        pre_process=pipeline_rank == 0 and chunk == 0,
-        post_process=pipeline_rank == plan.pipeline_parallel - 1 and chunk == plan.virtual_pipeline - 1,
     )
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_adapters.gpt import ChunkRole, build_chunk
+from megatron_adapters.conventions import ChunkRole
+from megatron_adapters.gpt import build_chunk
 from megatron_adapters.training_step import AdamSettings, MicroBatch, MixedPrecisionAdamW, forward_backward
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError

@@ -27,7 +27,7 @@ from profiler.db_schema import (INSERT_COMM, INSERT_KERNEL, SCHEMA_VERSION, chec
                                 insert_device, kernel_row, migrate, read_identity)
 from profiler.fingerprint import DeviceFingerprint
 from vtrain_plugin.core.errors import ProfileError
-from vtrain_plugin.core.files import atomic_write_text
+from vtrain_plugin.core.files import atomic_write_text, user_cache_dir
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey
 
 EXPORT_FORMAT = "vtrain-profile"
@@ -52,8 +52,7 @@ def default_db_path() -> Path:
     env = os.environ.get(ENV_VAR)
     if env:
         return Path(env).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "vtrain" / "profiles.sqlite"
+    return user_cache_dir() / "profiles.sqlite"
 
 
 class ProfileDB:

@@ -16,8 +16,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from vtrain_plugin.core.errors import ProfileError
 
 
@@ -72,8 +70,11 @@ def current_fingerprint(device: str) -> DeviceFingerprint:
     """Fingerprint of ``device`` ("cpu", "cuda" or "cuda:N") as this process sees it.
 
     On CPU the core count is ``torch.get_num_threads()``: the threads the measured ops actually
-    use, which is what their durations depend on.
+    use, which is what their durations depend on. torch is imported here, not with the module: an
+    estimate reads stored fingerprints from the profile database without loading torch.
     """
+    import torch
+
     kind = _device_kind(device)
     cpu = cpu_model()
     if kind is DeviceKind.CPU:

@@ -1,6 +1,8 @@
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,3 +27,18 @@ def run_cli(tmp_path):
 def _package_calibrations_only(tmp_path_factory):
     """Estimates in tests use the calibration files shipped in the package, never a user's own."""
     os.environ["VTRAIN_CALIBRATION_DIR"] = str(tmp_path_factory.mktemp("no-user-calibrations"))
+
+
+def pytest_configure(config):
+    """Traces of the session (in this process and the CLI subprocesses, which inherit the
+    environment) go to a trace cache of its own, empty at the start: tests never read or fill the
+    user's cache, and every trace they read back was made by the code under test. Set here, before
+    collection, so that a trace at a test module's import is covered too."""
+    config._vtrain_trace_cache = tempfile.mkdtemp(prefix="vtrain-test-trace-cache-")
+    os.environ["VTRAIN_CACHE_DIR"] = config._vtrain_trace_cache
+    os.environ.pop("VTRAIN_NO_CACHE", None)
+    os.environ.pop("VTRAIN_CACHE_MAX_MB", None)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "_vtrain_trace_cache", ""), ignore_errors=True)

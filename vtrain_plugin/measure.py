@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 
-from megatron_adapters.real_model import train
 from profiler.fingerprint import current_fingerprint
 from profiler.lookup import measured_comm_tables, measured_durations
 from vtrain_plugin.capture.tracer import trace
@@ -35,6 +34,8 @@ def estimate_with_profiles(run: RunConfig, *, db_path: str | os.PathLike | None 
 def validate(run: RunConfig, *, device: str = "cpu", db_path: str | os.PathLike | None = None,
              iterations: int = 5, warmup: int = 1) -> ValidationResult:
     """Train ``run`` for real on one local device and compare with its estimate (see the module doc)."""
+    from megatron_adapters.real_model import train  # torch and megatron-core: loaded only to train
+
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ConfigError(f"iterations must be a positive integer, got {iterations!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:

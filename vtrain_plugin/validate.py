@@ -24,8 +24,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from vtrain_plugin.api import with_gpu
 from vtrain_plugin.core.errors import ConfigError, ProfileError
 from vtrain_plugin.estimate import Estimate
@@ -151,6 +149,8 @@ def local_device_preset(device: str) -> str:
         return "cpu"
     if kind != "cuda":
         raise ConfigError(f"device {device!r} must be 'cpu', 'cuda' or 'cuda:N'")
+    import torch  # here, not at module level: estimates never need torch, and it takes seconds to load
+
     if not torch.cuda.is_available():
         raise ProfileError(f"device {device!r} requested but torch.cuda.is_available() is False")
     name = torch.cuda.get_device_name(torch.device(device))

@@ -244,7 +244,7 @@ def test_transformer_config_fields_vtrain_does_not_model_are_refused(fields, pla
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_tracing_leaves_the_process_excepthook_alone():
+def test_tracing_leaves_the_process_excepthook_alone(monkeypatch):
     """torch's init_process_group prefixes every later traceback with "[rank<r>]:" unless undone."""
     import sys
 
@@ -252,6 +252,7 @@ def test_tracing_leaves_the_process_excepthook_alone():
 
     before = sys.excepthook
     clear_cache()
+    monkeypatch.setenv("VTRAIN_NO_CACHE", "1")  # really trace, whatever the session traced before
     trace(ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128),
           ParallelPlan(tensor_parallel=2))
     assert sys.excepthook is before

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveNode, Node, OpNode, ParallelGroup)
 from megatron_adapters.conventions import EMBEDDING, is_embedding_module, is_head_module, split_layer_module
-from vtrain_plugin.capture.recorder import OpRecord, Record
+from vtrain_plugin.capture.records import OpRecord, Record
 
 
 def layer_index(module: str) -> int | None:

@@ -13,7 +13,6 @@ import contextlib
 import gc
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from torch.distributed._tools.fake_collectives import CollectiveOp, collective_o
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vtrain_plugin.capture import opinfo
+from vtrain_plugin.capture.records import CollectiveRecord, OpRecord, Record
 from vtrain_plugin.core.errors import TraceError
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey, Phase
 
@@ -44,31 +44,6 @@ _COLLECTIVE_KINDS = {
     "broadcast_": CollectiveKind.BROADCAST,
     "broadcast": CollectiveKind.BROADCAST,
 }
-
-
-@dataclass(frozen=True, slots=True)
-class OpRecord:
-    key: KernelKey
-    phase: Phase
-    module: str
-    output_shapes: tuple[tuple[int, ...], ...]
-    launches_kernel: bool
-    flops: int
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class CollectiveRecord:
-    kind: CollectiveKind
-    nbytes: int
-    group_name: str
-    group_size: int
-    phase: Phase
-    module: str
-    dtype: str
-
-
-Record = OpRecord | CollectiveRecord
 
 
 class _DispatchRecorder(TorchDispatchMode):

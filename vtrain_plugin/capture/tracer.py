@@ -5,57 +5,44 @@ chunk of the plan is built through :mod:`megatron_adapters` on a fake process gr
 FakeTensorMode (no memory), and one micro-batch of forward, loss, backward and the optimizer step
 is recorded. Chunks that play the same role (first, middle, last) share one trace; a chunk is
 traced with ``traced_layers`` layers, which must come out identical, and the folded layer stands
-for all of the chunk's layers. Traces are cached in-process by their shape key.
+for all of the chunk's layers. Chunk traces are cached by their shape key
+(:func:`~vtrain_plugin.capture.chunk.shape_key`) in this process and on disk
+(:mod:`~vtrain_plugin.capture.disk_cache`); torch and megatron-core are imported only when a chunk
+is in neither, so re-estimating a plan traced before loads neither.
 
 A plain ``torch.nn.Module`` with a sample input is traced on the meta device as a single stage.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from functools import lru_cache
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from vtrain_plugin.capture import folding
-from vtrain_plugin.core.errors import ConfigError, TraceError
-from vtrain_plugin.core.graph import Block, BlockKind, OpGraph, ParallelGroup, Phase, StageGraph
-from vtrain_plugin.core.dtypes import Dtype
-from megatron_adapters.conventions import TIED_WEIGHT_OWNERS
+from megatron_adapters.conventions import chunk_role
+from vtrain_plugin.capture import disk_cache, folding
+from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.graph import OpGraph, StageGraph
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
-from vtrain_plugin.capture.recorder import OpRecorder
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TRACED_LAYERS = 2
 _CACHE_SIZE = 64
 
-
-@dataclass(frozen=True, slots=True)
-class _ChunkTrace:
-    """What one traced chunk role yields; independent of PP, DP and the chunk's layer count."""
-
-    blocks: tuple[Block, ...]  # layers not yet folded
-    params_by_block: dict[str, int]  # parameter count per block name (per layer for layers)
-    word_embedding_params: int  # of the (possibly shared) word embedding / output weight here
-    activation_shape: tuple[int, ...]
-    activation_dtype: str
-    # Folded blocks per chunk layer count, filled by _assemble_stage: every stage of this role (in
-    # every plan that shares the trace) gets the same blocks, folded once.
-    folded: dict[int, tuple[Block, ...]] = field(default_factory=dict, compare=False)
-
-
-_cache: OrderedDict[tuple, _ChunkTrace] = OrderedDict()
+_cache: OrderedDict[tuple, ChunkTrace] = OrderedDict()
 
 
 def clear_cache() -> None:
+    """Forget the traces of this process (the on-disk cache is :mod:`~vtrain_plugin.capture.disk_cache`'s)."""
     _cache.clear()
 
 
@@ -75,11 +62,15 @@ def trace(model: Any, parallel: ParallelPlan | None = None, *, micro_batch_size:
     ``micro_batch_size`` overrides the plan's. ``traced_layers`` is how many layers of each chunk
     are actually built and run (``None``: all of them).
     """
-    if isinstance(model, torch.nn.Module):
-        if sample_input is None:
-            raise ConfigError("sample_input is required to trace a plain torch.nn.Module")
-        return _trace_module(model, sample_input, loss_fn, seq_length=seq_length)
     if not isinstance(model, ModelSpec):
+        import torch  # here, not at module level: a ModelSpec traced before needs no torch at all
+
+        if isinstance(model, torch.nn.Module):
+            if sample_input is None:
+                raise ConfigError("sample_input is required to trace a plain torch.nn.Module")
+            from vtrain_plugin.capture.module_trace import trace_module
+
+            return trace_module(model, sample_input, loss_fn, seq_length=seq_length)
         model, parallel = _from_transformer_config(model, parallel, vocab_size=vocab_size, seq_length=seq_length)
     plan = parallel or ParallelPlan()
     if micro_batch_size is not None:
@@ -90,8 +81,6 @@ def trace(model: Any, parallel: ParallelPlan | None = None, *, micro_batch_size:
 
 
 def trace_gpt(model: ModelSpec, plan: ParallelPlan, *, traced_layers: int | None = DEFAULT_TRACED_LAYERS) -> OpGraph:
-    from megatron_adapters.gpt import chunk_role
-
     plan.check_fits(model)
     per_chunk = plan.layers_per_chunk(model)
     built = per_chunk if traced_layers is None else min(per_chunk, traced_layers)
@@ -108,8 +97,6 @@ def trace_gpt(model: ModelSpec, plan: ParallelPlan, *, traced_layers: int | None
 def trace_stage(model: ModelSpec, plan: ParallelPlan, *, pipeline_rank: int, chunk: int = 0,
                 traced_layers: int | None = None) -> StageGraph:
     """Trace one model chunk only (by default with every one of its layers built and run)."""
-    from megatron_adapters.gpt import chunk_role
-
     plan.check_fits(model)
     if not 0 <= pipeline_rank < plan.pipeline_parallel:
         raise ConfigError(f"pipeline_rank must be in [0, {plan.pipeline_parallel}), got {pipeline_rank}")
@@ -120,105 +107,32 @@ def trace_stage(model: ModelSpec, plan: ParallelPlan, *, pipeline_rank: int, chu
     return _assemble_stage(traced, pipeline_rank, chunk, per_chunk)
 
 
-def plan_shape_key(plan: ParallelPlan) -> tuple:
-    """What of a plan its chunk traces depend on: plans with different keys share no chunk trace
-    (the plan search groups plans by it, so that each shape is traced in one process)."""
-    return (plan.tensor_parallel, plan.sequence_parallel, plan.micro_batch_size, plan.recompute.value,
-            plan.pipeline_parallel > 1)
-
-
-def _shape_key(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> tuple:
-    return (_model_dims(model), *plan_shape_key(plan), pre, post, built)
-
-
-@lru_cache(maxsize=256)
-def _model_dims(model: ModelSpec) -> tuple:
-    """Every field of ``model`` a chunk's trace depends on (all but its name and layer count)."""
-    dims = {k: v for k, v in model.to_dict().items() if k not in ("num_layers", "name")}
-    return tuple(sorted(dims.items()))
-
-
-def _trace_chunk_cached(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> _ChunkTrace:
-    key = _shape_key(model, plan, pre, post, built)
+def _trace_chunk_cached(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> ChunkTrace:
+    """The chunk's trace from this process's cache, else the disk cache, else traced (and stored in both)."""
+    key = shape_key(model, plan, pre, post, built)
     hit = _cache.get(key)
     if hit is not None:
         _cache.move_to_end(key)
         return hit
-    start = time.perf_counter()
-    traced = _trace_chunk(model, plan, pre, post, built)
-    log.info("traced chunk (pre=%s post=%s, %d layers) in %.2f s", pre, post, built,
-             time.perf_counter() - start)
+    traced = disk_cache.load(key)
+    if traced is not None:
+        log.info("read chunk (pre=%s post=%s, %d layers) from the trace cache", pre, post, built)
+    else:
+        # torch and megatron-core are loaded here, when a chunk must really be traced, and only then.
+        from vtrain_plugin.capture.megatron_chunk import trace_chunk
+
+        start = time.perf_counter()
+        traced = trace_chunk(model, plan, pre, post, built)
+        log.info("traced chunk (pre=%s post=%s, %d layers) in %.2f s", pre, post, built,
+                 time.perf_counter() - start)
+        disk_cache.store(key, traced)
     _cache[key] = traced
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
     return traced
 
 
-def _trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> _ChunkTrace:
-    """Trace one chunk role on the smallest world that has it: TP ranks x 1-3 pipeline stages.
-
-    The chunk's ops depend on TP, not on DP or the number of stages, so a world of
-    ``tensor_parallel x (1..3)`` ranks builds the same shard as the full world, in a fraction of
-    the time megatron needs to create every process group of thousands of ranks.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from megatron_adapters.cpu_patches import cpu_tracing_patches
-    from megatron_adapters.fake_world import fake_world, quiet_megatron, reset_global_memory_buffer
-    from megatron_adapters.gpt import (ChunkRole, build_chunk, prepare_for_recording, run_training_step,
-                                       stage_input_shape)
-
-    stages = 1 if (pre and post) else 2 if (pre or post) else 3
-    trace_plan = ParallelPlan(tensor_parallel=plan.tensor_parallel, pipeline_parallel=stages,
-                              data_parallel=1, sequence_parallel=plan.sequence_parallel,
-                              micro_batch_size=plan.micro_batch_size, recompute=plan.recompute)
-    rank = 0 if pre else stages - 1 if post else 1
-    role = ChunkRole(pipeline_rank=rank, chunk=0, pre_process=pre, post_process=post)
-    try:
-        with quiet_megatron(), cpu_tracing_patches(), fake_world(trace_plan, pipeline_rank=rank) as group_names:
-            reset_global_memory_buffer()
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                gpt = build_chunk(model, trace_plan, role, layers_per_chunk=built)
-                prepare_for_recording(gpt)
-                recorder = OpRecorder(gpt)
-                with recorder.recording():
-                    run_training_step(gpt, model, trace_plan, role, recorder)
-            reset_global_memory_buffer()
-            params_by_block, word_embedding = _parameter_counts(gpt)
-    except (RuntimeError, TypeError, AssertionError, NotImplementedError) as exc:
-        raise TraceError(f"tracing the megatron-core model failed: {type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
-
-    def group_of(name: str) -> ParallelGroup:
-        try:
-            return group_names[name]
-        except KeyError:
-            raise TraceError(f"a collective ran on process group {name!r}, which is none of "
-                             f"tp/dp/pp/embedding") from None
-
-    nodes = [folding.to_node(r, group_of) for r in recorder.records]
-    blocks = folding.split_blocks(nodes, recorder.saved_nbytes)
-    if not folding.layers_identical(blocks):
-        log.warning("traced layers differ; they are kept as separate blocks")
-    return _ChunkTrace(blocks=tuple(blocks), params_by_block=params_by_block,
-                       word_embedding_params=word_embedding,
-                       activation_shape=stage_input_shape(model, plan),
-                       activation_dtype=Dtype(model.dtype).torch_name)
-
-
-def _parameter_counts(module: torch.nn.Module) -> tuple[dict[str, int], int]:
-    counts: dict[str, int] = {}
-    word_embedding = 0
-    for name, p in module.named_parameters():
-        owner = name.rsplit(".", 1)[0]
-        _, block = folding.block_of(owner)
-        counts[block] = counts.get(block, 0) + p.numel()
-        if owner in TIED_WEIGHT_OWNERS:
-            word_embedding = p.numel()
-    return counts, word_embedding
-
-
-def _assemble_stage(traced: _ChunkTrace, rank: int, chunk: int, per_chunk: int) -> StageGraph:
+def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int) -> StageGraph:
     """One stage's graph from its role's trace: layers folded to the chunk's count, parameters
     per block. Stages of one role share their blocks' node tuples, so each is costed once."""
     blocks = traced.folded.get(per_chunk)
@@ -240,45 +154,3 @@ def _from_transformer_config(config: Any, parallel: ParallelPlan | None, *, voca
         raise ConfigError("vocab_size and seq_length are required when tracing from a TransformerConfig")
     model = model_spec_from_transformer_config(config, vocab_size=vocab_size, seq_length=seq_length)
     return model, parallel_plan_from_transformer_config(config, parallel)
-
-
-def _trace_module(module: torch.nn.Module, sample_input: Any, loss_fn: Callable | None, *,
-                  seq_length: int | None) -> OpGraph:
-    """Trace a plain module on the meta device: forward, loss, backward, Adam step, one stage. The
-    sample input is one micro-batch."""
-    meta = copy.deepcopy(module).to("meta")
-    inputs = _to_meta(sample_input if isinstance(sample_input, (tuple, list)) else (sample_input,))
-    recorder = OpRecorder(meta)
-    params = [p for p in meta.parameters() if p.requires_grad]
-    with recorder.recording():
-        with recorder.phase(Phase.FORWARD):
-            output = meta(*inputs)
-            with recorder.module("loss"):
-                loss = loss_fn(output) if loss_fn is not None else output.float().mean()
-        with recorder.phase(Phase.BACKWARD):
-            loss.backward()
-        with recorder.paused():
-            optimizer = torch.optim.Adam(params, foreach=False)
-        with recorder.phase(Phase.OPTIMIZER), recorder.module("optimizer"):
-            optimizer.step()
-    nodes = [folding.to_node(r, lambda name: ParallelGroup.DP) for r in recorder.records]
-    block = Block(kind=BlockKind.STAGE, name="model", nodes=tuple(nodes),
-                  num_parameters=sum(p.numel() for p in params))
-    stage = StageGraph(pipeline_rank=0, blocks=(block,))
-    first = inputs[0] if inputs else None
-    batch = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
-    if seq_length is None:
-        token_ids = isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point()
-        seq_length = int(first.shape[1]) if token_ids else 0
-    elif not (isinstance(seq_length, int) and seq_length > 0):
-        raise ConfigError(f"seq_length must be a positive integer, got {seq_length!r}")
-    return OpGraph(model=None, module_name=type(module).__name__, parallel=ParallelPlan(micro_batch_size=batch),
-                   micro_batch_size=batch, seq_length=seq_length, stages=(stage,))
-
-
-def _to_meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to("meta")
-    if isinstance(value, (list, tuple)):
-        return tuple(_to_meta(v) for v in value)
-    return value

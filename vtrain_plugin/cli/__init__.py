@@ -10,9 +10,13 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from vtrain_plugin.cli import estimate, profile, search, size, trace, validate
-from vtrain_plugin.cli.common import EXIT_USER_ERROR
+from vtrain_plugin.cli import cache, estimate, profile, search, size, trace, validate
+from vtrain_plugin.cli.common import EXIT_USER_ERROR, cache_environment, cache_options
 from vtrain_plugin.core.errors import VTrainError
+
+
+# The commands that trace models, and so take --cache-dir and --no-cache.
+TRACING_COMMANDS = ("trace", "estimate", "profile", "validate", "search", "size")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_parser(sub)
     search.add_parser(sub)
     size.add_parser(sub)
+    cache.add_parser(sub)
+    for command in TRACING_COMMANDS:
+        cache_options(sub.choices[command])
     return parser
 
 
@@ -35,7 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="vtrain: %(message)s", stream=sys.stderr)
     try:
-        return args.func(args)
+        with cache_environment(args):
+            return args.func(args)
     except VTrainError as exc:
         print(f"vtrain: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

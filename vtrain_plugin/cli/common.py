@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from vtrain_plugin.capture import disk_cache
 from vtrain_plugin.core.files import atomic_write_text
 
 EXIT_USER_ERROR = 2
@@ -36,3 +40,30 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def cache_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help="trace cache folder (default: $VTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/vtrain or ~/.cache/vtrain)")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the on-disk trace cache")
+
+
+@contextmanager
+def cache_environment(args: argparse.Namespace) -> Iterator[None]:
+    """``--cache-dir`` and ``--no-cache`` as the environment the trace cache reads while the command
+    runs (so the worker processes of ``vtrain search`` use the same cache); restored afterwards."""
+    settings = {}
+    if getattr(args, "cache_dir", None):
+        settings[disk_cache.CACHE_DIR_ENV] = args.cache_dir
+    if getattr(args, "no_cache", False):
+        settings[disk_cache.NO_CACHE_ENV] = "1"
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,16 +1,18 @@
 """``vtrain profile``, ``profile-comm``, ``profile-export`` and ``profile-import``: measuring kernels and
-collectives on this machine's device, and moving profiles between machines."""
+collectives on this machine's device, and moving profiles between machines.
+
+The benchmarks (:mod:`profiler.replay`, :mod:`profiler.comm_bench`) are imported by the commands that
+run them: they load torch, which every other command of the CLI does without.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from profiler.comm_bench import benchmark_collectives
 from profiler.db import ProfileDB
 from profiler.fingerprint import current_fingerprint
 from profiler.lookup import open_profile_db
-from profiler.replay import profile_kernels
 from vtrain_plugin.api import load_run_config
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.cli.common import CONFIG_HELP, db_option, device_and_db_options, positive_int
@@ -49,6 +51,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def profile(args: argparse.Namespace) -> int:
+    from profiler.replay import profile_kernels
+
     fp = current_fingerprint(args.device)
     keys: dict = {}
     for path in args.config:
@@ -68,6 +72,8 @@ def profile(args: argparse.Namespace) -> int:
 
 
 def profile_comm(args: argparse.Namespace) -> int:
+    from profiler.comm_bench import benchmark_collectives
+
     fp = current_fingerprint(args.device)
     with ProfileDB.open(args.db) as db:
         result = benchmark_collectives(args.device, max_nbytes=args.max_nbytes, world_size=args.world_size,

@@ -10,9 +10,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from vtrain_plugin.core.graph import Block, OpGraph, OpNode, Phase, StageGraph
 from vtrain_plugin.cost.runtime_collectives import runtime_collectives
@@ -22,6 +20,9 @@ from vtrain_plugin.planning.sizing import SizingResult
 from vtrain_plugin.planning.space import format_skipped
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.validate import ValidationResult
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def _fmt_bytes(nbytes: float) -> str:

@@ -24,3 +24,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def user_cache_dir() -> Path:
+    """vtrain's folder in the user's cache: ``$XDG_CACHE_HOME/vtrain``, else ``~/.cache/vtrain``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "vtrain"

@@ -1,7 +1,7 @@
 """Evaluating candidate plans: trace and estimate each one, the one path of the search and its workers.
 
 Plans are grouped into batches by the shape their chunk traces depend on
-(:func:`~vtrain_plugin.capture.tracer.plan_shape_key`): batches share no trace, so a process that
+(:func:`~vtrain_plugin.capture.chunk.plan_shape_key`): batches share no trace, so a process that
 evaluates a whole batch traces each of its shapes once, and no two processes trace the same one.
 A batch is plain data and :func:`evaluate_batch` a module-level function, so both travel to
 spawned processes and Ray workers.
@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vtrain_plugin.capture.tracer import plan_shape_key, trace
+from vtrain_plugin.capture.chunk import plan_shape_key
+from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.units import SECONDS_PER_HOUR
 from vtrain_plugin.estimate import Estimate, estimate
 from vtrain_plugin.planning.space import Candidate

@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from vtrain_plugin.core.files import atomic_write_bytes
 from vtrain_plugin.planning.search import SearchResult
@@ -32,9 +30,7 @@ def plot_search(result: SearchResult, path: str | os.PathLike, *, baseline: Mapp
     crosses, the front as a step line, and ``baseline`` (a row with the table's columns) as a
     labelled star."""
     table, x, y = result.table, result.time_column, result.cost_column
-    figure = Figure(figsize=(8, 5.5), dpi=120)
-    FigureCanvasAgg(figure)
-    ax = figure.add_subplot()
+    figure, ax = _figure()
     fits = table["fits_in_memory"].to_numpy(dtype=bool)
     if not fits.all():
         ax.scatter(table[x][~fits], table[y][~fits], marker="x", s=14, color="0.7", label="does not fit in memory")
@@ -56,18 +52,13 @@ def plot_search(result: SearchResult, path: str | os.PathLike, *, baseline: Mapp
     ax.set_title(title or f"{len(table):,} plans, {int(front.shape[0])} on the Pareto front")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="best", fontsize="small")
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    atomic_write_bytes(Path(path), buffer.getvalue())
+    _save(figure, path)
 
 
 def plot_sizing(result: SizingResult, path: str | os.PathLike) -> None:
     """Write a PNG of ``vtrain size`` to ``path`` (atomically): each searched shape's parameters
     against its days to train with its best plan, the days budget, the answer and the naive answer."""
-    figure = Figure(figsize=(8, 5.5), dpi=120)
-    FigureCanvasAgg(figure)
-    ax = figure.add_subplot()
+    figure, ax = _figure()
     shapes = [o for o in result.evaluated if o.plan is not None]
     for within, color, label in ((True, "tab:green", "within budget"), (False, "tab:red", "over budget")):
         chosen = [o for o in shapes if o.within_budget is within]
@@ -90,6 +81,21 @@ def plot_sizing(result: SizingResult, path: str | os.PathLike) -> None:
     ax.set_title("largest model within budget")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="best", fontsize="small")
+    _save(figure, path)
+
+
+def _figure() -> tuple[Any, Any]:
+    """A new figure and its axes. matplotlib is imported here: it takes half a second to load, and
+    the CLI imports this module for every command, plotting or not."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 5.5), dpi=120)
+    FigureCanvasAgg(figure)
+    return figure, figure.add_subplot()
+
+
+def _save(figure: Any, path: str | os.PathLike) -> None:
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")

@@ -15,10 +15,9 @@ import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 from tqdm import tqdm
 
 from vtrain_plugin.core import checks as v
@@ -31,6 +30,9 @@ from vtrain_plugin.planning.space import Candidate, GpuBudget, SearchSpace, enum
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.training import TrainingSpec
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,8 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     peak_memory_gib, fits_in_memory, cost_usd`` (NaN without a price), ``gpu_hours`` per
     iteration), then ``train_days, train_cost_usd`` with ``tokens``, ``pareto`` and ``rank``.
     """
+    import pandas as pd  # here, not at module level: the CLI imports this module for every command
+
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
     if objective == "cost" and cluster.price_per_gpu_hour_usd is None:

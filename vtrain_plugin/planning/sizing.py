@@ -18,9 +18,7 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
@@ -31,6 +29,9 @@ from vtrain_plugin.planning.search import search
 from vtrain_plugin.planning.space import GpuBudget, SearchSpace
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import Family, ModelSpec
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ class SizingResult:
 
     def table(self) -> pd.DataFrame:
         """One row per evaluated shape, with ``answer`` / ``naive`` marking the two answers."""
+        import pandas as pd  # loaded when a table is asked for: the CLI imports this module for every command
+
         rows = [{**o.to_dict(), "answer": o.model == self.answer.model,
                  "naive": self.naive is not None and o.model == self.naive.model} for o in self.evaluated]
         return pd.DataFrame(rows)

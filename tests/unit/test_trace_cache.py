@@ -1,0 +1,193 @@
+"""The on-disk trace cache: real traces of a tiny megatron-core GPT stored, read back, keyed, rebuilt."""
+
+import dataclasses
+import gzip
+import json
+import logging
+import os
+
+import pytest
+
+from vtrain_plugin.capture import disk_cache, megatron_chunk
+from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
+from vtrain_plugin.capture.tracer import clear_cache, trace
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.graph import Block, BlockKind
+from vtrain_plugin.estimate import estimate
+from vtrain_plugin.hardware.clusters import get_cluster_preset
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.training import TrainingSpec
+
+MODEL = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
+PLAN = ParallelPlan(tensor_parallel=2)
+KEY = shape_key(MODEL, PLAN, True, True, 2)  # the one chunk of PLAN: TP 2, one stage, both layers built
+# Each changes the key of KEY's chunk (a field of the model or the plan it depends on).
+MODEL_VARIANTS = {"family": "llama", "hidden_size": 128, "num_attention_heads": 8, "seq_length": 64,
+                  "vocab_size": 256, "ffn_hidden_size": 128, "num_query_groups": 2, "tied_embeddings": False,
+                  "dtype": "bf16"}
+PLAN_VARIANTS = {"tensor_parallel": 4, "sequence_parallel": True, "micro_batch_size": 2, "recompute": "full",
+                 "pipeline_parallel": 2}
+# Fields that do not change a chunk's trace, so plans that differ only in them share it.
+MODEL_FIELDS_NOT_IN_KEY = {"num_layers": 8, "name": "other"}
+PLAN_FIELDS_NOT_IN_KEY = {"data_parallel": 16}
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("VTRAIN_CACHE_DIR", str(folder))
+    clear_cache()
+    yield folder
+    clear_cache()
+
+
+def _forbid_tracing(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("traced although the disk cache holds the chunk")
+    monkeypatch.setattr(megatron_chunk, "trace_chunk", fail)
+
+
+def _graph_json(graph) -> str:
+    return json.dumps(graph.to_dict(), sort_keys=True)
+
+
+def _entries(folder):
+    return sorted((folder / "traces").glob("*.json.gz"))
+
+
+def test_a_hit_gives_the_identical_graph_and_estimate(cache_dir, monkeypatch):
+    traced = trace(MODEL, PLAN)
+    assert [p.name for p in _entries(cache_dir)] == [disk_cache.entry_path(KEY).name]
+    clear_cache()
+    _forbid_tracing(monkeypatch)
+    read = trace(MODEL, PLAN)
+    assert _graph_json(read) == _graph_json(traced)
+    cluster, training = get_cluster_preset("dgx-a100"), TrainingSpec(global_batch_size=8)
+    assert estimate(read, cluster=cluster, training=training).to_dict() == \
+        estimate(traced, cluster=cluster, training=training).to_dict()
+
+
+def test_plans_that_share_a_shape_share_the_entry(cache_dir, monkeypatch):
+    trace(MODEL, PLAN)
+    clear_cache()
+    _forbid_tracing(monkeypatch)
+    graph = trace(dataclasses.replace(MODEL, num_layers=8, name="deeper"), dataclasses.replace(PLAN, data_parallel=4))
+    assert graph.stages[0].num_layers == 8
+    assert len(_entries(cache_dir)) == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "not gzip", "foreign", "malformed"])
+def test_a_damaged_or_foreign_entry_is_ignored_and_rebuilt(cache_dir, damage, caplog):
+    expected = _graph_json(trace(MODEL, PLAN))
+    path = disk_cache.entry_path(KEY)
+    data = path.read_bytes()
+    entry = json.loads(gzip.decompress(data))
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "corrupt":
+        path.write_bytes(data[:100] + bytes(b ^ 0xFF for b in data[100:200]) + data[200:])
+    elif damage == "not gzip":
+        path.write_bytes(b"\x00garbage" * 10)
+    elif damage == "foreign":  # another version's entry under this name (a hash collision)
+        entry["key"]["versions"]["torch"] = "0.0.1"
+        path.write_bytes(gzip.compress(json.dumps(entry).encode()))
+    else:
+        del entry["chunk"]["blocks"]
+        path.write_bytes(gzip.compress(json.dumps(entry).encode()))
+    clear_cache()
+    with caplog.at_level(logging.DEBUG, logger="vtrain_plugin.capture.disk_cache"):
+        assert disk_cache.load(KEY) is None
+        assert _graph_json(trace(MODEL, PLAN)) == expected
+    assert any("ignoring" in r.message and r.levelno == logging.DEBUG for r in caplog.records)
+    assert disk_cache.load(KEY) is not None  # rewritten whole
+
+
+def test_no_cache_reads_and_writes_nothing(cache_dir, monkeypatch):
+    monkeypatch.setenv("VTRAIN_NO_CACHE", "1")
+    trace(MODEL, PLAN)
+    assert not (cache_dir / "traces").exists()
+    monkeypatch.setenv("VTRAIN_NO_CACHE", "maybe")
+    with pytest.raises(ConfigError, match="VTRAIN_NO_CACHE must be one of 1, true, yes, on .* got 'maybe'"):
+        disk_cache.enabled()
+
+
+def test_the_key_covers_every_field_that_shapes_the_trace():
+    """Every field of ModelSpec and ParallelPlan either changes the key or is listed as not shaping
+    a chunk's trace: a new field fails here until it is classified."""
+    model_fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    plan_fields = {f.name for f in dataclasses.fields(ParallelPlan)}
+    assert model_fields == set(MODEL_VARIANTS) | set(MODEL_FIELDS_NOT_IN_KEY)
+    assert plan_fields == set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | {"virtual_pipeline"}
+    paths = {disk_cache.entry_path(KEY)}
+    for name, value in MODEL_VARIANTS.items():
+        model = dataclasses.replace(MODEL, **{name: value})
+        paths.add(disk_cache.entry_path(shape_key(model, PLAN, True, True, 2)))
+    for name, value in PLAN_VARIANTS.items():
+        paths.add(disk_cache.entry_path(shape_key(MODEL, dataclasses.replace(PLAN, **{name: value}), True, True, 2)))
+    paths |= {disk_cache.entry_path(shape_key(MODEL, PLAN, *role)) for role in
+              ((True, False, 2), (False, True, 2), (True, True, 1))}
+    assert len(paths) == 1 + len(MODEL_VARIANTS) + len(PLAN_VARIANTS) + 3
+    same = [shape_key(dataclasses.replace(MODEL, **MODEL_FIELDS_NOT_IN_KEY), PLAN, True, True, 2),
+            shape_key(MODEL, dataclasses.replace(PLAN, **PLAN_FIELDS_NOT_IN_KEY), True, True, 2)]
+    assert all(k == KEY for k in same)
+    # pipeline and virtual pipeline sizes beyond "several stages" only pick the chunk role
+    pp2, pp8 = (ParallelPlan(tensor_parallel=2, pipeline_parallel=p, virtual_pipeline=v) for p, v in ((2, 1), (8, 2)))
+    assert shape_key(MODEL, pp2, False, True, 2) == shape_key(MODEL, pp8, False, True, 2)
+
+
+@pytest.mark.parametrize("package", ["vtrain", "torch", "megatron-core"])
+def test_the_key_changes_with_the_versions(monkeypatch, package):
+    before = disk_cache.entry_path(KEY)
+    real = disk_cache._package_version
+    monkeypatch.setattr(disk_cache, "_package_version", lambda name: "9.9" if name == package else real(name))
+    assert disk_cache.entry_path(KEY) != before
+    assert disk_cache.entry_key(KEY)["versions"][package] == "9.9"
+
+
+def test_the_key_changes_with_the_traced_code(monkeypatch):
+    before = disk_cache.entry_path(KEY)
+    monkeypatch.setattr(disk_cache, "_traced_code_digest", lambda: "edited")
+    assert disk_cache.entry_path(KEY) != before
+
+
+def test_the_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("VTRAIN_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert disk_cache.traces_dir() == tmp_path / "xdg" / "vtrain" / "traces"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert disk_cache.traces_dir() == tmp_path / "home" / ".cache" / "vtrain" / "traces"
+    monkeypatch.setenv("VTRAIN_CACHE_DIR", str(tmp_path / "mine"))
+    assert disk_cache.traces_dir() == tmp_path / "mine" / "traces"
+
+
+def _small_chunk(name: str) -> ChunkTrace:
+    return ChunkTrace(blocks=(Block(kind=BlockKind.STAGE, name=name),), params_by_block={name: 1},
+                      word_embedding_params=0, activation_shape=(1, 2, 3), activation_dtype="float16")
+
+
+def test_least_recently_used_entries_go_above_the_size_limit(cache_dir, monkeypatch):
+    keys = [shape_key(dataclasses.replace(MODEL, hidden_size=64 * (i + 1)), PLAN, True, True, 2) for i in range(4)]
+    for i, key in enumerate(keys[:3]):
+        disk_cache.store(key, _small_chunk(f"chunk{i}"))
+        os.utime(disk_cache.entry_path(key), (1000 + i, 1000 + i))
+    assert disk_cache.load(keys[0]) is not None  # a hit makes the oldest the most recently used
+    size = disk_cache.entry_path(keys[0]).stat().st_size
+    monkeypatch.setenv("VTRAIN_CACHE_MAX_MB", str(3.5 * size / 1e6))
+    disk_cache.store(keys[3], _small_chunk("chunk3"))
+    assert [disk_cache.entry_path(k).exists() for k in keys] == [True, False, True, True]
+    assert disk_cache.info().entries == 3
+    monkeypatch.setenv("VTRAIN_CACHE_MAX_MB", "-1")
+    with pytest.raises(ConfigError, match="VTRAIN_CACHE_MAX_MB must be positive and finite, got -1"):
+        disk_cache.max_bytes()
+
+
+def test_an_unwritable_cache_is_a_warning_not_an_error(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("VTRAIN_CACHE_DIR", str(blocker))
+    with caplog.at_level(logging.WARNING):
+        disk_cache.store(KEY, _small_chunk("x"))
+    assert "could not write" in caplog.text
+    assert disk_cache.load(KEY) is None

@@ -1,0 +1,78 @@
+"""One traced chunk role and the shape key it is cached under, in process and on disk.
+
+A chunk's trace depends on the model's dimensions, on the plan's tensor parallelism, sequence
+parallelism, micro-batch size and recompute mode, on the chunk's role (whether it holds the
+embedding, the head) and on the number of layers built; not on data parallelism, the number of
+pipeline stages beyond whether there are several, nor the model's layer count (the folded layer
+stands for all of them). :func:`shape_key` names exactly these inputs, so plans that share a key
+share the trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from vtrain_plugin.core.graph import Block
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+
+# The fields of plan_shape_key, then of shape_key after the model's dimensions.
+PLAN_SHAPE_FIELDS = ("tensor_parallel", "sequence_parallel", "micro_batch_size", "recompute", "pipelined")
+SHAPE_FIELDS = ("model", *PLAN_SHAPE_FIELDS, "pre_process", "post_process", "traced_layers")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTrace:
+    """What one traced chunk role yields; independent of PP, DP and the chunk's layer count."""
+
+    blocks: tuple[Block, ...]  # layers not yet folded
+    params_by_block: dict[str, int]  # parameter count per block name (per layer for layers)
+    word_embedding_params: int  # of the (possibly shared) word embedding / output weight here
+    activation_shape: tuple[int, ...]
+    activation_dtype: str
+    # Folded blocks per chunk layer count, filled by the tracer: every stage of this role (in every
+    # plan that shares the trace) gets the same blocks, folded once. Not part of the stored form.
+    folded: dict[int, tuple[Block, ...]] = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"blocks": [b.to_dict() for b in self.blocks], "params_by_block": self.params_by_block,
+                "word_embedding_params": self.word_embedding_params,
+                "activation_shape": list(self.activation_shape), "activation_dtype": self.activation_dtype}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ChunkTrace:
+        return cls(blocks=tuple(Block.from_dict(b) for b in d["blocks"]),
+                   params_by_block={str(k): int(n) for k, n in d["params_by_block"].items()},
+                   word_embedding_params=int(d["word_embedding_params"]),
+                   activation_shape=tuple(int(n) for n in d["activation_shape"]),
+                   activation_dtype=str(d["activation_dtype"]))
+
+
+def plan_shape_key(plan: ParallelPlan) -> tuple:
+    """What of a plan its chunk traces depend on (:data:`PLAN_SHAPE_FIELDS`): plans with different
+    keys share no chunk trace (the plan search groups plans by it, so that each shape is traced in
+    one process)."""
+    return (plan.tensor_parallel, plan.sequence_parallel, plan.micro_batch_size, plan.recompute.value,
+            plan.pipeline_parallel > 1)
+
+
+def shape_key(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> tuple:
+    """The key of one chunk role's trace (:data:`SHAPE_FIELDS`); hashable and cheap, as the tracer
+    looks it up once per stage of every plan."""
+    return (model_dims(model), *plan_shape_key(plan), pre, post, built)
+
+
+def named_shape_key(key: tuple) -> dict[str, Any]:
+    """:func:`shape_key`'s tuple as a JSON mapping, field by field: the on-disk cache's key."""
+    named = dict(zip(SHAPE_FIELDS, key, strict=True))
+    named["model"] = dict(named["model"])
+    return named
+
+
+@lru_cache(maxsize=256)
+def model_dims(model: ModelSpec) -> tuple:
+    """Every field of ``model`` a chunk's trace depends on (all but its name and layer count)."""
+    dims = {k: v for k, v in model.to_dict().items() if k not in ("num_layers", "name")}
+    return tuple(sorted(dims.items()))

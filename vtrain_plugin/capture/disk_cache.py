@@ -1,0 +1,221 @@
+"""The on-disk trace cache: chunk traces stored content-addressed under the user's cache folder.
+
+An entry is one traced chunk role (:class:`~vtrain_plugin.capture.chunk.ChunkTrace`), stored as
+gzipped JSON in ``<cache dir>/traces/<sha256 of its key>.json.gz``. The key is the chunk's shape
+key (:func:`~vtrain_plugin.capture.chunk.shape_key`, field by field) plus :func:`versions`: of
+vtrain, torch and megatron-core, of the graph schema and of this entry format, and a digest of
+the source of the code a trace runs (so an edited checkout never reads traces of older code).
+The entry holds its own key: one whose key differs from the one asked for (another version, a
+hash collision), or that cannot be read back (corrupt, truncated), is ignored with a debug log
+and traced again, and the new trace overwrites it. Entries are written atomically, so processes
+that share the folder (the workers of a plan search) never see half of one.
+
+Settings, all read from the environment so that worker processes inherit them (the CLI's
+``--cache-dir`` and ``--no-cache`` set them):
+
+- ``VTRAIN_CACHE_DIR``: the cache folder (default ``$XDG_CACHE_HOME/vtrain``, else ``~/.cache/vtrain``);
+- ``VTRAIN_NO_CACHE=1``: neither read nor write entries;
+- ``VTRAIN_CACHE_MAX_MB``: the size above which the least recently used entries are removed
+  after a write (default :data:`DEFAULT_MAX_MB`; a hit marks an entry as used).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import os
+import zlib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from vtrain_plugin.capture.chunk import ChunkTrace, named_shape_key
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.files import atomic_write_bytes, user_cache_dir
+from vtrain_plugin.core.graph import SCHEMA_VERSION
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "VTRAIN_CACHE_DIR"
+NO_CACHE_ENV = "VTRAIN_NO_CACHE"
+MAX_MB_ENV = "VTRAIN_CACHE_MAX_MB"
+DEFAULT_MAX_MB = 512  # a GPT-3 175B chunk is about 16 kB gzipped; thousands of shapes fit
+ENTRY_FORMAT = 1
+SUFFIX = ".json.gz"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+# The packages whose source a chunk trace runs: a change to any of their files is a new key.
+_TRACED_CODE = ("vtrain_plugin/capture", "vtrain_plugin/core", "vtrain_plugin/specs", "megatron_adapters")
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def enabled() -> bool:
+    """Whether the disk cache is in use (``VTRAIN_NO_CACHE`` unset or false)."""
+    value = os.environ.get(NO_CACHE_ENV, "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ConfigError(f"{NO_CACHE_ENV} must be one of {', '.join(_TRUE)} (cache off) or "
+                          f"{', '.join(repr(x) if not x else x for x in _FALSE)} (cache on), got {value!r}")
+    return value not in _TRUE
+
+
+def cache_dir() -> Path:
+    """``$VTRAIN_CACHE_DIR``, else vtrain's folder in the user cache; traces live in its ``traces``."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env).expanduser() if env else user_cache_dir()
+
+
+def traces_dir() -> Path:
+    return cache_dir() / "traces"
+
+
+def max_bytes() -> int:
+    text = os.environ.get(MAX_MB_ENV)
+    if not text:
+        return DEFAULT_MAX_MB * 10**6
+    try:
+        mb = float(text)
+    except ValueError:
+        raise ConfigError(f"{MAX_MB_ENV} must be a size in MB such as 512, got {text!r}") from None
+    return int(v.positive_finite_number(MAX_MB_ENV, mb) * 10**6)
+
+
+def versions() -> dict[str, Any]:
+    """What besides the shape a stored trace depends on: the software that traced it."""
+    return {"vtrain": _package_version("vtrain"), "torch": _package_version("torch"),
+            "megatron-core": _package_version("megatron-core"), "graph_schema": SCHEMA_VERSION,
+            "entry_format": ENTRY_FORMAT, "traced_code": _traced_code_digest()}
+
+
+def entry_key(key: tuple) -> dict[str, Any]:
+    """The full key of the entry of shape key ``key``, as stored in the entry."""
+    return {"shape": named_shape_key(key), "versions": versions()}
+
+
+def entry_path(key: tuple) -> Path:
+    return traces_dir() / f"{hashlib.sha256(_canonical(entry_key(key)).encode()).hexdigest()}{SUFFIX}"
+
+
+def load(key: tuple) -> ChunkTrace | None:
+    """The stored trace of shape key ``key``; None when the cache is off or has no valid entry."""
+    if not enabled():
+        return None
+    path = entry_path(key)
+    try:
+        data = json.loads(gzip.decompress(path.read_bytes()))
+    except FileNotFoundError:
+        return None
+    except (OSError, EOFError, zlib.error, ValueError) as exc:  # unreadable, truncated, corrupt
+        log.debug("trace cache: ignoring %s (%s: %s)", path, type(exc).__name__, exc)
+        return None
+    if not isinstance(data, dict) or _canonical(data.get("key")) != _canonical(entry_key(key)):
+        log.debug("trace cache: ignoring %s, an entry of another key (other versions or a hash collision)", path)
+        return None
+    try:
+        chunk = ChunkTrace.from_dict(data["chunk"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        log.debug("trace cache: ignoring %s (malformed: %s: %s)", path, type(exc).__name__, exc)
+        return None
+    _touch(path)
+    return chunk
+
+
+def store(key: tuple, chunk: ChunkTrace) -> None:
+    """Write the trace of shape key ``key`` (atomically), then keep the cache within its size.
+
+    A cache that cannot be written is a warning, not an error: the trace itself succeeded.
+    """
+    if not enabled():
+        return
+    path = entry_path(key)
+    text = json.dumps({"key": entry_key(key), "chunk": chunk.to_dict()}, separators=(",", ":"))
+    try:
+        atomic_write_bytes(path, gzip.compress(text.encode(), compresslevel=6, mtime=0))
+        prune(path.parent, max_bytes())
+    except OSError as exc:
+        log.warning("trace cache: could not write %s (%s); continuing without it", path, exc)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheInfo:
+    directory: Path
+    entries: int
+    nbytes: int
+    max_bytes: int
+
+
+def info() -> CacheInfo:
+    files = _entries(traces_dir())
+    return CacheInfo(directory=traces_dir(), entries=len(files), nbytes=sum(size for _, size, _ in files),
+                     max_bytes=max_bytes())
+
+
+def clear() -> int:
+    """Remove every entry; returns how many were removed."""
+    files = _entries(traces_dir())
+    for path, _, _ in files:
+        path.unlink(missing_ok=True)
+    return len(files)
+
+
+def prune(directory: Path, limit: int) -> None:
+    """Remove the least recently used entries of ``directory`` until they take at most ``limit`` bytes."""
+    files = _entries(directory)
+    total = sum(size for _, size, _ in files)
+    for path, size, _ in sorted(files, key=lambda f: f[2]):
+        if total <= limit:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
+        log.debug("trace cache: removed %s (least recently used; cache above %d bytes)", path, limit)
+
+
+def _entries(directory: Path) -> list[tuple[Path, int, float]]:
+    """``(path, bytes, last use)`` of every entry; entries another process removes meanwhile are skipped."""
+    found = []
+    try:
+        paths = list(directory.glob(f"*{SUFFIX}"))
+    except OSError:
+        return []
+    for path in paths:
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        found.append((path, stat.st_size, stat.st_mtime))
+    return found
+
+
+def _touch(path: Path) -> None:
+    """Mark an entry as used now (its modification time orders the pruning)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass  # a read-only cache still serves its entries
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+@lru_cache(maxsize=None)
+def _package_version(name: str) -> str | None:
+    from importlib import metadata  # 50 ms to load; needed once a trace is looked up, never for a config error
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@lru_cache(maxsize=1)
+def _traced_code_digest() -> str:
+    """SHA-256 of the source files of :data:`_TRACED_CODE`, by path: same version number, other code,
+    other key (an editable install or a checkout under development)."""
+    digest = hashlib.sha256()
+    for package in _TRACED_CODE:
+        for path in sorted((_REPO / package).rglob("*.py")):
+            digest.update(path.relative_to(_REPO).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()

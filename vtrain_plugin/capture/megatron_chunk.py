@@ -1,0 +1,83 @@
+"""Tracing one megatron-core model chunk on a fake process group: the part of ``trace()`` that
+needs torch and megatron-core. The tracer imports this module only when a chunk is in neither its
+in-process nor its on-disk cache, so estimating a plan traced before loads neither.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from megatron_adapters.conventions import TIED_WEIGHT_OWNERS, ChunkRole
+from megatron_adapters.cpu_patches import cpu_tracing_patches
+from megatron_adapters.fake_world import fake_world, quiet_megatron, reset_global_memory_buffer
+from megatron_adapters.gpt import build_chunk, prepare_for_recording, run_training_step, stage_input_shape
+from vtrain_plugin.capture import folding
+from vtrain_plugin.capture.chunk import ChunkTrace
+from vtrain_plugin.capture.recorder import OpRecorder
+from vtrain_plugin.core.dtypes import Dtype
+from vtrain_plugin.core.errors import TraceError
+from vtrain_plugin.core.graph import ParallelGroup
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+
+log = logging.getLogger(__name__)
+
+
+def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> ChunkTrace:
+    """Trace one chunk role on the smallest world that has it: TP ranks x 1-3 pipeline stages.
+
+    The chunk's ops depend on TP, not on DP or the number of stages, so a world of
+    ``tensor_parallel x (1..3)`` ranks builds the same shard as the full world, in a fraction of
+    the time megatron needs to create every process group of thousands of ranks.
+    """
+    stages = 1 if (pre and post) else 2 if (pre or post) else 3
+    trace_plan = ParallelPlan(tensor_parallel=plan.tensor_parallel, pipeline_parallel=stages,
+                              data_parallel=1, sequence_parallel=plan.sequence_parallel,
+                              micro_batch_size=plan.micro_batch_size, recompute=plan.recompute)
+    rank = 0 if pre else stages - 1 if post else 1
+    role = ChunkRole(pipeline_rank=rank, chunk=0, pre_process=pre, post_process=post)
+    try:
+        with quiet_megatron(), cpu_tracing_patches(), fake_world(trace_plan, pipeline_rank=rank) as group_names:
+            reset_global_memory_buffer()
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                gpt = build_chunk(model, trace_plan, role, layers_per_chunk=built)
+                prepare_for_recording(gpt)
+                recorder = OpRecorder(gpt)
+                with recorder.recording():
+                    run_training_step(gpt, model, trace_plan, role, recorder)
+            reset_global_memory_buffer()
+            params_by_block, word_embedding = _parameter_counts(gpt)
+    except (RuntimeError, TypeError, AssertionError, NotImplementedError) as exc:
+        raise TraceError(f"tracing the megatron-core model failed: {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+
+    def group_of(name: str) -> ParallelGroup:
+        try:
+            return group_names[name]
+        except KeyError:
+            raise TraceError(f"a collective ran on process group {name!r}, which is none of "
+                             f"tp/dp/pp/embedding") from None
+
+    nodes = [folding.to_node(r, group_of) for r in recorder.records]
+    blocks = folding.split_blocks(nodes, recorder.saved_nbytes)
+    if not folding.layers_identical(blocks):
+        log.warning("traced layers differ; they are kept as separate blocks")
+    return ChunkTrace(blocks=tuple(blocks), params_by_block=params_by_block,
+                      word_embedding_params=word_embedding,
+                      activation_shape=stage_input_shape(model, plan),
+                      activation_dtype=Dtype(model.dtype).torch_name)
+
+
+def _parameter_counts(module: torch.nn.Module) -> tuple[dict[str, int], int]:
+    counts: dict[str, int] = {}
+    word_embedding = 0
+    for name, p in module.named_parameters():
+        owner = name.rsplit(".", 1)[0]
+        _, block = folding.block_of(owner)
+        counts[block] = counts.get(block, 0) + p.numel()
+        if owner in TIED_WEIGHT_OWNERS:
+            word_embedding = p.numel()
+    return counts, word_embedding

@@ -1,0 +1,28 @@
+"""``vtrain cache info|clear``: the on-disk trace cache (where it is, how full, emptying it)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vtrain_plugin.capture import disk_cache
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cache", help="show or clear the on-disk trace cache")
+    p.add_argument("action", choices=("info", "clear"), help="info: location, entries and size; clear: remove them")
+    p.add_argument("--cache-dir", metavar="DIR", help="trace cache folder (default: $VTRAIN_CACHE_DIR, else the user cache)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """(``--cache-dir`` is in the environment already: the CLI's main applies it to every command.)"""
+    if args.action == "clear":
+        removed = disk_cache.clear()
+        sys.stdout.write(f"removed {removed} trace(s) from {disk_cache.traces_dir()}\n")
+        return 0
+    info = disk_cache.info()
+    state = "" if disk_cache.enabled() else f" (off: {disk_cache.NO_CACHE_ENV} is set)"
+    sys.stdout.write(f"trace cache {info.directory}{state}: {info.entries} trace(s), {info.nbytes / 1e6:.2f} MB "
+                     f"of at most {info.max_bytes / 1e6:,.0f} MB ({disk_cache.MAX_MB_ENV})\n")
+    return 0
