@@ -1,0 +1,102 @@
+"""Throughput curves: the best plan at every GPU count from vtrain's search (a real tiny GPT,
+traced once), the curve cache on disk, and the arithmetic of hand-made curves."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from vtrain_plugin.capture.tracer import trace
+from vtrain_plugin.estimate import estimate
+from vtrain_plugin.hardware.clusters import get_cluster_preset
+from vtrain_plugin.planning.cluster.cluster_config import ClusterConfig
+from vtrain_plugin.planning.cluster.curve_cache import CurveCache, default_cache_dir, job_curves
+from vtrain_plugin.planning.cluster.curves import CurveSpace, ThroughputCurve, compute_curve
+from vtrain_plugin.planning.cluster.jobs import Job
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.training import TrainingSpec
+
+TINY = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1024, name="tiny")
+CLUSTER = ClusterConfig(spec=get_cluster_preset("dgx-a100"), nodes=2, granularity="gpu")
+SPACE = CurveSpace()
+
+
+@pytest.fixture(scope="module")
+def curve():
+    return compute_curve(TINY, 16, CLUSTER, SPACE)
+
+
+def test_a_curve_is_the_estimate_of_the_fastest_fitting_plan_at_each_count(curve):
+    # TP 1 fits (the automatic choice), 2 layers make one pipeline stage, DP must divide the batch of 16.
+    assert curve.counts == (1, 2, 4, 8, 16)
+    for point in curve.points:
+        assert (point.tensor_parallel, point.pipeline_parallel, point.data_parallel) == (1, 1, point.gpus)
+        plan = ParallelPlan(tensor_parallel=1, pipeline_parallel=1, data_parallel=point.gpus, micro_batch_size=1,
+                            recompute="full")
+        est = estimate(trace(TINY, plan), cluster=CLUSTER.spec,
+                       training=TrainingSpec(global_batch_size=16, grad_reduce="overlap"))
+        assert point.iteration_time_ms == est.iteration_time_ms
+        assert point.mfu == est.mfu
+    assert curve.iteration_s(4) == curve.points[2].iteration_time_ms / 1000
+
+
+def test_a_model_with_no_valid_plan_gets_a_curve_with_the_reason():
+    odd = ModelSpec(num_layers=2, hidden_size=192, num_attention_heads=3, seq_length=128, vocab_size=1024)
+    nowhere = compute_curve(odd, 16, CLUSTER, CurveSpace(tensor_parallel=(2,)))
+    assert not nowhere.fits
+    assert nowhere.reason.startswith("no plan fits on 1 to 16 GPUs (micro-batch 1, full recompute; TP 2: no valid "
+                                     "plan: ")
+    assert "heads % tp" in nowhere.reason
+
+
+def test_the_cache_keeps_curves_on_disk_and_rebuilds_a_corrupt_entry(tmp_path, curve, caplog):
+    cache = CurveCache(tmp_path)
+    assert cache.curve(TINY, 16, CLUSTER, SPACE) == curve and cache.computed == 1
+    assert cache.curve(TINY, 16, CLUSTER, SPACE) == curve and cache.computed == 1  # in memory
+    (entry,) = (tmp_path / "curves").iterdir()
+    again = CurveCache(tmp_path)
+    assert again.curve(TINY, 16, CLUSTER, SPACE) == curve and again.computed == 0  # from disk
+    assert again.curve(TINY, 8, CLUSTER, SPACE).counts == (1, 2, 4, 8) and again.computed == 1  # another key
+    assert len(list((tmp_path / "curves").iterdir())) == 2
+    entry.write_text('{"inputs": ')
+    with caplog.at_level(logging.WARNING):
+        rebuilt = CurveCache(tmp_path)
+        assert rebuilt.curve(TINY, 16, CLUSTER, SPACE) == curve and rebuilt.computed == 1
+    assert "ignoring the unreadable curve cache entry" in caplog.text
+    assert json.loads(entry.read_text())["curve"] == curve.to_dict()
+    data = json.loads(entry.read_text())
+    data["inputs"]["global_batch_size"] = 8  # a file under the wrong key
+    entry.write_text(json.dumps(data))
+    checked = CurveCache(tmp_path)
+    checked.curve(TINY, 16, CLUSTER, SPACE)
+    assert checked.computed == 1
+
+
+def test_jobs_with_one_model_and_batch_share_a_curve(tmp_path, curve):
+    jobs = [Job(name=name, submit_s=0, model=TINY, global_batch_size=16, tokens=1e6, deadline_s=10)
+            for name in ("a", "b")]
+    cache = CurveCache(None)
+    curves = job_curves(jobs, CLUSTER, SPACE, cache)
+    assert curves == {"a": curve, "b": curve} and cache.computed == 1
+    assert not (tmp_path / "curves").exists()
+
+
+def test_the_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("VTRAIN_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "vtrain"
+    monkeypatch.setenv("VTRAIN_CACHE_DIR", "~/elsewhere")
+    assert default_cache_dir() == Path("~/elsewhere").expanduser()
+
+
+def test_hand_made_curves():
+    curve = ThroughputCurve.from_seconds({8: 10.0, 16: 6.0, 24: 6.5, 32: 4.0})
+    assert curve.counts == (8, 16, 24, 32) and curve.min_gpus == 8 and curve.fits
+    assert curve.efficient_counts() == (8, 16, 32)  # 24 is slower than 16
+    assert ThroughputCurve.from_dict(json.loads(json.dumps(curve.to_dict()))) == curve
+    with pytest.raises(ValueError, match="ascending"):
+        ThroughputCurve(points=curve.points[::-1])
+    with pytest.raises(ValueError, match="needs the reason"):
+        ThroughputCurve()
