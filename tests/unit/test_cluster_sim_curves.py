@@ -14,6 +14,7 @@ from vtrain_plugin.planning.cluster.cluster_config import ClusterConfig
 from vtrain_plugin.planning.cluster.curve_cache import CurveCache, default_cache_dir, job_curves
 from vtrain_plugin.planning.cluster.curves import CurveSpace, ThroughputCurve, compute_curve
 from vtrain_plugin.planning.cluster.jobs import Job
+from vtrain_plugin.planning.model_family import model_preset
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import TrainingSpec
@@ -58,7 +59,9 @@ def test_the_cache_keeps_curves_on_disk_and_rebuilds_a_corrupt_entry(tmp_path, c
     (entry,) = (tmp_path / "curves").iterdir()
     again = CurveCache(tmp_path)
     assert again.curve(TINY, 16, CLUSTER, SPACE) == curve and again.computed == 0  # from disk
-    assert again.curve(TINY, 8, CLUSTER, SPACE).counts == (1, 2, 4, 8) and again.computed == 1  # another key
+    eight = again.curve(TINY, 8, CLUSTER, SPACE)  # another key; on 16 GPUs DP 16 > 8 sequences: TP 2 there
+    assert [(p.gpus, p.tensor_parallel) for p in eight.points] == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 2)]
+    assert again.computed == 1
     assert len(list((tmp_path / "curves").iterdir())) == 2
     entry.write_text('{"inputs": ')
     with caplog.at_level(logging.WARNING):
@@ -100,3 +103,13 @@ def test_hand_made_curves():
         ThroughputCurve(points=curve.points[::-1])
     with pytest.raises(ValueError, match="needs the reason"):
         ThroughputCurve()
+
+
+def test_a_model_whose_states_overflow_every_plan_is_rejected_without_tracing():
+    # GPT-3 175B on one node: 174.6e9 parameters x 16 bytes / 8 GPUs = 349 GB per GPU at best.
+    one_node = ClusterConfig(spec=get_cluster_preset("dgx-a100"), nodes=1)
+    curve = compute_curve(model_preset("gpt3-175b"), 512, one_node, SPACE)
+    assert not curve.fits
+    assert curve.reason == ("no plan fits on 8 to 8 GPUs (micro-batch 1, full recompute; "
+                            + "; ".join(f"TP {t}: the model states alone overflow a GPU in every valid plan"
+                                        for t in (1, 2, 4, 8)) + ")")

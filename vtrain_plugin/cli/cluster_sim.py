@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"seconds without progress at every start and resize (default {DEFAULT_RESTART_S:g})")
     curves = p.add_argument_group("throughput curves (vtrain's plan search at every GPU count)")
     curves.add_argument("--tp", default="auto", metavar="auto|LIST",
-                        help="tensor-parallel sizes; auto: the smallest that fits, per model (default)")
+                        help="tensor-parallel sizes; auto: at each GPU count the smallest that fits (default)")
     curves.add_argument("--micro-batch", default="1", metavar="N", help="micro-batch size (default 1)")
     curves.add_argument("--recompute", default="full", help="activation recompute: none, selective, full (default)")
     p.add_argument("--format", choices=("table", "json"), default="table")

@@ -11,10 +11,14 @@ seconds and a cluster simulation needs one curve per (model, global batch):
 - micro-batch 1 and full activation recompute (as the vTrain paper's measured runs), no sequence
   parallelism, no interleaving (1F1B), gradient reduction overlapped with the backward pass;
 - pipeline stages of at least two layers (one-layer stages are three more chunk shapes to trace);
-- tensor parallelism: by default one size per model, the smallest power of two up to a node under
-  which some plan fits in memory ("use model parallelism to fit the model, data parallelism to
-  scale": Narayanan et al. 2021, takeaway 2; vtrain's own estimates of GPT-3 1.3B to 13B on up to
-  128 A100 agree: TP 1 is the fastest there). A list of sizes instead searches all of them at once.
+- tensor parallelism: by default, at each count, the smallest power of two up to a node under which
+  a plan fits in memory ("use model parallelism to fit the model, data parallelism to scale":
+  Narayanan et al. 2021, takeaway 2; vtrain's own estimates of GPT-3 1.3B to 13B on up to 128 A100
+  agree: TP 1 is the fastest there). TP 1 is searched on every count, TP 2 on the counts TP 1
+  leaves without a plan, and so on; a size is not traced at all when no valid plan on the counts
+  left can hold even the model states (weights, gradients, fp32 main weights and Adam moments, at
+  best spread evenly over the TP x PP ranks: a lower bound on any plan's memory). A list of sizes
+  instead searches all of them on every count, keeping the fastest.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ from typing import Any
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.planning.cluster.cluster_config import ClusterConfig
+from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.planning.search import search
-from vtrain_plugin.planning.space import SearchSpace
+from vtrain_plugin.planning.space import GpuBudget, SearchSpace, enumerate_plans
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import Recompute
-from vtrain_plugin.specs.training import GradReduce
+from vtrain_plugin.specs.training import GradReduce, TrainingSpec, optimizer_bytes_per_parameter
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,7 +140,7 @@ class CurveSpace:
                            grad_reduce=(GradReduce.OVERLAP,))
 
     def tensor_parallel_trials(self, gpus_per_node: int) -> list[tuple[int, ...]]:
-        """The TP sets searched in turn until one has a plan that fits."""
+        """The TP sizes searched in turn, each on the counts still without a plan (see the module doc)."""
         if self.tensor_parallel is not None:
             return [self.tensor_parallel]
         return [(1 << k,) for k in range(gpus_per_node.bit_length()) if 1 << k <= gpus_per_node]
@@ -149,25 +154,49 @@ class CurveSpace:
 def compute_curve(model: ModelSpec, global_batch_size: int, cluster: ClusterConfig,
                   space: CurveSpace) -> ThroughputCurve:
     """The curve of ``model`` at ``global_batch_size`` on every allocatable count of ``cluster``."""
+    points: dict[int, CurvePoint] = {}
     reasons = []
     for tps in space.tensor_parallel_trials(cluster.spec.gpus_per_node):
         label = f"TP {','.join(map(str, tps))}"
+        search_space = space.search_space(model, tps)
+        left = [n for n in cluster.allocatable_counts if n not in points]
         try:
-            table = search(model, cluster=cluster.spec, global_batch_size=global_batch_size,
-                           gpus=cluster.allocatable_counts, space=space.search_space(model, tps), workers=1).table
+            counts = _plausible_counts(model, global_batch_size, cluster, search_space, left)
         except ConfigError as exc:  # no valid plan at all on these counts
             reasons.append(f"{label}: {exc}")
             continue
+        if not counts:
+            reasons.append(f"{label}: the model states alone overflow a GPU in every valid plan")
+            continue
+        table = search(model, cluster=cluster.spec, global_batch_size=global_batch_size, gpus=counts,
+                       space=search_space, workers=1).table
         fitting = table[table["fits_in_memory"]]
         if fitting.empty:
             reasons.append(f"{label}: none of its {len(table)} plans fits in GPU memory")
             continue
         best = fitting.sort_values(["num_gpus", "iteration_time_ms"], kind="stable").drop_duplicates("num_gpus")
-        return ThroughputCurve(points=tuple(
-            CurvePoint(gpus=int(row.num_gpus), iteration_time_ms=float(row.iteration_time_ms),
-                       tensor_parallel=int(row.tensor_parallel), pipeline_parallel=int(row.pipeline_parallel),
-                       data_parallel=int(row.data_parallel), mfu=float(row.mfu))
-            for row in best.itertuples()))
+        for row in best.itertuples():
+            points[int(row.num_gpus)] = CurvePoint(
+                gpus=int(row.num_gpus), iteration_time_ms=float(row.iteration_time_ms),
+                tensor_parallel=int(row.tensor_parallel), pipeline_parallel=int(row.pipeline_parallel),
+                data_parallel=int(row.data_parallel), mfu=float(row.mfu))
+    if points:
+        return ThroughputCurve(points=tuple(points[n] for n in sorted(points)))
     return ThroughputCurve(reason=f"no plan fits on {cluster.unit_gpus} to {cluster.total_gpus} GPUs "
                                   f"(micro-batch {space.micro_batch_size}, {space.recompute.value} recompute; "
                                   + "; ".join(reasons) + ")")
+
+
+def _plausible_counts(model: ModelSpec, global_batch_size: int, cluster: ClusterConfig, space: SearchSpace,
+                      counts: list[int]) -> list[int]:
+    """The ``counts`` with a valid plan of ``space`` whose model states could fit in one GPU (see the
+    module doc); raises ConfigError when no plan is valid."""
+    if not counts:
+        return []
+    plans = enumerate_plans(model, space, global_batch_size=global_batch_size, budget=GpuBudget(counts=tuple(counts)),
+                            training=TrainingSpec(global_batch_size=global_batch_size),
+                            gpus_per_node=cluster.spec.gpus_per_node).candidates
+    state_bytes = model.num_parameters * (2 * model.dtype.nbytes + optimizer_bytes_per_parameter(model.dtype))
+    capacity = get_device(cluster.spec.gpu).memory_bytes
+    return sorted({c.num_gpus for c in plans
+                   if state_bytes <= capacity * c.parallel.tensor_parallel * c.parallel.pipeline_parallel})
