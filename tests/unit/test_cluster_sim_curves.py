@@ -3,7 +3,6 @@ traced once), the curve cache on disk, and the arithmetic of hand-made curves.""
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 
@@ -11,7 +10,7 @@ from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.planning.cluster.cluster_config import ClusterConfig
-from vtrain_plugin.planning.cluster.curve_cache import CurveCache, default_cache_dir, job_curves
+from vtrain_plugin.planning.cluster.curve_cache import CurveCache, curve_inputs, job_curves
 from vtrain_plugin.planning.cluster.curves import CurveSpace, ThroughputCurve, compute_curve
 from vtrain_plugin.planning.cluster.jobs import Job
 from vtrain_plugin.planning.model_family import model_preset
@@ -68,7 +67,11 @@ def test_the_cache_keeps_curves_on_disk_and_rebuilds_a_corrupt_entry(tmp_path, c
         rebuilt = CurveCache(tmp_path)
         assert rebuilt.curve(TINY, 16, CLUSTER, SPACE) == curve and rebuilt.computed == 1
     assert "ignoring the unreadable curve cache entry" in caplog.text
-    assert json.loads(entry.read_text())["curve"] == curve.to_dict()
+    stored = json.loads(entry.read_text())
+    assert stored["curve"] == curve.to_dict()
+    assert stored["inputs"] == json.loads(json.dumps(curve_inputs(TINY, 16, CLUSTER, SPACE)))
+    assert set(stored["inputs"]) == {"format", "vtrain", "model", "global_batch_size", "node", "counts", "space",
+                                     "calibration", "code"}
     data = json.loads(entry.read_text())
     data["inputs"]["global_batch_size"] = 8  # a file under the wrong key
     entry.write_text(json.dumps(data))
@@ -86,12 +89,12 @@ def test_jobs_with_one_model_and_batch_share_a_curve(tmp_path, curve):
     assert not (tmp_path / "curves").exists()
 
 
-def test_the_cache_folder(monkeypatch, tmp_path):
-    monkeypatch.delenv("VTRAIN_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert default_cache_dir() == tmp_path / "vtrain"
-    monkeypatch.setenv("VTRAIN_CACHE_DIR", "~/elsewhere")
-    assert default_cache_dir() == Path("~/elsewhere").expanduser()
+def test_the_cache_folder_and_switch_are_the_trace_caches(monkeypatch, tmp_path):
+    monkeypatch.setenv("VTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("VTRAIN_NO_CACHE", raising=False)
+    assert CurveCache.from_environment().directory == tmp_path / "curves"
+    monkeypatch.setenv("VTRAIN_NO_CACHE", "1")
+    assert CurveCache.from_environment().directory is None
 
 
 def test_hand_made_curves():

@@ -13,7 +13,7 @@ from vtrain_plugin.cli.search import _number
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.hardware.clusters import cluster_for_gpu, cluster_preset_names, get_cluster_preset
 from vtrain_plugin.planning.cluster.cluster_config import ClusterConfig, Granularity
-from vtrain_plugin.planning.cluster.curve_cache import CurveCache, compute_curves, default_cache_dir, job_curves
+from vtrain_plugin.planning.cluster.curve_cache import CurveCache, compute_curves, job_curves
 from vtrain_plugin.planning.cluster.curves import CurveSpace
 from vtrain_plugin.planning.cluster.gantt import plot_gantt
 from vtrain_plugin.planning.cluster.generator import DEFAULT_MODELS, MixSpec, generate_jobs
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     policies = POLICIES.names() if args.policy == "all" else (POLICIES.get(args.policy).name,)
     restart_s = _non_negative("--restart-cost", args.restart_cost)
     space = _curve_space(args)
-    cache = CurveCache(None if args.no_cache else Path(args.cache_dir) if args.cache_dir else default_cache_dir())
+    cache = CurveCache.from_environment()  # --cache-dir and --no-cache, as for the traces
     progress = sys.stderr.isatty()
     if (args.jobs is None) == (args.generate is None):
         raise ConfigError("give a job file or --generate N (not both)")

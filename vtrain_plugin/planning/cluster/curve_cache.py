@@ -1,12 +1,14 @@
-"""Curves computed once: in this process, and on disk under the user's cache folder.
+"""Curves computed once: in this process, and on disk in the folder of the trace cache.
 
 An entry is one JSON file, ``<cache>/curves/<key>.json``, written atomically; the key is the SHA-256
 of everything the curve depends on: the model's dimensions, the global batch, the node (GPU, links),
 the allocatable counts, the curve space, the calibration constants of the GPU and software stack,
-and vtrain's version. A change to the cost model within one version is not seen: clear the folder
-(or pass ``--no-cache``) after one. An entry that cannot be read or does not match its key is
-ignored, recomputed and rewritten. The folder is ``$VTRAIN_CACHE_DIR``, else
-``$XDG_CACHE_HOME/vtrain``, else ``~/.cache/vtrain``.
+vtrain's version and a digest of the code and data that compute it (every file of
+``vtrain_plugin`` and ``megatron_adapters`` but the CLI and this package), so an edited checkout
+never reads an old curve. An entry that cannot be read or does not match its key is ignored,
+recomputed and rewritten. The folder and the switch are the trace cache's
+(:mod:`vtrain_plugin.capture.disk_cache`): ``$VTRAIN_CACHE_DIR`` (``--cache-dir``), else
+``$XDG_CACHE_HOME/vtrain``, else ``~/.cache/vtrain``; ``VTRAIN_NO_CACHE`` (``--no-cache``).
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import os
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from vtrain_plugin.core.files import atomic_write_text, user_cache_dir
+from vtrain_plugin.capture import disk_cache
+from vtrain_plugin.core.files import atomic_write_text
 from vtrain_plugin.hardware.calibration import calibration_for
 from vtrain_plugin.planning.cluster.cluster_config import ClusterConfig
 from vtrain_plugin.planning.cluster.curves import CurveSpace, ThroughputCurve, compute_curve
@@ -34,14 +38,10 @@ from vtrain_plugin.specs.training import TrainingSpec
 
 log = logging.getLogger(__name__)
 
-ENV_VAR = "VTRAIN_CACHE_DIR"
 CURVE_FORMAT = 1
-
-
-def default_cache_dir() -> Path:
-    """``$VTRAIN_CACHE_DIR``, else the user cache folder (``$XDG_CACHE_HOME/vtrain``)."""
-    explicit = os.environ.get(ENV_VAR)
-    return Path(explicit).expanduser() if explicit else user_cache_dir()
+_REPO = Path(__file__).resolve().parents[3]
+_CURVE_CODE = ("vtrain_plugin", "megatron_adapters")
+_NOT_CURVE_CODE = ("vtrain_plugin/cli/", "vtrain_plugin/planning/cluster/")
 
 
 class CurveCache:
@@ -51,6 +51,11 @@ class CurveCache:
         self.directory = None if directory is None else Path(directory) / "curves"
         self._memory: dict[str, ThroughputCurve] = {}
         self.computed = 0  # curves computed (not found in memory or on disk)
+
+    @classmethod
+    def from_environment(cls) -> CurveCache:
+        """The cache in the trace cache's folder, or in memory only when that cache is off."""
+        return cls(disk_cache.cache_dir() if disk_cache.enabled() else None)
 
     def curve(self, model: ModelSpec, global_batch_size: int, cluster: ClusterConfig,
               space: CurveSpace) -> ThroughputCurve:
@@ -100,7 +105,7 @@ def curve_inputs(model: ModelSpec, global_batch_size: int, cluster: ClusterConfi
     return {"format": CURVE_FORMAT, "vtrain": _version(), "model": replace(model, name="").to_dict(),
             "global_batch_size": global_batch_size, "node": node,
             "counts": {"unit": cluster.unit_gpus, "total": cluster.total_gpus}, "space": space.to_dict(),
-            "calibration": calibration_for(cluster.spec.gpu, stack).to_dict()["constants"]}
+            "calibration": calibration_for(cluster.spec.gpu, stack).to_dict()["constants"], "code": _code_digest()}
 
 
 def compute_curves(shapes: Iterable[tuple[ModelSpec, int]], cluster: ClusterConfig, space: CurveSpace,
@@ -121,6 +126,18 @@ def job_curves(jobs: Iterable[Job], cluster: ClusterConfig, space: CurveSpace, c
     compute_curves([(job.model, job.global_batch_size) for job in jobs], cluster, space, cache, progress=progress)
     return {job.name: cache.curve(replace(job.model, name=""), job.global_batch_size, cluster, space)
             for job in jobs}
+
+
+@lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """SHA-256 of the files that compute a curve, by path (see the module doc)."""
+    digest = hashlib.sha256()
+    for package in _CURVE_CODE:
+        for path in sorted((_REPO / package).rglob("*")):
+            name = path.relative_to(_REPO).as_posix()
+            if path.is_file() and "__pycache__" not in name and not name.startswith(_NOT_CURVE_CODE):
+                digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _version() -> str:
