@@ -1,20 +1,21 @@
 """Speed of ``vtrain cluster-sim`` on the issue's acceptance command, cold and warm.
 
 Runs ``vtrain cluster-sim --generate 100 --seed 1 --nodes 128 --gpu A100 --policy all --format json``
-in a subprocess, first with an empty curve cache (every throughput curve is searched: each new chunk
-shape is traced, then every plan estimated), then again with the cache it filled (curves read from
-disk: only imports, the three simulations and the report remain). Prints a table of wall-clock and
-CPU seconds (the machine is shared, so CPU time is the steadier figure), the load average at the
-start, and the curves computed. ``--slack 1.2`` (or other extra arguments after ``--``) are passed
-to the command. Not a test: run with ``.venv/bin/python benchmarks/cluster_sim_speed.py``.
+in a subprocess with its own cache folder: first empty (every throughput curve is searched: each
+new chunk shape traced, then every plan estimated), then as that run left it (curves read from
+disk: only imports, the three simulations and the report remain), then with the traces but not the
+curves (as for a new cluster size or global batch: the estimates of every plan remain). Prints
+wall-clock and CPU seconds (the machine is shared, so CPU time is the steadier figure), the load
+average at the start, the curves on disk, and the last run's report. Extra arguments after ``--``
+(``-- --slack 1.2``) go to the command. Not a test: ``.venv/bin/python benchmarks/cluster_sim_speed.py``.
 """
-
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,7 +49,9 @@ def main() -> None:
     extra = parser.parse_args().extra
     rows = []
     with tempfile.TemporaryDirectory() as cache:
-        for label in ("cold (empty cache)", "warm (cached curves)"):
+        for label in ("cold (empty cache)", "warm (cached curves)", "cached traces only"):
+            if label == "cached traces only":
+                shutil.rmtree(Path(cache) / "curves")
             load = os.getloadavg()[0]
             wall, cpu, report = timed([*COMMAND, *extra], Path(cache))
             curves = len(list((Path(cache) / "curves").glob("*.json")))
