@@ -115,3 +115,21 @@ def test_naive_size_refuses_a_budget_below_the_smallest_shape():
             naive_size("gpt", peak_tflop_per_s=312.0, gpus=8, days=1, mfu=mfu)
     with pytest.raises(ConfigError, match="gpus must be a positive integer, got 8.5"):
         naive_size("gpt", peak_tflop_per_s=312.0, gpus=8.5, days=1)
+
+
+def test_presets_have_the_published_shapes_and_parameter_counts():
+    from dataclasses import replace
+
+    from vtrain_plugin.planning.model_family import MODEL_PRESETS, model_preset
+
+    # Llama 2's parameter counts as Meta publishes them (the checkpoints' tensor sizes).
+    assert model_preset("llama2-7b").num_parameters == 6_738_415_616
+    assert model_preset("llama2-13b").num_parameters == 13_015_864_320
+    llama70 = model_preset("llama2-70b")
+    assert llama70.num_parameters == 68_976_648_192 and llama70.query_groups == 8
+    assert replace(model_preset("gpt3-175b"), name="") == replace(family_shape("gpt", 12288), name="")
+    assert [round(MODEL_PRESETS[f"gpt3-{size}"].num_parameters / 1e9, 1) for size in ("1.3b", "2.7b", "6.7b", "13b")] \
+        == [1.3, 2.7, 6.7, 12.9]
+    assert all(m.name == name for name, m in MODEL_PRESETS.items())
+    with pytest.raises(ConfigError, match="unknown model preset 'gpt4'; valid presets are gpt3-1.3b, "):
+        model_preset("gpt4")

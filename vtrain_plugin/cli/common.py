@@ -44,8 +44,9 @@ def positive_int(text: str) -> int:
 
 def cache_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", metavar="DIR",
-                   help="trace cache folder (default: $VTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/vtrain or ~/.cache/vtrain)")
-    p.add_argument("--no-cache", action="store_true", help="neither read nor write the on-disk trace cache")
+                   help="cache folder of traces (and of cluster-sim's curves) (default: $VTRAIN_CACHE_DIR, else "
+                        "$XDG_CACHE_HOME/vtrain or ~/.cache/vtrain)")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the on-disk trace (and curve) cache")
 
 
 @contextmanager

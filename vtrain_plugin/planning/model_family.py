@@ -23,6 +23,13 @@ shapes differ by ``((k + 1) / k)^3`` in parameters, 27% at GPT-3 175B's size.
 Parameter counts are :attr:`ModelSpec.num_parameters`: the traced model's, embeddings and positions
 included, with the vocabulary as given (the traced shards add Megatron's padding of the vocabulary
 to a multiple of 128 x TP, which depends on the plan).
+
+**Presets.** Named published shapes (:data:`MODEL_PRESETS`, :func:`model_preset`), for job files
+that name a model instead of spelling it out: the GPT-3 family as Megatron-LM / Megatron-DeepSpeed
+train it (Brown et al. 2020, Table 2.1; 1.3B with 16 heads and 13B with hidden size 5120, as the
+Megatron-DeepSpeed example scripts have them, since the paper's 24 x 128 and 40 x 128 heads do not
+divide 2048 and 5140), and Llama 2 7B, 13B and 70B (Touvron et al. 2023, Table 1; 70B with 8 key-value
+groups and FFN 28672), each with its family's vocabulary, sequence length and dtype.
 """
 
 from __future__ import annotations
@@ -90,6 +97,33 @@ def family_shapes(family: Family | str, *, min_params: float, max_params: float,
         raise ConfigError(f"min_params ({min_params:g}) must not exceed max_params ({max_params:g})")
     ladder = _ladder(family, hidden_step, vocab_size=vocab_size, seq_length=seq_length, dtype=dtype)
     return [m for m in takewhile(lambda m: m.num_parameters <= high, ladder) if m.num_parameters >= low]
+
+
+def _preset(family: Family, layers: int, hidden: int, heads: int, **extra) -> ModelSpec:
+    d = FAMILY_DEFAULTS[family]
+    return ModelSpec(family=family, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                     seq_length=d.seq_length, vocab_size=d.vocab_size, dtype=d.dtype, **extra)
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    "gpt3-1.3b": _preset(Family.GPT, 24, 2048, 16, name="gpt3-1.3b"),
+    "gpt3-2.7b": _preset(Family.GPT, 32, 2560, 32, name="gpt3-2.7b"),
+    "gpt3-6.7b": _preset(Family.GPT, 32, 4096, 32, name="gpt3-6.7b"),
+    "gpt3-13b": _preset(Family.GPT, 40, 5120, 40, name="gpt3-13b"),
+    "gpt3-175b": _preset(Family.GPT, 96, 12288, 96, name="gpt3-175b"),
+    "llama2-7b": _preset(Family.LLAMA, 32, 4096, 32, name="llama2-7b"),
+    "llama2-13b": _preset(Family.LLAMA, 40, 5120, 40, name="llama2-13b"),
+    "llama2-70b": _preset(Family.LLAMA, 80, 8192, 64, num_query_groups=8, ffn_hidden_size=28672,
+                          name="llama2-70b"),
+}
+
+
+def model_preset(name: str) -> ModelSpec:
+    """The preset called ``name`` (see the module doc); an unknown name lists the valid ones."""
+    try:
+        return MODEL_PRESETS[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown model preset {name!r}; valid presets are {', '.join(MODEL_PRESETS)}") from None
 
 
 def chinchilla_tokens(params: float, tokens_per_parameter: float = CHINCHILLA_TOKENS_PER_PARAMETER) -> float:

@@ -1,0 +1,1 @@
+"""Shared-cluster scheduling driven by vtrain's throughput curves (``vtrain cluster-sim``)."""
