@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model_file", metavar="MODEL_FILE",
                    help="plan file (YAML/JSON) or vTrain config: its model; its cluster and training are defaults")
     cluster = p.add_mutually_exclusive_group()
-    cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, a100-sxm4-40gb, ...)")
+    cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, B200, a100-sxm4-40gb, ...)")
     cluster.add_argument("--cluster", help=f"cluster preset ({', '.join(cluster_preset_names())})")
     p.add_argument("--global-batch", metavar="N",
                    help="sequences per iteration (default: the file's training.global_batch_size)")

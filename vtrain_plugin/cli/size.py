@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("size", help="the largest model that trains compute-optimally within days or dollars")
     p.add_argument("--family", default="gpt", help=f"model family: {', '.join(f.value for f in Family)} (default gpt)")
     cluster = p.add_mutually_exclusive_group(required=True)
-    cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, ...)")
+    cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, B200, ...)")
     cluster.add_argument("--cluster", help=f"cluster preset ({', '.join(cluster_preset_names())})")
     p.add_argument("--gpus", required=True, metavar="BUDGET", help="GPUs: a count, a range LOW:HIGH or a list")
     p.add_argument("--days", metavar="D", help="wall-clock budget in days")
