@@ -93,7 +93,8 @@ def test_fp8_needs_fp8_tensor_cores():
 
 
 @pytest.mark.parametrize("alias, name", [
-    ("A100", "a100-sxm4-80gb"), ("a100", "a100-sxm4-80gb"), ("H100", "h100-sxm"), ("h200", "h200-sxm"), ("b200", "b200-sxm"),
+    ("A100", "a100-sxm4-80gb"), ("a100", "a100-sxm4-80gb"), ("H100", "h100-sxm"), ("h200", "h200-sxm"),
+    ("b200", "b200-sxm"),
     ("A100-SXM4-40GB", "a100-sxm4-40gb"), (" h100-sxm ", "h100-sxm"),
 ])
 def test_aliases_and_case_insensitive_names(alias, name):

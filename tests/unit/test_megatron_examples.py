@@ -67,7 +67,7 @@ def test_gpt3_175b_megatron_args_are_the_plan_of_vtrains_gpt3_config():
     theirs = load_run_config("examples/configs/gpt3_175b_512gpu.json")
     assert ours.parallel == theirs.parallel
     assert ours.cluster == theirs.cluster
-    assert ours.training.stack_for(ours.model) is theirs.training.stack_for(theirs.model) \
+    assert ours.training.stack_for(ours.model, "ampere") is theirs.training.stack_for(theirs.model, "ampere") \
         is SoftwareStack.MEGATRON_DEEPSPEED_2023
     for spec in (ours.model, theirs.model):
         assert (spec.family, spec.ffn_size, spec.query_groups, spec.tied, spec.padded_vocab_size(8), spec.dtype,
