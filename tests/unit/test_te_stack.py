@@ -231,3 +231,28 @@ def test_fp8_needs_the_te_stack(gpt):
     with pytest.raises(ConfigError, match="^training.fp8 'hybrid' needs software_stack megatron_core_te "
                                           r"\(got megatron_deepspeed_2023\)$"):
         map_nodes(nodes, "megatron_deepspeed_2023", HYBRID)
+
+
+def test_fp8_gemms_run_at_the_fp8_rate_and_fused_attention_at_its_own_efficiency():
+    """On H100 with the TE constants: a large FP8 GEMM's compute time is half the bf16 one (1979 vs
+    989 TFLOP/s, same tiles); the fused attention kernel runs at attention_efficiency of the bf16 peak."""
+    from vtrain_plugin.core.graph import KernelKey
+    from vtrain_plugin.cost.kernel_model import KernelModel
+    from vtrain_plugin.hardware.calibration import calibration_for
+    from vtrain_plugin.hardware.devices import get_device
+
+    h100 = get_device("h100-sxm")
+    constants = calibration_for("h100-sxm", TE).constants
+    model = KernelModel(h100, constants)
+    n = 8192
+    shapes = ((n, n), (n, n))
+    bf16 = OpNode(key=KernelKey(op="aten.mm.default", input_shapes=shapes, dtypes=("bfloat16",) * 2),
+                  phase=Phase.FORWARD, module="m", flops=2 * n**3, nbytes=6 * n * n)
+    fp8 = OpNode(key=KernelKey(op="aten._scaled_mm.default", input_shapes=shapes, dtypes=("float8_e4m3fn",) * 2),
+                 phase=Phase.FORWARD, module="m", flops=2 * n**3, nbytes=4 * n * n)
+    overhead = constants.kernel_overhead_ns
+    assert model.duration_ns(fp8) - overhead == pytest.approx((model.duration_ns(bf16) - overhead) * 989 / 1979)
+    attention = OpNode(key=KernelKey(op="te.fused_attention.default", input_shapes=((8192, 1, 16, 128),) * 3,
+                                     dtypes=("bfloat16",) * 3), phase=Phase.FORWARD, module="a", flops=10**12,
+                       nbytes=10**6)
+    assert model.duration_ns(attention) == pytest.approx(10**12 / (989e3 * 0.55) + overhead)

@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="GPUs a plan may use: a count (3360), a range (1024:4096) or a list (2240,2800,3360)")
     for axis in AXES:
         p.add_argument(f"--{axis.flag.replace('_', '-')}", dest=axis.name, metavar="LIST",
-                       help=f"{axis.label}; comma-separated (default: every valid one)")
+                       help=f"{axis.label}; comma-separated (default: {axis.default_label})")
     p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node)")
     p.add_argument("--objective", default="time", help="rank the plans that fit by time or cost (default time)")
     p.add_argument("--top", default="10", metavar="K", help="plans in the table (default 10)")

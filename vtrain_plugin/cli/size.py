@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"hidden-size step of the ladder (default {HIDDEN_STEP})")
     for axis in AXES:
         p.add_argument(f"--{axis.flag.replace('_', '-')}", dest=axis.name, metavar="LIST",
-                       help=f"{axis.label} of each shape's search; comma-separated (default: every valid one)")
+                       help=f"{axis.label} of each shape's search; comma-separated (default: {axis.default_label})")
     p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--output", "-o", help="write to this file instead of stdout")
