@@ -23,7 +23,7 @@ F_GPT, F_LLAMA = 4 * H // TP, 256 // TP  # FFN width on one rank (Llama: 8h/3 ro
 Q, K_GQA = MB * S * HP * D, MB * S * GP * D  # query / key elements of one rank
 LSE = 4 * MB * HP * S  # fp32 softmax statistics of the fused attention
 ATTENTION_FLOPS = 4 * MB * HP * S * S * D // 2  # causal half of QK^T and PV
-HYBRID = Fp8Settings(Fp8Format.HYBRID)
+HYBRID = Fp8Settings(format=Fp8Format.HYBRID)
 
 
 def _model(family: str, seq_length: int = S) -> ModelSpec:
@@ -184,8 +184,8 @@ def test_llama_layer_in_fp8_hybrid(llama):
 
 def test_current_scaling_takes_each_amax_first_and_norms_write_bf16(gpt):
     nodes = gpt.stages[0].layer_template().nodes
-    delayed = kernels(map_nodes(nodes, TE, Fp8Settings(Fp8Format.E4M3)), Phase.FORWARD)
-    current = kernels(map_nodes(nodes, TE, Fp8Settings(Fp8Format.E4M3, Fp8Recipe.TENSORWISE)), Phase.FORWARD)
+    delayed = kernels(map_nodes(nodes, TE, Fp8Settings(format=Fp8Format.E4M3)), Phase.FORWARD)
+    current = kernels(map_nodes(nodes, TE, Fp8Settings(format=Fp8Format.E4M3, recipe=Fp8Recipe.TENSORWISE)), Phase.FORWARD)
     assert delayed[:2] == [("layer_norm", 0, LAYER_NORM[2] - T * H), gemm(T, H, 3 * H // TP, in_bytes=1)]
     assert current[:4] == [LAYER_NORM, ("compute_amax", 0, 2 * T * H), ("cast_transpose", 0, 4 * T * H),
                            gemm(T, H, 3 * H // TP, in_bytes=1)]
@@ -256,3 +256,19 @@ def test_fp8_gemms_run_at_the_fp8_rate_and_fused_attention_at_its_own_efficiency
                                      dtypes=("bfloat16",) * 3), phase=Phase.FORWARD, module="a", flops=10**12,
                        nbytes=10**6)
     assert model.duration_ns(attention) == pytest.approx(10**12 / (989e3 * 0.55) + overhead)
+
+
+def test_python_api_estimates_fp8_on_h100_and_refuses_it_on_a100(llama):
+    from vtrain_plugin.estimate import estimate
+    from vtrain_plugin.hardware.clusters import get_cluster_preset
+    from vtrain_plugin.specs.training import TrainingSpec
+
+    h100 = get_cluster_preset("dgx-h100")
+    bf16 = estimate(llama, cluster=h100, training=TrainingSpec(global_batch_size=4))
+    fp8 = estimate(llama, cluster=h100, training=TrainingSpec(global_batch_size=4, fp8="hybrid"))
+    assert (bf16.software_stack, bf16.fp8, fp8.software_stack, fp8.fp8) == (TE, None, TE, "hybrid")
+    cache = sum(b.count * fp8_weight_cache_nbytes(b.nodes) for b in llama.stages[0].blocks)
+    assert fp8.memory_gib[0].weights_gib - bf16.memory_gib[0].weights_gib == pytest.approx(cache / 2**30)
+    assert fp8.to_dict()["fp8"] == "hybrid" and fp8.mfu > 0
+    with pytest.raises(ConfigError, match=r"^training.fp8 'hybrid' needs fp8 tensor cores; a100-sxm4-80gb"):
+        estimate(llama, cluster=get_cluster_preset("dgx-a100"), training=TrainingSpec(global_batch_size=4, fp8="hybrid"))

@@ -44,7 +44,7 @@ class Fp8Recipe(StrEnum):
     TENSORWISE = "tensorwise"  # current scaling: each tensor's amax computed just before its cast
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Fp8Settings:
     """FP8 GEMMs of a run (``TrainingSpec.fp8_settings``): the format and the scaling recipe."""
 
@@ -122,7 +122,7 @@ class TrainingSpec:
 
     @property
     def fp8_settings(self) -> Fp8Settings | None:
-        return None if self.fp8 is None else Fp8Settings(self.fp8, self.fp8_recipe)
+        return None if self.fp8 is None else Fp8Settings(format=self.fp8, recipe=self.fp8_recipe)
 
     def stack_for(self, model: ModelSpec | None, architecture: GpuArchitecture | str) -> SoftwareStack:
         """The software stack of this run on a GPU of ``architecture``: the one given, else the
