@@ -23,6 +23,7 @@ from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.cost.prepare import PreparedGraph, prepare
 from vtrain_plugin.estimate import predict
 from vtrain_plugin.hardware.calibration import CONSTANT_RANGES, DeviceConstants
+from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.specs.run import RunConfig
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -134,7 +135,8 @@ def prepare_runs(runs: Sequence[MeasuredRun]) -> list[PreparedRun]:
     for m in runs:
         run = m.run
         graph = trace(run.model, run.parallel)
-        out.append(PreparedRun(measured=m, run=run, prepared=prepare(graph, run.training.stack_for(run.model))))
+        out.append(PreparedRun(measured=m, run=run, prepared=prepare(graph, run.training.stack_for(
+            run.model, get_device(run.cluster.gpu).architecture))))
     return out
 
 

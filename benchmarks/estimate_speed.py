@@ -20,6 +20,7 @@ from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.cost.prepare import prepare
 from vtrain_plugin.estimate import estimate, predict
 from vtrain_plugin.hardware.calibration import calibration_for
+from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.planning.search import search
 from vtrain_plugin.planning.space import SearchSpace
 from vtrain_plugin.sim.engine import simulate
@@ -58,7 +59,7 @@ def single_estimate(repeats: int) -> list[list[str]]:
     graph = trace(MT_NLG, plan)
     trace_s = time.perf_counter() - start
     result = estimate(graph, cluster=CLUSTER, training=training)
-    stack = training.stack_for(MT_NLG)
+    stack = training.stack_for(MT_NLG, get_device(CLUSTER.gpu).architecture)
     work = predict(prepare(graph, stack), cluster=CLUSTER, training=training,
                    constants=calibration_for(result.gpu, stack).constants)[0].work
     rows = []

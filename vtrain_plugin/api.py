@@ -103,12 +103,19 @@ def _errors_name(path: Path | str) -> Iterator[None]:
 def run_config_from_dict(data: Mapping[str, Any], *, source: str = "") -> RunConfig:
     """The run of a plan-file (or vTrain config) mapping, its cluster resolved."""
     plan = parse_plan(data)
-    return RunConfig(model=plan.model, parallel=plan.parallel, training=plan.training,
-                     cluster=resolve_cluster(plan.cluster), source=source)
+    return _checked(RunConfig(model=plan.model, parallel=plan.parallel, training=plan.training,
+                              cluster=resolve_cluster(plan.cluster), source=source))
 
 
 def with_gpu(run: RunConfig, gpu: str) -> RunConfig:
     """The same run on another GPU: the cluster becomes that GPU's usual node (``--gpu``)."""
     if get_device(gpu).name == run.cluster.gpu:
         return run
-    return replace(run, cluster=cluster_for_gpu(gpu))
+    return _checked(replace(run, cluster=cluster_for_gpu(gpu)))
+
+
+def _checked(run: RunConfig) -> RunConfig:
+    """The checks that need the hardware data: FP8 needs a GPU with fp8 tensor cores."""
+    if run.training.fp8 is not None:
+        get_device(run.cluster.gpu).require_fp8("training.fp8", run.training.fp8.value)
+    return run

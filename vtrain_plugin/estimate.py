@@ -20,8 +20,9 @@ from vtrain_plugin.core.units import GIB, MS_PER_S, NS_PER_MS, NS_PER_S, SECONDS
 from vtrain_plugin.cost.comm import CommModel
 from vtrain_plugin.cost.costing import Costing, cost
 from vtrain_plugin.cost.kernel_timer import KernelTimer
-from vtrain_plugin.cost.memory import RankMemory, rank_memory
+from vtrain_plugin.cost.memory import RankMemory
 from vtrain_plugin.cost.prepare import PreparedGraph, prepare
+from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.hardware.calibration import DeviceConstants, calibration_for
 from vtrain_plugin.hardware.devices import DeviceSpec, get_device
 from vtrain_plugin.hardware.nccl import NcclTable
@@ -66,9 +67,10 @@ class Estimate:
     tokens_per_second: float | None  # None for a plain module traced without a known sequence length
     tflops_per_gpu: float  # model FLOPs (recompute excluded) per second per GPU
     hardware_tflops_per_gpu: float  # recompute included
-    mfu: float  # model FLOPs utilization against the GPU's dense peak for the model dtype
+    mfu: float  # model FLOPs utilization against the GPU's dense peak for the model dtype (also in FP8)
     gpu: str
     software_stack: str  # the kernels assumed (TrainingSpec.stack_for)
+    fp8: str | None = None  # FP8 format of the GEMMs (TrainingSpec.fp8); MFU stays against the model dtype's peak
     cost_usd: float | None  # of this iteration, at the cluster's price per GPU-hour
     measured_fraction: float  # share of kernel time from measured profiles (0..1)
     memory_gib: tuple[RankMemory, ...]  # per pipeline rank, see vtrain_plugin.cost.memory
@@ -118,6 +120,7 @@ class Estimate:
             "mfu": self.mfu,
             "gpu": self.gpu,
             "software_stack": self.software_stack,
+            "fp8": self.fp8,
             "cost_usd": self.cost_usd,
             "measured_fraction": self.measured_fraction,
             "peak_memory_gib": self.peak_memory_gib,
@@ -187,9 +190,11 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
             raise ConfigError("estimate: give training=TrainingSpec(...) or global_batch_size")
         training = TrainingSpec(global_batch_size=global_batch_size)
     device = get_device(cluster.gpu)
-    stack = training.stack_for(graph.model)
+    if training.fp8 is not None:
+        device.require_fp8("training.fp8", training.fp8.value)
+    stack = training.stack_for(graph.model, device.architecture)
     calibration = calibration_for(device.name, stack)
-    prepared = prepare(graph, stack, measured)
+    prepared = prepare(graph, stack, measured, fp8=training.fp8_settings)
     costing, result = predict(prepared, cluster=cluster, training=training, constants=calibration.constants,
                               measured_comm=measured_comm, timeline=timeline, explain=explain > 0)
     return _summarize(graph, device, cluster, training, result, costing, explain, stack)
@@ -245,10 +250,12 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         mfu=tflops * 1e12 / peak_flop_per_s,
         gpu=device.name,
         software_stack=stack.value,
+        fp8=None if training.fp8 is None else training.fp8.value,
         cost_usd=None if price is None else price * gpus * seconds / SECONDS_PER_HOUR,
         measured_fraction=costing.provenance.measured_fraction,
         largest_unmeasured=unmeasured,
-        memory_gib=rank_memory(graph, [schedule.peak_inflight(r) for r in range(plan.pipeline_parallel)]),
+        memory_gib=stack_rank_memory(graph, [schedule.peak_inflight(r) for r in range(plan.pipeline_parallel)],
+                                     stack, training.fp8_settings),
         gpu_memory_gib=device.memory_bytes / GIB,
         total_tokens=training.total_tokens,
         iterations=training.train_iterations(graph.seq_length),

@@ -27,9 +27,10 @@ from typing import Any
 from vtrain_plugin.api import with_gpu
 from vtrain_plugin.core.errors import ConfigError, ProfileError
 from vtrain_plugin.estimate import Estimate
-from vtrain_plugin.hardware.devices import gpu_name_matches, known_devices
+from vtrain_plugin.hardware.devices import get_device, gpu_name_matches, known_devices
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.run import RunConfig
+from vtrain_plugin.specs.training import SoftwareStack
 
 
 _SINGLE_DEVICE = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "virtual_pipeline": 1,
@@ -136,10 +137,16 @@ def single_device_run(run: RunConfig, device: str = "cpu") -> tuple[RunConfig, t
                        if current[name] != value)
     plan = ParallelPlan(**{**current, **_SINGLE_DEVICE})
     try:
-        single = replace(run, parallel=plan)
+        single = with_gpu(replace(run, parallel=plan), local_device_preset(device))
     except ConfigError as exc:
         raise ConfigError(f"{run.source}: on one device: {exc}") from None
-    return with_gpu(single, local_device_preset(device)), overridden
+    # The real step trains megatron-core's local spec: its estimate assumes the same kernels.
+    stack = single.training.stack_for(single.model, get_device(single.cluster.gpu).architecture)
+    if stack is not SoftwareStack.LOCAL_SPEC or single.training.fp8 is not None:
+        fp8 = "" if single.training.fp8 is None else f", fp8 {single.training.fp8.value}"
+        overridden += (f"software_stack: {stack.value}{fp8} -> local_spec (what the real step runs)",)
+        single = replace(single, training=replace(single.training, software_stack=SoftwareStack.LOCAL_SPEC, fp8=None))
+    return single, overridden
 
 
 def local_device_preset(device: str) -> str:

@@ -57,7 +57,11 @@ cluster: {preset: dgx-h100}
 
 def cases(tmp: Path) -> dict[str, Path]:
     """Every golden case as a file a user would pass to ``vtrain estimate``."""
-    files = {"gpt3_175b_512gpu": REPO / "examples" / "configs" / "gpt3_175b_512gpu.json"}
+    configs = REPO / "examples" / "configs"
+    files = {"gpt3_175b_512gpu": configs / "gpt3_175b_512gpu.json",
+             # the README's Llama 3 70B on 256 H100 with Megatron-Core + TransformerEngine, bf16 and FP8
+             "llama3_70b_256gpu_bf16": configs / "llama3_70b_256gpu_bf16.yaml",
+             "llama3_70b_256gpu_fp8": configs / "llama3_70b_256gpu_fp8.yaml"}
     for name, row in A100_ROWS.items():
         files[name] = tmp / f"{name}.json"
         files[name].write_text(json.dumps(row))

@@ -35,6 +35,12 @@ def test_trace_json_lists_ops_and_collectives_per_stage(tmp_path, run_cli):
         for c in stage["collectives"]:
             assert {"kind", "nbytes", "group", "group_size", "phase", "module", "count"} <= c.keys()
             assert c["group"] in ("tp", "dp", "pp", "embedding")
+    assert (data["software_stack"], data["fp8"]) == ("megatron_deepspeed_2023", None)  # a vTrain config's
+    softmax = [k for k in data["stages"][0]["stack_kernels"] if "masked_softmax" in k["op"]]
+    assert {(k["op"], k["phase"], k["count"]) for k in softmax} == {
+        ("megatron.scaled_upper_triang_masked_softmax.default", "forward", 2),
+        ("megatron.scaled_upper_triang_masked_softmax.default", "recompute", 2),
+        ("megatron.scaled_upper_triang_masked_softmax_backward.default", "backward", 2)}
     fc1 = [o for o in data["stages"][0]["ops"] if o["module"] == "decoder.layers.0.mlp.linear_fc1"
            and o["op"] == "aten.mm.default" and o["phase"] == "forward"]
     assert len(fc1) == 1 and fc1[0]["count"] == 2 and fc1[0]["input_shapes"] == [[256, 256], [256, 512]]
@@ -53,9 +59,15 @@ training: {global_batch_size: 8}
 """
     proc = run_cli("trace", write(tmp_path, "plan.yaml", plan), check=True)
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("model: llama")
+    assert lines[0].startswith("model: llama") and lines[0].endswith("stack: megatron_core_te")
     assert "all_gather tp" in proc.stdout and "reduce_scatter tp" in proc.stdout
+    # per layer: norm, QKV, 2 RoPE, attention, projection, add, norm, FC1, SwiGLU, FC2, add
+    assert lines[2].split()[:6] == ["stage", "layers", "fwd/layer", "bwd/layer", "recomp/layer", "stack"]
+    assert [line.split()[5] for line in lines[4:6]] == ["12/17/0", "12/17/0"]
     assert proc.stderr == ""
+    fp8_plan = plan.replace("training: {global_batch_size: 8}", "training: {global_batch_size: 8, fp8: hybrid}")
+    fp8 = run_cli("trace", write(tmp_path, "fp8.yaml", fp8_plan + "cluster: {preset: dgx-h100}\n"), check=True)
+    assert fp8.stdout.splitlines()[0].endswith("stack: megatron_core_te (fp8 hybrid, delayed scaling)")
 
 
 @pytest.mark.parametrize("change,message", [

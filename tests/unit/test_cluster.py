@@ -10,7 +10,7 @@ BASE = dict(gpu="a100-sxm4-80gb", intra_node_bandwidth_gbytes_per_s=300.0, intra
 
 
 def test_presets_and_units():
-    assert set(cluster_preset_names()) >= {"dgx-a100", "dgx-h100", "dgx-h200"}
+    assert set(cluster_preset_names()) >= {"dgx-a100", "dgx-b200", "dgx-h100", "dgx-h200"}
     a100 = get_cluster_preset("dgx-a100")
     assert a100.gpus_per_node == 8 and a100.nccl_tables == "a100_sxm"
     assert a100.inter_node_bytes_per_ns == 200.0  # 8 x 200 Gb/s = 200 GB/s
@@ -22,7 +22,7 @@ def test_presets_and_units():
 
 
 def test_unknown_preset_lists_valid_names():
-    with pytest.raises(ConfigError, match=r"unknown cluster preset 'dgx-z'; valid presets are dgx-a100, dgx-h100, dgx-h200"):
+    with pytest.raises(ConfigError, match=r"unknown cluster preset 'dgx-z'; valid presets are dgx-a100, dgx-b200, dgx-h100, dgx-h200"):
         get_cluster_preset("dgx-z")
 
 

@@ -10,10 +10,12 @@ import pytest
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.hardware import devices
 from vtrain_plugin.hardware.calibration import Calibration, DeviceConstants, calibration_for, write_calibration
-from vtrain_plugin.hardware.clusters import cluster_preset_names
+from vtrain_plugin.hardware.clusters import cluster_preset_names, get_cluster_preset
 from vtrain_plugin.hardware.devices import DeviceSpec, get_device, known_devices
 
-PRESETS = ["a100-sxm4-40gb", "a100-sxm4-80gb", "cpu", "h100-sxm", "h200-sxm"]
+PRESETS = ["a100-sxm4-40gb", "a100-sxm4-80gb", "b200-sxm", "cpu", "h100-sxm", "h200-sxm"]
+ARCHITECTURES = {"a100-sxm4-40gb": "ampere", "a100-sxm4-80gb": "ampere", "b200-sxm": "blackwell", "cpu": "cpu",
+                 "h100-sxm": "hopper", "h200-sxm": "hopper"}
 
 
 def _constants(**changes: float) -> DeviceConstants:
@@ -28,7 +30,7 @@ def test_known_devices_lists_presets_sorted():
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_preset_loads_with_its_own_name(name):
     spec = get_device(name)
-    assert spec.name == name
+    assert spec.name == name and spec.architecture == ARCHITECTURES[name]
     assert spec.default_cluster in cluster_preset_names()
     calibration = calibration_for(name, "default")
     assert calibration.device == name and calibration.software_stack == "default"
@@ -51,15 +53,48 @@ def test_a100_spec_sheet_numbers():
 def test_h100_and_h200_spec_sheet_numbers():
     h100, h200 = get_device("h100-sxm"), get_device("h200-sxm")
     for spec in (h100, h200):
-        peaks = (spec.peak_fp16_tflop_per_s, spec.peak_tf32_tflop_per_s, spec.peak_fp32_tflop_per_s)
-        assert peaks == (989, 494, 67)
-        assert spec.sm_count == 132 and spec.l2_cache_mebibytes == 50 and spec.nvlink_bytes_per_ns == 450
-    assert h100.hbm_bytes_per_ns == 3350 and h100.memory_bytes == 80 * 2**30
-    assert h200.hbm_bytes_per_ns == 4800 and h200.memory_bytes == 141 * 2**30
+        peaks = (spec.peak_fp16_tflop_per_s, spec.peak_bf16_tflop_per_s, spec.peak_fp8_tflop_per_s,
+                 spec.peak_tf32_tflop_per_s, spec.peak_fp32_tflop_per_s)
+        assert peaks == (989, 989, 1979, 494, 67)
+        assert spec.sm_count == 132 and spec.nvlink_bytes_per_ns == 450
+    assert h100.hbm_bytes_per_ns == 3350 and h100.memory_bytes == 80 * 2**30 and h100.l2_cache_mebibytes == 50
+    assert h200.hbm_bytes_per_ns == 4800 and h200.memory_bytes == 141 * 2**30 and h200.l2_cache_mebibytes == 60
+
+
+def test_b200_spec_sheet_numbers_and_its_node():
+    b200 = get_device("B200")
+    assert b200.name == "b200-sxm" and b200.architecture == "blackwell"
+    peaks = (b200.peak_fp16_tflop_per_s, b200.peak_bf16_tflop_per_s, b200.peak_fp8_tflop_per_s,
+             b200.peak_tf32_tflop_per_s, b200.peak_fp32_tflop_per_s)
+    assert peaks == (2250, 2250, 4500, 1125, 75)  # dense: half of the HGX B200 table's sparse figures / 8
+    assert b200.hbm_bytes_per_ns == 8000 and b200.memory_bytes == 180 * 2**30 and b200.sm_count == 148
+    assert b200.nvlink_bytes_per_ns == 900  # NVLink5: 1.8 TB/s per GPU, both directions
+    node = get_cluster_preset(b200.default_cluster)
+    assert (node.name, node.gpu, node.gpus_per_node) == ("dgx-b200", "b200-sxm", 8)
+    assert node.intra_node_bandwidth_gbytes_per_s == 900 and node.inter_node_bandwidth_gbps == 8 * 400
+
+
+@pytest.mark.parametrize("name, attention", [("a100-sxm4-40gb", 0.6), ("a100-sxm4-80gb", 0.6), ("h100-sxm", 0.55),
+                                             ("h200-sxm", 0.55), ("b200-sxm", 0.5)])
+def test_te_stack_calibrations_state_an_attention_efficiency_and_their_source(name, attention):
+    te = calibration_for(name, "megatron_core_te")
+    assert te.software_stack == "megatron_core_te" and te.path.endswith(f"{name}/megatron_core_te.json")
+    assert te.constants.attention_efficiency == attention and "attention_efficiency" in te.source
+    default = calibration_for(name, "default").constants
+    assert dataclasses.replace(te.constants, attention_efficiency=0.0) == default  # the rest: the defaults
+
+
+def test_fp8_needs_fp8_tensor_cores():
+    get_device("h100-sxm").require_fp8("training.fp8", "hybrid")
+    with pytest.raises(ConfigError) as err:
+        get_device("A100").require_fp8("training.fp8", "hybrid")
+    assert str(err.value) == ("training.fp8 'hybrid' needs fp8 tensor cores; a100-sxm4-80gb (ampere) has none "
+                              "(these have: b200-sxm, h100-sxm, h200-sxm)")
 
 
 @pytest.mark.parametrize("alias, name", [
     ("A100", "a100-sxm4-80gb"), ("a100", "a100-sxm4-80gb"), ("H100", "h100-sxm"), ("h200", "h200-sxm"),
+    ("b200", "b200-sxm"),
     ("A100-SXM4-40GB", "a100-sxm4-40gb"), (" h100-sxm ", "h100-sxm"),
 ])
 def test_aliases_and_case_insensitive_names(alias, name):
@@ -70,7 +105,7 @@ def test_unknown_device_lists_known_names():
     with pytest.raises(ConfigError) as err:
         get_device("x")
     assert str(err.value).startswith(
-        "unknown GPU 'x'; known: a100-sxm4-40gb, a100-sxm4-80gb, cpu, h100-sxm, h200-sxm")
+        "unknown GPU 'x'; known: a100-sxm4-40gb, a100-sxm4-80gb, b200-sxm, cpu, h100-sxm, h200-sxm")
 
 
 def test_spec_files_found_regardless_of_working_directory(tmp_path, monkeypatch):
@@ -107,6 +142,7 @@ def test_spec_is_frozen():
     ("microbatch_overhead_ns", 1305, r"microbatch_overhead_ns must lie in \[100000, 5e\+06\], got 1305"),
     ("network_efficiency", 0.51, r"network_efficiency must lie in \[0.7, 0.95\], got 0.51"),
     ("module_host_overhead_ns", 500, r"module_host_overhead_ns must lie in \[2000, 100000\], got 500"),
+    ("attention_efficiency", 0.1, r"attention_efficiency must lie in \[0.3, 0.9\], got 0.1"),
 ])
 def test_constants_outside_plausible_range_are_rejected(field, value, message):
     with pytest.raises(ConfigError, match=message):
@@ -138,6 +174,9 @@ def test_spec_validation_names_the_field():
         dataclasses.replace(good, sm_count=0)
     with pytest.raises(ConfigError, match="hbm_bandwidth_gbytes_per_s must be positive"):
         dataclasses.replace(good, hbm_bandwidth_gbytes_per_s=-1)
+    with pytest.raises(ConfigError, match="device 'a100-sxm4-80gb' architecture must be one of cpu, ampere, "
+                                          "hopper, blackwell; got 'volta'"):
+        dataclasses.replace(good, architecture="volta")
 
 
 def test_from_dict_rejects_unknown_and_missing_keys():

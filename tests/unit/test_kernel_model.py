@@ -19,12 +19,12 @@ from vtrain_plugin.hardware.devices import DeviceSpec, get_device
 
 # 100 TFLOP/s fp16 = 1e5 FLOP/ns, 1000 GB/s = 1000 B/ns, halved by the efficiencies; 4 SMs.
 ROUND = DeviceSpec(
-    name="round", peak_fp16_tflop_per_s=100, peak_bf16_tflop_per_s=100, peak_tf32_tflop_per_s=50,
+    name="round", architecture="ampere", peak_fp16_tflop_per_s=100, peak_bf16_tflop_per_s=100, peak_tf32_tflop_per_s=50,
     peak_fp32_tflop_per_s=10, hbm_bandwidth_gbytes_per_s=1000, memory_gibibytes=16, sm_count=4,
     l2_cache_mebibytes=8, nvlink_gbytes_per_s_per_direction=100, default_cluster="dgx-a100",
 )
 ROUND_CONSTANTS = DeviceConstants(gemm_efficiency=0.5, hbm_efficiency=0.5, kernel_overhead_ns=1000,
-                                  host_overhead_ns=5000)
+                                  host_overhead_ns=5000, attention_efficiency=0.4)
 # The A100 80GB constants fitted to Megatron-DeepSpeed (its other stacks get uncalibrated defaults).
 A100_CONSTANTS = calibration_for("a100-sxm4-80gb", "megatron_deepspeed_2023").constants
 
@@ -199,8 +199,12 @@ def test_attention_and_memory_bound_ops_exact():
     model = _round_model()
     sdpa = _key("aten._scaled_dot_product_flash_attention.default", (1, 8, 128, 64), (1, 8, 128, 64),
                 (1, 8, 128, 64), dtype="bfloat16")
+    # fused attention at its own efficiency: 100 TFLOP/s x 0.4 = 4e4 FLOP/ns; at the GEMM's (0.5) when a
+    # calibration leaves attention_efficiency out
     assert model.duration_ns(_node(sdpa, flops=10_000_000, nbytes=1000)) == pytest.approx(
-        10_000_000 / 50_000 + 1000)
+        10_000_000 / 40_000 + 1000)
+    unset = KernelModel(ROUND, dataclasses.replace(ROUND_CONSTANTS, attention_efficiency=0.0))
+    assert unset.duration_ns(_node(sdpa, flops=10_000_000, nbytes=1000)) == pytest.approx(10_000_000 / 50_000 + 1000)
     gelu = _key("aten.gelu.default", (1000, 250))
     assert model.duration_ns(_node(gelu, nbytes=1_000_000)) == pytest.approx(2000 + 1000)
     assert model.duration_ns(_node(gelu, flops=50_000_000, nbytes=1_000_000)) == pytest.approx(5000 + 1000)

@@ -12,7 +12,7 @@ from vtrain_plugin.specs.megatron_args import FIELDS, MegatronPlan, megatron_pla
 from vtrain_plugin.specs.megatron_flags import MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, Arity
 from vtrain_plugin.specs.model import Family
 from vtrain_plugin.specs.parallel import Recompute
-from vtrain_plugin.specs.training import GradReduce, ScheduleKind
+from vtrain_plugin.specs.training import Fp8Format, Fp8Recipe, GradReduce, ScheduleKind
 
 BASE = "--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 256 --micro-batch-size 2 --vocab-size 1000"
 
@@ -46,6 +46,13 @@ def test_defaults_are_megatrons():
     assert p.unmodelled == ()
 
 
+def test_fp8_flags_set_the_training_precision():
+    p = plan("--bf16 --fp8-format hybrid --fp8-recipe tensorwise")
+    assert (p.training.fp8, p.training.fp8_recipe) == (Fp8Format.HYBRID, Fp8Recipe.TENSORWISE)
+    assert plan("--bf16 --fp8-format e4m3").training.fp8_recipe is Fp8Recipe.DELAYED  # Megatron-LM's default
+    assert plan("--bf16").training.fp8 is None
+
+
 def test_swiglu_makes_a_llama_layer_with_megatrons_ffn_size():
     p = plan("--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
              "--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 --hidden-size 4096 "
@@ -77,7 +84,7 @@ def test_layer_features_other_than_the_familys_are_noted_not_refused():
     ("--num-experts 8 --moe-router-topk 2", "--num-experts 8: mixture of experts is not modelled by vtrain yet"),
     ("--use-distributed-optimizer", "--use-distributed-optimizer: the distributed optimizer is not modelled by "
                                     "vtrain yet"),
-    ("--fp8-format e4m3", "--fp8-format e4m3: fp8 training is not modelled by vtrain yet"),
+    ("--fp8-format e4m3 --fp8-recipe mxfp8", "training.fp8_recipe must be one of delayed, tensorwise; got 'mxfp8'"),
     ("--optimizer sgd", "--optimizer sgd: an optimizer other than Adam is not modelled by vtrain yet"),
     ("--decoder-first-pipeline-num-layers 2", "--decoder-first-pipeline-num-layers 2: an uneven pipeline split is "
                                               "not modelled by vtrain yet"),

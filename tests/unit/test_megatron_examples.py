@@ -5,14 +5,15 @@ import logging
 
 import pytest
 
-from vtrain_plugin.api import load_megatron_script, load_run_config, run_config_from_megatron_args
+from vtrain_plugin.api import load_megatron_script, load_run_config, run_config_from_megatron_args, with_gpu
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.specs.launch_script import read_launch_script
 from vtrain_plugin.specs.megatron_args import script_plan
 from vtrain_plugin.specs.model import Family, ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
-from vtrain_plugin.specs.training import GradReduce, ScheduleKind, SoftwareStack, TrainingSpec
+from vtrain_plugin.specs.training import Fp8Format, Fp8Recipe, GradReduce, ScheduleKind, SoftwareStack, TrainingSpec
 
 from tests.unit.megatron_examples import GPT3_175B, GPT_345M_WITH_MP, LLAMA3_8B_BF16_FLAGS, LLAMA3_8B_FP8, MIXTRAL_8X7B
 
@@ -67,7 +68,7 @@ def test_gpt3_175b_megatron_args_are_the_plan_of_vtrains_gpt3_config():
     theirs = load_run_config("examples/configs/gpt3_175b_512gpu.json")
     assert ours.parallel == theirs.parallel
     assert ours.cluster == theirs.cluster
-    assert ours.training.stack_for(ours.model) is theirs.training.stack_for(theirs.model) \
+    assert ours.training.stack_for(ours.model, "ampere") is theirs.training.stack_for(theirs.model, "ampere") \
         is SoftwareStack.MEGATRON_DEEPSPEED_2023
     for spec in (ours.model, theirs.model):
         assert (spec.family, spec.ffn_size, spec.query_groups, spec.tied, spec.padded_vocab_size(8), spec.dtype,
@@ -104,10 +105,12 @@ def test_llama3_8b_fp8_script_depends_on_its_if_blocks():
         f"vtrain reads the script without running it, so write those flags outside the blocks")
 
 
-def test_llama3_8b_fp8_flags_are_refused_as_not_modelled():
+def test_llama3_8b_fp8_flags_set_fp8_and_need_a_gpu_with_fp8():
     flags = LLAMA3_8B_BF16_FLAGS + " --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-param-gather"
-    with pytest.raises(ConfigError, match=r"^--fp8-format hybrid: fp8 training is not modelled by vtrain yet$"):
-        run_config_from_megatron_args(flags, gpus=8)
+    run = run_config_from_megatron_args(flags, gpus=8, cluster=get_cluster_preset("dgx-h100"))
+    assert (run.training.fp8, run.training.fp8_recipe) == (Fp8Format.HYBRID, Fp8Recipe.DELAYED)
+    with pytest.raises(ConfigError, match=r"^training.fp8 'hybrid' needs fp8 tensor cores; a100-sxm4-80gb "):
+        with_gpu(run, "A100")
     with pytest.raises(ConfigError, match=r"^--use-distributed-optimizer: the distributed optimizer is not "
                                           r"modelled by vtrain yet$"):
         run_config_from_megatron_args(LLAMA3_8B_BF16_FLAGS + " --use-distributed-optimizer", gpus=8)

@@ -6,7 +6,7 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.planning.space import AXES, RULES, GpuBudget, SearchSpace, enumerate_plans
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
-from vtrain_plugin.specs.training import GradReduce, ScheduleKind, TrainingSpec
+from vtrain_plugin.specs.training import Fp8Format, GradReduce, ScheduleKind, SoftwareStack, TrainingSpec
 
 # 4 layers, 8 heads (= query groups), FFN 1024, sequence 128
 MODEL = ModelSpec(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1024)
@@ -210,3 +210,33 @@ def test_axis_values_from_text_and_the_axis_table():
     # the axes are the space's fields, in order, and their rules have distinct names
     assert [axis.name for axis in AXES] == [f for f in SearchSpace.__dataclass_fields__ if f != "max_tp"]
     assert len(set(RULES)) == len(RULES)
+
+
+def test_software_stack_and_fp8_axes_default_to_the_base_training_spec():
+    """Unpinned, both axes take the base spec's value: one plan each, as before the axes existed."""
+    fixed = dict(tensor_parallel=(2,), pipeline_parallel=(1,), micro_batch_size=(1,), virtual_pipeline=(1,),
+                 sequence_parallel=(False,), recompute=("none",), grad_reduce=("overlap",))
+    (plain,) = plans(SearchSpace(**fixed), gpus="8").candidates
+    assert (plain.training.software_stack, plain.training.fp8) == (None, None)
+    te = TrainingSpec(global_batch_size=1, software_stack="megatron_core_te", fp8="hybrid")
+    (fp8,) = plans(SearchSpace(**fixed), gpus="8", training=te).candidates
+    assert (fp8.training.software_stack, fp8.training.fp8) == (SoftwareStack.MEGATRON_CORE_TE, Fp8Format.HYBRID)
+
+
+def test_pinned_fp8_runs_only_with_the_te_stack():
+    """3 stacks x (off, hybrid, e4m3): FP8 with local_spec or megatron_deepspeed_2023 is skipped (4)."""
+    space = SearchSpace(tensor_parallel=(2,), pipeline_parallel=(1,), micro_batch_size=(1,), virtual_pipeline=(1,),
+                        sequence_parallel=(False,), recompute=("none",), grad_reduce=("overlap",),
+                        software_stack=tuple(SoftwareStack), fp8=("off", "hybrid", "e4m3"))
+    result = plans(space, gpus="8")
+    assert result.skipped == {"fp8 needs megatron_core_te": 4}
+    assert [(c.training.software_stack.value, c.training.fp8) for c in result.candidates] == [
+        ("local_spec", None), ("megatron_deepspeed_2023", None), ("megatron_core_te", None),
+        ("megatron_core_te", Fp8Format.HYBRID), ("megatron_core_te", Fp8Format.E4M3)]
+    by_flag = {axis.flag: axis for axis in AXES}
+    assert by_flag["fp8"].values(["off", "e4m3"], where="--fp8") == (None, Fp8Format.E4M3)
+    with pytest.raises(ConfigError, match=r"^--fp8: 'e5m2' is not off or one of hybrid, e4m3$"):
+        by_flag["fp8"].values(["e5m2"], where="--fp8")
+    with pytest.raises(ConfigError, match=r"^--stack: 'te' is not one of local_spec, megatron_deepspeed_2023, "
+                                          r"megatron_core_te$"):
+        by_flag["stack"].values(["te"], where="--stack")

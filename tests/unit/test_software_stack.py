@@ -1,5 +1,5 @@
 """The mapping of traced megatron-core local-spec ops onto Megatron-DeepSpeed 2023 kernels, pinned on a
-small real GPT layer (traced once per module)."""
+small real GPT layer (traced once per module), and the choice of a plan's software stack."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import math
 
 import pytest
 
-from vtrain_plugin.cost.lowering import MULTI_TENSOR_PASSES, SoftwareStack, map_nodes, register_stack
 from vtrain_plugin.api import run_config_from_dict
+from vtrain_plugin.cost.lowering import map_nodes, register_stack
+from vtrain_plugin.cost.lowering_mds import MULTI_TENSOR_PASSES
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import OpNode, Phase
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
-from vtrain_plugin.specs.training import TrainingSpec
+from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
 
 H, HEADS, S, MB, TP = 64, 4, 32, 2, 2
 SCORES = MB * HEADS // TP * S * S  # elements of one attention-score tensor on one TP rank
@@ -114,27 +115,49 @@ def test_local_spec_is_the_identity(layer):
 
 def test_unknown_and_duplicate_stacks_are_rejected():
     with pytest.raises(ConfigError, match=r"unknown software stack 'apex'; valid stacks are local_spec, "
-                                          r"megatron_deepspeed_2023"):
+                                          r"megatron_core_te, megatron_deepspeed_2023"):
         map_nodes((), "apex")
     with pytest.raises(ConfigError, match="software stack 'local_spec' is already registered"):
         register_stack(SoftwareStack.LOCAL_SPEC)(lambda nodes: tuple(nodes))
 
 
-def test_stack_is_a_training_field_and_vtrain_configs_use_megatron_deepspeed():
+TE = SoftwareStack.MEGATRON_CORE_TE
+GPT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
+
+
+@pytest.mark.parametrize("family, dtype, architecture, stack", [
+    ("gpt", "fp16", "ampere", MDS),  # the vTrain A100 world
+    ("gpt", "bf16", "ampere", TE), ("gpt", "fp32", "ampere", TE), ("llama", "fp16", "ampere", TE),
+    ("gpt", "fp16", "hopper", TE), ("llama", "bf16", "hopper", TE), ("gpt", "fp16", "blackwell", TE),
+    ("gpt", "fp16", "cpu", SoftwareStack.LOCAL_SPEC), ("llama", "bf16", "cpu", SoftwareStack.LOCAL_SPEC),
+])
+def test_default_stack_depends_on_the_model_family_dtype_and_gpu_generation(family, dtype, architecture, stack):
     plain = TrainingSpec(global_batch_size=8)
     assert plain.software_stack is None
-    gpt = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
-    assert plain.stack_for(ModelSpec(**gpt, dtype="fp16")) is MDS
-    assert plain.stack_for(ModelSpec(**gpt, dtype="bf16")) is SoftwareStack.LOCAL_SPEC
-    assert plain.stack_for(ModelSpec(**gpt, family="llama", dtype="fp16")) is SoftwareStack.LOCAL_SPEC
-    assert plain.stack_for(None) is SoftwareStack.LOCAL_SPEC
-    assert TrainingSpec(global_batch_size=8, software_stack="local_spec").stack_for(ModelSpec(**gpt)) is \
+    assert plain.stack_for(ModelSpec(**GPT, family=family, dtype=dtype), architecture) is stack
+
+
+def test_stack_given_wins_fp8_defaults_to_te_and_a_plain_module_runs_the_local_spec():
+    assert TrainingSpec(global_batch_size=8).stack_for(None, "hopper") is SoftwareStack.LOCAL_SPEC
+    assert TrainingSpec(global_batch_size=8, software_stack="local_spec").stack_for(ModelSpec(**GPT), "ampere") is \
         SoftwareStack.LOCAL_SPEC
+    assert TrainingSpec(global_batch_size=8, fp8="hybrid").stack_for(ModelSpec(**GPT), "ampere") is TE
     with pytest.raises(ConfigError, match="training.software_stack must be one of"):
         TrainingSpec(global_batch_size=8, software_stack="te")
+    with pytest.raises(ConfigError, match="^training.fp8 'e4m3' needs training.software_stack megatron_core_te "
+                                          r"\(got megatron_deepspeed_2023\)$"):
+        TrainingSpec(global_batch_size=8, software_stack=MDS, fp8="e4m3")
+    with pytest.raises(ConfigError, match="^training.fp8 must be one of hybrid, e4m3; got 'e5m2'$"):
+        TrainingSpec(global_batch_size=8, fp8="e5m2")
+    with pytest.raises(ConfigError, match="^training.fp8_recipe must be one of delayed, tensorwise; got 'mxfp8'$"):
+        TrainingSpec(global_batch_size=8, fp8="hybrid", fp8_recipe="mxfp8")
+
+
+def test_vtrain_configs_use_megatron_deepspeed():
     run = run_config_from_dict({
         "num_gpus": 2, "tensor_parallel_size": 2, "data_parallel_size": 1, "pipeline_parallel_size": 1,
         "global_batch_size": 4, "micro_batch_size": 2, "num_layers": 2, "hidden_size": 64,
         "num_attention_heads": 4, "max_length": 32})
     assert run.training.software_stack is MDS
     assert run.training.to_dict()["software_stack"] == "megatron_deepspeed_2023"
+    assert run.training.to_dict()["fp8"] is None

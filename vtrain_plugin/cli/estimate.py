@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="*", help=f"{CONFIG_HELP}, or a Megatron-LM launch script (.sh)")
     add_megatron_options(p)
     p.add_argument("--gpu", help="GPU preset to estimate for, overriding the config's "
-                                 "(a100-sxm4-40gb, a100-sxm4-80gb, h100-sxm, h200-sxm; aliases A100, H100, H200)")
+                                 "(a100-sxm4-40gb, a100-sxm4-80gb, h100-sxm, h200-sxm, b200-sxm; aliases A100, H100, H200, B200)")
     p.add_argument("--tokens", metavar="N", help="tokens of the whole training run (e.g. 270e9), overriding "
                                                   "training.total_tokens: adds iterations, days, GPU-hours and cost")
     p.add_argument("--format", choices=("table", "json", "jsonl"), default="table")

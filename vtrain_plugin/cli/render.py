@@ -13,12 +13,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vtrain_plugin.core.graph import Block, OpGraph, OpNode, Phase, StageGraph
+from vtrain_plugin.cost.lowering import map_nodes
 from vtrain_plugin.cost.runtime_collectives import runtime_collectives
 from vtrain_plugin.estimate import Estimate
 from vtrain_plugin.planning.search import SearchResult
 from vtrain_plugin.planning.sizing import SizingResult
 from vtrain_plugin.planning.space import format_skipped
 from vtrain_plugin.specs.run import RunConfig
+from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
 from vtrain_plugin.validate import ValidationResult
 
 if TYPE_CHECKING:
@@ -41,18 +43,22 @@ def render_table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def trace_table(graph: OpGraph) -> str:
-    header = ["stage", "layers", "fwd/layer", "bwd/layer", "recomp/layer", "unique kernels",
+def trace_table(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = None) -> str:
+    """Per stage: the traced kernels per layer and phase, and the kernels ``stack`` runs for them."""
+    header = ["stage", "layers", "fwd/layer", "bwd/layer", "recomp/layer", "stack fwd/bwd/recomp", "unique kernels",
               "TFLOP/micro-batch/rank", "collectives per layer"]
     rows = []
     for s in graph.stages:
         layer = s.layer_template()
         counts = Counter(op.phase for op in layer.ops()) if layer else Counter()
+        lowered = Counter(n.phase for n in map_nodes(layer.nodes, stack, fp8) if isinstance(n, OpNode)) \
+            if layer else Counter()
         per_stage = {op.key for b in s.blocks for op in b.ops()}
         rows.append([
             _stage_name(s, graph), str(s.num_layers), str(counts[Phase.FORWARD]), str(counts[Phase.BACKWARD]),
-            str(counts[Phase.RECOMPUTE]), str(len(per_stage)), f"{s.flops() / 1e12:.2f}",
-            _collective_summary(layer) if layer else "-",
+            str(counts[Phase.RECOMPUTE]),
+            f"{lowered[Phase.FORWARD]}/{lowered[Phase.BACKWARD]}/{lowered[Phase.RECOMPUTE]}",
+            str(len(per_stage)), f"{s.flops() / 1e12:.2f}", _collective_summary(layer) if layer else "-",
         ])
     model, plan = graph.model, graph.parallel
     dims = f"layers={model.num_layers} hidden={model.hidden_size}" if model is not None else "layers=? hidden=?"
@@ -60,7 +66,8 @@ def trace_table(graph: OpGraph) -> str:
              f"parallel: tp={plan.tensor_parallel} pp={plan.pipeline_parallel} "
              f"dp={plan.data_parallel} sp={plan.sequence_parallel} "
              f"vp={plan.virtual_pipeline} recompute={plan.recompute.value}  "
-             f"micro-batch={graph.micro_batch_size} seq={graph.seq_length}")
+             f"micro-batch={graph.micro_batch_size} seq={graph.seq_length}  stack: {stack.value}"
+             + ("" if fp8 is None else f" (fp8 {fp8.format.value}, {fp8.recipe.value} scaling)"))
     total = graph.flops() * plan.tensor_parallel
     footer = (f"unique kernels: {len(graph.unique_kernels())}   model FLOPs per micro-batch "
               f"(all TP ranks): {total / 1e12:.1f} TFLOP")
@@ -79,39 +86,47 @@ def _collective_summary(layer: Block) -> str:
                      for (phase, kind, group, nb), n in groups.items()) or "-"
 
 
-def trace_json(graph: OpGraph) -> dict[str, Any]:
-    """Per stage: ``ops`` and ``collectives``, identical entries merged with a ``count``."""
+def trace_json(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = None) -> dict[str, Any]:
+    """Per stage: the traced ``ops``, the ``stack_kernels`` ``stack`` runs for them, and the
+    ``collectives``, identical entries merged with a ``count``."""
     stages = []
     tied = graph.model is not None and graph.model.tied
     for s in graph.stages:
-        ops: dict[tuple, dict[str, Any]] = {}
-        collectives: dict[tuple, dict[str, Any]] = {}
         runtime = runtime_collectives(s, graph.parallel, dtype=graph.dtype, tied_embeddings=tied).nodes(s)
-        blocks = [(b.kind.value, b.count, b.nodes) for b in s.blocks] + [("runtime", 1, runtime)]
-        for block_kind, count, nodes in blocks:
-            for n in nodes:
-                if isinstance(n, OpNode):
-                    k = (n.key, n.phase, n.module)
-                    entry = ops.setdefault(k, {
-                        "op": n.op, "input_shapes": [list(x) for x in n.key.input_shapes],
-                        "dtypes": list(n.key.dtypes), "args": n.key.to_dict()["args"],
-                        "phase": n.phase.value, "module": n.module, "block": block_kind,
-                        "launches_kernel": n.launches_kernel, "flops": n.flops, "nbytes": n.nbytes,
-                        "kernel": n.key.digest, "count": 0})
-                else:
-                    k = (n.kind, n.nbytes, n.group, n.group_size, n.phase, n.module)
-                    entry = collectives.setdefault(k, {
-                        "kind": n.kind.value, "nbytes": n.nbytes, "group": n.group.value,
-                        "group_size": n.group_size, "phase": n.phase.value, "module": n.module,
-                        "block": block_kind, "dtype": n.dtype, "synthesized": n.synthesized, "count": 0})
-                entry["count"] += count
+        traced = [(b.kind.value, b.count, b.nodes) for b in s.blocks] + [("runtime", 1, runtime)]
+        ops, collectives = _merged(traced)
+        kernels, _ = _merged([(b.kind.value, b.count, map_nodes(b.nodes, stack, fp8)) for b in s.blocks])
         stages.append({"pipeline_rank": s.pipeline_rank, "chunk": s.chunk, "num_layers": s.num_layers,
                        "num_parameters": s.num_parameters, "flops": s.flops(),
-                       "ops": list(ops.values()), "collectives": list(collectives.values())})
+                       "ops": ops, "stack_kernels": kernels, "collectives": collectives})
     return {"schema_version": graph.schema_version,
             "model": None if graph.model is None else graph.model.to_dict(), "parallel": graph.parallel.to_dict(),
             "micro_batch_size": graph.micro_batch_size, "seq_length": graph.seq_length,
-            "stages": stages}
+            "software_stack": stack.value, "fp8": None if fp8 is None else fp8.format.value, "stages": stages}
+
+
+def _merged(blocks: list[tuple[str, int, tuple]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The ops and the collectives of ``(block kind, count, nodes)`` entries, identical ones merged."""
+    ops: dict[tuple, dict[str, Any]] = {}
+    collectives: dict[tuple, dict[str, Any]] = {}
+    for block_kind, count, nodes in blocks:
+        for n in nodes:
+            if isinstance(n, OpNode):
+                k = (n.key, n.phase, n.module)
+                entry = ops.setdefault(k, {
+                    "op": n.op, "input_shapes": [list(x) for x in n.key.input_shapes],
+                    "dtypes": list(n.key.dtypes), "args": n.key.to_dict()["args"],
+                    "phase": n.phase.value, "module": n.module, "block": block_kind,
+                    "launches_kernel": n.launches_kernel, "flops": n.flops, "nbytes": n.nbytes,
+                    "kernel": n.key.digest, "count": 0})
+            else:
+                k = (n.kind, n.nbytes, n.group, n.group_size, n.phase, n.module)
+                entry = collectives.setdefault(k, {
+                    "kind": n.kind.value, "nbytes": n.nbytes, "group": n.group.value,
+                    "group_size": n.group_size, "phase": n.phase.value, "module": n.module,
+                    "block": block_kind, "dtype": n.dtype, "synthesized": n.synthesized, "count": 0})
+            entry["count"] += count
+    return list(ops.values()), list(collectives.values())
 
 
 def estimate_table(run: RunConfig, result: Estimate) -> str:
@@ -123,7 +138,7 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
         f"(tp={plan.tensor_parallel} pp={plan.pipeline_parallel} dp={plan.data_parallel} "
         f"micro-batch={plan.micro_batch_size} global batch={result.global_batch_size} "
         f"micro-batches={result.num_microbatches}, {run.training.schedule.value}, recompute={plan.recompute.value}, "
-        f"stack {result.software_stack})",
+        f"stack {result.software_stack}" + ("" if result.fp8 is None else f", fp8 {result.fp8}") + ")",
         "",
     ]
     total = result.iteration_time_ms
@@ -189,10 +204,13 @@ def _plan_label(row: Mapping[str, Any]) -> str:
 
 
 def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = None) -> str:
-    """The top plans of ``vtrain search`` and a summary line (and the baseline, if any)."""
+    """The top plans of ``vtrain search`` and a summary line (and the baseline, if any); the software
+    stack and FP8 columns appear when the plans differ in them."""
     table = result.table
     trained = "train_days" in table
-    header = ["rank", "tp", "pp", "dp", "mb", "vp", "sp", "recompute", "grad reduce", "GPUs", "iteration ms",
+    varied = [column for column in ("software_stack", "fp8") if table[column].nunique(dropna=False) > 1]
+    header = ["rank", "tp", "pp", "dp", "mb", "vp", "sp", "recompute", "grad reduce",
+              *(_VARIED_HEADERS[c] for c in varied), "GPUs", "iteration ms",
               "tokens/s", "MFU", "memory GiB", "fits", "$/iteration", *(["days", "$ to train"] if trained else []),
               "front"]
     rows = []
@@ -200,7 +218,8 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
         rows.append([
             str(row["rank"]), str(row["tensor_parallel"]), str(row["pipeline_parallel"]), str(row["data_parallel"]),
             str(row["micro_batch_size"]), str(row["virtual_pipeline"]), "on" if row["sequence_parallel"] else "off",
-            row["recompute"], row["grad_reduce"], f"{row['num_gpus']:,}", f"{row['iteration_time_ms']:,.1f}",
+            row["recompute"], row["grad_reduce"], *(str(row[c] or "off") for c in varied),
+            f"{row['num_gpus']:,}", f"{row['iteration_time_ms']:,.1f}",
             f"{row['tokens_per_second']:,.0f}", f"{100 * row['mfu']:.1f}%", f"{row['peak_memory_gib']:.1f}",
             "yes" if row["fits_in_memory"] else "NO", _money(row["cost_usd"]),
             *([f"{row['train_days']:,.1f}", _money(row["train_cost_usd"])] if trained else []),
@@ -213,6 +232,9 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
     if baseline is not None:
         lines.append(_baseline_line(result, baseline))
     return "\n".join(lines)
+
+
+_VARIED_HEADERS = {"software_stack": "stack", "fp8": "fp8"}
 
 
 def _baseline_line(result: SearchResult, baseline: Mapping[str, Any]) -> str:

@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model_file", metavar="MODEL_FILE",
                    help="plan file (YAML/JSON) or vTrain config: its model; its cluster and training are defaults")
     cluster = p.add_mutually_exclusive_group()
-    cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, a100-sxm4-40gb, ...)")
+    cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, B200, a100-sxm4-40gb, ...)")
     cluster.add_argument("--cluster", help=f"cluster preset ({', '.join(cluster_preset_names())})")
     p.add_argument("--global-batch", metavar="N",
                    help="sequences per iteration (default: the file's training.global_batch_size)")
@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="GPUs a plan may use: a count (3360), a range (1024:4096) or a list (2240,2800,3360)")
     for axis in AXES:
         p.add_argument(f"--{axis.flag.replace('_', '-')}", dest=axis.name, metavar="LIST",
-                       help=f"{axis.label}; comma-separated (default: every valid one)")
+                       help=f"{axis.label}; comma-separated (default: {axis.default_label})")
     p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node)")
     p.add_argument("--objective", default="time", help="rank the plans that fit by time or cost (default time)")
     p.add_argument("--top", default="10", metavar="K", help="plans in the table (default 10)")

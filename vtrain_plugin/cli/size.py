@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("size", help="the largest model that trains compute-optimally within days or dollars")
     p.add_argument("--family", default="gpt", help=f"model family: {', '.join(f.value for f in Family)} (default gpt)")
     cluster = p.add_mutually_exclusive_group(required=True)
-    cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, ...)")
+    cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, B200, ...)")
     cluster.add_argument("--cluster", help=f"cluster preset ({', '.join(cluster_preset_names())})")
     p.add_argument("--gpus", required=True, metavar="BUDGET", help="GPUs: a count, a range LOW:HIGH or a list")
     p.add_argument("--days", metavar="D", help="wall-clock budget in days")
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"hidden-size step of the ladder (default {HIDDEN_STEP})")
     for axis in AXES:
         p.add_argument(f"--{axis.flag.replace('_', '-')}", dest=axis.name, metavar="LIST",
-                       help=f"{axis.label} of each shape's search; comma-separated (default: every valid one)")
+                       help=f"{axis.label} of each shape's search; comma-separated (default: {axis.default_label})")
     p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--output", "-o", help="write to this file instead of stdout")

@@ -1,4 +1,5 @@
-"""``vtrain trace CONFIG``: the operator graph of a plan, per pipeline stage."""
+"""``vtrain trace CONFIG``: the operator graph of a plan, per pipeline stage, and the kernels the
+plan's software stack runs for it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from vtrain_plugin.api import load_run_config
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.cli.common import CONFIG_HELP, emit
 from vtrain_plugin.cli.render import trace_json, trace_table
+from vtrain_plugin.hardware.devices import get_device
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,8 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     run_config = load_run_config(args.config)
     graph = trace(run_config.model, run_config.parallel)
+    training = run_config.training
+    stack = training.stack_for(run_config.model, get_device(run_config.cluster.gpu).architecture)
     if args.format == "json":
-        emit(json.dumps(trace_json(graph), indent=1), args.output)
+        emit(json.dumps(trace_json(graph, stack, training.fp8_settings), indent=1), args.output)
     else:
-        emit(trace_table(graph), args.output)
+        emit(trace_table(graph, stack, training.fp8_settings), args.output)
     return 0

@@ -12,7 +12,12 @@ Device time of one kernel is ``max(compute_ns, memory_ns) + kernel_overhead_ns``
   ``waves * t_m * t_n * (K + 64)``, never decreasing in M, N, K or batch. Batched GEMMs (``bmm``,
   ``baddbmm``: attention scores and context) are tiled the same way over ``batch`` independent
   matrices. Convolutions and layouts without parsed dims use ``gemm_efficiency`` alone.
-- ATTENTION (fused SDPA kernels): ``flops / (tensor_peak(dtype) * gemm_efficiency)``.
+- ATTENTION (fused attention kernels: SDPA's flash / memory-efficient / cuDNN kernels, the
+  FlashAttention / cuDNN kernels of :mod:`vtrain_plugin.cost.lowering_te`): compute-bound at
+  ``flops / (tensor_peak(dtype) * attention_efficiency)``, a calibrated constant of its own (such
+  a kernel streams its tiles through shared memory with an online softmax between the two
+  matmuls, and reaches a lower share of peak than a GEMM of the same FLOPs); ``gemm_efficiency``
+  where a calibration leaves it out.
 - every other kernel: ``flops / fp32 CUDA-core peak`` (the tracer counts only matmul FLOPs, so this
   is usually 0 and the kernel is memory-bound at the achievable HBM bandwidth).
 - views, metadata and host reads (NO_KERNEL, HOST_SYNC) take no device time.
@@ -62,8 +67,9 @@ class KernelKind:
 
     NONE = 0  # no device time (views, metadata, host reads)
     GEMM = 1  # GEMM with parsed dims: tile and wave model
-    TENSOR = 2  # tensor-core work without dims (convolutions, fused attention): flat efficiency
+    TENSOR = 2  # tensor-core work without dims (convolutions): flat GEMM efficiency
     OTHER = 3  # memory-bound kernels on CUDA cores
+    ATTENTION = 4  # fused attention kernels: attention efficiency
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,7 +147,8 @@ def _features(node: OpNode) -> tuple:
             nbytes = node.nbytes or _gemm_nbytes(node.key, dims)
             return (KernelKind.GEMM, dtype, float(node.flops or dims.flops), float(nbytes),
                     float(dims.batch), float(dims.m), float(dims.n), float(dims.k), backward)
-        return (KernelKind.TENSOR, dtype, float(node.flops), float(node.nbytes), 0.0, 0.0, 0.0, 0.0, backward)
+        kind = KernelKind.ATTENTION if cls is OpClass.ATTENTION else KernelKind.TENSOR
+        return (kind, dtype, float(node.flops), float(node.nbytes), 0.0, 0.0, 0.0, 0.0, backward)
     return (KernelKind.OTHER, 0, float(node.flops), float(node.nbytes), 0.0, 0.0, 0.0, 0.0, backward)
 
 
@@ -187,12 +194,15 @@ class KernelModel:
         kind = kernels.kind
         compute = kernels.flops / self.device.cuda_core_flop_per_ns
         tensor = kind == KernelKind.TENSOR
+        attention = kind == KernelKind.ATTENTION
         gemm = kind == KernelKind.GEMM
-        if tensor.any() or gemm.any():
-            if np.isnan(self._rates[kernels.dtype[tensor | gemm]]).any():
+        if tensor.any() or gemm.any() or attention.any():
+            if np.isnan(self._rates[kernels.dtype[tensor | gemm | attention]]).any():
                 self.device.tensor_flop_per_ns("fp8")  # raises the device's "no fp8" error
             rate = self._rates[kernels.dtype]
             compute = np.where(tensor, kernels.flops / (rate * c.gemm_efficiency), compute)
+            attention_efficiency = c.attention_efficiency or c.gemm_efficiency  # 0: not modelled apart
+            compute = np.where(attention, kernels.flops / (rate * attention_efficiency), compute)
             if gemm.any():
                 g = np.flatnonzero(gemm)
                 eff = self.gemm_efficiencies(kernels.batch[g], kernels.m[g], kernels.n[g], kernels.k[g])

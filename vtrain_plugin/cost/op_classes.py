@@ -18,7 +18,7 @@ from vtrain_plugin.core.op_names import HOST_SYNC_OPS, NO_KERNEL_OPS, parse_op_n
 
 class OpClass(StrEnum):
     GEMM = "gemm"  # tensor-core matrix multiplies (and convolutions)
-    ATTENTION = "attention"  # fused attention kernels (SDPA flash / memory-efficient / cuDNN)
+    ATTENTION = "attention"  # fused attention kernels (SDPA flash / memory-efficient / cuDNN, TE's)
     NORM = "norm"
     SOFTMAX = "softmax"
     ACTIVATION = "activation"
@@ -41,7 +41,7 @@ _TABLE: dict[OpClass, frozenset[str]] = {
     OpClass.ATTENTION: frozenset({
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_flash_attention",
-        "_efficient_attention_forward", "_efficient_attention",
+        "_efficient_attention_forward", "_efficient_attention", "fused_attention",
     }),
     OpClass.NORM: frozenset({
         "native_layer_norm", "layer_norm", "fused_layer_norm_affine", "rms_norm", "_fused_rms_norm",
@@ -53,7 +53,7 @@ _TABLE: dict[OpClass, frozenset[str]] = {
                                 "scaled_upper_triang_masked_softmax", "scaled_masked_softmax"}),
     OpClass.ACTIVATION: frozenset({
         "gelu", "relu", "silu", "sigmoid", "tanh", "threshold", "hardtanh", "leaky_relu", "elu",
-        "softplus", "mish", "glu", "hardswish", "hardsigmoid", "bias_gelu_fused",
+        "softplus", "mish", "glu", "hardswish", "hardsigmoid", "bias_gelu_fused", "swiglu_fused",
     }),
     OpClass.DROPOUT: frozenset({
         "native_dropout", "dropout", "bernoulli", "rand", "rand_like", "randn", "randn_like",
@@ -61,18 +61,19 @@ _TABLE: dict[OpClass, frozenset[str]] = {
     }),
     OpClass.REDUCTION: frozenset({
         "sum", "mean", "norm", "linalg_vector_norm", "amax", "amin", "max", "min", "argmax", "argmin",
-        "prod", "var", "std", "var_mean", "std_mean", "logsumexp", "cumsum", "any", "all",
+        "prod", "var", "std", "var_mean", "std_mean", "logsumexp", "cumsum", "any", "all", "compute_amax",
     }),
     OpClass.EMBEDDING: frozenset({"embedding", "embedding_dense", "_embedding_bag", "embedding_renorm"}),
     OpClass.LOSS: frozenset({
         "_log_softmax", "log_softmax", "nll_loss", "nll_loss_forward", "nll_loss2d",
         "nll_loss2d_forward", "cross_entropy_loss", "mse_loss", "binary_cross_entropy",
-        "binary_cross_entropy_with_logits",
+        "binary_cross_entropy_with_logits", "vocab_parallel_ce_logits_max", "vocab_parallel_ce_predicted_logits",
+        "vocab_parallel_ce_loss", "vocab_parallel_ce_gradients",
     }),
     OpClass.OPTIMIZER: frozenset({"_fused_adam", "_fused_adamw", "_fused_sgd", "_fused_adagrad"}),
     OpClass.COPY: frozenset({
         "copy", "_to_copy", "clone", "cat", "stack", "_copy_from", "_copy_from_and_resize", "repeat",
-        "constant_pad_nd", "lift_fresh_copy",
+        "constant_pad_nd", "lift_fresh_copy", "cast_transpose", "fp8_transpose",
     }),
     OpClass.HOST_SYNC: HOST_SYNC_OPS,
     OpClass.NO_KERNEL: NO_KERNEL_OPS,

@@ -1,4 +1,5 @@
-"""``prepare()``: a traced graph laid out as kernel batches, once per graph, software stack and profile.
+"""``prepare()``: a traced graph laid out as kernel batches, once per graph, software stack (and FP8
+settings) and profile.
 
 Each block's ops are lowered onto the kernels of the software stack (:mod:`vtrain_plugin.cost.lowering`)
 and every block's phases are laid out as segments of one :class:`KernelBatch` per stage, with the
@@ -26,7 +27,7 @@ from vtrain_plugin.cost.kernel_model import KernelBatch
 from vtrain_plugin.cost.kernel_timer import measured_ns
 from vtrain_plugin.cost.lowering import map_nodes
 from vtrain_plugin.cost.runtime_collectives import RuntimeCollectives, runtime_collectives
-from vtrain_plugin.specs.training import SoftwareStack
+from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
 
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE, Phase.OPTIMIZER)
 _NO_KERNEL = OpNode(key=KernelKey(op="aten.empty.memory_format", input_shapes=(), dtypes=()), phase=Phase.FORWARD,
@@ -100,9 +101,10 @@ _ROLE_CACHE_SIZE = 256
 _roles: OrderedDict[tuple, PreparedRole] = OrderedDict()
 
 
-def prepare(graph: OpGraph, stack: SoftwareStack | str,
-            measured: Mapping[KernelKey, float] | None = None) -> PreparedGraph:
-    """Lay ``graph`` out for costing under ``stack``, with ``measured`` kernel durations (ns)."""
+def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[KernelKey, float] | None = None, *,
+            fp8: Fp8Settings | None = None) -> PreparedGraph:
+    """Lay ``graph`` out for costing under ``stack`` (GEMMs in FP8 with ``fp8``), with ``measured``
+    kernel durations (ns)."""
     stack = SoftwareStack(stack)
     pp = graph.parallel.pipeline_parallel
     last = graph.parallel.num_model_chunks - 1
@@ -112,10 +114,10 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str,
     runtimes: dict[tuple, RuntimeCollectives] = {}
     stages = []
     for stage in ordered:
-        role_key = (stack, tuple((id(b.nodes), b.count) for b in stage.blocks))
+        role_key = (stack, fp8, tuple((id(b.nodes), b.count) for b in stage.blocks))
         role = roles.get(role_key)
         if role is None:
-            role = roles[role_key] = _role(stage.blocks, stack, measured, role_key)
+            role = roles[role_key] = _role(stage.blocks, stack, fp8, measured, role_key)
         virtual = stage.chunk * pp + stage.pipeline_rank
         runtime_key = (role_key, tuple(b.num_parameters for b in stage.blocks), stage.word_embedding_parameters,
                        stage.activation_shape, stage.activation_dtype, virtual == 0, virtual == last)
@@ -128,13 +130,13 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str,
     return PreparedGraph(graph=graph, stack=stack, stages=tuple(stages), flops=flops)
 
 
-def _role(blocks: tuple[Block, ...], stack: SoftwareStack, measured: Mapping[KernelKey, float] | None,
-          key: tuple) -> PreparedRole:
+def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None,
+          measured: Mapping[KernelKey, float] | None, key: tuple) -> PreparedRole:
     if measured:
-        return _prepare_role(blocks, stack, measured)
+        return _prepare_role(blocks, stack, fp8, measured)
     role = _roles.get(key)
     if role is None:
-        role = _roles[key] = _prepare_role(blocks, stack, {})
+        role = _roles[key] = _prepare_role(blocks, stack, fp8, {})
         if len(_roles) > _ROLE_CACHE_SIZE:
             _roles.popitem(last=False)
     else:
@@ -142,14 +144,15 @@ def _role(blocks: tuple[Block, ...], stack: SoftwareStack, measured: Mapping[Ker
     return role
 
 
-def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, measured: Mapping[KernelKey, float]) -> PreparedRole:
+def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None,
+                  measured: Mapping[KernelKey, float]) -> PreparedRole:
     rows: list[OpNode | None] = []
     phases: list[Phase] = []
     tp_rows: list[tuple[int, CollectiveNode]] = []
     segments: list[Segment] = []
     for b, block in enumerate(blocks):
         by_phase: dict[Phase, list[OpNode | CollectiveNode]] = {p: [] for p in PHASES}
-        for node in map_nodes(block.nodes, stack):
+        for node in map_nodes(block.nodes, stack, fp8):
             if isinstance(node, OpNode):
                 if node.launches_kernel:
                     by_phase[node.phase].append(node)

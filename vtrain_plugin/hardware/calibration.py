@@ -59,6 +59,13 @@ Optional constants (a file may leave them out; then the neutral value below appl
 - ``network_efficiency`` in [0.7, 0.95], neutral 1.0: the fraction of a node's nominal network
   bandwidth NCCL reaches between nodes (protocol overhead, PCIe between GPU and NIC, congestion);
   nccl-tests on InfiniBand HDR / NDR report 70-95% of line rate for large all-reduce buses.
+- ``attention_efficiency`` in [0.3, 0.9], neutral 0 (fused attention then runs at ``gemm_efficiency``):
+  the fraction of dense tensor-core peak that a fused attention kernel (FlashAttention-2/3, cuDNN
+  fused attention; forward and backward, counted with the FLOPs the kernel really does: the causal
+  half, and the backward's recomputation of the scores) reaches on long sequences.
+  FlashAttention-2 reaches 50-73% of peak forward and 45-63% backward on A100 (Dao, 2023);
+  FlashAttention-3 and cuDNN 9 reach 60-75% forward and 45-60% backward in bf16 on H100 (Shah et
+  al., 2024); below 0.3 a calibration is fitting something other than attention throughput.
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ CONSTANT_RANGES: dict[str, tuple[float, float]] = {
     "collective_host_overhead_ns": (5000.0, 100000.0),
     "microbatch_overhead_ns": (100_000.0, 5_000_000.0),
     "network_efficiency": (0.7, 0.95),
+    "attention_efficiency": (0.3, 0.9),
 }
 # Constants a file may omit; missing ones take these neutral values ("not modelled"), exempt from the ranges.
 OPTIONAL_CONSTANTS: dict[str, float] = {
@@ -99,6 +107,7 @@ OPTIONAL_CONSTANTS: dict[str, float] = {
     "collective_host_overhead_ns": 0.0,
     "microbatch_overhead_ns": 0.0,
     "network_efficiency": 1.0,
+    "attention_efficiency": 0.0,
 }
 
 
@@ -116,6 +125,7 @@ class DeviceConstants:
     collective_host_overhead_ns: float = OPTIONAL_CONSTANTS["collective_host_overhead_ns"]
     microbatch_overhead_ns: float = OPTIONAL_CONSTANTS["microbatch_overhead_ns"]
     network_efficiency: float = OPTIONAL_CONSTANTS["network_efficiency"]
+    attention_efficiency: float = OPTIONAL_CONSTANTS["attention_efficiency"]
 
     def __post_init__(self) -> None:
         for name, (low, high) in CONSTANT_RANGES.items():

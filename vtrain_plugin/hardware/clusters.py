@@ -36,7 +36,7 @@ def cluster_preset_names() -> tuple[str, ...]:
 
 @lru_cache(maxsize=None)
 def get_cluster_preset(name: str) -> ClusterSpec:
-    """The preset called ``name`` (``dgx-a100``, ``dgx-h100``, ``dgx-h200``, ``local-cpu``)."""
+    """The preset called ``name`` (``dgx-a100``, ``dgx-h100``, ``dgx-h200``, ``dgx-b200``, ``local-cpu``)."""
     names = cluster_preset_names()
     if name not in names:
         raise ConfigError(f"unknown cluster preset {name!r}; valid presets are {', '.join(names)}")

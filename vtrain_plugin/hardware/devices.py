@@ -22,9 +22,10 @@ from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.dtypes import Dtype, canonical_dtype
 from vtrain_plugin.core.units import tflop_per_s_to_flop_per_ns
+from vtrain_plugin.specs.cluster import GpuArchitecture
 
 # Short names a config may use for a preset (vTrain's ``gpu_name``), matched case-insensitively.
-ALIASES = {"a100": "a100-sxm4-80gb", "h100": "h100-sxm", "h200": "h200-sxm"}
+ALIASES = {"a100": "a100-sxm4-80gb", "h100": "h100-sxm", "h200": "h200-sxm", "b200": "b200-sxm"}
 
 _MEMORY_TOKEN = re.compile(r"^\d+gb$")
 _NOT_SXM = ("pcie", "nvl")
@@ -40,6 +41,7 @@ class DeviceSpec:
     name: str
     description: str = ""
     reference: str = ""  # where the spec-sheet numbers come from
+    architecture: GpuArchitecture  # the generation: picks the default software stack
     peak_fp16_tflop_per_s: float  # dense tensor-core rates
     peak_bf16_tflop_per_s: float
     peak_tf32_tflop_per_s: float  # fp32 matmuls on tensor cores (TF32)
@@ -57,6 +59,8 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
+        object.__setattr__(self, "architecture", GpuArchitecture(v.one_of(
+            f"{where} architecture", str(self.architecture), [a.value for a in GpuArchitecture])))
         v.positive_int(f"{where} sm_count", self.sm_count)
         for name in _POSITIVE_FIELDS:
             value = getattr(self, name)
@@ -65,6 +69,18 @@ class DeviceSpec:
         v.boolean(f"{where} host_runs_kernels", self.host_runs_kernels)
         if not isinstance(self.default_cluster, str) or not self.default_cluster:
             raise ConfigError(f"{where} default_cluster must be a cluster preset name, got {self.default_cluster!r}")
+
+    @property
+    def has_fp8(self) -> bool:
+        """Whether the device has fp8 tensor cores (Hopper and later)."""
+        return self.peak_fp8_tflop_per_s is not None
+
+    def require_fp8(self, field: str, value: str) -> None:
+        """Raise the one-line error of an fp8 setting (``field`` = ``value``) on a device without fp8."""
+        if not self.has_fp8:
+            with_fp8 = ", ".join(n for n in known_devices() if _load(n).has_fp8)
+            raise ConfigError(f"{field} {value!r} needs fp8 tensor cores; {self.name} ({self.architecture.value}) "
+                              f"has none (these have: {with_fp8})")
 
     @property
     def hbm_bytes_per_ns(self) -> float:
@@ -101,14 +117,16 @@ class DeviceSpec:
         return tflop_per_s_to_flop_per_ns(rate)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["architecture"] = self.architecture.value
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, *, where: str) -> DeviceSpec:
         d = v.mapping(where, d)
         names = [f.name for f in fields(cls)]
         v.no_unknown_keys(where, d, names)
-        required = {"name", "sm_count", "default_cluster", *_POSITIVE_FIELDS} - {"peak_fp8_tflop_per_s"}
+        required = {"name", "architecture", "sm_count", "default_cluster", *_POSITIVE_FIELDS} - {"peak_fp8_tflop_per_s"}
         missing = sorted(required - set(d))
         if missing:
             raise ConfigError(f"{where}: missing key {missing[0]!r}")

@@ -25,7 +25,7 @@ from vtrain_plugin.specs.model import ModelSpec
 Row = dict[str, Any]
 
 PLAN_COLUMNS = ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "virtual_pipeline",
-                "sequence_parallel", "recompute", "grad_reduce", "schedule")
+                "sequence_parallel", "recompute", "grad_reduce", "schedule", "software_stack", "fp8")
 ESTIMATE_COLUMNS = ("num_gpus", "num_microbatches", "iteration_time_ms", "tokens_per_second", "tflops_per_gpu",
                     "mfu", "peak_memory_gib", "fits_in_memory", "cost_usd", "gpu_hours")
 TRAIN_COLUMNS = ("iterations", "train_days", "train_cost_usd")  # with TrainingSpec.total_tokens
@@ -59,6 +59,8 @@ def plan_row(candidate: Candidate, est: Estimate) -> Row:
         "recompute": plan.recompute.value,
         "grad_reduce": training.grad_reduce.value,
         "schedule": training.schedule.value,
+        "software_stack": est.software_stack,  # the one the plan ran: given, or its default
+        "fp8": est.fp8,
         "num_gpus": est.num_gpus,
         "num_microbatches": est.num_microbatches,
         "iteration_time_ms": est.iteration_time_ms,

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.planning.backends import BACKENDS, run_batches
 from vtrain_plugin.planning.evaluate import (ESTIMATE_COLUMNS, PLAN_COLUMNS, TRAIN_COLUMNS, evaluate, make_batches,
                                             plan_row)
@@ -82,7 +83,7 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     training on that many tokens.
 
     Columns: the plan (``tensor_parallel, pipeline_parallel, data_parallel, micro_batch_size,
-    virtual_pipeline, sequence_parallel, recompute, grad_reduce, schedule``), its estimate
+    virtual_pipeline, sequence_parallel, recompute, grad_reduce, schedule, software_stack, fp8``), its estimate
     (``num_gpus, num_microbatches, iteration_time_ms, tokens_per_second, tflops_per_gpu, mfu,
     peak_memory_gib, fits_in_memory, cost_usd`` (NaN without a price), ``gpu_hours`` per
     iteration), then ``train_days, train_cost_usd`` with ``tokens``, ``pareto`` and ``rank``.
@@ -101,7 +102,11 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     if tokens is not None:
         base = replace(base, total_tokens=v.positive_number("tokens", tokens))
     tokens = base.total_tokens
-    enumeration = enumerate_plans(model, space or SearchSpace(), global_batch_size=global_batch_size,
+    space = space or SearchSpace()
+    fp8 = next((f for f in (space.fp8 if space.fp8 is not None else (base.fp8,)) if f is not None), None)
+    if fp8 is not None:
+        get_device(cluster.gpu).require_fp8("fp8", fp8.value)
+    enumeration = enumerate_plans(model, space, global_batch_size=global_batch_size,
                                   budget=GpuBudget.of(gpus), training=base, gpus_per_node=cluster.gpus_per_node)
     candidates = enumeration.candidates
     batches = make_batches(model, cluster, candidates)

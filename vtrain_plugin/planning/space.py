@@ -14,6 +14,9 @@ virtual_pipeline   1, plus every divisor v > 1 of layers / PP when PP > 1 (inter
 sequence_parallel  off, plus on when TP > 1 and TP divides seq_length
 recompute          none, selective, full
 grad_reduce        after_backward, overlap
+software_stack     the base training spec's (none given: each plan's default, TrainingSpec.stack_for)
+fp8                the base training spec's (off unless the plan file sets training.fp8); ``off``,
+                   ``hybrid`` and ``e4m3`` can be pinned, FP8 only with megatron_core_te
 =================  ==================================================================================
 
 Each combination of values is checked against :data:`RULES`, in that order (the axes' rules, axis
@@ -24,7 +27,7 @@ once: its range depends on the values before it). An unpinned axis whose default
 for the values before it (no DP size puts the GPU count in the budget; DP does not divide the
 global batch, so no micro-batch size does) counts that prefix under the axis's first rule.
 
-Adding an axis (context or expert parallelism, fp8, the distributed optimizer) is one entry in
+Adding an axis (context or expert parallelism, the distributed optimizer) is one entry in
 :data:`AXES` and one field of :class:`SearchSpace`, named like the :class:`ParallelPlan` or
 :class:`TrainingSpec` field it sets.
 """
@@ -39,75 +42,10 @@ from typing import Any
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.planning.budget import GpuBudget
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import LAYOUT_RULES, ParallelPlan, Recompute
-from vtrain_plugin.specs.training import GradReduce, ScheduleKind, TrainingSpec
-
-_BUDGET_FORMS = "a GPU count (3360), a range LOW:HIGH (1024:4096) or a list (2240,2800,3360)"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GpuBudget:
-    """How many GPUs a plan may use: one of ``counts``, or any number in ``[low, high]``."""
-
-    counts: tuple[int, ...] = ()
-    low: int | None = None
-    high: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.counts:
-            if self.low is not None or self.high is not None:
-                raise ConfigError("gpus: give counts or a range low:high, not both")
-            object.__setattr__(self, "counts", tuple(sorted({v.positive_int("gpus", n) for n in self.counts})))
-            return
-        if self.low is None or self.high is None:
-            raise ConfigError(f"gpus: give {_BUDGET_FORMS}")
-        v.positive_int("gpus", self.low)
-        v.positive_int("gpus", self.high)
-        if self.low > self.high:
-            raise ConfigError(f"gpus: the range {self.low}:{self.high} is empty (low > high)")
-
-    @classmethod
-    def parse(cls, text: str, *, where: str = "gpus") -> GpuBudget:
-        """``"3360"``, ``"1024:4096"`` or ``"2240,2800,3360"``; errors name ``where``."""
-        text = text.strip()
-        try:
-            if ":" in text:
-                low, high = (int(part) for part in text.split(":"))
-                parsed = {"low": low, "high": high}
-            else:
-                parsed = {"counts": tuple(int(part) for part in text.split(","))}
-        except ValueError:
-            raise ConfigError(f"{where}: {text!r} is not {_BUDGET_FORMS}") from None
-        try:
-            return cls(**parsed)
-        except ConfigError as exc:
-            raise ConfigError(where + str(exc).removeprefix("gpus")) from None
-
-    @classmethod
-    def of(cls, value: GpuBudget | int | str | Iterable[int]) -> GpuBudget:
-        if isinstance(value, GpuBudget):
-            return value
-        if isinstance(value, str):
-            return cls.parse(value)
-        if isinstance(value, int):
-            return cls(counts=(value,))
-        return cls(counts=tuple(value))
-
-    def __contains__(self, num_gpus: int) -> bool:
-        if self.counts:
-            return num_gpus in self.counts
-        return self.low <= num_gpus <= self.high
-
-    def data_parallel_sizes(self, model_parallel: int) -> tuple[int, ...]:
-        """Every DP size whose ``model_parallel x DP`` GPUs lie in the budget, ascending."""
-        if self.counts:
-            return tuple(n // model_parallel for n in self.counts if n % model_parallel == 0)
-        return tuple(range(-(-self.low // model_parallel), self.high // model_parallel + 1))
-
-    def __str__(self) -> str:
-        return ",".join(map(str, self.counts)) if self.counts else f"{self.low}:{self.high}"
-
+from vtrain_plugin.specs.training import Fp8Format, GradReduce, ScheduleKind, SoftwareStack, TrainingSpec
 
 # ---------------------------------------------------------------------------------------------
 # Values of an axis
@@ -145,8 +83,15 @@ def _choice(enum: type[StrEnum]) -> ValueKind:
     return ValueKind(f"one of {', '.join(e.value for e in enum)}", lambda value: enum(str(value).strip()))
 
 
+def _fp8(value: Any) -> Fp8Format | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() == "off"):
+        return None
+    return Fp8Format(str(value).strip())
+
+
 POSITIVE_INT = ValueKind("a positive integer", _positive_int)
 SWITCH = ValueKind("on or off", _switch)
+FP8 = ValueKind(f"off or one of {', '.join(f.value for f in Fp8Format)}", _fp8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,6 +104,7 @@ class _Context:
     global_batch_size: int
     budget: GpuBudget
     max_tp: int
+    training: TrainingSpec  # the base of each plan's training spec
 
 
 Prefix = Mapping[str, Any]  # axis name -> value, for the axes chosen so far
@@ -197,6 +143,7 @@ class Axis:
     kind: ValueKind
     default: Callable[[_Context, Prefix], tuple[Any, ...]]  # the range when unpinned
     rules: tuple[Rule, ...] = ()  # checked, in order, once this axis has its value
+    default_label: str = "every valid one"  # what ``default`` gives, for help texts
 
     def values(self, raw: Iterable[Any], *, where: str) -> tuple[Any, ...]:
         """Pinned values (or their texts), converted, duplicates dropped; errors name ``where``."""
@@ -268,6 +215,14 @@ AXES: tuple[Axis, ...] = (
          lambda ctx, c: tuple(Recompute)),
     Axis("grad_reduce", "grad_reduce", "data-parallel gradient reduction: after_backward, overlap",
          _choice(GradReduce), lambda ctx, c: tuple(GradReduce)),
+    Axis("software_stack", "stack", "software stacks: " + ", ".join(s.value for s in SoftwareStack),
+         _choice(SoftwareStack), lambda ctx, c: (ctx.training.software_stack,),
+         default_label="each plan's default stack unless the plan file names one"),
+    Axis("fp8", "fp8", "FP8 GEMMs: off, " + ", ".join(f.value for f in Fp8Format), FP8,
+         lambda ctx, c: (ctx.training.fp8,),
+         (Rule("fp8 needs megatron_core_te", lambda ctx, c: c["fp8"] is not None
+               and c["software_stack"] not in (None, SoftwareStack.MEGATRON_CORE_TE)),),
+         default_label="off unless the plan file sets training.fp8"),
 )
 RULES: tuple[str, ...] = tuple(rule.name for axis in AXES for rule in axis.rules)
 
@@ -288,6 +243,8 @@ class SearchSpace:
     sequence_parallel: tuple[bool, ...] | None = None
     recompute: tuple[Recompute, ...] | None = None
     grad_reduce: tuple[GradReduce, ...] | None = None
+    software_stack: tuple[SoftwareStack, ...] | None = None
+    fp8: tuple[Fp8Format | None, ...] | None = None
     max_tp: int | None = None  # largest TP tried; None: the cluster's GPUs per node
 
     def __post_init__(self) -> None:
@@ -337,7 +294,7 @@ def enumerate_plans(model: ModelSpec, space: SearchSpace, *, global_batch_size: 
     (1F1B when that is the interleaved one). Raises ConfigError when no plan is valid."""
     v.positive_int("global_batch_size", global_batch_size)
     ctx = _Context(model=model, global_batch_size=global_batch_size, budget=budget,
-                   max_tp=space.max_tp if space.max_tp is not None else gpus_per_node)
+                   max_tp=space.max_tp if space.max_tp is not None else gpus_per_node, training=training)
     pinned = [getattr(space, axis.name) for axis in AXES]
     later_pinned = [math.prod(len(p) for p in pinned[i + 1:] if p is not None) for i in range(len(AXES))]
     skipped = dict.fromkeys(RULES, 0)

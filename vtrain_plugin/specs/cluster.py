@@ -10,11 +10,22 @@ follows from the plan's world size. Named clusters (DGX A100, ...) are data file
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import NS_PER_US, gbps_to_bytes_per_ns, gbytes_per_s_to_bytes_per_ns
+
+
+class GpuArchitecture(StrEnum):
+    """The generation of a device (a spec-sheet fact, ``DeviceSpec.architecture``): which software a
+    plan runs by default depends on it (``TrainingSpec.stack_for``)."""
+
+    CPU = "cpu"  # the local CPU as a training device (validation)
+    AMPERE = "ampere"  # A100
+    HOPPER = "hopper"  # H100, H200
+    BLACKWELL = "blackwell"  # B200
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

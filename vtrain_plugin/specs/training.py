@@ -1,5 +1,5 @@
-"""How the iteration is run: global batch, pipeline schedule, data-parallel gradient reduction, and
-how many tokens the whole training run consumes."""
+"""How the iteration is run: global batch, pipeline schedule, data-parallel gradient reduction, the
+software and precision the kernels run in, and how many tokens the whole training run consumes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import MEGABYTE
+from vtrain_plugin.specs.cluster import GpuArchitecture
 from vtrain_plugin.specs.model import Family, ModelSpec
 
 
@@ -26,6 +27,29 @@ class SoftwareStack(StrEnum):
 
     LOCAL_SPEC = "local_spec"  # megatron-core's local layer spec as traced (identity)
     MEGATRON_DEEPSPEED_2023 = "megatron_deepspeed_2023"  # fused softmax/GeLU/dropout-add, apex LN and Adam
+    MEGATRON_CORE_TE = "megatron_core_te"  # Megatron-Core + TransformerEngine: fused attention, norm, RoPE, CE, Adam
+
+
+class Fp8Format(StrEnum):
+    """TransformerEngine's FP8 formats: which tensors its GEMMs read in which 1-byte format."""
+
+    HYBRID = "hybrid"  # E4M3 activations and weights, E5M2 gradients (TE Format.HYBRID)
+    E4M3 = "e4m3"  # E4M3 everywhere
+
+
+class Fp8Recipe(StrEnum):
+    """How TransformerEngine scales a tensor into FP8."""
+
+    DELAYED = "delayed"  # from the amax history of earlier steps, amax taken inside the cast kernels
+    TENSORWISE = "tensorwise"  # current scaling: each tensor's amax computed just before its cast
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fp8Settings:
+    """FP8 GEMMs of a run (``TrainingSpec.fp8_settings``): the format and the scaling recipe."""
+
+    format: Fp8Format
+    recipe: Fp8Recipe = Fp8Recipe.DELAYED
 
 
 class GradReduce(StrEnum):
@@ -45,6 +69,10 @@ class TrainingSpec:
     # The kernels the training software runs for the traced ops (vtrain_plugin.cost.lowering);
     # None: the plan's default, see stack_for.
     software_stack: SoftwareStack | None = None
+    # FP8 GEMMs (TransformerEngine, megatron_core_te only; weights stay in the model dtype with fp32
+    # main weights); None: GEMMs in the model dtype.
+    fp8: Fp8Format | None = None
+    fp8_recipe: Fp8Recipe = Fp8Recipe.DELAYED
     # Tokens of the whole training run (a float: counts such as 270e9 are written that way);
     # None: the estimate covers one iteration only.
     total_tokens: float | None = None
@@ -59,6 +87,14 @@ class TrainingSpec:
         if self.software_stack is not None:
             object.__setattr__(self, "software_stack", SoftwareStack(
                 v.one_of("training.software_stack", str(self.software_stack), [s.value for s in SoftwareStack])))
+        if self.fp8 is not None:
+            object.__setattr__(self, "fp8", Fp8Format(
+                v.one_of("training.fp8", str(self.fp8), [f.value for f in Fp8Format])))
+            if self.software_stack not in (None, SoftwareStack.MEGATRON_CORE_TE):
+                raise ConfigError(f"training.fp8 {self.fp8.value!r} needs training.software_stack "
+                                  f"megatron_core_te (got {self.software_stack.value})")
+        object.__setattr__(self, "fp8_recipe", Fp8Recipe(
+            v.one_of("training.fp8_recipe", str(self.fp8_recipe), [r.value for r in Fp8Recipe])))
         if self.total_tokens is not None:
             object.__setattr__(self, "total_tokens",
                                v.positive_finite_number("training.total_tokens", self.total_tokens))
@@ -84,26 +120,46 @@ class TrainingSpec:
             return None
         return math.ceil(self.total_tokens / (self.global_batch_size * seq_length))
 
-    def stack_for(self, model: ModelSpec | None) -> SoftwareStack:
-        """The software stack of this run: the one given, else the plan's default
-        (:func:`default_software_stack`), the same for the Python API, the CLI and a search."""
-        return self.software_stack or default_software_stack(model)
+    @property
+    def fp8_settings(self) -> Fp8Settings | None:
+        return None if self.fp8 is None else Fp8Settings(format=self.fp8, recipe=self.fp8_recipe)
+
+    def stack_for(self, model: ModelSpec | None, architecture: GpuArchitecture | str) -> SoftwareStack:
+        """The software stack of this run on a GPU of ``architecture``: the one given, else the
+        plan's default (:func:`default_software_stack`; FP8 runs megatron_core_te), the same for
+        the Python API, the CLI and a search."""
+        if self.software_stack is not None:
+            return self.software_stack
+        if self.fp8 is not None:
+            return SoftwareStack.MEGATRON_CORE_TE
+        return default_software_stack(model, architecture)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["schedule"] = self.schedule.value
         d["grad_reduce"] = self.grad_reduce.value
         d["software_stack"] = None if self.software_stack is None else self.software_stack.value
+        d["fp8"] = None if self.fp8 is None else self.fp8.value
+        d["fp8_recipe"] = self.fp8_recipe.value
         return d
 
 
-def default_software_stack(model: ModelSpec | None) -> SoftwareStack:
-    """An fp16 GPT runs the fused kernels of Megatron-DeepSpeed (2023), the software of the vTrain
-    paper's A100 runs that the A100 constants are calibrated on; a bf16/fp32 or Llama model, or a
-    plain module, runs megatron-core's local layer spec as traced."""
-    if model is not None and model.family is Family.GPT and model.dtype is Dtype.FP16:
+def default_software_stack(model: ModelSpec | None, architecture: GpuArchitecture | str) -> SoftwareStack:
+    """What people run for this model on this GPU generation:
+
+    - an fp16 GPT on an Ampere GPU (A100): Megatron-DeepSpeed (2023), the software of the vTrain
+      paper's A100 runs that the A100 constants are calibrated on;
+    - on the CPU (``vtrain validate``), or for a plain module: megatron-core's local layer spec as
+      traced, which is what the real training step runs there;
+    - everything else (Llama families anywhere, bf16/fp32 GPTs, any model on Hopper or Blackwell):
+      Megatron-Core with TransformerEngine.
+    """
+    architecture = GpuArchitecture(architecture)
+    if model is None or architecture is GpuArchitecture.CPU:
+        return SoftwareStack.LOCAL_SPEC
+    if model.family is Family.GPT and model.dtype is Dtype.FP16 and architecture is GpuArchitecture.AMPERE:
         return SoftwareStack.MEGATRON_DEEPSPEED_2023
-    return SoftwareStack.LOCAL_SPEC
+    return SoftwareStack.MEGATRON_CORE_TE
 
 
 ADAM_MOMENTS_BYTES = 8  # two fp32 moments per parameter

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from vtrain_plugin.capture import disk_cache
 from vtrain_plugin.core.files import atomic_write_text
 from vtrain_plugin.hardware.calibration import calibration_for
+from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.planning.cluster.cluster_config import ClusterConfig
 from vtrain_plugin.planning.cluster.curves import CurveSpace, ThroughputCurve, compute_curve
 from vtrain_plugin.planning.cluster.jobs import Job
@@ -100,7 +101,8 @@ class CurveCache:
 def curve_inputs(model: ModelSpec, global_batch_size: int, cluster: ClusterConfig,
                  space: CurveSpace) -> dict[str, Any]:
     """Everything a curve depends on, as JSON-ready data (the cache key is its hash)."""
-    stack = TrainingSpec(global_batch_size=global_batch_size).stack_for(model)
+    architecture = get_device(cluster.spec.gpu).architecture
+    stack = TrainingSpec(global_batch_size=global_batch_size).stack_for(model, architecture)
     node = {k: val for k, val in cluster.spec.to_dict().items() if k not in ("name", "price_per_gpu_hour_usd")}
     return {"format": CURVE_FORMAT, "vtrain": _version(), "model": replace(model, name="").to_dict(),
             "global_batch_size": global_batch_size, "node": node,

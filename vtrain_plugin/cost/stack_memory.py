@@ -1,0 +1,40 @@
+"""What the software stack changes in the memory the trace measured (:mod:`vtrain_plugin.cost.memory`).
+
+The trace records megatron-core's local spec; a stack with fused attention (``megatron_core_te``)
+keeps no score-sized tensors for backward (:func:`~vtrain_plugin.cost.lowering_te.fused_attention_saved_delta`:
+one layer's activations go from quadratic to linear in the sequence length), and TransformerEngine
+in FP8 keeps an FP8 copy of each linear weight and its transpose across the micro-batches of an
+iteration (:func:`~vtrain_plugin.cost.lowering_fp8.fp8_weight_cache_nbytes`), counted with the
+weights. Activations saved in FP8 by TE's linears are still counted in the model dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from vtrain_plugin.core.graph import OpGraph
+from vtrain_plugin.core.units import GIB
+from vtrain_plugin.cost.lowering_fp8 import fp8_weight_cache_nbytes
+from vtrain_plugin.cost.lowering_te import fused_attention_saved_delta
+from vtrain_plugin.cost.memory import RankMemory, rank_memory
+from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
+
+
+def stack_rank_memory(graph: OpGraph, inflight: Sequence[int], stack: SoftwareStack,
+                      fp8: Fp8Settings | None = None) -> tuple[RankMemory, ...]:
+    """:func:`~vtrain_plugin.cost.memory.rank_memory` of ``graph`` as ``stack`` (in FP8 with
+    ``fp8``) runs it."""
+    if stack is SoftwareStack.MEGATRON_CORE_TE:
+        graph = replace(graph, stages=tuple(
+            replace(stage, blocks=tuple(
+                replace(block, activation_nbytes=block.activation_nbytes + fused_attention_saved_delta(block.nodes))
+                for block in stage.blocks))
+            for stage in graph.stages))
+    memory = rank_memory(graph, inflight)
+    if fp8 is None:
+        return memory
+    cache = [0] * graph.parallel.pipeline_parallel
+    for stage in graph.stages:
+        cache[stage.pipeline_rank] += sum(b.count * fp8_weight_cache_nbytes(b.nodes) for b in stage.blocks)
+    return tuple(replace(m, weights_gib=m.weights_gib + cache[rank] / GIB) for rank, m in enumerate(memory))
