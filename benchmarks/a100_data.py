@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,7 +136,7 @@ def prepare_runs(runs: Sequence[MeasuredRun]) -> list[PreparedRun]:
         run = m.run
         graph = trace(run.model, run.parallel)
         out.append(PreparedRun(measured=m, run=run, prepared=prepare(graph, run.training.stack_for(
-            run.model, get_device(run.cluster.gpu).architecture))))
+            run.model, get_device(run.cluster.gpu).architecture), fp8=run.training.fp8_settings)))
     return out
 
 
@@ -174,24 +174,27 @@ START = DeviceConstants(gemm_efficiency=0.8, hbm_efficiency=0.8, kernel_overhead
                         layer_host_overhead_ns=100_000.0, collective_host_overhead_ns=20000.0, microbatch_overhead_ns=500_000.0, network_efficiency=0.85)
 
 
-def _to_unit(name: str, value: float) -> float:
-    low, high, log = FITTED[name]
+def _to_unit(name: str, value: float, fitted: Mapping[str, tuple[float, float, bool]]) -> float:
+    low, high, log = fitted[name]
     value = min(max(value, low), high)
     return (math.log(value / low) / math.log(high / low)) if log else (value - low) / (high - low)
 
 
-def _from_unit(name: str, u: float) -> float:
-    low, high, log = FITTED[name]
+def _from_unit(name: str, u: float, fitted: Mapping[str, tuple[float, float, bool]]) -> float:
+    low, high, log = fitted[name]
     u = min(max(u, 0.0), 1.0)
-    return low * (high / low) ** u if log else low + u * (high - low)
+    value = low * (high / low) ** u if log else low + u * (high - low)
+    return min(max(value, low), high)  # exactly inside the range despite rounding
 
 
-def constants_from_unit(base: DeviceConstants, u: np.ndarray) -> DeviceConstants:
+def constants_from_unit(base: DeviceConstants, u: np.ndarray,
+                        fitted: Mapping[str, tuple[float, float, bool]] = FITTED) -> DeviceConstants:
     """Constants at unit-cube point ``u``. Backward kernels get the forward per-kernel host cost:
     dispatch and launch cost the same from autograd's engine (the Python of both directions is the
     per-module cost), and a separate constant is not identifiable from iteration times."""
-    values = {name: _from_unit(name, float(x)) for name, x in zip(FITTED, u)}
-    values["backward_host_overhead_ns"] = values["host_overhead_ns"]
+    values = {name: _from_unit(name, float(x), fitted) for name, x in zip(fitted, u)}
+    if "host_overhead_ns" in values:
+        values["backward_host_overhead_ns"] = values["host_overhead_ns"]
     return DeviceConstants(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **values})
 
 
@@ -201,6 +204,7 @@ def log_error(predicted: np.ndarray, measured: np.ndarray) -> float:
 
 
 def fit(prepared: Sequence[PreparedRun], base: DeviceConstants, *, max_evals: int = 1500,
+        fitted: Mapping[str, tuple[float, float, bool]] = FITTED,
         log: Callable[[str], None] = lambda s: None) -> tuple[DeviceConstants, float]:
     """Nelder-Mead on the unit cube of :data:`FITTED` (restarted from the best point until it stalls).
 
@@ -211,11 +215,11 @@ def fit(prepared: Sequence[PreparedRun], base: DeviceConstants, *, max_evals: in
     multi = np.array([p.measured.source == "multi" for p in prepared])
 
     def cost(u: np.ndarray) -> float:
-        predicted = predict_all(prepared, constants_from_unit(base, u))
+        predicted = predict_all(prepared, constants_from_unit(base, u, fitted))
         parts = [log_error(predicted[mask], measured[mask]) for mask in (~multi, multi) if mask.any()]
         return float(np.mean(parts))
 
-    x0 = np.array([_to_unit(name, getattr(base, name)) for name in FITTED])
+    x0 = np.array([_to_unit(name, getattr(base, name), fitted) for name in fitted])
     best_x, best_f = x0, cost(x0)
     evals = 1
     step = 0.25
@@ -227,7 +231,7 @@ def fit(prepared: Sequence[PreparedRun], base: DeviceConstants, *, max_evals: in
             best_x, best_f = x, f
         log(f"  restart: error {best_f:.5f} after {evals} evaluations (step {step:.3f})")
         step = step if improved else step / 2
-    return constants_from_unit(base, best_x), best_f
+    return constants_from_unit(base, best_x, fitted), best_f
 
 
 def _nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float, budget: int,

@@ -74,14 +74,25 @@ def test_b200_spec_sheet_numbers_and_its_node():
     assert node.intra_node_bandwidth_gbytes_per_s == 900 and node.inter_node_bandwidth_gbps == 8 * 400
 
 
-@pytest.mark.parametrize("name, attention", [("a100-sxm4-40gb", 0.6), ("a100-sxm4-80gb", 0.6), ("h100-sxm", 0.55),
+@pytest.mark.parametrize("name, attention", [("a100-sxm4-40gb", 0.6), ("a100-sxm4-80gb", 0.6),
                                              ("h200-sxm", 0.55), ("b200-sxm", 0.5)])
-def test_te_stack_calibrations_state_an_attention_efficiency_and_their_source(name, attention):
+def test_te_stack_defaults_state_an_attention_efficiency_and_their_source(name, attention):
     te = calibration_for(name, "megatron_core_te")
     assert te.software_stack == "megatron_core_te" and te.path.endswith(f"{name}/megatron_core_te.json")
     assert te.constants.attention_efficiency == attention and "attention_efficiency" in te.source
     default = calibration_for(name, "default").constants
     assert dataclasses.replace(te.constants, attention_efficiency=0.0) == default  # the rest: the defaults
+
+
+def test_h100_te_stack_is_fitted_on_the_published_runs_with_the_a100_software_constants():
+    """At most three H100-specific constants are fitted; host costs transfer from the A100 fit."""
+    h100 = calibration_for("h100-sxm", "megatron_core_te")
+    a100 = calibration_for("a100-sxm4-80gb", "megatron_deepspeed_2023").constants
+    assert "h100_published_calibration.csv" in h100.source and h100.command.endswith("h100-sxm megatron_core_te")
+    software = ("kernel_overhead_ns", "host_overhead_ns", "backward_host_overhead_ns", "module_host_overhead_ns",
+                "layer_host_overhead_ns", "collective_host_overhead_ns", "microbatch_overhead_ns", "network_efficiency")
+    for name in software:
+        assert getattr(h100.constants, name) == pytest.approx(getattr(a100, name), rel=1e-6), name
 
 
 def test_fp8_needs_fp8_tensor_cores():
