@@ -216,3 +216,30 @@ def test_tracing_leaves_the_process_excepthook_alone():
     trace(ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128),
           ParallelPlan(tensor_parallel=2))
     assert sys.excepthook is before
+
+
+def test_uneven_split_traces_each_chunk_with_its_own_layers_and_estimates():
+    """6 layers + embedding + loss = 8 slots over PP 4 x VP 2: the first virtual stage holds the
+    embedding alone and the last the loss alone (Megatron-Core builds them with no layer)."""
+    from vtrain_plugin.estimate import estimate
+    from vtrain_plugin.hardware.clusters import get_cluster_preset
+    from vtrain_plugin.specs.training import TrainingSpec
+
+    model = ModelSpec(family="llama", num_layers=6, hidden_size=256, num_attention_heads=4, seq_length=128,
+                      vocab_size=1024, dtype="bf16")
+    plan = ParallelPlan(pipeline_parallel=4, virtual_pipeline=2, account_for_embedding_in_pipeline_split=True,
+                        account_for_loss_in_pipeline_split=True)
+    graph = trace(model, plan)
+    layers = {(s.pipeline_rank, s.chunk): s.num_layers for s in graph.stages}
+    assert layers == {(r, c): 0 if (r, c) in ((0, 0), (3, 1)) else 1 for r in range(4) for c in range(2)}
+    first, last = graph.stage(0, 0), graph.stage(3, 1)
+    assert first.has_embedding and not first.has_head and first.layer_template() is None
+    assert last.has_head and not last.has_embedding and last.layer_template() is None
+    per_layer = graph.stage(1, 0).num_parameters
+    assert graph.stage(0, 1).num_parameters == per_layer
+    est = estimate(graph, cluster=get_cluster_preset("dgx-h100"),
+                   training=TrainingSpec(global_batch_size=8, schedule="interleaved_1f1b"))
+    assert len(est.stage_breakdown_ms) == 4 and est.iteration_time_ms > 0
+    for rank, memory in enumerate(est.memory_gib):  # 2 bytes per bf16 weight of the rank's two chunks
+        params = graph.stage(rank, 0).num_parameters + graph.stage(rank, 1).num_parameters
+        assert memory.weights_gib * 2**30 == 2 * params

@@ -96,7 +96,8 @@ def _signature(block: Block) -> tuple:
 def fold_layers(blocks: Sequence[Block], total_layers: int) -> list[Block]:
     """Fold identical consecutive layer blocks into the first, and scale to ``total_layers``.
 
-    ``blocks`` holds the traced layers (a prefix of the chunk's layers, all built from one spec);
+    ``blocks`` holds the traced layers (a prefix of the chunk's layers, all built from one spec, or
+    one layer when ``total_layers`` is 0: then no layer block is kept);
     the folded template's count becomes ``total_layers``. If the traced layers are not identical
     they are kept apart and the last one stands for the untraced rest.
     """
@@ -113,6 +114,8 @@ def fold_layers(blocks: Sequence[Block], total_layers: int) -> list[Block]:
             groups.append([b])
     folded = [replace(g[0], count=len(g)) for g in groups]
     folded[-1] = replace(folded[-1], count=folded[-1].count + total_layers - len(layers))
+    if total_layers == 0:  # a chunk of the embedding or the loss alone, traced with one layer
+        folded = []
     return others_before + folded + others_after
 
 
