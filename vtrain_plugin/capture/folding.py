@@ -61,19 +61,12 @@ def split_blocks(nodes: Sequence[Node], saved_nbytes: Mapping[str, int] | None =
 
 
 def _activation_by_block(nodes: Sequence[Node], saved_nbytes: Mapping[str, int]) -> dict[tuple[BlockKind, str], int]:
-    """Sum saved activation bytes per block. Bytes saved by the container of the layers (activation
-    checkpointing saves each layer's inputs from there, e.g. ``decoder``) are spread evenly over
-    the layers, since each checkpointed layer keeps its own inputs."""
-    layers = sorted({block_of(n.module) for n in nodes if block_of(n.module)[0] is BlockKind.LAYER})
+    """Sum saved activation bytes per block (the recorder has attributed the saves of activation
+    checkpointing to the layers whose inputs they are)."""
     activation: dict[tuple[BlockKind, str], int] = {}
     for module, nbytes in saved_nbytes.items():
         where = block_of(module)
-        owned = [w for w in layers if module and w[1].startswith(module + ".")]
-        if where[0] is BlockKind.STAGE and owned:
-            for w in owned:
-                activation[w] = activation.get(w, 0) + nbytes // len(owned)
-        else:
-            activation[where] = activation.get(where, 0) + nbytes
+        activation[where] = activation.get(where, 0) + nbytes
     return activation
 
 

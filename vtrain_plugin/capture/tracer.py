@@ -43,7 +43,7 @@ class _ChunkTrace:
     """What one traced chunk role yields; independent of PP, DP and the chunk's layer count."""
 
     blocks: tuple[Block, ...]  # layers not yet folded
-    params_by_block: dict[str, int]  # parameter count per block name (per layer for layers)
+    params_by_block: dict[str, tuple[int, ...]]  # each parameter's elements per block name (per layer)
     word_embedding_params: int  # of the (possibly shared) word embedding / output weight here
     activation_shape: tuple[int, ...]
     activation_dtype: str
@@ -204,16 +204,18 @@ def _trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bu
                        activation_dtype=Dtype(model.dtype).torch_name)
 
 
-def _parameter_counts(module: torch.nn.Module) -> tuple[dict[str, int], int]:
-    counts: dict[str, int] = {}
+def _parameter_counts(module: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]], int]:
+    """Elements of each parameter per block (per layer for layers), in ``named_parameters`` order,
+    and of the word embedding / output weight."""
+    numels: dict[str, list[int]] = {}
     word_embedding = 0
     for name, p in module.named_parameters():
         owner = name.rsplit(".", 1)[0]
         _, block = folding.block_of(owner)
-        counts[block] = counts.get(block, 0) + p.numel()
+        numels.setdefault(block, []).append(p.numel())
         if owner in TIED_WEIGHT_OWNERS:
             word_embedding = p.numel()
-    return counts, word_embedding
+    return {block: tuple(sizes) for block, sizes in numels.items()}, word_embedding
 
 
 def _assemble_stage(traced: _ChunkTrace, rank: int, chunk: int, per_chunk: int) -> StageGraph:
@@ -222,7 +224,8 @@ def _assemble_stage(traced: _ChunkTrace, rank: int, chunk: int, per_chunk: int) 
     blocks = traced.folded.get(per_chunk)
     if blocks is None:
         blocks = traced.folded[per_chunk] = tuple(
-            replace(block, num_parameters=traced.params_by_block.get(block.name, 0))
+            replace(block, num_parameters=sum(traced.params_by_block.get(block.name, ())),
+                    parameter_numels=traced.params_by_block.get(block.name, ()))
             for block in folding.fold_layers(traced.blocks, per_chunk))
     return StageGraph(pipeline_rank=rank, chunk=chunk, blocks=blocks,
                       activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,
@@ -256,7 +259,7 @@ def _trace_module(module: torch.nn.Module, sample_input: Any, loss_fn: Callable 
             optimizer.step()
     nodes = [folding.to_node(r, lambda name: ParallelGroup.DP) for r in recorder.records]
     block = Block(kind=BlockKind.STAGE, name="model", nodes=tuple(nodes),
-                  num_parameters=sum(p.numel() for p in params))
+                  num_parameters=sum(p.numel() for p in params), parameter_numels=tuple(p.numel() for p in params))
     stage = StageGraph(pipeline_rank=0, blocks=(block,))
     first = inputs[0] if inputs else None
     batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
