@@ -44,7 +44,8 @@ def to_node(record: Record, group_of: Callable[[str], ParallelGroup]) -> Node:
 
 def split_blocks(nodes: Sequence[Node], saved_nbytes: Mapping[str, int] | None = None) -> list[Block]:
     """Group nodes by block, keeping each block's nodes in execution order; ``saved_nbytes`` (per
-    module) gives each block its activation memory."""
+    module) gives each block its activation memory (a block that only keeps activations, such as
+    the stage holding the attention mask, is a block without nodes)."""
     activation = _activation_by_block(nodes, saved_nbytes or {})
     order: list[tuple[BlockKind, str]] = []
     members: dict[tuple[BlockKind, str], list[Node]] = {}
@@ -54,6 +55,10 @@ def split_blocks(nodes: Sequence[Node], saved_nbytes: Mapping[str, int] | None =
             members[where] = []
             order.append(where)
         members[where].append(node)
+    for where, nbytes in activation.items():
+        if where not in members and nbytes:
+            members[where] = []
+            order.append(where)
     rank = {BlockKind.EMBEDDING: 0, BlockKind.STAGE: 1, BlockKind.LAYER: 2, BlockKind.HEAD: 3}
     order.sort(key=lambda w: (rank[w[0]], layer_index(w[1]) or 0))
     return [Block(kind=k, name=n, nodes=tuple(members[(k, n)]), activation_nbytes=activation.get((k, n), 0))
