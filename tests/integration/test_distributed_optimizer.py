@@ -7,6 +7,8 @@ with Megatron-LM's settings (``grad_reduce_in_fp32`` for bf16, ``disable_bucketi
 chunks after the first).
 """
 
+import json
+
 import pytest
 
 from vtrain_plugin.capture.tracer import trace
@@ -114,3 +116,23 @@ def test_distributed_optimizer_with_one_data_parallel_rank_is_a_no_op():
     a, b = estimate(graph, cluster=cluster, training=plain), estimate(graph, cluster=cluster, training=zero)
     assert a.iteration_time_ms == b.iteration_time_ms
     assert a.memory_gib == b.memory_gib
+
+
+def test_cli_estimate_of_a_plan_file_with_the_distributed_optimizer(tmp_path, run_cli):
+    plan = {"model": {"family": "llama", "num_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+                      "seq_length": 128, "vocab_size": 1024, "dtype": "bf16"},
+            "parallel": {"tensor_parallel": 2, "data_parallel": 4},
+            "training": {"global_batch_size": 8, "grad_reduce": "overlap"}, "cluster": {"preset": "dgx-h100"}}
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(plan))
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps({**plan, "training": {**plan["training"], "distributed_optimizer": True,
+                                                     "overlap_param_gather": True}}))
+    proc = run_cli("estimate", str(plain), str(zero), "--format", "jsonl", check=True)
+    a, b = (json.loads(line) for line in proc.stdout.splitlines())
+    assert (a["distributed_optimizer"], b["distributed_optimizer"]) == (False, True)
+    (ma,), (mb,) = a["memory_gib_per_stage"], b["memory_gib_per_stage"]
+    assert mb["optimizer"] == pytest.approx(ma["optimizer"] / 4, rel=1e-12)
+    assert (mb["weights"], mb["gradients"]) == (ma["weights"], ma["gradients"])
+    table = run_cli("estimate", str(zero), check=True).stdout
+    assert "distributed optimizer)" in table.splitlines()[0]
