@@ -136,3 +136,14 @@ def test_cli_estimate_of_a_plan_file_with_the_distributed_optimizer(tmp_path, ru
     assert (mb["weights"], mb["gradients"]) == (ma["weights"], ma["gradients"])
     table = run_cli("estimate", str(zero), check=True).stdout
     assert "distributed optimizer)" in table.splitlines()[0]
+
+
+def test_trace_report_lists_reduce_scatters_and_all_gathers_of_every_parameter(graph):
+    from vtrain_plugin.cli.render import trace_json
+
+    for stage, report in zip(graph.stages, trace_json(graph, distributed_optimizer=True)["stages"]):
+        dp = [c for c in report["collectives"] if c["group"] == "dp"]
+        assert {c["kind"] for c in dp} == {"reduce_scatter", "all_gather"}
+        scattered = sum(c["nbytes"] * c["count"] for c in dp if c["kind"] == "reduce_scatter")
+        gathered = sum(c["nbytes"] * c["count"] for c in dp if c["kind"] == "all_gather")
+        assert (scattered, gathered) == (4 * stage.num_parameters, 2 * stage.num_parameters)  # fp32 grads, bf16
