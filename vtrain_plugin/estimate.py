@@ -69,6 +69,7 @@ class Estimate:
     mfu: float  # model FLOPs utilization against the GPU's dense peak for the model dtype
     gpu: str
     software_stack: str  # the kernels assumed (TrainingSpec.stack_for)
+    distributed_optimizer: bool = False  # Megatron-Core's distributed optimizer (TrainingSpec.distributed_optimizer)
     cost_usd: float | None  # of this iteration, at the cluster's price per GPU-hour
     measured_fraction: float  # share of kernel time from measured profiles (0..1)
     memory_gib: tuple[RankMemory, ...]  # per pipeline rank, see vtrain_plugin.cost.memory
@@ -118,6 +119,7 @@ class Estimate:
             "mfu": self.mfu,
             "gpu": self.gpu,
             "software_stack": self.software_stack,
+            "distributed_optimizer": self.distributed_optimizer,
             "cost_usd": self.cost_usd,
             "measured_fraction": self.measured_fraction,
             "peak_memory_gib": self.peak_memory_gib,
@@ -189,7 +191,7 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
     device = get_device(cluster.gpu)
     stack = training.stack_for(graph.model)
     calibration = calibration_for(device.name, stack)
-    prepared = prepare(graph, stack, measured)
+    prepared = prepare(graph, stack, measured, distributed_optimizer=training.distributed_optimizer)
     costing, result = predict(prepared, cluster=cluster, training=training, constants=calibration.constants,
                               measured_comm=measured_comm, timeline=timeline, explain=explain > 0)
     return _summarize(graph, device, cluster, training, result, costing, explain, stack)
@@ -245,10 +247,11 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         mfu=tflops * 1e12 / peak_flop_per_s,
         gpu=device.name,
         software_stack=stack.value,
+        distributed_optimizer=training.distributed_optimizer,
         cost_usd=None if price is None else price * gpus * seconds / SECONDS_PER_HOUR,
         measured_fraction=costing.provenance.measured_fraction,
         largest_unmeasured=unmeasured,
-        memory_gib=rank_memory(graph, [schedule.peak_inflight(r) for r in range(plan.pipeline_parallel)]),
+        memory_gib=rank_memory(graph, schedule.peak_live, distributed_optimizer=training.distributed_optimizer),
         gpu_memory_gib=device.memory_bytes / GIB,
         total_tokens=training.total_tokens,
         iterations=training.train_iterations(graph.seq_length),

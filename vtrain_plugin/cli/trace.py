@@ -23,7 +23,8 @@ def run(args: argparse.Namespace) -> int:
     run_config = load_run_config(args.config)
     graph = trace(run_config.model, run_config.parallel)
     if args.format == "json":
-        emit(json.dumps(trace_json(graph), indent=1), args.output)
+        emit(json.dumps(trace_json(graph, distributed_optimizer=run_config.training.distributed_optimizer), indent=1),
+             args.output)
     else:
         emit(trace_table(graph), args.output)
     return 0

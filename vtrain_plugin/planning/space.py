@@ -14,6 +14,8 @@ virtual_pipeline   1, plus every divisor v > 1 of layers / PP when PP > 1 (inter
 sequence_parallel  off, plus on when TP > 1 and TP divides seq_length
 recompute          none, selective, full
 grad_reduce        after_backward, overlap
+distributed_opt.   off, plus on when DP > 1 (with grad_reduce overlap it overlaps the parameter
+                   all-gather too: overlap_param_gather, as Megatron-Core recipes set them together)
 =================  ==================================================================================
 
 Each combination of values is checked against :data:`RULES`, in that order (the axes' rules, axis
@@ -268,6 +270,8 @@ AXES: tuple[Axis, ...] = (
          lambda ctx, c: tuple(Recompute)),
     Axis("grad_reduce", "grad_reduce", "data-parallel gradient reduction: after_backward, overlap",
          _choice(GradReduce), lambda ctx, c: tuple(GradReduce)),
+    Axis("distributed_optimizer", "dist_opt", "distributed optimizer (ZeRO-1): on, off", SWITCH,
+         lambda ctx, c: (False,) if c["data_parallel"] == 1 else (False, True)),
 )
 RULES: tuple[str, ...] = tuple(rule.name for axis in AXES for rule in axis.rules)
 
@@ -288,6 +292,7 @@ class SearchSpace:
     sequence_parallel: tuple[bool, ...] | None = None
     recompute: tuple[Recompute, ...] | None = None
     grad_reduce: tuple[GradReduce, ...] | None = None
+    distributed_optimizer: tuple[bool, ...] | None = None
     max_tp: int | None = None  # largest TP tried; None: the cluster's GPUs per node
 
     def __post_init__(self) -> None:
@@ -375,7 +380,8 @@ def enumerate_plans(model: ModelSpec, space: SearchSpace, *, global_batch_size: 
         schedule = _schedule(base.schedule, plan_values["virtual_pipeline"])
         key = (schedule, *training_values.items())
         if key not in specs:
-            specs[key] = replace(base, schedule=schedule, **training_values)
+            overlap = training_values["distributed_optimizer"] and training_values["grad_reduce"] is GradReduce.OVERLAP
+            specs[key] = replace(base, schedule=schedule, overlap_param_gather=overlap, **training_values)
         candidates.append(Candidate(parallel=ParallelPlan(**plan_values), training=specs[key]))
     return Enumeration(candidates=tuple(candidates), skipped=skipped)
 
