@@ -110,7 +110,7 @@ def search_rate() -> list[str]:
     space = SearchSpace(tensor_parallel=(8, 4, 2, 1), pipeline_parallel=(35, 21, 15, 7, 5),
                         data_parallel=(12, 16, 8, 20, 24, 32, 40, 4, 6, 10), micro_batch_size=(1, 2, 4),
                         virtual_pipeline=(1,), sequence_parallel=(False,), recompute=("full",),
-                        grad_reduce=("after_backward",))
+                        grad_reduce=("after_backward",), distributed_optimizer=(False,))
     def run():
         return search(MT_NLG, cluster=CLUSTER, global_batch_size=GLOBAL_BATCH, gpus="280:6720", space=space,
                       workers=1)

@@ -28,7 +28,8 @@ MT_NLG = ModelSpec(name="mt-nlg-530b", num_layers=105, hidden_size=20480, num_at
 GLOBAL_BATCH = 1920
 SPACE = SearchSpace(tensor_parallel=(4, 8, 16), data_parallel=(1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 16, 20, 24, 30),
                     pipeline_parallel=(3, 5, 7, 15, 21, 35, 105), micro_batch_size=(1,), virtual_pipeline=(1,),
-                    sequence_parallel=(False,), recompute=("full",), grad_reduce=("after_backward",), max_tp=16)
+                    sequence_parallel=(False,), recompute=("full",), grad_reduce=("after_backward",),
+                    distributed_optimizer=(False,), max_tp=16)
 PRODUCTION = {"tensor_parallel": 8, "data_parallel": 12, "pipeline_parallel": 35}
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 

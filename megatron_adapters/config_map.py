@@ -2,9 +2,9 @@
 
 Fields are read by attribute, so no megatron type leaks out. Every field that changes the traced
 graph is either honoured (dims, GQA, dtype, the GPT or Llama layer, TP, PP, virtual pipeline, SP,
-recompute) or refused with a one-line :class:`ConfigError` naming it (context and expert
-parallelism, MoE, fp8 / fp4, multi-token prediction, uneven pipeline splits, ...): a config is never
-traced as something it is not.
+recompute, uneven pipeline splits) or refused with a one-line :class:`ConfigError` naming it (context
+and expert parallelism, MoE, fp8 / fp4, multi-token prediction, custom pipeline layouts, ...): a
+config is never traced as something it is not.
 """
 
 from __future__ import annotations
@@ -47,11 +47,7 @@ UNMODELLED = (
     Unmodelled("fp8", _is_none, "fp8 training"),
     Unmodelled("fp4", _is_none, "fp4 training"),
     Unmodelled("mtp_num_layers", _is_none, "multi-token prediction layers"),
-    Unmodelled("num_layers_in_first_pipeline_stage", _is_none, "uneven pipeline splits"),
-    Unmodelled("num_layers_in_last_pipeline_stage", _is_none, "uneven pipeline splits"),
     Unmodelled("pipeline_model_parallel_layout", _is_none, "custom pipeline layouts"),
-    Unmodelled("account_for_embedding_in_pipeline_split", _is_false, "uneven pipeline splits"),
-    Unmodelled("account_for_loss_in_pipeline_split", _is_false, "uneven pipeline splits"),
     Unmodelled("multi_latent_attention", _is_false, "multi-latent attention"),
     Unmodelled("window_size", _is_none, "sliding-window attention"),
     Unmodelled("qk_layernorm", _is_false, "query/key layer norm"),
@@ -127,6 +123,14 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
         "virtual_pipeline": ("virtual_pipeline_model_parallel_size", config.virtual_pipeline_model_parallel_size or 1),
         "sequence_parallel": ("sequence_parallel", bool(config.sequence_parallel)),
         "recompute": ("recompute_granularity", _recompute(config)),
+        "decoder_first_pipeline_num_layers": ("num_layers_in_first_pipeline_stage",
+                                              getattr(config, "num_layers_in_first_pipeline_stage", None)),
+        "decoder_last_pipeline_num_layers": ("num_layers_in_last_pipeline_stage",
+                                             getattr(config, "num_layers_in_last_pipeline_stage", None)),
+        "account_for_embedding_in_pipeline_split": (
+            "account_for_embedding_in_pipeline_split", bool(getattr(config, "account_for_embedding_in_pipeline_split", False))),
+        "account_for_loss_in_pipeline_split": (
+            "account_for_loss_in_pipeline_split", bool(getattr(config, "account_for_loss_in_pipeline_split", False))),
     }
     if plan is None:
         return ParallelPlan(**{name: value for name, (_, value) in stated.items()})

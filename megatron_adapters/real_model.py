@@ -57,10 +57,11 @@ class TrainingMeasurement:
 def required_memory_bytes(model: ModelSpec, plan: ParallelPlan) -> int:
     """Rough memory one device needs to train ``model`` unsharded (the refusal check, not a prediction).
 
-    Model states by specs.training.model_state_bytes_per_parameter, the memory model's: weight and
-    gradient in the model dtype, an fp32 main weight when that dtype is narrower and two fp32 Adam
-    moments, 2 + 2 + 4 + 8 = 16 bytes per parameter in fp16/bf16 and 4 + 4 + 8 = 16 in fp32 (the
-    optimizer step's transient fp32 main gradients are not counted); activations of one micro-batch
+    Model states by specs.training.model_state_bytes_per_parameter, the memory model's: weight in
+    the model dtype, gradient in Megatron's gradient dtype (fp32 for bf16), an fp32 main weight
+    when the model dtype is narrower and two fp32 Adam moments, 2 + 2 + 4 + 8 = 16 bytes per
+    parameter in fp16, 2 + 4 + 4 + 8 = 18 in bf16 and 4 + 4 + 8 = 16 in fp32 (the optimizer step's
+    transient fp32 main gradients are not counted); activations of one micro-batch
     per layer after Korthikanti et al. (``34 s b h + 5 a s^2 b`` bytes at 2-byte activations, scaled
     to the dtype); the fp32 logits with their softmax and gradient (``3 * 4 s b V``).
     """

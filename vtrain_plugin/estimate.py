@@ -71,6 +71,7 @@ class Estimate:
     gpu: str
     software_stack: str  # the kernels assumed (TrainingSpec.stack_for)
     fp8: str | None = None  # FP8 format of the GEMMs (TrainingSpec.fp8); MFU stays against the model dtype's peak
+    distributed_optimizer: bool = False  # Megatron-Core's distributed optimizer (TrainingSpec.distributed_optimizer)
     cost_usd: float | None  # of this iteration, at the cluster's price per GPU-hour
     measured_fraction: float  # share of kernel time from measured profiles (0..1)
     memory_gib: tuple[RankMemory, ...]  # per pipeline rank, see vtrain_plugin.cost.memory
@@ -121,6 +122,7 @@ class Estimate:
             "gpu": self.gpu,
             "software_stack": self.software_stack,
             "fp8": self.fp8,
+            "distributed_optimizer": self.distributed_optimizer,
             "cost_usd": self.cost_usd,
             "measured_fraction": self.measured_fraction,
             "peak_memory_gib": self.peak_memory_gib,
@@ -194,7 +196,8 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
         device.require_fp8("training.fp8", training.fp8.value)
     stack = training.stack_for(graph.model, device.architecture)
     calibration = calibration_for(device.name, stack)
-    prepared = prepare(graph, stack, measured, fp8=training.fp8_settings)
+    prepared = prepare(graph, stack, measured, fp8=training.fp8_settings,
+                       distributed_optimizer=training.distributed_optimizer)
     costing, result = predict(prepared, cluster=cluster, training=training, constants=calibration.constants,
                               measured_comm=measured_comm, timeline=timeline, explain=explain > 0)
     return _summarize(graph, device, cluster, training, result, costing, explain, stack)
@@ -251,11 +254,12 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         gpu=device.name,
         software_stack=stack.value,
         fp8=None if training.fp8 is None else training.fp8.value,
+        distributed_optimizer=training.distributed_optimizer,
         cost_usd=None if price is None else price * gpus * seconds / SECONDS_PER_HOUR,
         measured_fraction=costing.provenance.measured_fraction,
         largest_unmeasured=unmeasured,
-        memory_gib=stack_rank_memory(graph, [schedule.peak_inflight(r) for r in range(plan.pipeline_parallel)],
-                                     stack, training.fp8_settings),
+        memory_gib=stack_rank_memory(graph, schedule.peak_live, stack, training.fp8_settings,
+                                     distributed_optimizer=training.distributed_optimizer),
         gpu_memory_gib=device.memory_bytes / GIB,
         total_tokens=training.total_tokens,
         iterations=training.train_iterations(graph.seq_length),

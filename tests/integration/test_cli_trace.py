@@ -99,6 +99,20 @@ def test_bad_vtrain_config_is_one_line_exit_2(tmp_path, run_cli, change, message
     ("plan.yaml", "model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32}\n"
                   "parallel: {tensor_parallel: 1, tensor: 2}\ntraining: {global_batch_size: 4}\n",
      "parallel: unknown key 'tensor'"),
+    ("plan.yaml", "model: {num_layers: 126, hidden_size: 64, num_attention_heads: 4, seq_length: 32}\n"
+                  "parallel: {pipeline_parallel: 8, virtual_pipeline: 3, account_for_embedding_in_pipeline_split: true,"
+                  " account_for_loss_in_pipeline_split: true}\ntraining: {global_batch_size: 24}\n",
+     "the 16 layer slots of pipeline rank 0 must be divisible by virtual_pipeline (3)"),
+    ("plan.yaml", "model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32}\n"
+                  "parallel: {data_parallel: 2}\ntraining: {global_batch_size: 4, overlap_param_gather: true}\n",
+     "training.overlap_param_gather requires training.distributed_optimizer: true"),
+    ("plan.yaml", "model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32}\n"
+                  "parallel: {data_parallel: 2}\ntraining: {global_batch_size: 4, distributed_optimizer: true,"
+                  " overlap_param_gather: true}\n",
+     "training.overlap_param_gather requires training.grad_reduce: overlap (got after_backward), as Megatron-LM does"),
+    ("plan.yaml", "model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32}\n"
+                  "parallel: {data_parallel: 2}\ntraining: {global_batch_size: 4, distributed_optimizer: 1}\n",
+     "training.distributed_optimizer must be true or false, got 1"),
 ])
 def test_malformed_files_are_one_line_exit_2(tmp_path, run_cli, name, text, message):
     proc = run_cli("trace", write(tmp_path, name, text))

@@ -23,7 +23,8 @@ MODEL_SECTION = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, 
                  "vocab_size": 1024}
 MODEL = ModelSpec(**MODEL_SECTION)
 CLUSTER = get_cluster_preset("dgx-a100")
-# 2 TP x 2 PP, one micro-batch size, no SP or recompute: 4 trace shapes, 12 chunk traces
+# 2 TP x 2 PP, one micro-batch size, no SP or recompute: 4 trace shapes, 12 chunk traces; 10 layouts
+# (with vp) x 2 gradient reductions, the 5 with dp > 1 also with the distributed optimizer: 30 plans
 SPACE = SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2), micro_batch_size=(1,),
                     sequence_parallel=(False,), recompute=("none",))
 PINNED = ["--tp", "1,2", "--pp", "1,2", "--micro-batch", "1", "--sp", "off", "--recompute", "none"]
@@ -48,25 +49,25 @@ def test_search_rows_are_the_estimates_of_the_same_plans_one_by_one(result):
     candidates = enumerate_plans(MODEL, SPACE, global_batch_size=GLOBAL_BATCH, budget=GpuBudget.parse(GPUS),
                                  training=TrainingSpec(global_batch_size=GLOBAL_BATCH), gpus_per_node=8).candidates
     table = result.table
-    assert len(table) == len(candidates) == 20 and set(table.columns) == COLUMNS
+    assert len(table) == len(candidates) == 30 and set(table.columns) == COLUMNS
     assert result.skipped == {}
     by_plan = table.set_index(["tensor_parallel", "pipeline_parallel", "data_parallel", "virtual_pipeline",
-                               "grad_reduce"])
+                               "grad_reduce", "distributed_optimizer"])
     assert by_plan.index.is_unique
     for c in candidates:
         p = c.parallel
         est = estimate(trace(MODEL, p), cluster=CLUSTER, training=c.training)
         row = by_plan.loc[(p.tensor_parallel, p.pipeline_parallel, p.data_parallel, p.virtual_pipeline,
-                           c.training.grad_reduce.value)]
+                           c.training.grad_reduce.value, c.training.distributed_optimizer)]
         assert row["schedule"] == c.training.schedule.value
         for column in ("iteration_time_ms", "tokens_per_second", "tflops_per_gpu", "mfu", "peak_memory_gib",
                        "cost_usd", "num_gpus", "num_microbatches", "fits_in_memory"):
             assert row[column] == getattr(est, column), column
-    assert table["rank"].tolist() == list(range(1, 21))
+    assert table["rank"].tolist() == list(range(1, 31))
     assert table["iteration_time_ms"].is_monotonic_increasing  # every plan fits: ranked by time
     assert table["pareto"].tolist() == pareto_front(table["iteration_time_ms"], table["cost_usd"],
                                                     table["fits_in_memory"]).tolist()
-    assert 1 <= len(result.front) < 20
+    assert 1 <= len(result.front) < 30
 
 
 def test_spawned_worker_processes_give_the_same_table(result):
@@ -104,7 +105,7 @@ def test_cli_jsonl_is_one_object_per_evaluated_plan_and_plot_is_a_png(tmp_path, 
     proc = run_cli("search", model_file, "--gpus", GPUS, *PINNED, "--format", "jsonl", "--plot", str(plot),
                    "--baseline", str(baseline), "--tokens", "1e9", "--workers", "1", check=True)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert len(rows) == 20
+    assert len(rows) == 30
     for row, expected in zip(rows, result.table.to_dict(orient="records")):
         assert set(row) == COLUMNS | {"iterations", "train_days", "train_cost_usd"}
         assert {k: row[k] for k in expected} == expected
@@ -119,7 +120,7 @@ def test_cli_table_csv_and_output_file(tmp_path, model_file, capsys, result):
     assert main(["search", model_file, "--gpus", GPUS, *PINNED, "--top", "3", "--workers", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:4] == ["rank", "tp", "pp", "dp"] and len(lines) == 2 + 3 + 2
-    assert lines[-1] == ("20 plans evaluated, 20 fit in memory, "
+    assert lines[-1] == ("30 plans evaluated, 30 fit in memory, "
                          f"{int(result.table['pareto'].sum())} on the Pareto front (*), ranked by time; skipped 0")
     out = tmp_path / "plans.csv"
     assert main(["search", model_file, "--gpus", "2:4", *PINNED, "--format", "csv", "--output", str(out),
@@ -127,8 +128,9 @@ def test_cli_table_csv_and_output_file(tmp_path, model_file, capsys, result):
     assert capsys.readouterr().out == ""
     csv = pd.read_csv(out)
     # 6 layouts in 2 to 4 GPUs (tp 1 pp 1 dp 3 is 3 GPUs but does not divide the global batch of 8),
-    # 3 of them pp 2 with vp 1 or 2: 9 x 2 gradient reductions
-    assert len(csv) == 18 and csv["cost_usd"].is_monotonic_increasing and csv["rank"].tolist() == list(range(1, 19))
+    # 3 of them pp 2 with vp 1 or 2: 9 x 2 gradient reductions; the 3 with dp 2 (tp 1 pp 1, tp 2
+    # pp 1, tp 1 pp 2 with vp 1 or 2) also with the distributed optimizer: 18 + 4 x 2
+    assert len(csv) == 26 and csv["cost_usd"].is_monotonic_increasing and csv["rank"].tolist() == list(range(1, 27))
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(run_cli, model_file):

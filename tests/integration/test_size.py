@@ -14,7 +14,8 @@ CLUSTER = get_cluster_preset("dgx-a100")
 # Shapes of 15M, 46M, 84M, 155M and 250M parameters; one plan per shape keeps the searches small.
 LADDER = {"min_params": 5e6, "max_params": 3e8, "hidden_step": 256}
 SPACE = SearchSpace(tensor_parallel=(1,), pipeline_parallel=(1,), micro_batch_size=(1,), virtual_pipeline=(1,),
-                    sequence_parallel=(False,), recompute=("full",), grad_reduce=("overlap",))
+                    sequence_parallel=(False,), recompute=("full",), grad_reduce=("overlap",),
+                    distributed_optimizer=(False,))
 DAYS = 0.05
 
 

@@ -48,13 +48,13 @@ def test_fp8_on_a100_is_one_line_exit_2(tmp_path, run_cli):
 def test_search_pins_fp8_and_reports_the_stack_of_each_plan(tmp_path, run_cli):
     path = write(tmp_path, "fp8.yaml", PLAN)
     proc = run_cli("search", path, "--gpus", "8", "--tp", "2", "--pp", "2", "--micro-batch", "1", "--vp", "1",
-                   "--sp", "on", "--recompute", "none", "--grad-reduce", "overlap", "--fp8", "off,hybrid",
-                   "--format", "jsonl", "--workers", "1", check=True)
+                   "--sp", "on", "--recompute", "none", "--grad-reduce", "overlap", "--dist-opt", "off",
+                   "--fp8", "off,hybrid", "--format", "jsonl", "--workers", "1", check=True)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert sorted((r["software_stack"], r["fp8"] or "off") for r in rows) == [("megatron_core_te", "hybrid"),
                                                                              ("megatron_core_te", "off")]
     table = run_cli("search", path, "--gpus", "8", "--tp", "2", "--pp", "2", "--micro-batch", "1", "--vp", "1",
-                    "--sp", "on", "--recompute", "none", "--grad-reduce", "overlap", "--fp8", "off,hybrid",
-                    "--workers", "1", check=True).stdout
-    assert table.splitlines()[0].split()[:11] == ["rank", "tp", "pp", "dp", "mb", "vp", "sp", "recompute", "grad",
-                                                  "reduce", "fp8"]
+                    "--sp", "on", "--recompute", "none", "--grad-reduce", "overlap", "--dist-opt", "off",
+                    "--fp8", "off,hybrid", "--workers", "1", check=True).stdout
+    assert table.splitlines()[0].split()[:13] == ["rank", "tp", "pp", "dp", "mb", "vp", "sp", "recompute", "grad",
+                                                  "reduce", "dist", "opt", "fp8"]

@@ -223,6 +223,28 @@ def test_a_bare_transformer_config_is_traced_with_its_own_parallel_plan():
     assert len(graph.stages) == 2
 
 
+def test_a_transformer_configs_uneven_pipeline_split_becomes_the_plans():
+    """num_layers_in_first/last_pipeline_stage and account_for_embedding/loss_in_pipeline_split were
+    refused; they map onto the plan's uneven-split fields and each chunk gets megatron-core's layers."""
+    from vtrain_plugin.core.errors import ConfigError
+
+    first_last = _llama_config(num_layers=6, pipeline_model_parallel_size=3, pipeline_dtype=torch.bfloat16,
+                               num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=3)
+    graph = trace(first_last, vocab_size=1000, seq_length=64)
+    assert graph.parallel == ParallelPlan(pipeline_parallel=3, decoder_first_pipeline_num_layers=1,
+                                          decoder_last_pipeline_num_layers=3)
+    assert [s.num_layers for s in graph.stages] == [1, 2, 3]
+    accounted = _llama_config(num_layers=6, pipeline_model_parallel_size=4, pipeline_dtype=torch.bfloat16,
+                              account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+    graph = trace(accounted, vocab_size=1000, seq_length=64)
+    assert graph.parallel == ParallelPlan(pipeline_parallel=4, account_for_embedding_in_pipeline_split=True,
+                                          account_for_loss_in_pipeline_split=True)
+    assert [s.num_layers for s in graph.stages] == [1, 2, 2, 1]
+    with pytest.raises(ConfigError, match=r"parallel.decoder_first_pipeline_num_layers \(None\) != "
+                                          r"TransformerConfig.num_layers_in_first_pipeline_stage \(1\)"):
+        trace(first_last, ParallelPlan(pipeline_parallel=3), vocab_size=1000, seq_length=64)
+
+
 @pytest.mark.parametrize("fields, plan, message", [
     (dict(tensor_model_parallel_size=4), ParallelPlan(tensor_parallel=2),
      "parallel.tensor_parallel (2) != TransformerConfig.tensor_model_parallel_size (4)"),
@@ -256,3 +278,30 @@ def test_tracing_leaves_the_process_excepthook_alone(monkeypatch):
     trace(ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128),
           ParallelPlan(tensor_parallel=2))
     assert sys.excepthook is before
+
+
+def test_uneven_split_traces_each_chunk_with_its_own_layers_and_estimates():
+    """6 layers + embedding + loss = 8 slots over PP 4 x VP 2: the first virtual stage holds the
+    embedding alone and the last the loss alone (Megatron-Core builds them with no layer)."""
+    from vtrain_plugin.estimate import estimate
+    from vtrain_plugin.hardware.clusters import get_cluster_preset
+    from vtrain_plugin.specs.training import TrainingSpec
+
+    model = ModelSpec(family="llama", num_layers=6, hidden_size=256, num_attention_heads=4, seq_length=128,
+                      vocab_size=1024, dtype="bf16")
+    plan = ParallelPlan(pipeline_parallel=4, virtual_pipeline=2, account_for_embedding_in_pipeline_split=True,
+                        account_for_loss_in_pipeline_split=True)
+    graph = trace(model, plan)
+    layers = {(s.pipeline_rank, s.chunk): s.num_layers for s in graph.stages}
+    assert layers == {(r, c): 0 if (r, c) in ((0, 0), (3, 1)) else 1 for r in range(4) for c in range(2)}
+    first, last = graph.stage(0, 0), graph.stage(3, 1)
+    assert first.has_embedding and not first.has_head and first.layer_template() is None
+    assert last.has_head and not last.has_embedding and last.layer_template() is None
+    per_layer = graph.stage(1, 0).num_parameters
+    assert graph.stage(0, 1).num_parameters == per_layer
+    est = estimate(graph, cluster=get_cluster_preset("dgx-h100"),
+                   training=TrainingSpec(global_batch_size=8, schedule="interleaved_1f1b"))
+    assert len(est.stage_breakdown_ms) == 4 and est.iteration_time_ms > 0
+    for rank, memory in enumerate(est.memory_gib):  # 2 bytes per bf16 weight of the rank's two chunks
+        params = graph.stage(rank, 0).num_parameters + graph.stage(rank, 1).num_parameters
+        assert memory.weights_gib * 2**30 == 2 * params

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vtrain_plugin.cost.work import ChunkWork, DpBucket, PipelineWork
+from vtrain_plugin.cost.work import ChunkWork, DpBucket, ParamGather, PipelineWork
 from vtrain_plugin.sim import simulate
 from vtrain_plugin.sim.engine import BREAKDOWN_FIELDS
 from vtrain_plugin.sim.task_graph import task_graph
@@ -22,10 +22,13 @@ def _chunk(rnd: random.Random) -> ChunkWork:
                      tp_comm_forward_ns=0.2, tp_comm_backward_ns=0.3,
                      p2p_forward_ns=rnd.uniform(0.0, 0.6), p2p_backward_ns=rnd.uniform(0.0, 0.6),
                      dp_buckets=(DpBucket(comm_ns=rnd.uniform(0.5, 4.0), ready_fraction=0.4),
-                                 DpBucket(comm_ns=rnd.uniform(0.5, 4.0), ready_fraction=1.0)))
+                                 DpBucket(comm_ns=rnd.uniform(0.5, 4.0), ready_fraction=1.0)),
+                     param_gathers=(ParamGather(comm_ns=rnd.uniform(0.5, 4.0), need_fraction=0.0),
+                                    ParamGather(comm_ns=rnd.uniform(0.5, 4.0), need_fraction=0.7)))
 
 
 def _work(pp: int, v: int, m: int, *, uneven_ends: bool, dp_overlap: bool, seed: int) -> PipelineWork:
+    # with dp_overlap, the parameter all-gathers overlap the first forwards too (distributed optimizer)
     """Stages all different (``uneven_ends`` False) or identical except the first and the last, as
     in a GPT with its embedding and head (the case whose steady state takes longest to repeat)."""
     rnd = random.Random(seed)
@@ -37,7 +40,8 @@ def _work(pp: int, v: int, m: int, *, uneven_ends: bool, dp_overlap: bool, seed:
         chunks = [_chunk(rnd) for _ in range(stages)]
     kind = ScheduleKind.INTERLEAVED_1F1B if v > 1 else ScheduleKind.ONE_F_ONE_B
     return PipelineWork(chunks=chunks, pipeline_parallel=pp, virtual_pipeline=v, num_microbatches=m, schedule=kind,
-                        dp_overlap=dp_overlap, embedding_sync_ns=1.5 if pp > 1 else 0.0,
+                        dp_overlap=dp_overlap, param_gather_overlap=dp_overlap,
+                        embedding_sync_ns=1.5 if pp > 1 else 0.0,
                         optimizer_ns=[rnd.uniform(1.0, 2.0) for _ in range(pp)])
 
 

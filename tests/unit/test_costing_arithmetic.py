@@ -8,7 +8,7 @@ from vtrain_plugin.cost.comm import CommModel
 from vtrain_plugin.cost.dp_buckets import BlockGradients, dp_buckets
 from vtrain_plugin.cost.host_device import Segment, SegmentTime, segment_times, sequence
 from vtrain_plugin.core.graph import Block, BlockKind, CollectiveKind, OpGraph, ParallelGroup, Phase, StageGraph
-from vtrain_plugin.cost.memory import rank_memory
+from vtrain_plugin.cost.memory import FRAGMENTATION, RESERVED_GIB, rank_memory
 from vtrain_plugin.sim.schedules import build_schedule
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
@@ -74,14 +74,16 @@ def test_memory_per_rank_is_model_states_plus_activations_in_flight():
     graph = OpGraph(model=model, parallel=ParallelPlan(pipeline_parallel=2), micro_batch_size=1, seq_length=8,
                     stages=(stage(0, GIB, 3 * GIB), stage(1, 2 * GIB, GIB)))
     schedule = build_schedule("1f1b", 2, 1, 4)
-    first, second = rank_memory(graph, [schedule.peak_inflight(r) for r in range(2)])
+    first, second = rank_memory(graph, schedule.peak_live)
     # fp16 weights and gradients (2 bytes each), fp32 main weights and two Adam moments (12 bytes)
     assert (first.weights_gib, first.gradients_gib, first.optimizer_gib) == (2.0, 2.0, 12.0)
     assert (second.weights_gib, second.gradients_gib, second.optimizer_gib) == (4.0, 4.0, 24.0)
     # 1F1B keeps pp - rank micro-batches: 2 x (2 layers x 3 GiB) and 1 x (2 layers x 1 GiB)
     assert (first.inflight_microbatches, first.activations_gib) == (2, 12.0)
     assert (second.inflight_microbatches, second.activations_gib) == (1, 2.0)
-    assert first.total_gib == 28.0
+    assert first.tensors_gib == 28.0
+    assert first.allowance_gib == RESERVED_GIB + FRAGMENTATION * 28.0
+    assert first.total_gib == first.tensors_gib + first.allowance_gib
 
 
 def test_module_and_layer_host_work_falls_before_the_first_kernel_of_each_call():
@@ -105,3 +107,45 @@ def test_module_and_layer_host_work_falls_before_the_first_kernel_of_each_call()
     assert modules.tolist() == [1, 1, 0, 0, 1, 0, 1, 1, 1, 0, 0]
     # one layer entry per forward / backward segment of a layer block, none for the embedding
     assert layers.tolist() == [0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]
+
+
+def test_bf16_gradients_are_fp32_and_the_distributed_optimizer_shards_the_optimizer_state():
+    block = Block(kind=BlockKind.LAYER, name="decoder.layers.0", count=1, num_parameters=GIB)
+    model = ModelSpec(num_layers=1, hidden_size=8, num_attention_heads=1, seq_length=8, dtype="bf16")
+    graph = OpGraph(model=model, parallel=ParallelPlan(data_parallel=4), micro_batch_size=1, seq_length=8,
+                    stages=(StageGraph(pipeline_rank=0, blocks=(block,)),))
+    peak = build_schedule("1f1b", 1, 1, 1).peak_live
+    (plain,) = rank_memory(graph, peak)
+    (zero,) = rank_memory(graph, peak, distributed_optimizer=True)
+    # Megatron-LM's theoretical_memory_usage: 18 bytes per parameter, 6 + 12 / DP with the distributed optimizer
+    assert (plain.weights_gib, plain.gradients_gib, plain.optimizer_gib) == (2.0, 4.0, 12.0)
+    assert (zero.weights_gib, zero.gradients_gib, zero.optimizer_gib) == (2.0, 4.0, 3.0)
+
+
+def test_interleaved_peak_walks_the_schedule_with_each_chunks_activations():
+    # pp 2, vp 2, 4 micro-batches. Rank 0 runs F(c0 0, 1) F(c1 0, 1) F(c0 2) B(c1 0) F(c0 3) ...:
+    # at most 5 (chunk, micro-batch) pairs, and right after F(c0 3) 4 of chunk 0 and 1 of chunk 1.
+    # Rank 1 runs F(c0 0, 1) F(c1 0) B(c1 0) ...: never more than one chunk-1 pair.
+    schedule = build_schedule("interleaved_1f1b", 2, 2, 4)
+    assert schedule.peak_live(0, [7, 7]) == (5 * 7, 5)
+    assert schedule.peak_live(0, [100, 1]) == (4 * 100 + 1, 5)
+    assert schedule.peak_live(1, [0, 10]) == (10, 3)
+
+
+def test_distributed_optimizer_runs_each_parameter_kernel_on_its_shard():
+    from vtrain_plugin.core.graph import KernelKey, OpNode
+    from vtrain_plugin.cost.optimizer_shard import shard_optimizer
+
+    def op(shapes, phase=Phase.OPTIMIZER, nbytes=0):
+        return OpNode(key=KernelKey(op="aten.addcmul_.default", input_shapes=shapes, dtypes=("float32",) * len(shapes)),
+                      phase=phase, module="decoder.layers.0.mlp.linear_fc1", output_shapes=shapes[:1], nbytes=nbytes)
+
+    adam = op(((1000, 10), (1000, 10), (1000, 10)), nbytes=3 * 4 * 10_000 + 4 * 10_000)
+    scalar = op(((), (1,)))
+    forward = op(((1000, 10), (1000, 10)), phase=Phase.FORWARD)
+    sharded, same_scalar, same_forward = shard_optimizer([adam, scalar, forward], 3)
+    # ceil(10,000 / 3) = 3,334 elements of each parameter-sized operand, bytes scaled alike
+    assert sharded.key.input_shapes == ((3334,),) * 3 and sharded.output_shapes == ((3334,),)
+    assert sharded.nbytes == 160_000 * 3334 // 10_000
+    assert (same_scalar, same_forward) == (scalar, forward)
+    assert shard_optimizer([adam], 1) == (adam,)

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.cost.work import ChunkWork, DpBucket, PipelineWork
+from vtrain_plugin.cost.work import ChunkWork, DpBucket, ParamGather, PipelineWork
 from vtrain_plugin.sim import IntervalKind, Stream, build_schedule, simulate, to_chrome_trace, write_chrome_trace
 from vtrain_plugin.specs.training import ScheduleKind
 
@@ -72,6 +72,33 @@ def test_non_overlapped_dp_adds_its_full_time():
     assert result.iteration_ns == 30.0
     assert result.ranks[0].dp_comm_ns == 8.0
     assert result.ranks[0].bubble_ns == 0.0
+
+
+def gathered_rank(*, overlap):
+    # one rank, two micro-batches as in single_rank, and two parameter all-gathers: 3 ns needed at
+    # the start of the forward, 2 ns needed half-way through it
+    chunk = ChunkWork(forward_ns=1.0, backward_ns=10.0,
+                      param_gathers=(ParamGather(comm_ns=3.0, need_fraction=0.0),
+                                     ParamGather(comm_ns=2.0, need_fraction=0.5)))
+    return PipelineWork(chunks=(chunk,), pipeline_parallel=1, num_microbatches=2, schedule=ScheduleKind.ONE_F_ONE_B,
+                        dp_overlap=True, param_gather_overlap=overlap, optimizer_ns=(1.0,))
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_parameter_gathers_follow_the_optimizer_step_without_overlap(reference):
+    result = simulate(gathered_rank(overlap=False), reference=reference)
+    assert result.iteration_ns == 22.0 + 1.0 + 5.0  # compute, optimizer, both gathers
+    assert result.ranks[0].dp_comm_ns == 5.0 and result.ranks[0].bubble_ns == 0.0
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_overlapped_parameter_gathers_hold_the_first_forward_where_it_needs_them(reference):
+    # gathers 0-3 and 3-5; the first forward waits for the first, runs half-way (4-4.5), waits for
+    # the second (5) and ends at 5.5: F 0-5.5, B 5.5-15.5, F 15.5-16.5, B 16.5-26.5, optimizer 27.5
+    result = simulate(gathered_rank(overlap=True), reference=reference)
+    assert result.iteration_ns == 27.5
+    assert result.ranks[0].dp_comm_ns == 4.5 and result.ranks[0].bubble_ns == 0.0
+    assert_partition(result)
 
 
 def test_pipeline_sends_delay_the_receiver():

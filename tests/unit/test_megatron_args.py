@@ -56,14 +56,14 @@ def test_fp8_flags_set_the_training_precision():
 def test_swiglu_makes_a_llama_layer_with_megatrons_ffn_size():
     p = plan("--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
              "--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 --hidden-size 4096 "
-             "--num-attention-heads 32 --group-query-attention --num-query-groups 8 --bf16 --grad-reduce-in-bf16")
+             "--num-attention-heads 32 --group-query-attention --num-query-groups 8 --bf16")
     assert p.model.family is Family.LLAMA and not p.model.tied and p.model.num_query_groups == 8
     assert p.model.ffn_hidden_size == 10880  # int(4 x 4096 x 2/3 / 64) x 64, not vtrain's own 11008
     assert p.unmodelled == ()
 
 
 def test_layer_features_other_than_the_familys_are_noted_not_refused():
-    p = plan("--swiglu --position-embedding-type learned_absolute --num-query-groups 2 --bf16")
+    p = plan("--swiglu --position-embedding-type learned_absolute --num-query-groups 2 --bf16 --grad-reduce-in-bf16")
     assert p.model.family is Family.LLAMA and p.model.num_query_groups is None
     assert p.unmodelled == (
         "--normalization LayerNorm (vtrain's llama layers: RMSNorm)",
@@ -71,7 +71,8 @@ def test_layer_features_other_than_the_familys_are_noted_not_refused():
         "linear biases on (vtrain's llama layers: off)",
         "--num-query-groups 2 without --group-query-attention (Megatron-LM ignores it)",
         "--hidden-dropout 0.1 (vtrain's llama layers: 0.0)", "--attention-dropout 0.1 (vtrain's llama layers: 0.0)",
-        "--bf16 without --grad-reduce-in-bf16 (Megatron-LM reduces gradients in fp32, vtrain in bf16)")
+        "--grad-reduce-in-bf16 (Megatron-LM reduces gradients in bf16, vtrain in fp32)")
+    assert plan("--bf16").unmodelled == ()  # Megatron-LM and vtrain both reduce bf16 gradients in fp32
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -82,12 +83,15 @@ def test_layer_features_other_than_the_familys_are_noted_not_refused():
     ("--expert-model-parallel-size 2", "--expert-model-parallel-size 2: expert parallelism is not modelled by "
                                        "vtrain yet"),
     ("--num-experts 8 --moe-router-topk 2", "--num-experts 8: mixture of experts is not modelled by vtrain yet"),
-    ("--use-distributed-optimizer", "--use-distributed-optimizer: the distributed optimizer is not modelled by "
-                                    "vtrain yet"),
     ("--fp8-format e4m3 --fp8-recipe mxfp8", "training.fp8_recipe must be one of delayed, tensorwise; got 'mxfp8'"),
+    ("--overlap-param-gather", "training.overlap_param_gather requires training.distributed_optimizer: true"),
     ("--optimizer sgd", "--optimizer sgd: an optimizer other than Adam is not modelled by vtrain yet"),
-    ("--decoder-first-pipeline-num-layers 2", "--decoder-first-pipeline-num-layers 2: an uneven pipeline split is "
-                                              "not modelled by vtrain yet"),
+    ("--decoder-first-pipeline-num-layers 2", "parallel.decoder_first_pipeline_num_layers requires "
+                                              "pipeline_parallel > 1 (got 1)"),
+    ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 "
+     "--num-layers-per-virtual-pipeline-stage 1", "--num-layers-per-virtual-pipeline-stage with "
+                                                  "--decoder-first-pipeline-num-layers: give the virtual stages as "
+                                                  "--num-virtual-stages-per-pipeline-rank"),
     ("--fp16 --bf16", "--fp16 and --bf16 exclude each other"),
     ("--batch-size 4", "--batch-size is retired in Megatron-LM; use --micro-batch-size"),
     ("--num-layers x", "--num-layers must be a positive integer, got 'x'"),
@@ -215,9 +219,11 @@ def test_sequence_parallel_and_its_megatron_quirk_at_tp1():
 
 
 def test_overlapped_gradient_buckets_hold_megatrons_parameter_counts():
-    p = plan("--overlap-grad-reduce --bf16 --grad-reduce-in-bf16", gpus=64)
+    p = plan("--overlap-grad-reduce --bf16", gpus=64)
     assert p.training.grad_reduce is GradReduce.OVERLAP
-    assert p.training.bucket_size_mb == 128.0  # max(4e7, 1e6 x 64 data-parallel ranks) parameters x 2 bytes
+    # max(4e7, 1e6 x 64 data-parallel ranks) parameters x 4 bytes (bf16 gradients are reduced in fp32)
+    assert p.training.bucket_size_mb == 256.0
+    assert plan("--overlap-grad-reduce --fp16", gpus=64).training.bucket_size_mb == 128.0
     assert plan("--overlap-grad-reduce --ddp-bucket-size 10000000").training.bucket_size_mb == 40.0  # fp32
 
 
@@ -228,3 +234,19 @@ def test_performance_flags_are_listed_with_their_values_in_one_warning():
         "Megatron-LM arguments vtrain does not model (they may change speed or memory): --attention-backend flash, "
         "--tp-comm-overlap, --use-flash-attn, --no-gradient-accumulation-fusion, "
         "--max-position-embeddings 1024 (vtrain's position table has --seq-length 256 rows)")
+
+
+def test_distributed_optimizer_and_uneven_pipeline_splits_map_onto_their_fields():
+    p = plan("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather")
+    assert p.training.distributed_optimizer and p.training.overlap_param_gather
+    assert not plan().training.distributed_optimizer
+    p = plan("--pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1 "
+             "--decoder-last-pipeline-num-layers 1")
+    assert (p.parallel.decoder_first_pipeline_num_layers, p.parallel.decoder_last_pipeline_num_layers) == (1, 1)
+    assert p.parallel.chunk_layers(p.model) == ((1,), (3,), (3,), (1,))
+    # 8 layers + embedding + loss = 10 slots, 5 per rank, 1 per virtual stage: 5 virtual stages
+    p = plan("--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split "
+             "--account-for-loss-in-pipeline-split --num-layers-per-virtual-pipeline-stage 1")
+    assert p.parallel.account_for_embedding_in_pipeline_split and p.parallel.account_for_loss_in_pipeline_split
+    assert p.parallel.virtual_pipeline == 5
+    assert p.parallel.chunk_layers(p.model) == ((0, 1, 1, 1, 1), (1, 1, 1, 1, 0))

@@ -111,9 +111,9 @@ def test_llama3_8b_fp8_flags_set_fp8_and_need_a_gpu_with_fp8():
     assert (run.training.fp8, run.training.fp8_recipe) == (Fp8Format.HYBRID, Fp8Recipe.DELAYED)
     with pytest.raises(ConfigError, match=r"^training.fp8 'hybrid' needs fp8 tensor cores; a100-sxm4-80gb "):
         with_gpu(run, "A100")
-    with pytest.raises(ConfigError, match=r"^--use-distributed-optimizer: the distributed optimizer is not "
-                                          r"modelled by vtrain yet$"):
-        run_config_from_megatron_args(LLAMA3_8B_BF16_FLAGS + " --use-distributed-optimizer", gpus=8)
+    run = run_config_from_megatron_args(LLAMA3_8B_BF16_FLAGS + " --use-distributed-optimizer --overlap-param-gather",
+                                        gpus=8)
+    assert run.training.distributed_optimizer and run.training.overlap_param_gather
 
 
 def test_llama3_8b_bf16_field_by_field(caplog):
@@ -129,11 +129,12 @@ def test_llama3_8b_bf16_field_by_field(caplog):
     assert run.parallel == ParallelPlan(tensor_parallel=1, pipeline_parallel=1, data_parallel=8,
                                         sequence_parallel=False, micro_batch_size=1)
     assert run.training == TrainingSpec(global_batch_size=128, grad_reduce=GradReduce.OVERLAP,
-                                        bucket_size_mb=80.0)  # Megatron's 4e7 parameters x 2 bytes
+                                        bucket_size_mb=160.0)  # Megatron's 4e7 parameters x 4 bytes (fp32)
     assert [r.getMessage() for r in caplog.records] == [
         "warning: Megatron-LM arguments vtrain does not model (they may change speed or memory): "
         "--attention-backend fused, --apply-layernorm-1p, --empty-unused-memory-level 1, "
         "--cross-entropy-loss-fusion, --normalization LayerNorm (vtrain's llama layers: RMSNorm), "
+        "--grad-reduce-in-bf16 (Megatron-LM reduces gradients in bf16, vtrain in fp32), "
         "--sequence-parallel at TP 1 (Megatron-LM turns it off)"]
 
 

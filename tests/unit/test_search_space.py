@@ -42,7 +42,7 @@ def test_a_fully_pinned_grid_counts_each_combination_once_under_its_first_rule()
     """
     space = SearchSpace(tensor_parallel=(1, 2, 3, 16), pipeline_parallel=(1, 2, 3), data_parallel=(1, 2),
                         micro_batch_size=(1, 3, 4), virtual_pipeline=(1, 2), sequence_parallel=(False, True),
-                        recompute=("none",), grad_reduce=("overlap",))
+                        recompute=("none",), grad_reduce=("overlap",), distributed_optimizer=(False,))
     result = plans(space, gpus="2:8", global_batch_size=8)
     assert result.skipped == {
         "tp > max_tp": 72, "heads % tp": 72, "layers % pp": 48, "gpus not in budget": 12,
@@ -73,12 +73,13 @@ def test_default_ranges_on_an_exact_budget():
       8  1  1   1 2 4 8 16                       5 x 2 = 10
                                                  77 plans, 3 interleaved skipped
     """
-    pinned = plans(SearchSpace(recompute=("full",), grad_reduce=("after_backward",)))
+    pinned = plans(SearchSpace(recompute=("full",), grad_reduce=("after_backward",), distributed_optimizer=(False,)))
     assert len(pinned.candidates) == 77
     assert pinned.skipped == {"gpus not in budget": 3, "num_microbatches % pp (interleaved)": 3}
-    # unpinned later axes count once: the same skips, every plan in 3 recompute x 2 reductions
+    # unpinned later axes count once: the same skips, every plan in 3 recompute x 2 reductions, and
+    # the 2 + 5 + 4 + 6 + 14 + 8 = 39 plans with dp > 1 with and without the distributed optimizer
     everything = plans(SearchSpace())
-    assert len(everything.candidates) == 77 * 3 * 2
+    assert len(everything.candidates) == (77 + 39) * 3 * 2
     assert everything.skipped == pinned.skipped
 
 
@@ -95,9 +96,13 @@ def test_every_plan_is_valid_and_carries_the_training_spec_it_needs():
             assert c.training.schedule is ScheduleKind.INTERLEAVED_1F1B and m % c.parallel.pipeline_parallel == 0
         else:
             assert c.training.schedule is ScheduleKind.GPIPE
-        seen.add((c.parallel, c.training.grad_reduce))
+        seen.add((c.parallel, c.training.grad_reduce, c.training.distributed_optimizer))
+        assert c.training.overlap_param_gather == (c.training.distributed_optimizer
+                                                   and c.training.grad_reduce is GradReduce.OVERLAP)
+        assert c.parallel.data_parallel > 1 or not c.training.distributed_optimizer
     assert len(seen) == len(result.candidates)
     assert {c.training.grad_reduce for c in result.candidates} == set(GradReduce)
+    assert {c.training.distributed_optimizer for c in result.candidates} == {False, True}
     assert {c.parallel.recompute for c in result.candidates} == set(Recompute)
 
 
@@ -110,7 +115,8 @@ def test_an_interleaved_base_schedule_runs_1f1b_without_a_virtual_pipeline():
 
 def test_max_tp_and_sequence_parallel_rules():
     result = plans(SearchSpace(tensor_parallel=(1, 2, 4), max_tp=2, pipeline_parallel=(1,), sequence_parallel=(True,),
-                               micro_batch_size=(1,), recompute=("none",), grad_reduce=("overlap",)))
+                               micro_batch_size=(1,), recompute=("none",), grad_reduce=("overlap",),
+                               distributed_optimizer=(False,)))
     assert result.skipped == {"tp > max_tp": 1, "sp needs tp > 1": 1}
     assert [c.parallel for c in result.candidates] == [
         ParallelPlan(tensor_parallel=2, data_parallel=4, sequence_parallel=True)]
@@ -215,7 +221,8 @@ def test_axis_values_from_text_and_the_axis_table():
 def test_software_stack_and_fp8_axes_default_to_the_base_training_spec():
     """Unpinned, both axes take the base spec's value: one plan each, as before the axes existed."""
     fixed = dict(tensor_parallel=(2,), pipeline_parallel=(1,), micro_batch_size=(1,), virtual_pipeline=(1,),
-                 sequence_parallel=(False,), recompute=("none",), grad_reduce=("overlap",))
+                 sequence_parallel=(False,), recompute=("none",), grad_reduce=("overlap",),
+                 distributed_optimizer=(False,))
     (plain,) = plans(SearchSpace(**fixed), gpus="8").candidates
     assert (plain.training.software_stack, plain.training.fp8) == (None, None)
     te = TrainingSpec(global_batch_size=1, software_stack="megatron_core_te", fp8="hybrid")
@@ -227,7 +234,8 @@ def test_pinned_fp8_runs_only_with_the_te_stack():
     """3 stacks x (off, hybrid, e4m3): FP8 with local_spec or megatron_deepspeed_2023 is skipped (4)."""
     space = SearchSpace(tensor_parallel=(2,), pipeline_parallel=(1,), micro_batch_size=(1,), virtual_pipeline=(1,),
                         sequence_parallel=(False,), recompute=("none",), grad_reduce=("overlap",),
-                        software_stack=tuple(SoftwareStack), fp8=("off", "hybrid", "e4m3"))
+                        distributed_optimizer=(False,), software_stack=tuple(SoftwareStack),
+                        fp8=("off", "hybrid", "e4m3"))
     result = plans(space, gpus="8")
     assert result.skipped == {"fp8 needs megatron_core_te": 4}
     assert [(c.training.software_stack.value, c.training.fp8) for c in result.candidates] == [

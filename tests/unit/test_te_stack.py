@@ -255,7 +255,7 @@ def test_fp8_gemms_run_at_the_fp8_rate_and_fused_attention_at_its_own_efficiency
     attention = OpNode(key=KernelKey(op="te.fused_attention.default", input_shapes=((8192, 1, 16, 128),) * 3,
                                      dtypes=("bfloat16",) * 3), phase=Phase.FORWARD, module="a", flops=10**12,
                        nbytes=10**6)
-    assert model.duration_ns(attention) == pytest.approx(10**12 / (989e3 * 0.55) + overhead)
+    assert model.duration_ns(attention) == pytest.approx(10**12 / (989e3 * constants.attention_efficiency) + overhead)
 
 
 def test_python_api_estimates_fp8_on_h100_and_refuses_it_on_a100(llama):

@@ -30,7 +30,11 @@ PLAN_VARIANTS = {"tensor_parallel": 4, "sequence_parallel": True, "micro_batch_s
                  "pipeline_parallel": 2}
 # Fields that do not change a chunk's trace, so plans that differ only in them share it.
 MODEL_FIELDS_NOT_IN_KEY = {"num_layers": 8, "name": "other"}
-PLAN_FIELDS_NOT_IN_KEY = {"data_parallel": 16}
+PLAN_FIELDS_NOT_IN_KEY = {"data_parallel": 16, "account_for_embedding_in_pipeline_split": True,
+                          "account_for_loss_in_pipeline_split": True}
+# Uneven first / last stages (they need several stages) pick each chunk's layer count, i.e. the
+# layers built (a field of the key), not the trace of a chunk role.
+UNEVEN_SPLIT_NOT_IN_KEY = {"decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1}
 
 
 @pytest.fixture
@@ -118,7 +122,8 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     model_fields = {f.name for f in dataclasses.fields(ModelSpec)}
     plan_fields = {f.name for f in dataclasses.fields(ParallelPlan)}
     assert model_fields == set(MODEL_VARIANTS) | set(MODEL_FIELDS_NOT_IN_KEY)
-    assert plan_fields == set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | {"virtual_pipeline"}
+    assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
+                           | {"virtual_pipeline"})
     paths = {disk_cache.entry_path(KEY)}
     for name, value in MODEL_VARIANTS.items():
         model = dataclasses.replace(MODEL, **{name: value})
@@ -134,6 +139,8 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     # pipeline and virtual pipeline sizes beyond "several stages" only pick the chunk role
     pp2, pp8 = (ParallelPlan(tensor_parallel=2, pipeline_parallel=p, virtual_pipeline=v) for p, v in ((2, 1), (8, 2)))
     assert shape_key(MODEL, pp2, False, True, 2) == shape_key(MODEL, pp8, False, True, 2)
+    uneven = dataclasses.replace(pp2, **UNEVEN_SPLIT_NOT_IN_KEY)
+    assert shape_key(MODEL, uneven, False, True, 1) == shape_key(MODEL, pp2, False, True, 1)
 
 
 @pytest.mark.parametrize("package", ["vtrain", "torch", "megatron-core"])
@@ -163,7 +170,7 @@ def test_the_cache_folder(monkeypatch, tmp_path):
 
 
 def _small_chunk(name: str) -> ChunkTrace:
-    return ChunkTrace(blocks=(Block(kind=BlockKind.STAGE, name=name),), params_by_block={name: 1},
+    return ChunkTrace(blocks=(Block(kind=BlockKind.STAGE, name=name),), params_by_block={name: (1,)},
                       word_embedding_params=0, activation_shape=(1, 2, 3), activation_dtype="float16")
 
 

@@ -28,7 +28,7 @@ class ChunkTrace:
     """What one traced chunk role yields; independent of PP, DP and the chunk's layer count."""
 
     blocks: tuple[Block, ...]  # layers not yet folded
-    params_by_block: dict[str, int]  # parameter count per block name (per layer for layers)
+    params_by_block: dict[str, tuple[int, ...]]  # each parameter's elements per block name (per layer)
     word_embedding_params: int  # of the (possibly shared) word embedding / output weight here
     activation_shape: tuple[int, ...]
     activation_dtype: str
@@ -37,14 +37,15 @@ class ChunkTrace:
     folded: dict[int, tuple[Block, ...]] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"blocks": [b.to_dict() for b in self.blocks], "params_by_block": self.params_by_block,
+        return {"blocks": [b.to_dict() for b in self.blocks],
+                "params_by_block": {k: list(n) for k, n in self.params_by_block.items()},
                 "word_embedding_params": self.word_embedding_params,
                 "activation_shape": list(self.activation_shape), "activation_dtype": self.activation_dtype}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ChunkTrace:
         return cls(blocks=tuple(Block.from_dict(b) for b in d["blocks"]),
-                   params_by_block={str(k): int(n) for k, n in d["params_by_block"].items()},
+                   params_by_block={str(k): tuple(int(x) for x in n) for k, n in d["params_by_block"].items()},
                    word_embedding_params=int(d["word_embedding_params"]),
                    activation_shape=tuple(int(n) for n in d["activation_shape"]),
                    activation_dtype=str(d["activation_dtype"]))

@@ -44,7 +44,7 @@ CACHE_DIR_ENV = "VTRAIN_CACHE_DIR"
 NO_CACHE_ENV = "VTRAIN_NO_CACHE"
 MAX_MB_ENV = "VTRAIN_CACHE_MAX_MB"
 DEFAULT_MAX_MB = 512  # a GPT-3 175B chunk is about 16 kB gzipped; thousands of shapes fit
-ENTRY_FORMAT = 1
+ENTRY_FORMAT = 2  # 2: params_by_block holds each parameter's elements (was a count per block)
 SUFFIX = ".json.gz"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 # The packages whose source a chunk trace runs: a change to any of their files is a new key.

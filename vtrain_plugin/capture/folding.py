@@ -44,7 +44,8 @@ def to_node(record: Record, group_of: Callable[[str], ParallelGroup]) -> Node:
 
 def split_blocks(nodes: Sequence[Node], saved_nbytes: Mapping[str, int] | None = None) -> list[Block]:
     """Group nodes by block, keeping each block's nodes in execution order; ``saved_nbytes`` (per
-    module) gives each block its activation memory."""
+    module) gives each block its activation memory (a block that only keeps activations, such as
+    the stage holding the attention mask, is a block without nodes)."""
     activation = _activation_by_block(nodes, saved_nbytes or {})
     order: list[tuple[BlockKind, str]] = []
     members: dict[tuple[BlockKind, str], list[Node]] = {}
@@ -54,6 +55,10 @@ def split_blocks(nodes: Sequence[Node], saved_nbytes: Mapping[str, int] | None =
             members[where] = []
             order.append(where)
         members[where].append(node)
+    for where, nbytes in activation.items():
+        if where not in members and nbytes:
+            members[where] = []
+            order.append(where)
     rank = {BlockKind.EMBEDDING: 0, BlockKind.STAGE: 1, BlockKind.LAYER: 2, BlockKind.HEAD: 3}
     order.sort(key=lambda w: (rank[w[0]], layer_index(w[1]) or 0))
     return [Block(kind=k, name=n, nodes=tuple(members[(k, n)]), activation_nbytes=activation.get((k, n), 0))
@@ -61,19 +66,12 @@ def split_blocks(nodes: Sequence[Node], saved_nbytes: Mapping[str, int] | None =
 
 
 def _activation_by_block(nodes: Sequence[Node], saved_nbytes: Mapping[str, int]) -> dict[tuple[BlockKind, str], int]:
-    """Sum saved activation bytes per block. Bytes saved by the container of the layers (activation
-    checkpointing saves each layer's inputs from there, e.g. ``decoder``) are spread evenly over
-    the layers, since each checkpointed layer keeps its own inputs."""
-    layers = sorted({block_of(n.module) for n in nodes if block_of(n.module)[0] is BlockKind.LAYER})
+    """Sum saved activation bytes per block (the recorder has attributed the saves of activation
+    checkpointing to the layers whose inputs they are)."""
     activation: dict[tuple[BlockKind, str], int] = {}
     for module, nbytes in saved_nbytes.items():
         where = block_of(module)
-        owned = [w for w in layers if module and w[1].startswith(module + ".")]
-        if where[0] is BlockKind.STAGE and owned:
-            for w in owned:
-                activation[w] = activation.get(w, 0) + nbytes // len(owned)
-        else:
-            activation[where] = activation.get(where, 0) + nbytes
+        activation[where] = activation.get(where, 0) + nbytes
     return activation
 
 
@@ -96,7 +94,8 @@ def _signature(block: Block) -> tuple:
 def fold_layers(blocks: Sequence[Block], total_layers: int) -> list[Block]:
     """Fold identical consecutive layer blocks into the first, and scale to ``total_layers``.
 
-    ``blocks`` holds the traced layers (a prefix of the chunk's layers, all built from one spec);
+    ``blocks`` holds the traced layers (a prefix of the chunk's layers, all built from one spec, or
+    one layer when ``total_layers`` is 0: then no layer block is kept);
     the folded template's count becomes ``total_layers``. If the traced layers are not identical
     they are kept apart and the last one stands for the untraced rest.
     """
@@ -113,6 +112,8 @@ def fold_layers(blocks: Sequence[Block], total_layers: int) -> list[Block]:
             groups.append([b])
     folded = [replace(g[0], count=len(g)) for g in groups]
     folded[-1] = replace(folded[-1], count=folded[-1].count + total_layers - len(layers))
+    if total_layers == 0:  # a chunk of the embedding or the loss alone, traced with one layer
+        folded = []
     return others_before + folded + others_after
 
 

@@ -71,13 +71,15 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
                       activation_dtype=Dtype(model.dtype).torch_name)
 
 
-def _parameter_counts(module: torch.nn.Module) -> tuple[dict[str, int], int]:
-    counts: dict[str, int] = {}
+def _parameter_counts(module: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]], int]:
+    """Elements of each parameter per block (per layer for layers), in ``named_parameters`` order,
+    and of the word embedding / output weight."""
+    numels: dict[str, list[int]] = {}
     word_embedding = 0
     for name, p in module.named_parameters():
         owner = name.rsplit(".", 1)[0]
         _, block = folding.block_of(owner)
-        counts[block] = counts.get(block, 0) + p.numel()
+        numels.setdefault(block, []).append(p.numel())
         if owner in TIED_WEIGHT_OWNERS:
             word_embedding = p.numel()
-    return counts, word_embedding
+    return {block: tuple(sizes) for block, sizes in numels.items()}, word_embedding

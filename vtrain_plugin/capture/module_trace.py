@@ -36,7 +36,7 @@ def trace_module(module: torch.nn.Module, sample_input: Any, loss_fn: Callable |
             optimizer.step()
     nodes = [folding.to_node(r, lambda name: ParallelGroup.DP) for r in recorder.records]
     block = Block(kind=BlockKind.STAGE, name="model", nodes=tuple(nodes),
-                  num_parameters=sum(p.numel() for p in params))
+                  num_parameters=sum(p.numel() for p in params), parameter_numels=tuple(p.numel() for p in params))
     stage = StageGraph(pipeline_rank=0, blocks=(block,))
     first = inputs[0] if inputs else None
     batch = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1

@@ -23,6 +23,7 @@ from vtrain_plugin.capture import opinfo
 from vtrain_plugin.capture.records import CollectiveRecord, OpRecord, Record
 from vtrain_plugin.core.errors import TraceError
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey, Phase
+from megatron_adapters.conventions import split_layer_module
 
 _TAG = "vtrain_module"
 
@@ -71,6 +72,7 @@ class OpRecorder:
         self._param_owner: dict[int, str] = {}
         self.saved_nbytes: dict[str, int] = {}  # activation bytes kept for backward, per module
         self._saved: list[weakref.ref[_SavedTensor]] = []  # in the order forward saved them
+        self._last_layer = ""  # the transformer layer whose forward started last
         self._param_storages: set[int] = {p.untyped_storage()._cdata for p in root.parameters()}
         self._module_override: str | None = None
         self._default_module = ""
@@ -128,7 +130,12 @@ class OpRecorder:
             return probe.grad_fn._sequence_nr() + 1
 
     def _make_pre_hook(self, name: str) -> Callable:
+        layer = split_layer_module(name)
+        is_layer = layer is not None and not layer[2]
+
         def hook(module, inputs):
+            if is_layer:
+                self._last_layer = name
             self._stack.append((name, self._next_sequence_nr()))
         return hook
 
@@ -160,29 +167,41 @@ class OpRecorder:
     def _on_saved_tensor(self, tensor: torch.Tensor) -> Any:
         """Wrap each tensor autograd saves in forward; :meth:`_count_saved_activations` later sums the
         wrappers still alive, i.e. what the graph really keeps for backward (tensors saved by
-        functions run under no-grad, as inside activation checkpointing, are freed at once)."""
+        functions run under no-grad, as inside activation checkpointing, are freed at once).
+
+        A save by a container of the layers (``decoder``: activation checkpointing saves a layer's
+        inputs there, after running the layer) belongs to the layer that just ran."""
         if not (self.enabled and self._phase is Phase.FORWARD):
             return tensor
         module = self._stack[-1][0] if self._stack else self._default_module
+        if module and self._last_layer.startswith(module + "."):
+            module = self._last_layer
         saved = _SavedTensor(tensor, module)
         self._saved.append(weakref.ref(saved))
         return saved
 
     def _count_saved_activations(self) -> None:
-        """A storage saved by several modules counts once, for the first that saved it; walking the
-        saves in order (after collecting unreachable cycles) makes the attribution deterministic."""
+        """Bytes of every saved storage (parameters excluded), each counted once: for the module
+        that saved it first, or, when modules of several layers saved it (the attention mask, an
+        input of the whole chunk), for the chunk (module ``""``), so that a layer template stands
+        for a layer alone. Walking the saves in order (after collecting unreachable cycles) makes
+        the attribution deterministic."""
         gc.collect()
-        seen: set[int] = set()
+        savers: dict[int, list[str]] = {}
+        sizes: dict[int, int] = {}
         for ref in self._saved:
             saved = ref()
             if saved is None:
                 continue
             storage = saved.tensor.untyped_storage()
             key = storage._cdata
-            if key in self._param_storages or key in seen:
+            if key in self._param_storages:
                 continue
-            seen.add(key)
-            self.saved_nbytes[saved.module] = self.saved_nbytes.get(saved.module, 0) + storage.nbytes()
+            savers.setdefault(key, []).append(saved.module)
+            sizes[key] = storage.nbytes()
+        for key, modules in savers.items():
+            owner = modules[0] if len({_layer_of(m) for m in modules}) == 1 else ""
+            self.saved_nbytes[owner] = self.saved_nbytes.get(owner, 0) + sizes[key]
 
     # -- recording --------------------------------------------------------------------------
     def _current(self) -> tuple[Phase, str]:
@@ -249,6 +268,12 @@ class _SavedTensor:
     def __init__(self, tensor: torch.Tensor, module: str) -> None:
         self.tensor = tensor
         self.module = module
+
+
+def _layer_of(module: str) -> str:
+    """The transformer layer ``module`` is in, or ``module`` itself outside the layers."""
+    layer = split_layer_module(module)
+    return f"{layer[0]}.{layer[1]}" if layer else module
 
 
 def _unpack(saved: Any) -> torch.Tensor:

@@ -82,14 +82,11 @@ def trace(model: Any, parallel: ParallelPlan | None = None, *, micro_batch_size:
 
 def trace_gpt(model: ModelSpec, plan: ParallelPlan, *, traced_layers: int | None = DEFAULT_TRACED_LAYERS) -> OpGraph:
     plan.check_fits(model)
-    per_chunk = plan.layers_per_chunk(model)
-    built = per_chunk if traced_layers is None else min(per_chunk, traced_layers)
+    layers = plan.chunk_layers(model)
     stages = []
     for chunk in range(plan.virtual_pipeline):
         for rank in range(plan.pipeline_parallel):
-            role = chunk_role(plan, rank, chunk)
-            traced = _trace_chunk_cached(model, plan, role.pre_process, role.post_process, built)
-            stages.append(_assemble_stage(traced, rank, chunk, per_chunk))
+            stages.append(_stage(model, plan, rank, chunk, layers[rank][chunk], traced_layers))
     return OpGraph(model=model, parallel=plan, micro_batch_size=plan.micro_batch_size,
                    seq_length=model.seq_length, stages=tuple(stages))
 
@@ -100,11 +97,18 @@ def trace_stage(model: ModelSpec, plan: ParallelPlan, *, pipeline_rank: int, chu
     plan.check_fits(model)
     if not 0 <= pipeline_rank < plan.pipeline_parallel:
         raise ConfigError(f"pipeline_rank must be in [0, {plan.pipeline_parallel}), got {pipeline_rank}")
-    per_chunk = plan.layers_per_chunk(model)
-    built = per_chunk if traced_layers is None else min(per_chunk, traced_layers)
-    role = chunk_role(plan, pipeline_rank, chunk)
+    return _stage(model, plan, pipeline_rank, chunk, plan.chunk_layers(model)[pipeline_rank][chunk], traced_layers)
+
+
+def _stage(model: ModelSpec, plan: ParallelPlan, rank: int, chunk: int, num_layers: int,
+           traced_layers: int | None) -> StageGraph:
+    """One chunk of ``num_layers`` layers, traced with at most ``traced_layers`` of them built (and
+    at least one: a chunk that holds only the embedding or the loss, as an uneven split may leave
+    one, is traced with a layer and folded to none)."""
+    built = max(1, num_layers if traced_layers is None else min(num_layers, traced_layers))
+    role = chunk_role(plan, rank, chunk)
     traced = _trace_chunk_cached(model, plan, role.pre_process, role.post_process, built)
-    return _assemble_stage(traced, pipeline_rank, chunk, per_chunk)
+    return _assemble_stage(traced, rank, chunk, num_layers)
 
 
 def _trace_chunk_cached(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> ChunkTrace:
@@ -138,7 +142,8 @@ def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int) -
     blocks = traced.folded.get(per_chunk)
     if blocks is None:
         blocks = traced.folded[per_chunk] = tuple(
-            replace(block, num_parameters=traced.params_by_block.get(block.name, 0))
+            replace(block, num_parameters=sum(traced.params_by_block.get(block.name, ())),
+                    parameter_numels=traced.params_by_block.get(block.name, ()))
             for block in folding.fold_layers(traced.blocks, per_chunk))
     return StageGraph(pipeline_rank=rank, chunk=chunk, blocks=blocks,
                       activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,

@@ -86,13 +86,16 @@ def _collective_summary(layer: Block) -> str:
                      for (phase, kind, group, nb), n in groups.items()) or "-"
 
 
-def trace_json(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = None) -> dict[str, Any]:
+def trace_json(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = None, *,
+               distributed_optimizer: bool = False) -> dict[str, Any]:
     """Per stage: the traced ``ops``, the ``stack_kernels`` ``stack`` runs for them, and the
-    ``collectives``, identical entries merged with a ``count``."""
+    ``collectives``, identical entries merged with a ``count`` (the DP collectives those of the
+    distributed optimizer when ``distributed_optimizer``)."""
     stages = []
     tied = graph.model is not None and graph.model.tied
     for s in graph.stages:
-        runtime = runtime_collectives(s, graph.parallel, dtype=graph.dtype, tied_embeddings=tied).nodes(s)
+        runtime = runtime_collectives(s, graph.parallel, dtype=graph.dtype, tied_embeddings=tied,
+                                      distributed_optimizer=distributed_optimizer).nodes(s)
         traced = [(b.kind.value, b.count, b.nodes) for b in s.blocks] + [("runtime", 1, runtime)]
         ops, collectives = _merged(traced)
         kernels, _ = _merged([(b.kind.value, b.count, map_nodes(b.nodes, stack, fp8)) for b in s.blocks])
@@ -138,7 +141,8 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
         f"(tp={plan.tensor_parallel} pp={plan.pipeline_parallel} dp={plan.data_parallel} "
         f"micro-batch={plan.micro_batch_size} global batch={result.global_batch_size} "
         f"micro-batches={result.num_microbatches}, {run.training.schedule.value}, recompute={plan.recompute.value}, "
-        f"stack {result.software_stack}" + ("" if result.fp8 is None else f", fp8 {result.fp8}") + ")",
+        f"stack {result.software_stack}" + ("" if result.fp8 is None else f", fp8 {result.fp8}")
+        + (", distributed optimizer" if result.distributed_optimizer else "") + ")",
         "",
     ]
     total = result.iteration_time_ms
@@ -160,7 +164,7 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
     lines.append(f"memory per GPU (peak stage): {peak.total_gib:.1f} GiB of {result.gpu_memory_gib:.0f} GiB, "
                  f"{verdict} (weights {peak.weights_gib:.1f}, gradients {peak.gradients_gib:.1f}, "
                  f"optimizer {peak.optimizer_gib:.1f}, activations {peak.activations_gib:.1f} for "
-                 f"{peak.inflight_microbatches} micro-batches in flight)")
+                 f"{peak.inflight_microbatches} micro-batches in flight, allowance {peak.allowance_gib:.1f})")
     if result.largest_unmeasured:
         lines.append("")
         rows = [[k.op, " x ".join(str(list(s)) for s in k.input_shapes), k.phase, k.module, f"{k.time_ms:,.1f}",
@@ -200,7 +204,8 @@ def _money(usd: float) -> str:
 def _plan_label(row: Mapping[str, Any]) -> str:
     return (f"tp={row['tensor_parallel']} pp={row['pipeline_parallel']} dp={row['data_parallel']} "
             f"micro-batch={row['micro_batch_size']} vp={row['virtual_pipeline']} "
-            f"sp={'on' if row['sequence_parallel'] else 'off'} recompute={row['recompute']}")
+            f"sp={'on' if row['sequence_parallel'] else 'off'} recompute={row['recompute']}"
+            + (" distributed optimizer" if row["distributed_optimizer"] else ""))
 
 
 def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = None) -> str:
@@ -209,7 +214,7 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
     table = result.table
     trained = "train_days" in table
     varied = [column for column in ("software_stack", "fp8") if table[column].nunique(dropna=False) > 1]
-    header = ["rank", "tp", "pp", "dp", "mb", "vp", "sp", "recompute", "grad reduce",
+    header = ["rank", "tp", "pp", "dp", "mb", "vp", "sp", "recompute", "grad reduce", "dist opt",
               *(_VARIED_HEADERS[c] for c in varied), "GPUs", "iteration ms",
               "tokens/s", "MFU", "memory GiB", "fits", "$/iteration", *(["days", "$ to train"] if trained else []),
               "front"]
@@ -218,7 +223,7 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
         rows.append([
             str(row["rank"]), str(row["tensor_parallel"]), str(row["pipeline_parallel"]), str(row["data_parallel"]),
             str(row["micro_batch_size"]), str(row["virtual_pipeline"]), "on" if row["sequence_parallel"] else "off",
-            row["recompute"], row["grad_reduce"], *(str(row[c] or "off") for c in varied),
+            row["recompute"], row["grad_reduce"], "on" if row["distributed_optimizer"] else "off", *(str(row[c] or "off") for c in varied),
             f"{row['num_gpus']:,}", f"{row['iteration_time_ms']:,.1f}",
             f"{row['tokens_per_second']:,.0f}", f"{100 * row['mfu']:.1f}%", f"{row['peak_memory_gib']:.1f}",
             "yes" if row["fits_in_memory"] else "NO", _money(row["cost_usd"]),

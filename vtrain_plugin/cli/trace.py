@@ -27,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
     training = run_config.training
     stack = training.stack_for(run_config.model, get_device(run_config.cluster.gpu).architecture)
     if args.format == "json":
-        emit(json.dumps(trace_json(graph, stack, training.fp8_settings), indent=1), args.output)
+        emit(json.dumps(trace_json(graph, stack, training.fp8_settings,
+                                   distributed_optimizer=training.distributed_optimizer), indent=1), args.output)
     else:
         emit(trace_table(graph, stack, training.fp8_settings), args.output)
     return 0

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the specs layer sits above core; the graph only holds its v
     from vtrain_plugin.specs.model import ModelSpec
     from vtrain_plugin.specs.parallel import ParallelPlan
 
-SCHEMA_VERSION = 2  # 2: model and parallel are specs, module_name names a plain module
+SCHEMA_VERSION = 3  # 2: model and parallel are specs, module_name names a plain module; 3: parameter_numels
 
 Scalar = Union[int, float, bool, str, None]
 
@@ -190,6 +190,16 @@ class Block:
     nodes: tuple[Node, ...] = ()
     activation_nbytes: int = 0  # per instance and micro-batch: tensors forward keeps for backward
     num_parameters: int = 0  # per instance, on this rank
+    # Elements of each parameter of one instance, in the model's parameter order (what Megatron's
+    # gradient buffers are laid out from); empty when not known (then one tensor of num_parameters).
+    parameter_numels: tuple[int, ...] = ()
+
+    @property
+    def parameter_sizes(self) -> tuple[int, ...]:
+        """``parameter_numels``, or ``(num_parameters,)`` when they are not known."""
+        if self.parameter_numels:
+            return self.parameter_numels
+        return (self.num_parameters,) if self.num_parameters else ()
 
     def ops(self, phase: Phase | None = None, *, kernels_only: bool = True) -> Iterator[OpNode]:
         for n in self.nodes:
@@ -206,13 +216,13 @@ class Block:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "name": self.name, "count": self.count,
                 "activation_nbytes": self.activation_nbytes, "num_parameters": self.num_parameters,
-                "nodes": [n.to_dict() for n in self.nodes]}
+                "parameter_numels": list(self.parameter_numels), "nodes": [n.to_dict() for n in self.nodes]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Block:
         return cls(kind=BlockKind(d["kind"]), name=d["name"], count=d["count"],
                    activation_nbytes=d["activation_nbytes"], num_parameters=d["num_parameters"],
-                   nodes=tuple(_node_from_dict(n) for n in d["nodes"]))
+                   parameter_numels=tuple(d["parameter_numels"]), nodes=tuple(_node_from_dict(n) for n in d["nodes"]))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -5,8 +5,9 @@ backward, recompute and optimizer durations per chunk (:class:`ChunkWork`), with
 operations per stage: kernel times (:mod:`vtrain_plugin.cost.kernel_timer`), the host/device pipeline
 (:mod:`vtrain_plugin.cost.host_device`), blocking tensor-parallel collectives timed by the comm model
 and entering the pipeline in place with ``collective_host_overhead_ns`` of host cost (a kernel's when
-that is not modelled), gradient buckets
-(:mod:`vtrain_plugin.cost.dp_buckets`), pipeline transfers and the tied-embedding synchronisation.
+that is not modelled), gradient buckets (:mod:`vtrain_plugin.cost.dp_buckets`; with the distributed
+optimizer Megatron-Core's reduce-scatter and all-gather buckets), pipeline transfers and the
+tied-embedding synchronisation.
 Each task (a forward, a recompute, a backward of one micro-batch on one chunk) starts with the
 pipeline empty, as after Megatron's synchronisation around pipeline transfers, and each forward also
 pays ``microbatch_overhead_ns`` of host work outside the model. Host time is spent per kernel
@@ -22,9 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import Phase
 from vtrain_plugin.cost.comm import CommModel
-from vtrain_plugin.cost.dp_buckets import BlockGradients, dp_buckets
+from vtrain_plugin.cost.dp_buckets import BlockGradients, ZeroRuntime, dp_buckets, zero_buckets
 from vtrain_plugin.cost.host_device import SegmentTime, segment_sums, segment_times, sequence, then
 from vtrain_plugin.cost.kernel_timer import KernelTimer
 from vtrain_plugin.cost.prepare import PHASES, PreparedGraph, PreparedStage
@@ -55,6 +57,9 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
     """Time ``prepared`` with ``timer``'s device constants (``explain``: list the modeled kernels)."""
     parallel = prepared.graph.parallel
     pp = parallel.pipeline_parallel
+    if prepared.distributed_optimizer != training.distributed_optimizer:
+        raise ConfigError(f"the graph was prepared with distributed_optimizer={prepared.distributed_optimizer}, "
+                          f"the training spec says {training.distributed_optimizer}")
     provenance = Provenance()
     chunks: list[ChunkWork] = []
     optimizer = [0.0] * pp
@@ -63,7 +68,10 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
     costed: dict[tuple, StageCost] = {}  # stages of one role whose ranks time every collective alike
     for stage in prepared.stages:
         rank = stage.stage.pipeline_rank
-        key = (id(stage.role), id(stage.runtime), placements[rank])
+        chunk = stage.stage.chunk
+        # Megatron-Core buckets the gradients of the first chunk of the first rank alone and
+        # groups those of later chunks: the same role costs differently there.
+        key = (id(stage.role), id(stage.runtime), placements[rank], rank == 0 and chunk == 0, chunk > 0)
         staged = costed.get(key)
         if staged is None:
             staged = costed[key] = _stage_cost(stage, timer, comm, training, num_microbatches, explain)
@@ -74,8 +82,8 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
     work = PipelineWork(
         chunks=tuple(chunks), pipeline_parallel=pp, virtual_pipeline=parallel.virtual_pipeline,
         num_microbatches=num_microbatches, schedule=training.schedule,
-        dp_overlap=training.grad_reduce is GradReduce.OVERLAP, embedding_sync_ns=embedding_sync_ns,
-        optimizer_ns=tuple(optimizer))
+        dp_overlap=training.grad_reduce is GradReduce.OVERLAP, param_gather_overlap=training.overlap_param_gather,
+        embedding_sync_ns=embedding_sync_ns, optimizer_ns=tuple(optimizer))
     return Costing(work=work, provenance=provenance, flops=dict(prepared.flops))
 
 
@@ -128,14 +136,20 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     for node in runtime.sends:
         p2p[node.phase] = comm.time_ns(node.kind, node.nbytes, node.group, pipeline_rank=rank)
     gradients = [BlockGradients(backward_ns=_busy(time(b, Phase.BACKWARD)) + _busy(time(b, Phase.RECOMPUTE)),
-                                grad_nbytes=runtime.dp_grad_nbytes[b], count=blocks[b].count)
+                                grad_nbytes=runtime.dp_grad_nbytes[b], count=blocks[b].count,
+                                forward_ns=_busy(time(b, Phase.FORWARD)), param_numels=blocks[b].parameter_sizes)
                  for b in range(len(blocks))]
+    if runtime.distributed_optimizer and runtime.dp_group_size > 1:
+        zero = ZeroRuntime.of(runtime, pipeline_rank=rank, chunk=stage.chunk)
+        reduces, gathers = zero_buckets(gradients, comm, training, zero)
+    else:
+        reduces, gathers = dp_buckets(gradients, comm, training, rank), ()
     work = ChunkWork(
         forward_ns=totals[Phase.FORWARD] + constants.microbatch_overhead_ns, backward_ns=totals[Phase.BACKWARD],
         recompute_ns=totals[Phase.RECOMPUTE], tp_comm_forward_ns=tp[Phase.FORWARD],
         tp_comm_backward_ns=tp[Phase.BACKWARD] + tp[Phase.RECOMPUTE],
         p2p_forward_ns=p2p[Phase.FORWARD], p2p_backward_ns=p2p[Phase.BACKWARD],
-        dp_buckets=dp_buckets(gradients, comm, training, rank))
+        dp_buckets=reduces, param_gathers=gathers)
     return StageCost(work=work, optimizer_ns=totals[Phase.OPTIMIZER], embedding_sync_ns=sync_ns,
                      provenance=provenance)
 

@@ -247,8 +247,9 @@ def fused_attention_saved_delta(nodes: Sequence[Node]) -> int:
     keeps (bytes per micro-batch); 0 when the attention is recomputed (selective or full recompute
     keep none of its internals either way).
 
-    The traced attention keeps the fp32 softmax output, the probabilities its context GEMM reads,
-    the dropout mask and the causal mask (the score-sized tensors: ``b h s^2`` elements each), and
+    The traced attention keeps the fp32 softmax output, the probabilities its context GEMM reads and
+    the dropout mask (the score-sized tensors: ``b h s^2`` elements each; the causal mask, shared by
+    every layer of a chunk, is counted once per chunk by the memory model, not here), and
     with grouped-query attention keys and values expanded to every query head; the fused kernel
     keeps none of these, but keys and values at their own size and the softmax statistics (one fp32
     value per query row). Queries, the output and, without GQA, keys and values are kept by both.
@@ -267,7 +268,7 @@ def fused_attention_saved_delta(nodes: Sequence[Node]) -> int:
     by_name = {op_name(n): n for n in forward}
     softmax, context = by_name["_softmax"], by_name["bmm"]
     b, heads, sq, _ = softmax.key.input_shapes[0]
-    dropped = kept(softmax, 0) + kept(context, 0) + kept(by_name["masked_fill_"], 1)
+    dropped = kept(softmax, 0) + kept(context, 0)
     if "bernoulli_" in by_name:
         dropped += kept(by_name["bernoulli_"], 0)
     expanded = [n for n in forward if len(n.key.input_shapes[0]) == 5]  # GQA: (s, b, g, h/g, d) clones

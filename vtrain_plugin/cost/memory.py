@@ -1,25 +1,47 @@
-"""Memory each GPU needs: model states from the traced parameters, activations from the trace.
+"""Memory each GPU needs: model states from the traced parameters, activations from the trace and
+the schedule, and an allowance for what the process holds besides tensors.
 
-Per pipeline rank (the representative one; TP and DP replicas hold the same):
-- weights and gradients in the model dtype, plus fp32 main weights (when the model dtype is
-  narrower) and Adam's two fp32 moments, as in Megatron's mixed precision without a distributed
-  optimizer: 16 bytes per parameter in fp16/bf16, 16 in fp32 (no separate main copy);
-- activations: what the forward of one micro-batch keeps for backward (measured while tracing the
-  real model, per block), times the most micro-batches the schedule keeps in flight on that rank.
-Not counted: the transient activations of the layer being recomputed or back-propagated, the
-allocator's fragmentation and the CUDA context; the result is a lower bound on what
-``torch.cuda.max_memory_allocated`` reports.
+Per pipeline rank (the representative one; TP and DP replicas hold the same), for the ``P``
+parameters of its chunks:
+
+- weights in the model dtype and gradients in Megatron's gradient dtype
+  (:func:`vtrain_plugin.specs.training.grad_dtype`: fp32 for bf16), ``P x (2 + 4)`` bytes in bf16;
+- optimizer state: fp32 main weights (when the model dtype is narrower) and Adam's two fp32
+  moments, ``P x 12`` bytes in fp16/bf16, divided by DP with the distributed optimizer (ZeRO-1
+  shards exactly these; weights and gradients stay whole). With Megatron-LM's
+  ``theoretical_memory_usage`` that is 18 bytes per parameter, or ``6 + 12 / DP``;
+- activations: what the forward of one micro-batch keeps for backward on each chunk (the saved
+  tensors of the real model, captured while tracing), at the schedule's peak of micro-batches in
+  flight: the most activation bytes the rank holds at once when walking its task order (1F1B:
+  ``min(pp - rank, m)`` micro-batches; interleaved: Megatron's ``pp + (pp - 1) / vp`` micro-batches
+  on the first rank, per chunk as the chunks' sizes differ);
+- an allowance (:data:`RESERVED_GIB`, :data:`FRAGMENTATION`): the CUDA context and kernel images,
+  NCCL's communicator buffers, cuBLAS / cuDNN workspaces and the caching allocator's fragmentation.
+  These are not modeled, they are a round allowance so that "fits" leaves room for them: about
+  0.5 GiB of context, 1 GiB of NCCL buffers for a handful of communicators and 0.5 GiB of
+  workspaces and Megatron's scratch buffers, plus 5% of the tensors for fragmentation (PyTorch's
+  ``memory_reserved`` over ``memory_allocated`` in steady-state training).
+
+Not counted: the transient activations of the layer being recomputed or back-propagated, logits
+freed before the peak, and the optimizer step's temporaries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
-from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
-from vtrain_plugin.specs.training import optimizer_bytes_per_parameter
+from vtrain_plugin.specs.training import grad_dtype, optimizer_bytes_per_parameter
+
+RESERVED_GIB = 2.0  # CUDA context, NCCL buffers, library workspaces (see the module doc)
+FRAGMENTATION = 0.05  # of the tensors' bytes: the caching allocator's fragmentation
+
+PeakLive = Callable[[int, Sequence[int]], tuple[int, int]]
+"""``(pipeline_rank, activation bytes of each of its chunks) -> (peak bytes held, (chunk,
+micro-batch) pairs held then)``: the schedule's walk (``Schedule.peak_live``)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankMemory:
@@ -28,37 +50,39 @@ class RankMemory:
     optimizer_gib: float
     activations_gib: float
     inflight_microbatches: int  # (chunk, micro-batch) pairs held at the peak
+    allowance_gib: float = 0.0  # context, buffers, workspaces, fragmentation (see the module doc)
+
+    @property
+    def tensors_gib(self) -> float:
+        """What Megatron-LM's ``theoretical_memory_usage`` counts: model states and activations."""
+        return self.weights_gib + self.gradients_gib + self.optimizer_gib + self.activations_gib
 
     @property
     def total_gib(self) -> float:
-        return self.weights_gib + self.gradients_gib + self.optimizer_gib + self.activations_gib
+        return self.tensors_gib + self.allowance_gib
 
     def to_dict(self) -> dict[str, float]:
         return {"weights": self.weights_gib, "gradients": self.gradients_gib, "optimizer": self.optimizer_gib,
-                "activations": self.activations_gib, "total": self.total_gib}
+                "activations": self.activations_gib, "allowance": self.allowance_gib, "total": self.total_gib}
 
 
-def rank_memory(graph: OpGraph, inflight: Sequence[int]) -> tuple[RankMemory, ...]:
-    """Memory of each pipeline rank; ``inflight[r]`` is the most (chunk, micro-batch) pairs whose
-    activations rank ``r`` holds at once under the schedule (``Schedule.peak_inflight``)."""
+def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: bool = False
+                ) -> tuple[RankMemory, ...]:
+    """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule."""
     dtype = graph.dtype
-    per_param = dtype.nbytes
-    optimizer_per_param = optimizer_bytes_per_parameter(dtype)
-    pp = graph.parallel.pipeline_parallel
-    params = [0] * pp
-    activations = [0] * pp
-    chunks = [0] * pp
+    plan = graph.parallel
+    shards = plan.data_parallel if distributed_optimizer else 1
+    optimizer_per_param = optimizer_bytes_per_parameter(dtype) / shards
+    params = [0] * plan.pipeline_parallel
+    chunks: list[list[int]] = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]
     for stage in graph.stages:
         params[stage.pipeline_rank] += stage.num_parameters
-        activations[stage.pipeline_rank] += stage.activation_nbytes
-        chunks[stage.pipeline_rank] += 1
+        chunks[stage.pipeline_rank][stage.chunk] = stage.activation_nbytes
     out = []
-    for rank in range(pp):
-        out.append(RankMemory(
-            weights_gib=params[rank] * per_param / GIB,
-            gradients_gib=params[rank] * per_param / GIB,
-            optimizer_gib=params[rank] * optimizer_per_param / GIB,
-            activations_gib=activations[rank] / chunks[rank] * inflight[rank] / GIB,
-            inflight_microbatches=inflight[rank],
-        ))
+    for rank, count in enumerate(params):
+        activations, inflight = peak_live(rank, chunks[rank])
+        tensors = RankMemory(weights_gib=count * dtype.nbytes / GIB, gradients_gib=count * grad_dtype(dtype).nbytes / GIB,
+                             optimizer_gib=count * optimizer_per_param / GIB, activations_gib=activations / GIB,
+                             inflight_microbatches=inflight)
+        out.append(replace(tensors, allowance_gib=RESERVED_GIB + FRAGMENTATION * tensors.tensors_gib))
     return tuple(out)

@@ -5,7 +5,8 @@ Each block's ops are lowered onto the kernels of the software stack (:mod:`vtrai
 and every block's phases are laid out as segments of one :class:`KernelBatch` per stage, with the
 measured durations looked up; tensor-parallel collectives are rows of the batch (they block the
 compute stream). Megatron's runtime collectives (DP gradients, pipeline transfers, tied embeddings)
-are derived per stage (:mod:`vtrain_plugin.cost.runtime_collectives`). Stages that share their blocks
+are derived per stage (:mod:`vtrain_plugin.cost.runtime_collectives`); with the distributed optimizer
+the optimizer step runs on the rank's shard (:mod:`vtrain_plugin.cost.optimizer_shard`). Stages that share their blocks
 (one chunk role) share one :class:`PreparedRole`, and roles prepared without measured durations are
 kept across calls. This depends on the graph, the stack and the profile, not on the device constants
 or the cluster:
@@ -26,6 +27,7 @@ from vtrain_plugin.cost.host_device import Segment
 from vtrain_plugin.cost.kernel_model import KernelBatch
 from vtrain_plugin.cost.kernel_timer import measured_ns
 from vtrain_plugin.cost.lowering import map_nodes
+from vtrain_plugin.cost.optimizer_shard import shard_optimizer
 from vtrain_plugin.cost.runtime_collectives import RuntimeCollectives, runtime_collectives
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
 
@@ -90,6 +92,7 @@ class PreparedStage:
 class PreparedGraph:
     graph: OpGraph
     stack: SoftwareStack
+    distributed_optimizer: bool
     stages: tuple[PreparedStage, ...]  # in virtual-stage order (chunk * pp + pipeline_rank)
     flops: dict[Phase, int]  # of one micro-batch through every chunk, on one tensor-parallel rank
 
@@ -102,10 +105,11 @@ _roles: OrderedDict[tuple, PreparedRole] = OrderedDict()
 
 
 def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[KernelKey, float] | None = None, *,
-            fp8: Fp8Settings | None = None) -> PreparedGraph:
+            fp8: Fp8Settings | None = None, distributed_optimizer: bool = False) -> PreparedGraph:
     """Lay ``graph`` out for costing under ``stack`` (GEMMs in FP8 with ``fp8``), with ``measured``
-    kernel durations (ns)."""
+    kernel durations (ns), and Megatron-Core's ``distributed_optimizer`` or not."""
     stack = SoftwareStack(stack)
+    shards = graph.parallel.data_parallel if distributed_optimizer else 1
     pp = graph.parallel.pipeline_parallel
     last = graph.parallel.num_model_chunks - 1
     ordered = sorted(graph.stages, key=lambda s: s.chunk * pp + s.pipeline_rank)
@@ -114,29 +118,31 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
     runtimes: dict[tuple, RuntimeCollectives] = {}
     stages = []
     for stage in ordered:
-        role_key = (stack, fp8, tuple((id(b.nodes), b.count) for b in stage.blocks))
+        role_key = (stack, fp8, shards, tuple((id(b.nodes), b.count) for b in stage.blocks))
         role = roles.get(role_key)
         if role is None:
-            role = roles[role_key] = _role(stage.blocks, stack, fp8, measured, role_key)
+            role = roles[role_key] = _role(stage.blocks, stack, fp8, shards, measured, role_key)
         virtual = stage.chunk * pp + stage.pipeline_rank
         runtime_key = (role_key, tuple(b.num_parameters for b in stage.blocks), stage.word_embedding_parameters,
                        stage.activation_shape, stage.activation_dtype, virtual == 0, virtual == last)
         runtime = runtimes.get(runtime_key)
         if runtime is None:
             runtime = runtimes[runtime_key] = runtime_collectives(stage, graph.parallel, dtype=graph.dtype,
-                                                                  tied_embeddings=tied)
+                                                                  tied_embeddings=tied,
+                                                                  distributed_optimizer=distributed_optimizer)
         stages.append(PreparedStage(stage=stage, role=role, runtime=runtime))
     flops = {phase: sum(s.role.flops[phase] for s in stages) for phase in PHASES}
-    return PreparedGraph(graph=graph, stack=stack, stages=tuple(stages), flops=flops)
+    return PreparedGraph(graph=graph, stack=stack, distributed_optimizer=distributed_optimizer, stages=tuple(stages),
+                         flops=flops)
 
 
-def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None,
+def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: int,
           measured: Mapping[KernelKey, float] | None, key: tuple) -> PreparedRole:
     if measured:
-        return _prepare_role(blocks, stack, fp8, measured)
+        return _prepare_role(blocks, stack, fp8, shards, measured)
     role = _roles.get(key)
     if role is None:
-        role = _roles[key] = _prepare_role(blocks, stack, fp8, {})
+        role = _roles[key] = _prepare_role(blocks, stack, fp8, shards, {})
         if len(_roles) > _ROLE_CACHE_SIZE:
             _roles.popitem(last=False)
     else:
@@ -144,7 +150,7 @@ def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | No
     return role
 
 
-def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None,
+def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: int,
                   measured: Mapping[KernelKey, float]) -> PreparedRole:
     rows: list[OpNode | None] = []
     phases: list[Phase] = []
@@ -152,7 +158,7 @@ def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setti
     segments: list[Segment] = []
     for b, block in enumerate(blocks):
         by_phase: dict[Phase, list[OpNode | CollectiveNode]] = {p: [] for p in PHASES}
-        for node in map_nodes(block.nodes, stack, fp8):
+        for node in shard_optimizer(map_nodes(block.nodes, stack, fp8), shards):
             if isinstance(node, OpNode):
                 if node.launches_kernel:
                     by_phase[node.phase].append(node)

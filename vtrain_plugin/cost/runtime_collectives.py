@@ -4,13 +4,16 @@ The model's own collectives (tensor-parallel all-reduce, all-gather, reduce-scat
 while tracing. Three more run outside the model in Megatron and are derived here from what the trace
 recorded, once per stage:
 
-- the data-parallel gradient reduction: each block's gradients (its parameters in the model dtype)
-  all-reduced over the DP group when ``data_parallel > 1``;
+- the data-parallel gradient reduction: each block's gradients (its parameters in Megatron's
+  gradient dtype, :func:`vtrain_plugin.specs.training.grad_dtype`) all-reduced over the DP group
+  when ``data_parallel > 1``; with the distributed optimizer reduce-scattered instead, and the
+  parameters (model dtype) all-gathered after the optimizer step (the buckets, with Megatron-Core's
+  padding, are laid out by :mod:`vtrain_plugin.cost.param_buffer` when the stage is costed);
 - the pipeline point-to-point traffic of one micro-batch: the stage-boundary activation sent to the
   next virtual stage in forward and its gradient sent back in backward (and the matching receives);
 - the tied-embedding synchronisation: with tied embeddings and ``pipeline_parallel > 1`` the first
   stage's word embedding and the last stage's output weight are one tensor, whose gradient is
-  all-reduced over the two-rank embedding group.
+  all-reduced (gradient dtype) over the two-rank embedding group.
 
 All are :class:`CollectiveNode` s marked ``synthesized``.
 """
@@ -24,40 +27,68 @@ from vtrain_plugin.core.dtypes import Dtype, element_nbytes
 from vtrain_plugin.core.graph import BlockKind, CollectiveKind, CollectiveNode, ParallelGroup, Phase, StageGraph
 from megatron_adapters.conventions import OUTPUT_LAYER, WORD_EMBEDDING
 from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.training import grad_dtype
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RuntimeCollectives:
     """What Megatron's runtime communicates for one stage (see the module doc)."""
 
-    dp_grad_nbytes: tuple[int, ...]  # per block instance, in the stage's block order
+    dp_grad_nbytes: tuple[int, ...]  # per block instance, in the stage's block order (0 without DP)
     dp_group_size: int
+    grad_dtype: Dtype
+    param_dtype: Dtype
+    distributed_optimizer: bool
     embedding_sync: tuple[CollectiveNode, ...]  # at most one
     p2p: tuple[CollectiveNode, ...]  # per micro-batch: recv/send forward, recv/send backward
+    # Forward index (over the stage's parameters) of the tied word embedding / output weight, which
+    # the distributed optimizer gives a bucket of its own; None when it is not shared over a pipeline.
+    shared_embedding_param: int | None = None
 
     def nodes(self, stage: StageGraph) -> tuple[CollectiveNode, ...]:
-        """All of them as graph nodes (DP reductions per block, by module), for reports."""
-        dtype = stage.activation_dtype
-        dp = tuple(CollectiveNode(kind=CollectiveKind.ALL_REDUCE, nbytes=nbytes, group=ParallelGroup.DP,
-                                  group_size=self.dp_group_size, phase=Phase.BACKWARD, module=block.name,
-                                  dtype=dtype, synthesized=True)
-                   for block, nbytes in zip(stage.blocks, self.dp_grad_nbytes) if nbytes)
-        return dp + self.embedding_sync + self.p2p
+        """All of them as graph nodes (DP collectives per block, by module), for reports."""
+        dp: list[CollectiveNode] = []
+        for block, nbytes in zip(stage.blocks, self.dp_grad_nbytes):
+            if not nbytes:
+                continue
+            if self.distributed_optimizer:
+                dp.append(self._dp(CollectiveKind.REDUCE_SCATTER, nbytes, Phase.BACKWARD, block.name, self.grad_dtype))
+                params = nbytes // self.grad_dtype.nbytes * self.param_dtype.nbytes
+                dp.append(self._dp(CollectiveKind.ALL_GATHER, params, Phase.OPTIMIZER, block.name, self.param_dtype))
+            else:
+                dp.append(self._dp(CollectiveKind.ALL_REDUCE, nbytes, Phase.BACKWARD, block.name, self.grad_dtype))
+        return tuple(dp) + self.embedding_sync + self.p2p
+
+    def _dp(self, kind: CollectiveKind, nbytes: int, phase: Phase, module: str, dtype: Dtype) -> CollectiveNode:
+        return CollectiveNode(kind=kind, nbytes=nbytes, group=ParallelGroup.DP, group_size=self.dp_group_size,
+                              phase=phase, module=module, dtype=dtype.torch_name, synthesized=True)
 
     @property
     def sends(self) -> tuple[CollectiveNode, ...]:
         return tuple(n for n in self.p2p if n.kind is CollectiveKind.SEND)
 
 
-def runtime_collectives(stage: StageGraph, plan: ParallelPlan, *, dtype: Dtype, tied_embeddings: bool
-                        ) -> RuntimeCollectives:
+def runtime_collectives(stage: StageGraph, plan: ParallelPlan, *, dtype: Dtype, tied_embeddings: bool,
+                        distributed_optimizer: bool = False) -> RuntimeCollectives:
     """The runtime collectives of ``stage`` under ``plan`` for a model of ``dtype`` (see the module doc)."""
     dp = plan.data_parallel
-    grad_bytes = dtype.nbytes
-    grads = tuple(block.num_parameters * grad_bytes if dp > 1 else 0 for block in stage.blocks)
-    return RuntimeCollectives(dp_grad_nbytes=grads, dp_group_size=dp,
-                              embedding_sync=_embedding_sync(stage, plan, dtype, tied_embeddings),
-                              p2p=_p2p(stage, plan))
+    grads = grad_dtype(dtype)
+    nbytes = tuple(block.num_parameters * grads.nbytes if dp > 1 else 0 for block in stage.blocks)
+    sync = _embedding_sync(stage, plan, grads, tied_embeddings)
+    return RuntimeCollectives(dp_grad_nbytes=nbytes, dp_group_size=dp, grad_dtype=grads, param_dtype=dtype,
+                              distributed_optimizer=distributed_optimizer, embedding_sync=sync, p2p=_p2p(stage, plan),
+                              shared_embedding_param=_shared_embedding_param(stage, sync))
+
+
+def _shared_embedding_param(stage: StageGraph, sync: tuple[CollectiveNode, ...]) -> int | None:
+    """The word embedding is the first parameter of the first stage (``named_parameters`` starts
+    with the embedding), the output weight the last of the last stage."""
+    if not sync:
+        return None
+    sizes = [n for block in stage.blocks for _ in range(block.count) for n in block.parameter_sizes]
+    index = 0 if sync[0].module == WORD_EMBEDDING else len(sizes) - 1
+    assert sizes[index] == stage.word_embedding_parameters, "the shared embedding is not where megatron-core puts it"
+    return index
 
 
 def _embedding_sync(stage: StageGraph, plan: ParallelPlan, dtype: Dtype, tied: bool) -> tuple[CollectiveNode, ...]:

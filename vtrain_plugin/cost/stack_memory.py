@@ -10,19 +10,18 @@ weights. Activations saved in FP8 by TE's linears are still counted in the model
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.lowering_fp8 import fp8_weight_cache_nbytes
 from vtrain_plugin.cost.lowering_te import fused_attention_saved_delta
-from vtrain_plugin.cost.memory import RankMemory, rank_memory
+from vtrain_plugin.cost.memory import PeakLive, RankMemory, rank_memory
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
 
 
-def stack_rank_memory(graph: OpGraph, inflight: Sequence[int], stack: SoftwareStack,
-                      fp8: Fp8Settings | None = None) -> tuple[RankMemory, ...]:
+def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack, fp8: Fp8Settings | None = None, *,
+                      distributed_optimizer: bool = False) -> tuple[RankMemory, ...]:
     """:func:`~vtrain_plugin.cost.memory.rank_memory` of ``graph`` as ``stack`` (in FP8 with
     ``fp8``) runs it."""
     if stack is SoftwareStack.MEGATRON_CORE_TE:
@@ -31,7 +30,7 @@ def stack_rank_memory(graph: OpGraph, inflight: Sequence[int], stack: SoftwareSt
                 replace(block, activation_nbytes=block.activation_nbytes + fused_attention_saved_delta(block.nodes))
                 for block in stage.blocks))
             for stage in graph.stages))
-    memory = rank_memory(graph, inflight)
+    memory = rank_memory(graph, peak_live, distributed_optimizer=distributed_optimizer)
     if fp8 is None:
         return memory
     cache = [0] * graph.parallel.pipeline_parallel

@@ -27,6 +27,19 @@ class DpBucket:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ParamGather:
+    """One bucket's parameter all-gather of the distributed optimizer."""
+
+    comm_ns: float
+    need_fraction: float  # 0..1: needed this far into the chunk's first forward (0: at its start)
+
+    def __post_init__(self) -> None:
+        v.non_negative_number("param_gather.comm_ns", self.comm_ns)
+        if not 0.0 <= self.need_fraction <= 1.0:
+            raise ConfigError(f"param_gather.need_fraction must be in [0, 1], got {self.need_fraction!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkWork:
     """One model chunk (virtual pipeline stage) on its representative rank, per micro-batch."""
 
@@ -38,6 +51,7 @@ class ChunkWork:
     p2p_forward_ns: float = 0.0  # send of the output activation to the next virtual stage
     p2p_backward_ns: float = 0.0  # send of the input gradient to the previous virtual stage
     dp_buckets: tuple[DpBucket, ...] = ()
+    param_gathers: tuple[ParamGather, ...] = ()  # distributed optimizer, in the order forward needs them
 
     def __post_init__(self) -> None:
         for name in ("forward_ns", "backward_ns", "recompute_ns", "tp_comm_forward_ns",
@@ -50,6 +64,7 @@ class ChunkWork:
             raise ConfigError(f"chunk_work.tp_comm_backward_ns ({self.tp_comm_backward_ns}) must not "
                               f"exceed backward_ns + recompute_ns ({self.backward_ns + self.recompute_ns})")
         object.__setattr__(self, "dp_buckets", tuple(self.dp_buckets))
+        object.__setattr__(self, "param_gathers", tuple(self.param_gathers))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +80,10 @@ class PipelineWork:
     # True: a bucket is launched when ready during its chunk's last backward (Megatron DDP
     # overlap_grad_reduce); one DP stream per rank, first ready first served.
     dp_overlap: bool
+    # Distributed optimizer's parameter all-gathers: False, after the optimizer step; True
+    # (overlap_param_gather), issued at the start of the iteration and awaited by each chunk's
+    # first forward, bucket by bucket.
+    param_gather_overlap: bool = False
     embedding_sync_ns: float = 0.0  # tied-embedding grad all-reduce, first and last rank, after DP
     optimizer_ns: tuple[float, ...]  # per pipeline rank
 
@@ -75,6 +94,7 @@ class PipelineWork:
         object.__setattr__(self, "schedule", ScheduleKind(v.one_of(
             "pipeline_work.schedule", str(self.schedule), [k.value for k in ScheduleKind])))
         v.boolean("pipeline_work.dp_overlap", self.dp_overlap)
+        v.boolean("pipeline_work.param_gather_overlap", self.param_gather_overlap)
         v.non_negative_number("pipeline_work.embedding_sync_ns", self.embedding_sync_ns)
         object.__setattr__(self, "chunks", tuple(self.chunks))
         object.__setattr__(self, "optimizer_ns", tuple(self.optimizer_ns))

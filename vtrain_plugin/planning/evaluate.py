@@ -25,7 +25,7 @@ from vtrain_plugin.specs.model import ModelSpec
 Row = dict[str, Any]
 
 PLAN_COLUMNS = ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "virtual_pipeline",
-                "sequence_parallel", "recompute", "grad_reduce", "schedule", "software_stack", "fp8")
+                "sequence_parallel", "recompute", "grad_reduce", "distributed_optimizer", "schedule", "software_stack", "fp8")
 ESTIMATE_COLUMNS = ("num_gpus", "num_microbatches", "iteration_time_ms", "tokens_per_second", "tflops_per_gpu",
                     "mfu", "peak_memory_gib", "fits_in_memory", "cost_usd", "gpu_hours")
 TRAIN_COLUMNS = ("iterations", "train_days", "train_cost_usd")  # with TrainingSpec.total_tokens
@@ -58,6 +58,7 @@ def plan_row(candidate: Candidate, est: Estimate) -> Row:
         "sequence_parallel": plan.sequence_parallel,
         "recompute": plan.recompute.value,
         "grad_reduce": training.grad_reduce.value,
+        "distributed_optimizer": training.distributed_optimizer,
         "schedule": training.schedule.value,
         "software_stack": est.software_stack,  # the one the plan ran: given, or its default
         "fp8": est.fp8,

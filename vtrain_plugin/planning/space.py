@@ -17,6 +17,8 @@ grad_reduce        after_backward, overlap
 software_stack     the base training spec's (none given: each plan's default, TrainingSpec.stack_for)
 fp8                the base training spec's (off unless the plan file sets training.fp8); ``off``,
                    ``hybrid`` and ``e4m3`` can be pinned, FP8 only with megatron_core_te
+distributed_opt.   off, plus on when DP > 1 (with grad_reduce overlap it overlaps the parameter
+                   all-gather too: overlap_param_gather, as Megatron-Core recipes set them together)
 =================  ==================================================================================
 
 Each combination of values is checked against :data:`RULES`, in that order (the axes' rules, axis
@@ -223,6 +225,8 @@ AXES: tuple[Axis, ...] = (
          (Rule("fp8 needs megatron_core_te", lambda ctx, c: c["fp8"] is not None
                and c["software_stack"] not in (None, SoftwareStack.MEGATRON_CORE_TE)),),
          default_label="off unless the plan file sets training.fp8"),
+    Axis("distributed_optimizer", "dist_opt", "distributed optimizer (ZeRO-1): on, off", SWITCH,
+         lambda ctx, c: (False,) if c["data_parallel"] == 1 else (False, True)),
 )
 RULES: tuple[str, ...] = tuple(rule.name for axis in AXES for rule in axis.rules)
 
@@ -245,6 +249,7 @@ class SearchSpace:
     grad_reduce: tuple[GradReduce, ...] | None = None
     software_stack: tuple[SoftwareStack, ...] | None = None
     fp8: tuple[Fp8Format | None, ...] | None = None
+    distributed_optimizer: tuple[bool, ...] | None = None
     max_tp: int | None = None  # largest TP tried; None: the cluster's GPUs per node
 
     def __post_init__(self) -> None:
@@ -332,7 +337,8 @@ def enumerate_plans(model: ModelSpec, space: SearchSpace, *, global_batch_size: 
         schedule = _schedule(base.schedule, plan_values["virtual_pipeline"])
         key = (schedule, *training_values.items())
         if key not in specs:
-            specs[key] = replace(base, schedule=schedule, **training_values)
+            overlap = training_values["distributed_optimizer"] and training_values["grad_reduce"] is GradReduce.OVERLAP
+            specs[key] = replace(base, schedule=schedule, overlap_param_gather=overlap, **training_values)
         candidates.append(Candidate(parallel=ParallelPlan(**plan_values), training=specs[key]))
     return Enumeration(candidates=tuple(candidates), skipped=skipped)
 

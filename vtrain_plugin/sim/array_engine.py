@@ -16,9 +16,12 @@ from vtrain_plugin.cost.work import PipelineWork
 from vtrain_plugin.sim.task_graph import SteadyState, task_graph
 
 
-def run_compute(work: PipelineWork) -> tuple[list[float], list[float], list[float]]:
+def run_compute(work: PipelineWork, gates: list[float] | None = None
+                ) -> tuple[list[float], list[float], list[float], list[float]]:
     """(end of each rank's last task, start of each virtual stage's last backward compute, each
-    rank's time waiting on in-flight sends), as the event engine computes them."""
+    rank's time waiting on in-flight sends, each rank's time waiting on parameter all-gathers), as
+    the event engine computes them. ``gates[s]``: the earliest end of virtual stage ``s``'s first
+    forward (its parameters' all-gathers, see :func:`vtrain_plugin.sim.engine.simulate`)."""
     graph = task_graph(work.schedule, work.pipeline_parallel, work.virtual_pipeline, work.num_microbatches)
     chunks = work.chunks
     forward = np.array([c.forward_ns for c in chunks])
@@ -32,6 +35,10 @@ def run_compute(work: PipelineWork) -> tuple[list[float], list[float], list[floa
     duration = np.where(is_forward, forward[stage], recompute[stage] + backward[stage])
     send = np.where(is_forward, sends[graph.send_stage], sends_back[graph.send_stage])
     end = np.zeros(graph.num_tasks + 1)  # the sentinel task ends at 0
+    floor = None
+    if gates is not None:  # only micro-batch 0 tasks, before any steady state: see _periodic_cycle
+        floor = np.zeros(graph.num_tasks + 1)
+        floor[graph.first_forward] = gates
     prev, dep = graph.prev, graph.dep
     starts = graph.level_starts
     steady = graph.steady
@@ -43,6 +50,8 @@ def run_compute(work: PipelineWork) -> tuple[list[float], list[float], list[floa
         ready += send[a:b]
         np.maximum(ready, end[prev[a:b]], out=ready)
         ready += duration[a:b]
+        if floor is not None:
+            np.maximum(ready, floor[a:b], out=ready)
         end[a:b] = ready
         if check_from <= k < steady.stop - 1 and (k - check_from) % _CHECK_EVERY == 0:
             cycle = _periodic_cycle(end, starts, k, steady)
@@ -57,10 +66,13 @@ def run_compute(work: PipelineWork) -> tuple[list[float], list[float], list[floa
     wait = np.minimum(np.maximum(ready - free, 0.0), send)
     pp_wait = np.bincount(graph.rank, weights=wait, minlength=graph.pipeline_parallel)
     start = np.maximum(free, ready)
+    first = graph.first_forward
+    held = end[first] - (start[first] + duration[first]) if gates is not None else np.zeros(len(first))
+    gate_wait = np.bincount(graph.rank[first], weights=held, minlength=graph.pipeline_parallel)
     last = graph.last_backward
     last_backward_start = np.where(last < graph.num_tasks, start[np.minimum(last, graph.num_tasks - 1)]
                                    + recompute, 0.0)
-    return end[graph.last_task].tolist(), last_backward_start.tolist(), pp_wait.tolist()
+    return end[graph.last_task].tolist(), last_backward_start.tolist(), pp_wait.tolist(), gate_wait.tolist()
 
 
 # Two end times count as the same shift when they differ by less than this share of the larger:

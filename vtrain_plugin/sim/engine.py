@@ -14,9 +14,18 @@ optimizer step begins with global reductions (grad norm, found-inf) over all ran
 starts its optimizer when the last rank's gradients are ready; the iteration ends when the slowest
 optimizer ends.
 
+With the distributed optimizer each rank then all-gathers its parameters, bucket by bucket: after
+its optimizer step (the iteration ends when the slowest rank has gathered), or, with
+``param_gather_overlap``, at the start of the iteration (the end of the previous step): the
+gathers of a rank queue on its DP stream in the order its forwards need them, chunk by chunk, and
+the first forward of each chunk cannot pass the point where it needs a bucket (``need_fraction``
+of its duration) before that bucket is gathered. This issues every gather as early as Megatron-LM's
+``align_param_gather`` does the first chunk's (later chunks' a little earlier than Megatron does).
+
 Per-rank breakdowns partition the iteration time: compute (TP collectives split out by the chunks'
 shares, proportionally over backward and recompute), exposed PP comm (waiting for a send after its
-producer finished), exposed DP comm (gradients not reduced when compute ends), embedding sync,
+producer finished), exposed DP comm (gradients not reduced when compute ends, parameters not
+gathered when needed or gathered after the optimizer step), embedding sync,
 optimizer, and bubble (every other idle time: pipeline fill and drain, waiting for other ranks).
 """
 
@@ -67,13 +76,14 @@ def simulate(work: PipelineWork, *, record_timeline: bool = False, reference: bo
     chunks = work.chunks
     intervals: list[list[Interval]] | None = [[] for _ in range(pp)] if record_timeline else None
 
+    gathered, gates = _gather_params(work, intervals)
     if intervals is None and not reference:
-        compute_end, last_backward_start, pp_wait = array_engine.run_compute(work)
+        compute_end, last_backward_start, pp_wait, gate_wait = array_engine.run_compute(work, gates)
     else:
         schedule = build_schedule(work.schedule, pp, vp, m)
-        compute_end, last_backward_start, pp_wait = _run_compute(work, schedule.tasks, intervals)
+        compute_end, last_backward_start, pp_wait, gate_wait = _run_compute(work, schedule.tasks, intervals, gates)
 
-    grads_ready = [_reduce_gradients(work, r, compute_end[r], last_backward_start, intervals)
+    grads_ready = [_reduce_gradients(work, r, compute_end[r], last_backward_start, gathered[r], intervals)
                    for r in range(pp)]
     synced = list(grads_ready)
     if work.embedding_sync_ns:
@@ -85,12 +95,16 @@ def simulate(work: PipelineWork, *, record_timeline: bool = False, reference: bo
                 intervals[r].append(Interval(stream=Stream.DP, kind=IntervalKind.EMBEDDING_SYNC,
                                              label="embedding sync", start_ns=start, end_ns=synced[r]))
     optimizer_start = max(synced)
-    iteration_ns = optimizer_start + max(work.optimizer_ns)
+    after_step = [0.0 if work.param_gather_overlap else _gather_ns(work, r) for r in range(pp)]
+    iteration_ns = optimizer_start + max(t + g for t, g in zip(work.optimizer_ns, after_step))
     if intervals is not None:
         for r in range(pp):
+            step_end = optimizer_start + work.optimizer_ns[r]
             intervals[r].append(Interval(stream=Stream.COMPUTE, kind=IntervalKind.OPTIMIZER, label="optimizer",
-                                         start_ns=optimizer_start,
-                                         end_ns=optimizer_start + work.optimizer_ns[r]))
+                                         start_ns=optimizer_start, end_ns=step_end))
+            if after_step[r]:
+                intervals[r].append(Interval(stream=Stream.DP, kind=IntervalKind.DP_COMM, label="param gather",
+                                             start_ns=step_end, end_ns=step_end + after_step[r]))
 
     ranks = []
     for r in range(pp):
@@ -104,11 +118,11 @@ def simulate(work: PipelineWork, *, record_timeline: bool = False, reference: bo
             recompute += m * chunk.recompute_ns * keep
             tp += m * (chunk.tp_comm_forward_ns + chunk.tp_comm_backward_ns)
         embedding = work.embedding_sync_ns if r in (0, pp - 1) else 0.0
-        busy = (forward + backward + recompute + tp + pp_wait[r] + grads_ready[r] - compute_end[r]
-                + embedding + work.optimizer_ns[r])
+        dp = grads_ready[r] - compute_end[r] + gate_wait[r] + after_step[r]
+        busy = forward + backward + recompute + tp + pp_wait[r] + dp + embedding + work.optimizer_ns[r]
         ranks.append(RankBreakdown(
             forward_ns=forward, backward_ns=backward, recompute_ns=recompute, tp_comm_ns=tp,
-            pp_comm_ns=pp_wait[r], dp_comm_ns=grads_ready[r] - compute_end[r], embedding_sync_ns=embedding,
+            pp_comm_ns=pp_wait[r], dp_comm_ns=dp, embedding_sync_ns=embedding,
             optimizer_ns=work.optimizer_ns[r], bubble_ns=max(iteration_ns - busy, 0.0)))
     timeline = None
     if intervals is not None:
@@ -116,10 +130,40 @@ def simulate(work: PipelineWork, *, record_timeline: bool = False, reference: bo
     return SimResult(iteration_ns=iteration_ns, ranks=tuple(ranks), timeline=timeline)
 
 
-def _run_compute(work: PipelineWork, tasks: tuple[tuple[Task, ...], ...], intervals: list[list[Interval]] | None
-                 ) -> tuple[list[float], list[float], list[float]]:
+def _gather_params(work: PipelineWork, intervals: list[list[Interval]] | None
+                   ) -> tuple[list[float], list[float] | None]:
+    """With ``param_gather_overlap``: when each rank's DP stream has gathered its parameters, and
+    the earliest end of each virtual stage's first forward (the gates); else (0, None)."""
+    pp = work.pipeline_parallel
+    if not work.param_gather_overlap:
+        return [0.0] * pp, None
+    gates = [0.0] * work.num_virtual_stages
+    done = [0.0] * pp
+    for r in range(pp):
+        for c in range(work.virtual_pipeline):
+            s = c * pp + r
+            forward = work.chunks[s].forward_ns
+            for k, g in enumerate(work.chunks[s].param_gathers):
+                start, done[r] = done[r], done[r] + g.comm_ns
+                gates[s] = max(gates[s], done[r] + (1.0 - g.need_fraction) * forward)
+                if intervals is not None and g.comm_ns:
+                    intervals[r].append(Interval(stream=Stream.DP, kind=IntervalKind.DP_COMM,
+                                                 label=f"param gather {k} (chunk {c})", start_ns=start,
+                                                 end_ns=done[r], chunk=c))
+    return done, gates
+
+
+def _gather_ns(work: PipelineWork, r: int) -> float:
+    """All of rank ``r``'s parameter all-gathers, one after the other."""
+    return sum(g.comm_ns for c in range(work.virtual_pipeline)
+               for g in work.chunks[c * work.pipeline_parallel + r].param_gathers)
+
+
+def _run_compute(work: PipelineWork, tasks: tuple[tuple[Task, ...], ...], intervals: list[list[Interval]] | None,
+                 gates: list[float] | None = None) -> tuple[list[float], list[float], list[float], list[float]]:
     """Compute streams of all ranks: (end of each rank's last task, start of each virtual stage's
-    last backward compute, each rank's time waiting on in-flight sends)."""
+    last backward compute, each rank's time waiting on in-flight sends, each rank's time waiting on
+    parameter all-gathers in its first forwards)."""
     pp, m = work.pipeline_parallel, work.num_microbatches
     chunks = work.chunks
     stages = len(chunks)
@@ -135,6 +179,7 @@ def _run_compute(work: PipelineWork, tasks: tuple[tuple[Task, ...], ...], interv
     free = [0.0] * pp
     position = [0] * pp
     pp_wait = [0.0] * pp
+    gate_wait = [0.0] * pp
     remaining = sum(len(t) for t in tasks)
     forward_kind = TaskKind.FORWARD
     while remaining:
@@ -166,6 +211,9 @@ def _run_compute(work: PipelineWork, tasks: tuple[tuple[Task, ...], ...], interv
                 start = t
                 if is_forward:
                     t += fwd[s]
+                    if gates is not None and task.microbatch == 0 and gates[s] > t:
+                        gate_wait[r] += gates[s] - t
+                        t = gates[s]
                     forward_end[idx] = t
                 else:
                     last_backward_start[s] = start + rec[s]
@@ -184,12 +232,13 @@ def _run_compute(work: PipelineWork, tasks: tuple[tuple[Task, ...], ...], interv
         if not progressed:
             raise RuntimeError(f"schedule {work.schedule.value} deadlocked with {remaining} tasks left")
         remaining -= progressed
-    return free, last_backward_start, pp_wait
+    return free, last_backward_start, pp_wait, gate_wait
 
 
 def _reduce_gradients(work: PipelineWork, r: int, compute_end: float, last_backward_start: list[float],
-                      intervals: list[list[Interval]] | None) -> float:
-    """When rank ``r``'s gradients are reduced over the data-parallel group."""
+                      stream_free: float, intervals: list[list[Interval]] | None) -> float:
+    """When rank ``r``'s gradients are reduced over the data-parallel group (its DP stream free
+    from ``stream_free``, after the parameter all-gathers that open the iteration)."""
     pp = work.pipeline_parallel
     buckets = []
     for c in range(work.virtual_pipeline):
@@ -200,7 +249,7 @@ def _reduce_gradients(work: PipelineWork, r: int, compute_end: float, last_backw
             buckets.append((ready, b.comm_ns, c))
     if work.dp_overlap:
         buckets.sort(key=lambda bucket: bucket[0])
-    t = compute_end if not work.dp_overlap else 0.0
+    t = compute_end if not work.dp_overlap else stream_free
     for k, (ready, comm, c) in enumerate(buckets):
         start = max(ready, t)
         t = start + comm

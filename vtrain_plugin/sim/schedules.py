@@ -8,10 +8,12 @@ are immutable and cached, so a sweep builds each shape once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import lru_cache
+
+import numpy as np
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
@@ -40,6 +42,8 @@ class Schedule:
     tasks: tuple[tuple[Task, ...], ...]  # per pipeline rank, in execution order
 
     peak_inflight_per_rank: tuple[int, ...]  # see peak_inflight
+    # Per rank with several chunks: each task's chunk and +1 (forward) / -1 (backward), for peak_live.
+    task_walks: tuple[tuple[np.ndarray, np.ndarray], ...] = field(default=(), compare=False, repr=False)
 
     def peak_inflight(self, pipeline_rank: int) -> int:
         """Most (chunk, micro-batch) pairs whose activations rank ``pipeline_rank`` holds at once.
@@ -50,6 +54,19 @@ class Schedule:
         schedule is built.
         """
         return self.peak_inflight_per_rank[pipeline_rank]
+
+    def peak_live(self, pipeline_rank: int, chunk_nbytes: Sequence[int]) -> tuple[int, int]:
+        """(Most activation bytes rank ``pipeline_rank`` holds at once, the (chunk, micro-batch)
+        pairs it holds then), for chunks whose forward keeps ``chunk_nbytes[c]`` each until their
+        backward: the walk of its task order, or :meth:`peak_inflight` times the size when its
+        chunks are alike."""
+        if len(set(chunk_nbytes)) <= 1:
+            return self.peak_inflight(pipeline_rank) * (chunk_nbytes[0] if chunk_nbytes else 0), \
+                self.peak_inflight(pipeline_rank)
+        chunks, sign = self.task_walks[pipeline_rank]
+        live = np.cumsum(sign * np.asarray(chunk_nbytes, dtype=np.int64)[chunks])
+        peak = int(np.argmax(live))
+        return int(live[peak]), int(np.cumsum(sign)[peak])
 
     @property
     def peak_inflight_microbatches(self) -> tuple[float, ...]:
@@ -86,7 +103,13 @@ def build_schedule(kind: ScheduleKind | str, pipeline_parallel: int, virtual_pip
                   for r in range(pipeline_parallel))
     return Schedule(kind=ScheduleKind(kind), pipeline_parallel=pipeline_parallel,
                     virtual_pipeline=virtual_pipeline, num_microbatches=num_microbatches, tasks=tasks,
-                    peak_inflight_per_rank=tuple(_peak_inflight(rank_tasks) for rank_tasks in tasks))
+                    peak_inflight_per_rank=tuple(_peak_inflight(rank_tasks) for rank_tasks in tasks),
+                    task_walks=tuple(_walk(rank_tasks) for rank_tasks in tasks) if virtual_pipeline > 1 else ())
+
+
+def _walk(tasks: tuple[Task, ...]) -> tuple[np.ndarray, np.ndarray]:
+    return (np.array([t.chunk for t in tasks], dtype=np.intp),
+            np.array([1 if t.kind is TaskKind.FORWARD else -1 for t in tasks], dtype=np.int64))
 
 
 def _peak_inflight(tasks: tuple[Task, ...]) -> int:

@@ -44,6 +44,7 @@ class TaskGraph:
     level_starts: tuple[int, ...]  # level k holds tasks level_starts[k]:level_starts[k + 1]
     last_task: np.ndarray  # per rank, its last task
     last_backward: np.ndarray  # per virtual stage, its last backward in execution order
+    first_forward: np.ndarray  # per virtual stage, its forward of micro-batch 0
     steady: SteadyState | None  # a stretch of levels that repeats (None: none long enough)
 
 
@@ -117,7 +118,8 @@ def task_graph(kind: ScheduleKind, pipeline_parallel: int, virtual_pipeline: int
         is_forward=np.array([forward_of[t] for t in order], dtype=bool),
         prev=remap(prev_of), dep=remap(dep_of),
         send_stage=np.array([send_of[t] for t in order], dtype=np.intp),
-        level_starts=tuple(starts), last_task=last_task, last_backward=last_backward, steady=steady)
+        level_starts=tuple(starts), last_task=last_task, last_backward=last_backward,
+        first_forward=np.array([new[ids[stage, 0, True]] for stage in range(stages)], dtype=np.intp), steady=steady)
 
 
 _MIN_REPEATS = 4  # a repeating stretch shorter than this many periods is not worth detecting

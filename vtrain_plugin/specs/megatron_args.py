@@ -25,7 +25,7 @@ from vtrain_plugin.specs.megatron_flags import MEGATRON_FLAGS, PERFORMANCE_FLAGS
 from vtrain_plugin.specs.megatron_model import Given, model_fields, positive_int, recompute_mode
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
-from vtrain_plugin.specs.training import GradReduce, ScheduleKind, TrainingSpec
+from vtrain_plugin.specs.training import GradReduce, ScheduleKind, TrainingSpec, grad_dtype
 
 
 def _as_given(flag: str, value: Any) -> Any:
@@ -61,9 +61,8 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--moe-router-topk", None, None, "mixture of experts"),
     FlagField("--moe-ffn-hidden-size", None, None, "mixture of experts"),
     FlagField("--moe-shared-expert-intermediate-size", None, None, "mixture of experts"),
-    FlagField("--use-distributed-optimizer", None, False, "the distributed optimizer", _as_given),
-    FlagField("--overlap-param-gather", None, False, "the distributed optimizer's parameter all-gather",
-              _as_given),
+    FlagField("--use-distributed-optimizer", "training.distributed_optimizer", convert=_as_given),
+    FlagField("--overlap-param-gather", "training.overlap_param_gather", convert=_as_given),
     FlagField("--num-distributed-optimizer-instances", None, 1, "the distributed optimizer"),
     FlagField("--use-torch-fsdp2", None, False, "FSDP", _as_given),
     FlagField("--use-custom-fsdp", None, False, "FSDP", _as_given),
@@ -75,12 +74,13 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--fp4-format", None, None, "fp4 training", _as_given),
     FlagField("--multi-latent-attention", None, False, "multi-latent attention", _as_given),
     FlagField("--mtp-num-layers", None, None, "multi-token prediction"),
-    FlagField("--decoder-first-pipeline-num-layers", None, None, "an uneven pipeline split"),
-    FlagField("--decoder-last-pipeline-num-layers", None, None, "an uneven pipeline split"),
+    FlagField("--decoder-first-pipeline-num-layers", "parallel.decoder_first_pipeline_num_layers"),
+    FlagField("--decoder-last-pipeline-num-layers", "parallel.decoder_last_pipeline_num_layers"),
     FlagField("--pipeline-model-parallel-layout", None, None, "an uneven pipeline split", _as_given),
-    FlagField("--account-for-embedding-in-pipeline-split", None, False, "an uneven pipeline split",
-              _as_given),
-    FlagField("--account-for-loss-in-pipeline-split", None, False, "an uneven pipeline split", _as_given),
+    FlagField("--account-for-embedding-in-pipeline-split", "parallel.account_for_embedding_in_pipeline_split",
+              convert=_as_given),
+    FlagField("--account-for-loss-in-pipeline-split", "parallel.account_for_loss_in_pipeline_split",
+              convert=_as_given),
     FlagField("--heterogeneous-layers-config-path", None, None, "heterogeneous layers", _as_given),
     FlagField("--heterogeneous-layers-config-encoded-json", None, None, "heterogeneous layers", _as_given),
 )
@@ -176,7 +176,15 @@ def _parallel(given: Given, values: dict[str, Any], model: ModelSpec, num_gpus: 
     return ParallelPlan(**values)
 
 
+def _split_slots(given: Given) -> int:
+    """Layer slots the embedding and the loss take in the pipeline split (0, 1 or 2)."""
+    return sum(bool(given.get(flag)) for flag in ("--account-for-embedding-in-pipeline-split",
+                                                  "--account-for-loss-in-pipeline-split"))
+
+
 def _virtual_pipeline(given: Given, num_layers: int, pp: int) -> int:
+    """Virtual stages per pipeline rank; the embedding and the loss count as layers when they are in
+    the split (``--account-for-embedding/loss-in-pipeline-split``), as in Megatron-LM."""
     per_stage_flag, per_rank_flag = "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"
     if per_stage_flag in given and per_rank_flag in given:
         raise ConfigError(f"give {per_stage_flag} or {per_rank_flag}, not both")
@@ -184,10 +192,16 @@ def _virtual_pipeline(given: Given, num_layers: int, pp: int) -> int:
         return positive_int(per_rank_flag, given[per_rank_flag])
     if per_stage_flag not in given:
         return 1
+    uneven = [f for f in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers") if f in given]
+    if uneven:
+        raise ConfigError(f"{per_stage_flag} with {uneven[0]}: give the virtual stages as {per_rank_flag}")
     per_chunk = positive_int(per_stage_flag, given[per_stage_flag])
+    slots = _split_slots(given)
+    shown = f"--num-layers ({num_layers}) + {slots} (embedding / loss)" if slots else f"--num-layers ({num_layers})"
+    num_layers += slots
     if num_layers % pp or (num_layers // pp) % per_chunk:
         raise ConfigError(
-            f"--num-layers ({num_layers}) / --pipeline-model-parallel-size ({pp}) = {num_layers / pp:g} layers "
+            f"{shown} / --pipeline-model-parallel-size ({pp}) = {num_layers / pp:g} layers "
             f"per stage must be a multiple of {per_stage_flag} ({per_chunk})")
     return num_layers // pp // per_chunk
 
@@ -202,7 +216,7 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
         flag = "--ddp-bucket-size"
         elements = (positive_int(flag, given[flag]) if flag in given
                     else max(40_000_000, 1_000_000 * parallel.data_parallel))
-        values["bucket_size_mb"] = elements * model.dtype.nbytes / 1e6
+        values["bucket_size_mb"] = elements * grad_dtype(model.dtype).nbytes / 1e6
     return TrainingSpec(**values)
 
 

@@ -88,9 +88,8 @@ def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: in
         expected = _FAMILIES[family]["dropout"]
         if _fraction(flag, given.get(flag, 0.1)) != expected:
             notes.append(f"{flag} {given.get(flag, 0.1)} (vtrain's {family.value} layers: {expected})")
-    if out["dtype"] is Dtype.BF16 and not given.get("--grad-reduce-in-bf16") \
-            and not given.get("--accumulate-allreduce-grads-in-fp32"):
-        notes.append("--bf16 without --grad-reduce-in-bf16 (Megatron-LM reduces gradients in fp32, vtrain in bf16)")
+    if out["dtype"] is Dtype.BF16 and given.get("--grad-reduce-in-bf16"):
+        notes.append("--grad-reduce-in-bf16 (Megatron-LM reduces gradients in bf16, vtrain in fp32)")
     return out
 
 

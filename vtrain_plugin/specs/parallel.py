@@ -10,6 +10,7 @@ from typing import Any
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.pipeline_split import chunk_layers_error, rank_layers_error, stage_layers
 
 
 class Recompute(StrEnum):
@@ -29,6 +30,13 @@ class ParallelPlan:
     virtual_pipeline: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     micro_batch_size: int = 1
     recompute: Recompute = Recompute.NONE
+    # Uneven pipeline splits as Megatron-Core has them (see vtrain_plugin.specs.pipeline_split):
+    # layers of the first / last pipeline rank (the rest spread over the middle ranks), or the
+    # embedding and the loss each counted as one layer slot.
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "virtual_pipeline",
@@ -41,6 +49,21 @@ class ParallelPlan:
             raise ConfigError("parallel.sequence_parallel requires tensor_parallel > 1 (got 1)")
         if self.virtual_pipeline > 1 and self.pipeline_parallel == 1:
             raise ConfigError("parallel.virtual_pipeline > 1 requires pipeline_parallel > 1 (got 1)")
+        self._check_split_fields()
+
+    def _check_split_fields(self) -> None:
+        uneven = [name for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+                  if getattr(self, name) is not None]
+        accounted = [name for name in ("account_for_embedding_in_pipeline_split",
+                                       "account_for_loss_in_pipeline_split")
+                     if v.boolean(f"parallel.{name}", getattr(self, name))]
+        for name in uneven:
+            v.positive_int(f"parallel.{name}", getattr(self, name))
+            if self.pipeline_parallel == 1:
+                raise ConfigError(f"parallel.{name} requires pipeline_parallel > 1 (got 1)")
+        if uneven and accounted:
+            raise ConfigError(f"parallel.{uneven[0]} cannot be combined with parallel.{accounted[0]} "
+                              f"(Megatron-Core allows one form of uneven pipeline split)")
 
     @property
     def world_size(self) -> int:
@@ -56,8 +79,9 @@ class ParallelPlan:
             if rule.broken(self, model):
                 raise ConfigError(rule.message(self, model))
 
-    def layers_per_chunk(self, model: ModelSpec) -> int:
-        return model.num_layers // self.num_model_chunks
+    def chunk_layers(self, model: ModelSpec) -> tuple[tuple[int, ...], ...]:
+        """Transformer layers of ``[pipeline_rank][chunk]`` (see :mod:`vtrain_plugin.specs.pipeline_split`)."""
+        return stage_layers(self, model)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -92,14 +116,10 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
              lambda p: p.tensor_parallel, lambda m: m.query_groups),
     _divides("ffn % tp", "tensor_parallel_size", "ffn_hidden_size",
              lambda p: p.tensor_parallel, lambda m: m.ffn_size),
-    _divides("layers % pp", "pipeline_parallel_size", "num_layers",
-             lambda p: p.pipeline_parallel, lambda m: m.num_layers),
-    LayoutRule(
-        name="layers % (pp*vp)",
-        broken=lambda p, m: m.num_layers % p.num_model_chunks != 0,
-        message=lambda p, m: (f"pipeline_parallel_size ({p.pipeline_parallel}) * virtual_pipeline "
-                              f"({p.virtual_pipeline}) = {p.num_model_chunks} must divide num_layers "
-                              f"({m.num_layers})")),
+    LayoutRule(name="layers % pp", broken=lambda p, m: rank_layers_error(p, m) is not None,
+               message=rank_layers_error),
+    LayoutRule(name="layers % (pp*vp)", broken=lambda p, m: chunk_layers_error(p, m) is not None,
+               message=chunk_layers_error),
     _divides("seq % tp (sp)", "tensor_parallel_size", "seq_length",
              lambda p: p.tensor_parallel, lambda m: m.seq_length, when=lambda p: p.sequence_parallel),
 )

@@ -57,7 +57,7 @@ class GradReduce(StrEnum):
     OVERLAP = "overlap"  # bucketed, launched during the last backward (Megatron DDP overlap_grad_reduce)
 
 
-DEFAULT_BUCKET_SIZE_MB = 40.0
+DEFAULT_BUCKET_SIZE_MB = 40.0  # gradient buckets of the all-reduce path (without the distributed optimizer)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,7 +65,9 @@ class TrainingSpec:
     global_batch_size: int
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     grad_reduce: GradReduce = GradReduce.AFTER_BACKWARD
-    bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB  # megabytes (10^6 bytes) of gradients per bucket
+    # Megabytes (10^6 bytes) of gradients per bucket; None: DEFAULT_BUCKET_SIZE_MB, or with the
+    # distributed optimizer Megatron-Core's max(40M, 1M x DP) parameters (see cost/param_buffer.py).
+    bucket_size_mb: float | None = None
     # The kernels the training software runs for the traced ops (vtrain_plugin.cost.lowering);
     # None: the plan's default, see stack_for.
     software_stack: SoftwareStack | None = None
@@ -76,6 +78,11 @@ class TrainingSpec:
     # Tokens of the whole training run (a float: counts such as 270e9 are written that way);
     # None: the estimate covers one iteration only.
     total_tokens: float | None = None
+    # Megatron-Core's distributed optimizer (ZeRO-1): fp32 main weights and Adam state sharded over
+    # DP, gradients reduce-scattered and parameters all-gathered (a no-op with DP 1); with
+    # overlap_param_gather the all-gather of each bucket overlaps the first forward passes.
+    distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
 
     def __post_init__(self) -> None:
         v.positive_int("training.global_batch_size", self.global_batch_size)
@@ -83,7 +90,8 @@ class TrainingSpec:
             v.one_of("training.schedule", str(self.schedule), [s.value for s in ScheduleKind])))
         object.__setattr__(self, "grad_reduce", GradReduce(
             v.one_of("training.grad_reduce", str(self.grad_reduce), [g.value for g in GradReduce])))
-        v.positive_number("training.bucket_size_mb", self.bucket_size_mb)
+        if self.bucket_size_mb is not None:
+            v.positive_number("training.bucket_size_mb", self.bucket_size_mb)
         if self.software_stack is not None:
             object.__setattr__(self, "software_stack", SoftwareStack(
                 v.one_of("training.software_stack", str(self.software_stack), [s.value for s in SoftwareStack])))
@@ -98,10 +106,18 @@ class TrainingSpec:
         if self.total_tokens is not None:
             object.__setattr__(self, "total_tokens",
                                v.positive_finite_number("training.total_tokens", self.total_tokens))
+        v.boolean("training.distributed_optimizer", self.distributed_optimizer)
+        if v.boolean("training.overlap_param_gather", self.overlap_param_gather):
+            if not self.distributed_optimizer:
+                raise ConfigError("training.overlap_param_gather requires training.distributed_optimizer: true")
+            if self.grad_reduce is not GradReduce.OVERLAP:
+                raise ConfigError(f"training.overlap_param_gather requires training.grad_reduce: overlap "
+                                  f"(got {self.grad_reduce.value}), as Megatron-LM does")
 
     @property
     def bucket_nbytes(self) -> int:
-        return int(self.bucket_size_mb * MEGABYTE)
+        """Gradient bytes per bucket of the all-reduce path."""
+        return int((self.bucket_size_mb or DEFAULT_BUCKET_SIZE_MB) * MEGABYTE)
 
     def num_microbatches(self, data_parallel: int, micro_batch_size: int) -> int:
         per_step = data_parallel * micro_batch_size
@@ -166,11 +182,19 @@ ADAM_MOMENTS_BYTES = 8  # two fp32 moments per parameter
 MAIN_WEIGHT_BYTES = 4  # fp32 master copy when the model dtype is fp16/bf16
 
 
+def grad_dtype(dtype: Dtype) -> Dtype:
+    """The dtype Megatron accumulates and data-parallel reduces the gradients of a ``dtype`` model
+    in: fp32 for bf16 (Megatron-LM turns ``--accumulate-allreduce-grads-in-fp32`` on for bf16, i.e.
+    megatron-core DDP's ``grad_reduce_in_fp32``), the model dtype for fp16 (its default) and fp32."""
+    return Dtype.FP32 if dtype is Dtype.BF16 else dtype
+
+
 def model_state_bytes_per_parameter(dtype: Dtype) -> int:
-    """Weights and gradients in the model dtype, fp32 main weights (mixed precision) and two fp32
-    Adam moments: 16 bytes per parameter in fp16/bf16 and in fp32. The one formula of the package
-    (cost/memory.py and the real-training refusal check use it)."""
-    return 2 * dtype.nbytes + optimizer_bytes_per_parameter(dtype)
+    """Weights in the model dtype, gradients in :func:`grad_dtype`, fp32 main weights (mixed
+    precision) and two fp32 Adam moments: 16 bytes per parameter in fp16 and fp32, 18 in bf16
+    (Megatron-LM's ``theoretical_memory_usage``). The one formula of the package (cost/memory.py
+    and the real-training refusal check use it)."""
+    return dtype.nbytes + grad_dtype(dtype).nbytes + optimizer_bytes_per_parameter(dtype)
 
 
 def optimizer_bytes_per_parameter(dtype: Dtype) -> int:

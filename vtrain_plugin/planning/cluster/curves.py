@@ -9,7 +9,8 @@ The searched space is restricted (:class:`CurveSpace`) because tracing a new chu
 seconds and a cluster simulation needs one curve per (model, global batch):
 
 - micro-batch 1 and full activation recompute (as the vTrain paper's measured runs), no sequence
-  parallelism, no interleaving (1F1B), gradient reduction overlapped with the backward pass;
+  parallelism, no interleaving (1F1B), gradient reduction overlapped with the backward pass, no
+  distributed optimizer (the paper's runs; the plan search's ``--dist-opt`` axis is pinned off);
 - pipeline stages of at least two layers (one-layer stages are three more chunk shapes to trace);
 - tensor parallelism: by default, at each count, the smallest power of two up to a node under which
   a plan fits in memory ("use model parallelism to fit the model, data parallelism to scale":
@@ -36,7 +37,7 @@ from vtrain_plugin.planning.search import search
 from vtrain_plugin.planning.space import GpuBudget, SearchSpace, enumerate_plans
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import Recompute
-from vtrain_plugin.specs.training import GradReduce, TrainingSpec, optimizer_bytes_per_parameter
+from vtrain_plugin.specs.training import GradReduce, TrainingSpec, model_state_bytes_per_parameter
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,7 +138,7 @@ class CurveSpace:
         return SearchSpace(tensor_parallel=tensor_parallel, pipeline_parallel=stages or (1,),
                            micro_batch_size=(self.micro_batch_size,), virtual_pipeline=(1,),
                            sequence_parallel=(False,), recompute=(self.recompute,),
-                           grad_reduce=(GradReduce.OVERLAP,))
+                           grad_reduce=(GradReduce.OVERLAP,), distributed_optimizer=(False,))
 
     def tensor_parallel_trials(self, gpus_per_node: int) -> list[tuple[int, ...]]:
         """The TP sizes searched in turn, each on the counts still without a plan (see the module doc)."""
@@ -196,7 +197,7 @@ def _plausible_counts(model: ModelSpec, global_batch_size: int, cluster: Cluster
     plans = enumerate_plans(model, space, global_batch_size=global_batch_size, budget=GpuBudget(counts=tuple(counts)),
                             training=TrainingSpec(global_batch_size=global_batch_size),
                             gpus_per_node=cluster.spec.gpus_per_node).candidates
-    state_bytes = model.num_parameters * (2 * model.dtype.nbytes + optimizer_bytes_per_parameter(model.dtype))
+    state_bytes = model.num_parameters * model_state_bytes_per_parameter(model.dtype)
     capacity = get_device(cluster.spec.gpu).memory_bytes
     return sorted({c.num_gpus for c in plans
                    if state_bytes <= capacity * c.parallel.tensor_parallel * c.parallel.pipeline_parallel})
