@@ -17,7 +17,8 @@ from vtrain_plugin.hardware.clusters import cluster_for_gpu, resolve_cluster
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
-from vtrain_plugin.specs.plan_file import parse_model_sections, parse_plan, read_mapping
+from vtrain_plugin.specs.plan_file import parse_model_sections, parse_plan
+from vtrain_plugin.specs.reading import read_mapping
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import TrainingSpec
 

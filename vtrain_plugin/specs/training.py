@@ -12,6 +12,7 @@ from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import MEGABYTE
+from vtrain_plugin.specs import limits
 from vtrain_plugin.specs.model import Family, ModelSpec
 
 
@@ -50,18 +51,18 @@ class TrainingSpec:
     total_tokens: float | None = None
 
     def __post_init__(self) -> None:
-        v.positive_int("training.global_batch_size", self.global_batch_size)
+        limits.GLOBAL_BATCH_SIZE.positive_int("training.global_batch_size", self.global_batch_size)
         object.__setattr__(self, "schedule", ScheduleKind(
-            v.one_of("training.schedule", str(self.schedule), [s.value for s in ScheduleKind])))
+            v.one_of("training.schedule", self.schedule, [s.value for s in ScheduleKind])))
         object.__setattr__(self, "grad_reduce", GradReduce(
-            v.one_of("training.grad_reduce", str(self.grad_reduce), [g.value for g in GradReduce])))
-        v.positive_number("training.bucket_size_mb", self.bucket_size_mb)
+            v.one_of("training.grad_reduce", self.grad_reduce, [g.value for g in GradReduce])))
+        limits.BUCKET_SIZE_MB.positive_number("training.bucket_size_mb", self.bucket_size_mb)
         if self.software_stack is not None:
             object.__setattr__(self, "software_stack", SoftwareStack(
-                v.one_of("training.software_stack", str(self.software_stack), [s.value for s in SoftwareStack])))
+                v.one_of("training.software_stack", self.software_stack, [s.value for s in SoftwareStack])))
         if self.total_tokens is not None:
-            object.__setattr__(self, "total_tokens",
-                               v.positive_finite_number("training.total_tokens", self.total_tokens))
+            object.__setattr__(self, "total_tokens", limits.TOTAL_TOKENS.check(
+                "training.total_tokens", v.positive_finite_number("training.total_tokens", self.total_tokens)))
 
     @property
     def bucket_nbytes(self) -> int:
@@ -69,11 +70,16 @@ class TrainingSpec:
 
     def num_microbatches(self, data_parallel: int, micro_batch_size: int) -> int:
         per_step = data_parallel * micro_batch_size
+        batch = v.show(self.global_batch_size)
         if self.global_batch_size % per_step:
             raise ConfigError(
-                f"global_batch_size ({self.global_batch_size}) must be divisible by data_parallel_size "
+                f"global_batch_size ({batch}) must be divisible by data_parallel_size "
                 f"({data_parallel}) * micro_batch_size ({micro_batch_size}) = {per_step}")
-        return self.global_batch_size // per_step
+        microbatches = self.global_batch_size // per_step
+        limits.MICRO_BATCHES.check_derived(
+            f"global_batch_size ({batch}) / (data_parallel_size ({data_parallel}) * micro_batch_size "
+            f"({micro_batch_size}))", microbatches)
+        return microbatches
 
     def train_iterations(self, seq_length: int) -> int | None:
         """Iterations that consume ``total_tokens`` at ``global_batch_size * seq_length`` tokens each,
@@ -104,6 +110,25 @@ def default_software_stack(model: ModelSpec | None) -> SoftwareStack:
     if model is not None and model.family is Family.GPT and model.dtype is Dtype.FP16:
         return SoftwareStack.MEGATRON_DEEPSPEED_2023
     return SoftwareStack.LOCAL_SPEC
+
+
+def check_schedule(schedule: ScheduleKind, pipeline_parallel: int, virtual_pipeline: int,
+                   num_microbatches: int) -> None:
+    """What the pipeline schedules of megatron-core require of the plan, and the bound on the size of
+    the simulated schedule: checked when a run is put together, before anything is traced, and
+    again by the schedule builders for callers of the simulation itself."""
+    pp, vp, m = pipeline_parallel, virtual_pipeline, num_microbatches
+    if schedule is ScheduleKind.INTERLEAVED_1F1B:
+        if vp < 2:
+            raise ConfigError(f"training.schedule {schedule.value} requires virtual_pipeline >= 2, got {vp}")
+        if m % pp:
+            raise ConfigError(f"training.schedule {schedule.value} requires num_microbatches ({m}) to be a multiple "
+                              f"of pipeline_parallel ({pp})")
+    elif vp != 1:
+        raise ConfigError(f"training.schedule {schedule.value} requires virtual_pipeline == 1, got {vp} "
+                          f"(use {ScheduleKind.INTERLEAVED_1F1B.value})")
+    limits.SCHEDULED_PASSES.check_derived(
+        f"num_microbatches ({m}) * pipeline_parallel ({pp}) * virtual_pipeline ({vp})", m * pp * vp)
 
 
 ADAM_MOMENTS_BYTES = 8  # two fp32 moments per parameter
