@@ -21,7 +21,8 @@ from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.launch_script import LaunchCommand, launch_command, read_command_line, read_launch_file
 from vtrain_plugin.specs.megatron_args import script_plan
 from vtrain_plugin.specs.model import ModelSpec
-from vtrain_plugin.specs.plan_file import parse_model_sections, parse_plan, read_mapping
+from vtrain_plugin.specs.plan_file import parse_model_sections, parse_plan
+from vtrain_plugin.specs.reading import read_mapping
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import TrainingSpec
 

@@ -33,7 +33,7 @@ def test_unknown_preset_lists_valid_names():
     ("inter_node_bandwidth_gbps", -1.0, "cluster.inter_node_bandwidth_gbps must be positive, got -1.0"),
     ("inter_node_latency_us", -1.0, "cluster.inter_node_latency_us must be a non-negative number, got -1.0"),
     ("price_per_gpu_hour_usd", -2.0, "cluster.price_per_gpu_hour_usd must be a non-negative number"),
-    ("network_efficiency", 1.5, "cluster.network_efficiency must lie in (0, 1], got 1.5"),
+    ("network_efficiency", 1.5, "cluster.network_efficiency must lie in [0.01, 1], got 1.5"),
     ("gpu", "", "cluster.gpu must be a non-empty device preset name"),
 ])
 def test_validation_messages(field, value, message):

@@ -10,7 +10,8 @@ from vtrain_plugin.api import load_run_config
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.cost.memory import RankMemory
 from vtrain_plugin.estimate import Estimate
-from vtrain_plugin.specs.plan_file import parse_plan, read_mapping
+from vtrain_plugin.specs.plan_file import parse_plan
+from vtrain_plugin.specs.reading import read_mapping
 from vtrain_plugin.specs.training import TrainingSpec
 
 PLAN = """
@@ -32,7 +33,7 @@ def test_total_tokens_is_optional_and_kept_as_a_float():
     (0, "training.total_tokens must be positive and finite, got 0"),
     (float("nan"), "training.total_tokens must be positive and finite, got nan"),
     (float("inf"), "training.total_tokens must be positive and finite, got inf"),
-    (10**400, "training.total_tokens must be positive and finite, got 1" + "0" * 400),
+    (10**400, "training.total_tokens must be positive and finite, got 10**400"),
     ("270e9", "training.total_tokens must be a positive number, got '270e9'"),
     (True, "training.total_tokens must be a positive number, got True"),
 ])

@@ -39,7 +39,7 @@ def get_cluster_preset(name: str) -> ClusterSpec:
     """The preset called ``name`` (``dgx-a100``, ``dgx-h100``, ``dgx-h200``, ``dgx-b200``, ``local-cpu``)."""
     names = cluster_preset_names()
     if name not in names:
-        raise ConfigError(f"unknown cluster preset {name!r}; valid presets are {', '.join(names)}")
+        raise ConfigError(f"unknown cluster preset {v.show(name)}; valid presets are {', '.join(names)}")
     path = _preset_dir() / f"{name}.json"
     try:
         data = json.loads(path.read_text())
@@ -58,9 +58,11 @@ def resolve_cluster(section: Mapping[str, Any]) -> ClusterSpec:
     section = dict(v.mapping("cluster", section))
     v.no_unknown_keys("cluster", section, [*(f.name for f in fields(ClusterSpec)), "preset"])
     if "gpu" in section:
-        section["gpu"] = get_device(section["gpu"]).name
+        section["gpu"] = get_device(v.string("cluster.gpu", section["gpu"])).name
     preset = section.pop("preset", None)
-    if preset is None:
+    if preset is not None:
+        v.string("cluster.preset", preset)
+    else:
         preset = get_device(section.get("gpu", DEFAULT_GPU)).default_cluster
     base = get_cluster_preset(preset).to_dict()
     base.pop("name")

@@ -148,11 +148,13 @@ def _preset_names() -> tuple[str, ...]:
 
 
 def _resolve(name: str) -> str:
+    if not isinstance(name, str):
+        raise ConfigError(f"a GPU is named by a string, got {v.show(name)}")
     key = name.strip().lower()
     key = ALIASES.get(key, key)
     known = known_devices()
     if key not in known:
-        raise ConfigError(f"unknown GPU {name!r}; known: {', '.join(known)} "
+        raise ConfigError(f"unknown GPU {v.show(name)}; known: {', '.join(known)} "
                           f"(aliases: {', '.join(a.upper() for a in ALIASES)})")
     return key
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.limits import WORLD_SIZE
 
 _BUDGET_FORMS = "a GPU count (3360), a range LOW:HIGH (1024:4096) or a list (2240,2800,3360)"
 
@@ -23,12 +23,12 @@ class GpuBudget:
         if self.counts:
             if self.low is not None or self.high is not None:
                 raise ConfigError("gpus: give counts or a range low:high, not both")
-            object.__setattr__(self, "counts", tuple(sorted({v.positive_int("gpus", n) for n in self.counts})))
+            object.__setattr__(self, "counts", tuple(sorted({WORLD_SIZE.positive_int("gpus", n) for n in self.counts})))
             return
         if self.low is None or self.high is None:
             raise ConfigError(f"gpus: give {_BUDGET_FORMS}")
-        v.positive_int("gpus", self.low)
-        v.positive_int("gpus", self.high)
+        WORLD_SIZE.positive_int("gpus", self.low)
+        WORLD_SIZE.positive_int("gpus", self.high)
         if self.low > self.high:
             raise ConfigError(f"gpus: the range {self.low}:{self.high} is empty (low > high)")
 

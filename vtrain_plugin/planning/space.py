@@ -28,6 +28,8 @@ number of combinations of the *pinned* values of the later axes (an unpinned lat
 once: its range depends on the values before it). An unpinned axis whose default range is empty
 for the values before it (no DP size puts the GPU count in the budget; DP does not divide the
 global batch, so no micro-batch size does) counts that prefix under the axis's first rule.
+Plans beyond the input limits of :mod:`vtrain_plugin.specs.limits` (micro-batch size and tokens,
+micro-batches, scheduled passes) are skipped under the ``... beyond limits`` rules.
 
 Adding an axis (context or expert parallelism, the distributed optimizer) is one entry in
 :data:`AXES` and one field of :class:`SearchSpace`, named like the :class:`ParallelPlan` or
@@ -46,6 +48,8 @@ from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.planning.budget import GpuBudget
 from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.limits import (GLOBAL_BATCH_SIZE, MICRO_BATCH_SIZE, MICRO_BATCH_TOKENS, MICRO_BATCHES,
+                                        SCHEDULED_PASSES)
 from vtrain_plugin.specs.parallel import LAYOUT_RULES, ParallelPlan, Recompute
 from vtrain_plugin.specs.training import Fp8Format, GradReduce, ScheduleKind, SoftwareStack, TrainingSpec
 
@@ -202,14 +206,21 @@ AXES: tuple[Axis, ...] = (
          lambda ctx, c: (() if ctx.global_batch_size % c["data_parallel"]
                          else _divisors(ctx.global_batch_size // c["data_parallel"])),
          (Rule("global_batch % (dp*micro_batch)",
-               lambda ctx, c: ctx.global_batch_size % (c["data_parallel"] * c["micro_batch_size"]) != 0),)),
+               lambda ctx, c: ctx.global_batch_size % (c["data_parallel"] * c["micro_batch_size"]) != 0),
+          Rule("micro_batch beyond limits",
+               lambda ctx, c: (c["micro_batch_size"] > MICRO_BATCH_SIZE.maximum
+                               or c["micro_batch_size"] * ctx.model.seq_length > MICRO_BATCH_TOKENS.maximum)),
+          Rule("micro-batches beyond limits", lambda ctx, c: _microbatches(ctx, c) > MICRO_BATCHES.maximum))),
     Axis("virtual_pipeline", "vp", "model chunks per pipeline rank (interleaved 1F1B when > 1)", POSITIVE_INT,
          lambda ctx, c: (1,) if c["pipeline_parallel"] == 1 else
          (1, *(d for d in _divisors(ctx.model.num_layers // c["pipeline_parallel"]) if d > 1)),
          (Rule("vp needs pp > 1", lambda ctx, c: c["virtual_pipeline"] > 1 and c["pipeline_parallel"] == 1),
           _layout_rule("layers % (pp*vp)"),
           Rule("num_microbatches % pp (interleaved)",
-               lambda ctx, c: c["virtual_pipeline"] > 1 and _microbatches(ctx, c) % c["pipeline_parallel"] != 0))),
+               lambda ctx, c: c["virtual_pipeline"] > 1 and _microbatches(ctx, c) % c["pipeline_parallel"] != 0),
+          Rule("scheduled passes beyond limits",
+               lambda ctx, c: (_microbatches(ctx, c) * c["pipeline_parallel"] * c["virtual_pipeline"]
+                               > SCHEDULED_PASSES.maximum)))),
     Axis("sequence_parallel", "sp", "sequence parallelism: on, off", SWITCH,
          _keeping(_SP_RULES, "sequence_parallel", lambda ctx, c: (False, True)),
          _SP_RULES),
@@ -297,7 +308,7 @@ def enumerate_plans(model: ModelSpec, space: SearchSpace, *, global_batch_size: 
     (schedule, bucket size, software stack): its global batch is replaced by ``global_batch_size``;
     plans with a virtual pipeline run the interleaved 1F1B schedule, the others the base's schedule
     (1F1B when that is the interleaved one). Raises ConfigError when no plan is valid."""
-    v.positive_int("global_batch_size", global_batch_size)
+    GLOBAL_BATCH_SIZE.positive_int("global_batch_size", global_batch_size)
     ctx = _Context(model=model, global_batch_size=global_batch_size, budget=budget,
                    max_tp=space.max_tp if space.max_tp is not None else gpus_per_node, training=training)
     pinned = [getattr(space, axis.name) for axis in AXES]

@@ -54,7 +54,7 @@ def run_compute(work: PipelineWork, gates: list[float] | None = None
             np.maximum(ready, floor[a:b], out=ready)
         end[a:b] = ready
         if check_from <= k < steady.stop - 1 and (k - check_from) % _CHECK_EVERY == 0:
-            cycle = _periodic_cycle(end, starts, k, steady)
+            cycle = _periodic_cycle(end, starts, k, steady, max_cycle=2 * graph.num_stages)
             if cycle is not None:
                 _repeat_cycle(end, starts, k, steady, *cycle)
                 k = steady.stop
@@ -82,19 +82,25 @@ _SHIFT_TOLERANCE = 1e-12
 _CHECK_EVERY = 8  # levels between two looks for a periodic steady state
 
 
-def _periodic_cycle(end: np.ndarray, starts: tuple[int, ...], k: int, steady: SteadyState) -> tuple[int, float] | None:
+def _periodic_cycle(end: np.ndarray, starts: tuple[int, ...], k: int, steady: SteadyState,
+                    max_cycle: int) -> tuple[int, float] | None:
     """(levels per cycle, shift) when every task of the last ``lookback`` levels ends exactly
-    ``shift`` later than its counterpart one cycle (a whole number of periods) earlier; else None.
+    ``shift`` later than its counterpart one cycle (a whole number of periods, at most
+    ``max_cycle``) earlier; else None.
 
     Then the steady state has become periodic: every later level of the stretch is computed from
     shifted copies of these levels by the same operations, so it is its counterpart shifted too
     (max and + commute with adding a constant). With identical middle stages the cycle is often
     many periods long (a delay travels through them one rank per period), hence the search over
-    cycle lengths, all at once.
+    cycle lengths, all at once. The search stops at ``max_cycle`` periods (twice the virtual stages,
+    the longest way a delay travels): a search up to the current level would grow with the square
+    of the micro-batches in schedules that never become periodic (GPipe with uneven stages, whose
+    first stages run ahead of a slower one), and a longer cycle is simulated in full, with the
+    same result.
     """
     per_period = starts[steady.first + steady.period] - starts[steady.first]
     lo, hi = starts[k - steady.lookback + 1], starts[k + 1]
-    cycles = (lo - starts[steady.first]) // per_period
+    cycles = min((lo - starts[steady.first]) // per_period, max_cycle)
     if cycles < 1:
         return None
     back = per_period * np.arange(1, cycles + 1)

@@ -16,9 +16,8 @@ from functools import lru_cache
 import numpy as np
 
 from vtrain_plugin.core import checks as v
-from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.registry import Registry
-from vtrain_plugin.specs.training import ScheduleKind
+from vtrain_plugin.specs.training import ScheduleKind, check_schedule
 
 
 class TaskKind(StrEnum):
@@ -99,6 +98,7 @@ def build_schedule(kind: ScheduleKind | str, pipeline_parallel: int, virtual_pip
     v.positive_int("pipeline_parallel", pipeline_parallel)
     v.positive_int("virtual_pipeline", virtual_pipeline)
     v.positive_int("num_microbatches", num_microbatches)
+    check_schedule(ScheduleKind(kind), pipeline_parallel, virtual_pipeline, num_microbatches)
     tasks = tuple(tuple(builder(pipeline_parallel, virtual_pipeline, num_microbatches, r))
                   for r in range(pipeline_parallel))
     return Schedule(kind=ScheduleKind(kind), pipeline_parallel=pipeline_parallel,
@@ -131,23 +131,15 @@ def _backward(chunk: int, microbatch: int) -> Task:
     return Task(kind=TaskKind.BACKWARD, chunk=chunk, microbatch=microbatch)
 
 
-def _require_single_chunk(kind: ScheduleKind, virtual_pipeline: int) -> None:
-    if virtual_pipeline != 1:
-        raise ConfigError(f"schedule {kind.value} requires virtual_pipeline == 1, got {virtual_pipeline} "
-                          f"(use {ScheduleKind.INTERLEAVED_1F1B.value})")
-
-
 @register_schedule(ScheduleKind.GPIPE)
 def _gpipe(pp: int, vp: int, m: int, rank: int) -> list[Task]:
     """All forwards, then all backwards in micro-batch order (torch.distributed.pipelining's GPipe)."""
-    _require_single_chunk(ScheduleKind.GPIPE, vp)
     return [_forward(0, i) for i in range(m)] + [_backward(0, i) for i in range(m)]
 
 
 @register_schedule(ScheduleKind.ONE_F_ONE_B)
 def _one_f_one_b(pp: int, vp: int, m: int, rank: int) -> list[Task]:
     """Megatron's non-interleaved 1F1B: pp - rank - 1 warm-up forwards, steady 1F1B, cool-down."""
-    _require_single_chunk(ScheduleKind.ONE_F_ONE_B, vp)
     warmup = min(pp - rank - 1, m)
     tasks = [_forward(0, i) for i in range(warmup)]
     for i in range(m - warmup):
@@ -164,12 +156,6 @@ def _interleaved(pp: int, vp: int, m: int, rank: int) -> list[Task]:
     micro-batches through chunk 0, 1, ..., v-1; backwards walk the same table with the chunk
     mirrored (v - 1 - chunk). Warm-up: (pp - rank - 1) * 2 + (v - 1) * pp forwards.
     """
-    if vp < 2:
-        raise ConfigError(f"schedule {ScheduleKind.INTERLEAVED_1F1B.value} requires virtual_pipeline >= 2, "
-                          f"got {vp}")
-    if m % pp:
-        raise ConfigError(f"schedule {ScheduleKind.INTERLEAVED_1F1B.value} requires num_microbatches ({m}) "
-                          f"to be a multiple of pipeline_parallel ({pp})")
     table = [(mb, c) for group in range(0, m, pp) for c in range(vp) for mb in range(group, group + pp)]
     total = m * vp
     warmup = min((pp - rank - 1) * 2 + (vp - 1) * pp, total)

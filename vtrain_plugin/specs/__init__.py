@@ -3,7 +3,8 @@
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import Family, ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
-from vtrain_plugin.specs.plan_file import PlanSections, parse_plan, read_mapping
+from vtrain_plugin.specs.plan_file import PlanSections, parse_plan
+from vtrain_plugin.specs.reading import read_mapping
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import GradReduce, ScheduleKind, SoftwareStack, TrainingSpec
 

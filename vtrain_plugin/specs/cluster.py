@@ -16,6 +16,7 @@ from typing import Any
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import NS_PER_US, gbps_to_bytes_per_ns, gbytes_per_s_to_bytes_per_ns
+from vtrain_plugin.specs import limits
 
 
 class GpuArchitecture(StrEnum):
@@ -45,20 +46,21 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpu, str) or not self.gpu:
-            raise ConfigError(f"cluster.gpu must be a non-empty device preset name, got {self.gpu!r}")
-        v.positive_int("cluster.gpus_per_node", self.gpus_per_node)
-        for name in ("intra_node_bandwidth_gbytes_per_s", "inter_node_bandwidth_gbps"):
-            v.positive_number(f"cluster.{name}", getattr(self, name))
+            raise ConfigError(f"cluster.gpu must be a non-empty device preset name, got {v.show(self.gpu)}")
+        limits.GPUS_PER_NODE.positive_int("cluster.gpus_per_node", self.gpus_per_node)
+        limits.INTRA_NODE_BANDWIDTH.positive_number("cluster.intra_node_bandwidth_gbytes_per_s",
+                                                    self.intra_node_bandwidth_gbytes_per_s)
+        limits.INTER_NODE_BANDWIDTH.positive_number("cluster.inter_node_bandwidth_gbps", self.inter_node_bandwidth_gbps)
         for name in ("intra_node_latency_us", "inter_node_latency_us"):
-            v.non_negative_number(f"cluster.{name}", getattr(self, name))
+            limits.LATENCY_US.non_negative_number(f"cluster.{name}", getattr(self, name))
         if self.network_efficiency is not None:
-            value = v.positive_number("cluster.network_efficiency", self.network_efficiency)
-            if value > 1.0:
-                raise ConfigError(f"cluster.network_efficiency must lie in (0, 1], got {value:g}")
+            limits.NETWORK_EFFICIENCY.positive_number("cluster.network_efficiency", self.network_efficiency)
         if self.price_per_gpu_hour_usd is not None:
-            v.non_negative_number("cluster.price_per_gpu_hour_usd", self.price_per_gpu_hour_usd)
+            limits.PRICE_PER_GPU_HOUR.non_negative_number("cluster.price_per_gpu_hour_usd",
+                                                          self.price_per_gpu_hour_usd)
         if self.nccl_tables is not None and not isinstance(self.nccl_tables, str):
-            raise ConfigError(f"cluster.nccl_tables must be a table set name, got {self.nccl_tables!r}")
+            raise ConfigError(f"cluster.nccl_tables must be a table set name, got {v.show(self.nccl_tables)}")
+        v.string("cluster.name", self.name)
 
     @property
     def intra_node_bytes_per_ns(self) -> float:

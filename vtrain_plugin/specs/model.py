@@ -13,6 +13,7 @@ from typing import Any
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.dtypes import MODEL_DTYPES, Dtype
+from vtrain_plugin.specs import limits
 
 
 class Family(StrEnum):
@@ -37,18 +38,21 @@ class ModelSpec:
     name: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "family", Family(v.one_of("model.family", str(self.family), [f.value for f in Family])))
-        object.__setattr__(self, "dtype", Dtype(v.one_of("model.dtype", str(self.dtype), [d.value for d in MODEL_DTYPES])))
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
-            v.positive_int(f"model.{name}", getattr(self, name))
+        object.__setattr__(self, "family", Family(v.one_of("model.family", self.family, [f.value for f in Family])))
+        object.__setattr__(self, "dtype", Dtype(v.one_of("model.dtype", self.dtype, [d.value for d in MODEL_DTYPES])))
+        for name, limit in (("num_layers", limits.NUM_LAYERS), ("hidden_size", limits.HIDDEN_SIZE),
+                            ("num_attention_heads", limits.ATTENTION_HEADS), ("seq_length", limits.SEQ_LENGTH),
+                            ("vocab_size", limits.VOCAB_SIZE)):
+            limit.positive_int(f"model.{name}", getattr(self, name))
         if self.ffn_hidden_size is not None:
-            v.positive_int("model.ffn_hidden_size", self.ffn_hidden_size)
+            limits.FFN_HIDDEN_SIZE.positive_int("model.ffn_hidden_size", self.ffn_hidden_size)
         if self.num_query_groups is not None:
             v.positive_int("model.num_query_groups", self.num_query_groups)
             v.divides("model.num_query_groups", self.num_query_groups,
                       "model.num_attention_heads", self.num_attention_heads)
         if self.tied_embeddings is not None:
             v.boolean("model.tied_embeddings", self.tied_embeddings)
+        v.string("model.name", self.name)
         v.divides("model.num_attention_heads", self.num_attention_heads,
                   "model.hidden_size", self.hidden_size)
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs import limits
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.pipeline_split import chunk_layers_error, rank_layers_error, stage_layers
 
@@ -39,12 +40,16 @@ class ParallelPlan:
     account_for_loss_in_pipeline_split: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "virtual_pipeline",
-                     "micro_batch_size"):
-            v.positive_int(f"parallel.{name}", getattr(self, name))
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+            limits.WORLD_SIZE.positive_int(f"parallel.{name}", getattr(self, name))
+        limits.WORLD_SIZE.check_derived(
+            f"parallel.tensor_parallel ({self.tensor_parallel}) * pipeline_parallel ({self.pipeline_parallel}) "
+            f"* data_parallel ({self.data_parallel})", self.world_size)
+        limits.NUM_LAYERS.positive_int("parallel.virtual_pipeline", self.virtual_pipeline)
+        limits.MICRO_BATCH_SIZE.positive_int("parallel.micro_batch_size", self.micro_batch_size)
         v.boolean("parallel.sequence_parallel", self.sequence_parallel)
         object.__setattr__(self, "recompute", Recompute(
-            v.one_of("parallel.recompute", str(self.recompute), [r.value for r in Recompute])))
+            v.one_of("parallel.recompute", self.recompute, [r.value for r in Recompute])))
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ConfigError("parallel.sequence_parallel requires tensor_parallel > 1 (got 1)")
         if self.virtual_pipeline > 1 and self.pipeline_parallel == 1:
@@ -78,6 +83,9 @@ class ParallelPlan:
         for rule in LAYOUT_RULES:
             if rule.broken(self, model):
                 raise ConfigError(rule.message(self, model))
+        limits.MICRO_BATCH_TOKENS.check_derived(
+            f"micro_batch_size ({self.micro_batch_size}) * seq_length ({model.seq_length})",
+            self.micro_batch_size * model.seq_length)
 
     def chunk_layers(self, model: ModelSpec) -> tuple[tuple[int, ...], ...]:
         """Transformer layers of ``[pipeline_rank][chunk]`` (see :mod:`vtrain_plugin.specs.pipeline_split`)."""

@@ -1,4 +1,4 @@
-"""Parse a plan file (YAML or JSON) into specs: reading, parsing and validation, nothing resolved.
+"""Parse a plan file (YAML or JSON) into specs: parsing and validation, nothing resolved.
 
 A plan file has four sections, each the fields of one spec (see README, "Plan files"): ``model``
 (:class:`ModelSpec`), ``parallel`` (:class:`ParallelPlan`), ``training`` (:class:`TrainingSpec`) and
@@ -7,20 +7,14 @@ cluster section is returned as given: named presets and GPU aliases are hardware
 :func:`vtrain_plugin.hardware.clusters.resolve_cluster`. A vTrain config
 (:mod:`vtrain_plugin.specs.vtrain_config`) is translated into these sections first.
 
-YAML is read with YAML 1.2's float syntax (as JSON has it): ``270e9`` and ``2.7e11`` are numbers,
-where PyYAML's YAML 1.1 rules would read them as strings (it wants a dot and a signed exponent).
+Files are read into mappings by :mod:`vtrain_plugin.specs.reading`.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
@@ -32,42 +26,12 @@ from vtrain_plugin.specs.vtrain_config import from_vtrain_config, is_vtrain_conf
 SECTIONS = ("model", "parallel", "training", "cluster")
 
 
-class _Loader(yaml.SafeLoader):
-    """``yaml.safe_load`` that also reads exponent forms without a dot or sign (``270e9``) as floats."""
-
-
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
-                              re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanSections:
     model: ModelSpec
     parallel: ParallelPlan
     training: TrainingSpec
     cluster: Mapping[str, Any]  # unresolved cluster section
-
-
-def read_mapping(path: Path) -> Mapping[str, Any]:
-    """The top-level mapping of a JSON or YAML (``.yaml``/``.yml``) file; errors name the file."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        if path.suffix.lower() in (".yaml", ".yml"):
-            data = yaml.load(text, Loader=_Loader)
-        else:
-            data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}: malformed YAML: {getattr(exc, 'problem', None) or exc}{where}") from None
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-    return data
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

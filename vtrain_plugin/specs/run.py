@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
-from vtrain_plugin.specs.training import TrainingSpec
+from vtrain_plugin.specs.training import TrainingSpec, check_schedule
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunConfig:
     """The four specs of one run, validated together (the plan must shard the model, the batch
-    must split into micro-batches); ``source`` names the file it came from, if any."""
+    must split into micro-batches, the schedule must suit the plan), so that a run that cannot be
+    estimated is refused before it is traced; ``source`` names the file it came from, if any."""
 
     model: ModelSpec
     parallel: ParallelPlan
@@ -23,7 +24,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self.parallel.check_fits(self.model)
-        self.training.num_microbatches(self.parallel.data_parallel, self.parallel.micro_batch_size)
+        check_schedule(self.training.schedule, self.parallel.pipeline_parallel, self.parallel.virtual_pipeline,
+                       self.num_microbatches)
 
     @property
     def num_microbatches(self) -> int:

@@ -12,6 +12,7 @@ from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import MEGABYTE
+from vtrain_plugin.specs import limits
 from vtrain_plugin.specs.cluster import GpuArchitecture
 from vtrain_plugin.specs.model import Family, ModelSpec
 
@@ -85,27 +86,27 @@ class TrainingSpec:
     overlap_param_gather: bool = False
 
     def __post_init__(self) -> None:
-        v.positive_int("training.global_batch_size", self.global_batch_size)
+        limits.GLOBAL_BATCH_SIZE.positive_int("training.global_batch_size", self.global_batch_size)
         object.__setattr__(self, "schedule", ScheduleKind(
-            v.one_of("training.schedule", str(self.schedule), [s.value for s in ScheduleKind])))
+            v.one_of("training.schedule", self.schedule, [s.value for s in ScheduleKind])))
         object.__setattr__(self, "grad_reduce", GradReduce(
-            v.one_of("training.grad_reduce", str(self.grad_reduce), [g.value for g in GradReduce])))
+            v.one_of("training.grad_reduce", self.grad_reduce, [g.value for g in GradReduce])))
         if self.bucket_size_mb is not None:
-            v.positive_number("training.bucket_size_mb", self.bucket_size_mb)
+            limits.BUCKET_SIZE_MB.positive_number("training.bucket_size_mb", self.bucket_size_mb)
         if self.software_stack is not None:
             object.__setattr__(self, "software_stack", SoftwareStack(
-                v.one_of("training.software_stack", str(self.software_stack), [s.value for s in SoftwareStack])))
+                v.one_of("training.software_stack", self.software_stack, [s.value for s in SoftwareStack])))
         if self.fp8 is not None:
             object.__setattr__(self, "fp8", Fp8Format(
-                v.one_of("training.fp8", str(self.fp8), [f.value for f in Fp8Format])))
+                v.one_of("training.fp8", self.fp8, [f.value for f in Fp8Format])))
             if self.software_stack not in (None, SoftwareStack.MEGATRON_CORE_TE):
                 raise ConfigError(f"training.fp8 {self.fp8.value!r} needs training.software_stack "
                                   f"megatron_core_te (got {self.software_stack.value})")
         object.__setattr__(self, "fp8_recipe", Fp8Recipe(
-            v.one_of("training.fp8_recipe", str(self.fp8_recipe), [r.value for r in Fp8Recipe])))
+            v.one_of("training.fp8_recipe", self.fp8_recipe, [r.value for r in Fp8Recipe])))
         if self.total_tokens is not None:
-            object.__setattr__(self, "total_tokens",
-                               v.positive_finite_number("training.total_tokens", self.total_tokens))
+            object.__setattr__(self, "total_tokens", limits.TOTAL_TOKENS.check(
+                "training.total_tokens", v.positive_finite_number("training.total_tokens", self.total_tokens)))
         v.boolean("training.distributed_optimizer", self.distributed_optimizer)
         if v.boolean("training.overlap_param_gather", self.overlap_param_gather):
             if not self.distributed_optimizer:
@@ -121,11 +122,16 @@ class TrainingSpec:
 
     def num_microbatches(self, data_parallel: int, micro_batch_size: int) -> int:
         per_step = data_parallel * micro_batch_size
+        batch = v.show(self.global_batch_size)
         if self.global_batch_size % per_step:
             raise ConfigError(
-                f"global_batch_size ({self.global_batch_size}) must be divisible by data_parallel_size "
+                f"global_batch_size ({batch}) must be divisible by data_parallel_size "
                 f"({data_parallel}) * micro_batch_size ({micro_batch_size}) = {per_step}")
-        return self.global_batch_size // per_step
+        microbatches = self.global_batch_size // per_step
+        limits.MICRO_BATCHES.check_derived(
+            f"global_batch_size ({batch}) / (data_parallel_size ({data_parallel}) * micro_batch_size "
+            f"({micro_batch_size}))", microbatches)
+        return microbatches
 
     def train_iterations(self, seq_length: int) -> int | None:
         """Iterations that consume ``total_tokens`` at ``global_batch_size * seq_length`` tokens each,
@@ -176,6 +182,25 @@ def default_software_stack(model: ModelSpec | None, architecture: GpuArchitectur
     if model.family is Family.GPT and model.dtype is Dtype.FP16 and architecture is GpuArchitecture.AMPERE:
         return SoftwareStack.MEGATRON_DEEPSPEED_2023
     return SoftwareStack.MEGATRON_CORE_TE
+
+
+def check_schedule(schedule: ScheduleKind, pipeline_parallel: int, virtual_pipeline: int,
+                   num_microbatches: int) -> None:
+    """What the pipeline schedules of megatron-core require of the plan, and the bound on the size of
+    the simulated schedule: checked when a run is put together, before anything is traced, and
+    again by the schedule builders for callers of the simulation itself."""
+    pp, vp, m = pipeline_parallel, virtual_pipeline, num_microbatches
+    if schedule is ScheduleKind.INTERLEAVED_1F1B:
+        if vp < 2:
+            raise ConfigError(f"training.schedule {schedule.value} requires virtual_pipeline >= 2, got {vp}")
+        if m % pp:
+            raise ConfigError(f"training.schedule {schedule.value} requires num_microbatches ({m}) to be a multiple "
+                              f"of pipeline_parallel ({pp})")
+    elif vp != 1:
+        raise ConfigError(f"training.schedule {schedule.value} requires virtual_pipeline == 1, got {vp} "
+                          f"(use {ScheduleKind.INTERLEAVED_1F1B.value})")
+    limits.SCHEDULED_PASSES.check_derived(
+        f"num_microbatches ({m}) * pipeline_parallel ({pp}) * virtual_pipeline ({vp})", m * pp * vp)
 
 
 ADAM_MOMENTS_BYTES = 8  # two fp32 moments per parameter

@@ -39,7 +39,8 @@ from vtrain_plugin.core.files import atomic_write_text
 from vtrain_plugin.core.units import SECONDS_PER_HOUR
 from vtrain_plugin.planning.model_family import model_preset
 from vtrain_plugin.specs.model import ModelSpec
-from vtrain_plugin.specs.plan_file import build_spec, read_mapping
+from vtrain_plugin.specs.plan_file import build_spec
+from vtrain_plugin.specs.reading import read_mapping
 
 FIELDS = ("name", "submit_hours", "model", "global_batch", "tokens", "deadline_hours", "deadline_after_hours",
           "priority", "gpus")
