@@ -71,6 +71,39 @@ def test_cli_jsonl_one_line_per_config_and_errors_inline(tmp_path, run_cli):
     assert lines[0]["iteration_time_ms"] == lines[2]["iteration_time_ms"]
 
 
+def test_cli_jsonl_keeps_going_past_garbage_files(tmp_path, run_cli):
+    good = write(tmp_path, "good.json", SMALL)
+    garbage = tmp_path / "garbage.yaml"
+    garbage.write_bytes(bytes(range(256)) * 4)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    proc = run_cli("estimate", str(garbage), good, str(deep), "--format", "jsonl")
+    assert proc.returncode == 2 and proc.stderr == ""
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["config"] for line in lines] == [str(garbage), good, str(deep)]
+    assert lines[0]["error"].startswith(f"{garbage}: ") and lines[2]["error"].startswith(f"{deep}: ")
+    assert lines[1]["iteration_time_ms"] > 0
+
+
+def test_cli_json_prints_one_array_for_several_configs_and_csv_one_row_each(tmp_path, run_cli):
+    good = write(tmp_path, "good.json", SMALL)
+    bad = write(tmp_path, "bad.json", {**SMALL, "global_batch_size": 6})
+    single = json.loads(run_cli("estimate", good, "--format", "json", check=True).stdout)
+    assert single["config"] == good and single["num_gpus"] == 8
+    proc = run_cli("estimate", good, bad, good, "--format", "json")
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
+    documents = json.loads(proc.stdout)
+    assert [d["config"] for d in documents] == [good, bad, good]
+    assert documents[0] == documents[2] == single and set(documents[1]) == {"config", "error"}
+
+    proc = run_cli("estimate", good, bad, good, "--format", "csv")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [f"vtrain: error: {documents[1]['error']}"]
+    header, *rows = proc.stdout.splitlines()
+    columns = header.split(",")
+    assert columns[:2] == ["config", "iteration_time_ms"] and "forward_ms" in columns and len(rows) == 2
+    assert rows[0] == rows[1] and rows[0].split(",")[:2] == [good, repr(single["iteration_time_ms"])]
+
+
 TOKENS_PLAN = """
 model: {num_layers: 4, hidden_size: 256, num_attention_heads: 8, seq_length: 128}
 parallel: {tensor_parallel: 2, pipeline_parallel: 2, data_parallel: 2, micro_batch_size: 2}

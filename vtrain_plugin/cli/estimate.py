@@ -15,7 +15,11 @@ from vtrain_plugin.cli.megatron_input import add_megatron_options, run_inputs
 from vtrain_plugin.cli.render import estimate_table
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError, VTrainError
+from vtrain_plugin.estimate import Estimate, estimates_frame
 from vtrain_plugin.measure import estimate_with_profiles
+
+
+FORMATS = ("table", "json", "jsonl", "csv")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                  "(a100-sxm4-40gb, a100-sxm4-80gb, h100-sxm, h200-sxm, b200-sxm; aliases A100, H100, H200, B200)")
     p.add_argument("--tokens", metavar="N", help="tokens of the whole training run (e.g. 270e9), overriding "
                                                   "training.total_tokens: adds iterations, days, GPU-hours and cost")
-    p.add_argument("--format", choices=("table", "json", "jsonl"), default="table")
+    p.add_argument("--format", choices=FORMATS, default="table",
+                   help="table (default); json: one object, an array of them for several configs; jsonl: one "
+                        "line per config, errors inline; csv: one row per config (pandas columns of to_row)")
     db_option(p)
     p.add_argument("--explain", type=int, nargs="?", const=10, default=0, metavar="N",
                    help="list the N largest unmeasured kernels (default 10)")
@@ -39,9 +45,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Estimate every input in turn; a bad input is reported (inline with jsonl and json, on stderr
+    otherwise) and the others still run. Exit 2 when any failed."""
     tokens = None if args.tokens is None else _total_tokens(args.tokens)
     inputs = run_inputs(args)
     failed = 0
+    documents: list[dict] = []  # --format json: printed together, as one array for several configs
+    rows: list[tuple[str, Estimate]] = []  # --format csv
     for index, (path, load) in enumerate(inputs):
         try:
             run_config = load()
@@ -58,21 +68,40 @@ def run(args: argparse.Namespace) -> int:
         except VTrainError as exc:
             failed += 1
             if args.format == "jsonl":
-                sys.stdout.write(json.dumps({"config": path, "error": str(exc)}) + "\n")
-                sys.stdout.flush()
+                _write(_json({"config": path, "error": str(exc)}))
             else:
                 print(f"vtrain: error: {exc}", file=sys.stderr)
+                if args.format == "json":
+                    documents.append({"config": path, "error": str(exc)})
             continue
         if args.format == "jsonl":
-            sys.stdout.write(json.dumps({"config": path, **result.to_dict()}) + "\n")
-            sys.stdout.flush()
+            _write(_json({"config": path, **result.to_dict()}))
         elif args.format == "json":
-            sys.stdout.write(json.dumps({"config": path, **result.to_dict(), "largest_unmeasured": [
+            documents.append({"config": path, **result.to_dict(), "largest_unmeasured": [
                 {"op": k.op, "input_shapes": k.input_shapes, "dtypes": k.dtypes, "phase": k.phase,
-                 "module": k.module, "time_ms": k.time_ms} for k in result.largest_unmeasured]}, indent=1) + "\n")
+                 "module": k.module, "time_ms": k.time_ms} for k in result.largest_unmeasured]})
+        elif args.format == "csv":
+            rows.append((path, result))
         else:
-            sys.stdout.write(estimate_table(run_config, result) + "\n")
+            _write(estimate_table(run_config, result))
+    if args.format == "json" and documents:
+        _write(_json(documents[0] if len(inputs) == 1 else documents, indent=1))
+    elif args.format == "csv" and rows:
+        frame = estimates_frame((result for _, result in rows))
+        frame.insert(0, "config", [path for path, _ in rows])
+        sys.stdout.write(frame.to_csv(index=False))
     return EXIT_USER_ERROR if failed else 0
+
+
+def _json(document: object, *, indent: int | None = None) -> str:
+    """Standard JSON: a non-finite number (which no estimate should hold) is an error, not
+    ``Infinity``."""
+    return json.dumps(document, indent=indent, allow_nan=False)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def _total_tokens(text: str) -> float:
