@@ -71,6 +71,16 @@ def test_tp_must_divide_ffn_and_query_groups():
         ParallelPlan(tensor_parallel=8).check_fits(model)
 
 
+def test_llama_head_dimension_must_be_even_for_rotary_embeddings():
+    """Found by benchmarks/fuzz.py: heads 64 of hidden 64 traced into megatron-core's rotary
+    embedding and died there (ValueError); now refused when the model is built. GPT has no rotary."""
+    with pytest.raises(ConfigError) as err:
+        ModelSpec(family="llama", num_layers=2, hidden_size=192, num_attention_heads=64, seq_length=64)
+    assert str(err.value) == ("model.hidden_size (192) / model.num_attention_heads (64) = 3: rotary position "
+                              "embeddings rotate pairs of channels, so a Llama head dimension must be even")
+    assert ModelSpec(family="gpt", num_layers=2, hidden_size=192, num_attention_heads=64, seq_length=64).head_dim == 3
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(tensor_parallel=0), "parallel.tensor_parallel must be positive, got 0"),
     (dict(micro_batch_size=1.5), "parallel.micro_batch_size must be a positive integer, got 1.5"),

@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.dtypes import MODEL_DTYPES, Dtype
 from vtrain_plugin.specs import limits
 
@@ -55,6 +56,10 @@ class ModelSpec:
         v.string("model.name", self.name)
         v.divides("model.num_attention_heads", self.num_attention_heads,
                   "model.hidden_size", self.hidden_size)
+        if self.family is Family.LLAMA and self.head_dim % 2:
+            raise ConfigError(f"model.hidden_size ({self.hidden_size}) / model.num_attention_heads "
+                              f"({self.num_attention_heads}) = {self.head_dim}: rotary position embeddings "
+                              "rotate pairs of channels, so a Llama head dimension must be even")
 
     @property
     def ffn_size(self) -> int:
