@@ -6,7 +6,9 @@ calibrated (exactly what ``vtrain estimate --format jsonl`` prints), and prints 
 size, single-node and multi-node apart. Then a leave-one-group-out cross-validation: the constants are
 refitted without one hidden size (or one TP size), starting from the documented typical values, and
 the left-out runs are predicted; pooled over the folds, that is the honest proxy for held-out runs.
-Writes a predicted-vs-measured plot (matplotlib).
+Writes a predicted-vs-measured plot (matplotlib). Last, the H100 section: the four published NeMo
+H100 runs predicted with the shipped h100-sxm megatron_core_te constants (calibration) and
+leave-one-out (three H100 constants refitted without each run, as ``calibrate.py`` fits them).
 
 Run with ``.venv/bin/python benchmarks/accuracy.py`` (about 6 minutes on two cores; ``--no-cv``:
 under one minute).
@@ -26,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from a100_data import (START, MeasuredRun, PreparedRun, add_data_argument, error_stats, fit,  # noqa: E402
                        grouped, predict_all, prepare_runs, read_runs)
+
+import h100_data  # noqa: E402
+from calibrate import leave_one_out  # noqa: E402
 
 from vtrain_plugin.hardware.calibration import calibration_for  # noqa: E402
 from vtrain_plugin.estimate import estimate  # noqa: E402
@@ -76,6 +81,22 @@ def cross_validate(prepared: Sequence[PreparedRun], key: str, max_evals: int) ->
     return predicted, rows
 
 
+def h100_tables(data: Path, max_evals: int) -> str:
+    """Per published H100 run and pooled: the shipped constants' error and the leave-one-out error."""
+    runs = h100_data.read_runs(data)
+    prepared = prepare_runs(runs)
+    measured = np.array([r.measured_ms for r in runs])
+    predicted = predict_all(prepared, calibration_for("h100-sxm", "megatron_core_te").constants)
+    loo = np.array([p for _, p, _ in leave_one_out(prepared, h100_data.start_constants(), h100_data.FITTED_H100,
+                                                   max_evals)])
+    per_run = [[r.run.model.name, f"{m:,.1f}", f"{p:,.1f}", f"{100 * (p - m) / m:+.1f}", f"{q:,.1f}",
+                f"{100 * (q - m) / m:+.1f}"] for r, m, p, q in zip(runs, measured, predicted, loo)]
+    pooled = [stats_row("calibration", predicted, measured), stats_row("leave-one-out", loo, measured)]
+    return (f"H100 runs (NeMo 24.07, FP8, megatron_core_te)\n"
+            f"{render_table(per_run, ['run', 'measured ms', 'calibrated ms', 'error %', 'left out ms', 'error %'])}"
+            f"\n\n{render_table(pooled, HEADER)}")
+
+
 def plot(runs: Sequence[MeasuredRun], predicted: np.ndarray, path: Path) -> None:
     import matplotlib
 
@@ -121,6 +142,7 @@ def main() -> None:
     plot(runs, predicted, args.plot)
     if args.no_cv:
         return
+    print(h100_tables(args.data, args.cv_evals))
     measured = np.array([r.measured_ms for r in runs])
     for key in ("hidden", "tp"):
         cv_start = time.perf_counter()
