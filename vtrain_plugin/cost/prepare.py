@@ -109,7 +109,7 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
     """Lay ``graph`` out for costing under ``stack`` (GEMMs in FP8 with ``fp8``), with ``measured``
     kernel durations (ns), and Megatron-Core's ``distributed_optimizer`` or not."""
     stack = SoftwareStack(stack)
-    shards = graph.parallel.data_parallel if distributed_optimizer else 1
+    shards = graph.parallel.grad_reduce_group_size if distributed_optimizer else 1
     pp = graph.parallel.pipeline_parallel
     last = graph.parallel.num_model_chunks - 1
     ordered = sorted(graph.stages, key=lambda s: s.chunk * pp + s.pipeline_rank)

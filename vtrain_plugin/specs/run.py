@@ -23,6 +23,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self.parallel.check_fits(self.model)
+        self.training.check_plan(self.parallel)
         self.training.num_microbatches(self.parallel.data_parallel, self.parallel.micro_batch_size)
 
     @property

@@ -14,6 +14,7 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import MEGABYTE
 from vtrain_plugin.specs.cluster import GpuArchitecture
 from vtrain_plugin.specs.model import Family, ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
 
 
 class ScheduleKind(StrEnum):
@@ -83,6 +84,9 @@ class TrainingSpec:
     # overlap_param_gather the all-gather of each bucket overlaps the first forward passes.
     distributed_optimizer: bool = False
     overlap_param_gather: bool = False
+    # TransformerEngine's userbuffers: the all-gather / reduce-scatter of sequence parallelism
+    # overlapped with the GEMMs they feed (Megatron-Core's --tp-comm-overlap; needs SP).
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         v.positive_int("training.global_batch_size", self.global_batch_size)
@@ -113,6 +117,14 @@ class TrainingSpec:
             if self.grad_reduce is not GradReduce.OVERLAP:
                 raise ConfigError(f"training.overlap_param_gather requires training.grad_reduce: overlap "
                                   f"(got {self.grad_reduce.value}), as Megatron-LM does")
+        v.boolean("training.tp_comm_overlap", self.tp_comm_overlap)
+
+    def check_plan(self, plan: ParallelPlan) -> None:
+        """Raise ConfigError when this run's options need what ``plan`` lacks."""
+        if self.tp_comm_overlap and not plan.sequence_parallel:
+            raise ConfigError("training.tp_comm_overlap requires parallel.sequence_parallel (got false): "
+                              "TransformerEngine overlaps the all-gather / reduce-scatter of sequence "
+                              "parallelism with the GEMMs they feed")
 
     @property
     def bucket_nbytes(self) -> int:
