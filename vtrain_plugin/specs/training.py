@@ -120,11 +120,16 @@ class TrainingSpec:
         v.boolean("training.tp_comm_overlap", self.tp_comm_overlap)
 
     def check_plan(self, plan: ParallelPlan) -> None:
-        """Raise ConfigError when this run's options need what ``plan`` lacks."""
+        """Raise ConfigError when this run's options need what ``plan`` lacks, or ``plan`` needs
+        software this run does not run."""
         if self.tp_comm_overlap and not plan.sequence_parallel:
             raise ConfigError("training.tp_comm_overlap requires parallel.sequence_parallel (got false): "
                               "TransformerEngine overlaps the all-gather / reduce-scatter of sequence "
                               "parallelism with the GEMMs they feed")
+        if plan.context_parallel > 1 and self.software_stack not in (None, SoftwareStack.MEGATRON_CORE_TE):
+            raise ConfigError(f"parallel.context_parallel {plan.context_parallel} needs training.software_stack "
+                              f"megatron_core_te (got {self.software_stack.value}): megatron-core runs "
+                              f"context-parallel attention only through TransformerEngine")
 
     @property
     def bucket_nbytes(self) -> int:
@@ -152,13 +157,14 @@ class TrainingSpec:
     def fp8_settings(self) -> Fp8Settings | None:
         return None if self.fp8 is None else Fp8Settings(format=self.fp8, recipe=self.fp8_recipe)
 
-    def stack_for(self, model: ModelSpec | None, architecture: GpuArchitecture | str) -> SoftwareStack:
-        """The software stack of this run on a GPU of ``architecture``: the one given, else the
-        plan's default (:func:`default_software_stack`; FP8 runs megatron_core_te), the same for
-        the Python API, the CLI and a search."""
+    def stack_for(self, model: ModelSpec | None, architecture: GpuArchitecture | str,
+                  plan: ParallelPlan | None = None) -> SoftwareStack:
+        """The software stack of this run of ``plan`` on a GPU of ``architecture``: the one given,
+        else the plan's default (:func:`default_software_stack`; FP8 and context parallelism run
+        megatron_core_te), the same for the Python API, the CLI and a search."""
         if self.software_stack is not None:
             return self.software_stack
-        if self.fp8 is not None:
+        if self.fp8 is not None or (plan is not None and plan.context_parallel > 1):
             return SoftwareStack.MEGATRON_CORE_TE
         return default_software_stack(model, architecture)
 
