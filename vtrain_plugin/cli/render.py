@@ -217,7 +217,9 @@ def _money(usd: float) -> str:
 
 
 def _plan_label(row: Mapping[str, Any]) -> str:
-    return (f"tp={row['tensor_parallel']} pp={row['pipeline_parallel']} dp={row['data_parallel']} "
+    cp = row.get("context_parallel", 1)
+    return (f"tp={row['tensor_parallel']}{f' cp={cp}' if cp > 1 else ''} pp={row['pipeline_parallel']} "
+            f"dp={row['data_parallel']} "
             f"micro-batch={row['micro_batch_size']} vp={row['virtual_pipeline']} "
             f"sp={'on' if row['sequence_parallel'] else 'off'} recompute={row['recompute']}"
             + (" distributed optimizer" if row["distributed_optimizer"] else ""))
@@ -229,14 +231,15 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
     table = result.table
     trained = "train_days" in table
     varied = [column for column in ("software_stack", "fp8") if table[column].nunique(dropna=False) > 1]
-    header = ["rank", "tp", "pp", "dp", "mb", "vp", "sp", "recompute", "grad reduce", "dist opt",
+    header = ["rank", "tp", "cp", "pp", "dp", "mb", "vp", "sp", "recompute", "grad reduce", "dist opt",
               *(_VARIED_HEADERS[c] for c in varied), "GPUs", "iteration ms",
               "tokens/s", "MFU", "memory GiB", "fits", "$/iteration", *(["days", "$ to train"] if trained else []),
               "front"]
     rows = []
     for row in result.top().to_dict(orient="records"):
         rows.append([
-            str(row["rank"]), str(row["tensor_parallel"]), str(row["pipeline_parallel"]), str(row["data_parallel"]),
+            str(row["rank"]), str(row["tensor_parallel"]), str(row["context_parallel"]), str(row["pipeline_parallel"]),
+            str(row["data_parallel"]),
             str(row["micro_batch_size"]), str(row["virtual_pipeline"]), "on" if row["sequence_parallel"] else "off",
             row["recompute"], row["grad_reduce"], "on" if row["distributed_optimizer"] else "off", *(str(row[c] or "off") for c in varied),
             f"{row['num_gpus']:,}", f"{row['iteration_time_ms']:,.1f}",
