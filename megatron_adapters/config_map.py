@@ -1,10 +1,10 @@
 """Map a megatron-core ``TransformerConfig`` onto vtrain's ModelSpec and ParallelPlan.
 
 Fields are read by attribute, so no megatron type leaks out. Every field that changes the traced
-graph is either honoured (dims, GQA, dtype, the GPT or Llama layer, TP, PP, virtual pipeline, SP,
-recompute, uneven pipeline splits) or refused with a one-line :class:`ConfigError` naming it (context
-and expert parallelism, MoE, fp8 / fp4, multi-token prediction, custom pipeline layouts, ...): a
-config is never traced as something it is not.
+graph is either honoured (dims, GQA, dtype, the GPT or Llama layer, TP, CP and its communication, PP,
+virtual pipeline, SP, recompute, uneven pipeline splits) or refused with a one-line :class:`ConfigError`
+naming it (expert parallelism, MoE, fp8 / fp4, multi-token prediction, custom pipeline layouts, ...):
+a config is never traced as something it is not.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.model import Family, ModelSpec
-from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
+from vtrain_plugin.specs.parallel import CpCommType, ParallelPlan, Recompute
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,6 @@ def _is_one(value: Any) -> bool:
 
 
 UNMODELLED = (
-    Unmodelled("context_parallel_size", _is_one, "context parallelism"),
     Unmodelled("expert_model_parallel_size", _is_one, "expert parallelism"),
     Unmodelled("num_moe_experts", _is_none, "mixture-of-experts layers"),
     Unmodelled("fp8", _is_none, "fp8 training"),
@@ -131,6 +130,8 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
             "account_for_embedding_in_pipeline_split", bool(getattr(config, "account_for_embedding_in_pipeline_split", False))),
         "account_for_loss_in_pipeline_split": (
             "account_for_loss_in_pipeline_split", bool(getattr(config, "account_for_loss_in_pipeline_split", False))),
+        "context_parallel": ("context_parallel_size", getattr(config, "context_parallel_size", None) or 1),
+        "cp_comm_type": ("cp_comm_type", _cp_comm_type(config)),
     }
     if plan is None:
         return ParallelPlan(**{name: value for name, (_, value) in stated.items()})
@@ -162,5 +163,23 @@ def _recompute(config: Any) -> Recompute:
     raise ConfigError(f"TransformerConfig.recompute_granularity={granularity!r}: must be None, 'selective' or 'full'")
 
 
+def _cp_comm_type(config: Any) -> CpCommType:
+    """TransformerEngine's K/V exchange: None means Megatron-LM's default, p2p; a per-layer list must
+    name one type (vtrain's layers are alike); TE's a2a and a2a+p2p are not modelled."""
+    value = getattr(config, "cp_comm_type", None)
+    kinds = set(value) if isinstance(value, (list, tuple)) else {value}
+    if len(kinds) != 1:
+        raise ConfigError(f"TransformerConfig.cp_comm_type={value!r}: one type for every layer is modelled")
+    (kind,) = kinds
+    if kind is None:
+        return CpCommType.P2P
+    if kind not in {c.value for c in CpCommType}:
+        raise ConfigError(f"TransformerConfig.cp_comm_type={kind!r}: must be one of "
+                          f"{', '.join(c.value for c in CpCommType)} (a2a and a2a+p2p are not modelled yet)")
+    return CpCommType(kind)
+
+
 def _show(value: Any) -> str:
-    return value.value if isinstance(value, Recompute) else repr(value) if isinstance(value, bool) else str(value)
+    if isinstance(value, (Recompute, CpCommType)):
+        return value.value
+    return repr(value) if isinstance(value, bool) else str(value)

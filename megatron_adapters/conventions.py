@@ -15,9 +15,9 @@ final layer norm, the output layer and the loss.
 
 Rank order: megatron-core numbers global ranks in the order ``tp-cp-ep-dp-pp``
 (``initialize_model_parallel``'s default ``order``), the first dimension varying fastest, and the
-launcher fills nodes in rank order. vtrain models neither context nor expert parallelism, so
-:data:`RANK_ORDER` holds tensor, data and pipeline parallelism; adding them means inserting them at
-their place in :data:`RANK_ORDER`, and every function below follows.
+launcher fills nodes in rank order. vtrain does not model expert parallelism, so :data:`RANK_ORDER`
+holds tensor, context, data and pipeline parallelism; adding it means inserting it at its place in
+:data:`RANK_ORDER`, and every function below follows.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ FINAL_LAYERNORM = "decoder.final_layernorm"
 OUTPUT_LAYER = "output_layer"
 LOSS = "loss"  # not megatron-core's: megatron_adapters.gpt gives GPTModel's loss computation this name
 HEAD_MODULES = (FINAL_LAYERNORM, OUTPUT_LAYER, LOSS)
+# A layer's core attention (DotProductAttention in the local spec: scores, softmax, dropout, context;
+# TransformerEngine's fused attention in the TE spec), under the layer: ``<layer>.self_attention.core_attention``.
+CORE_ATTENTION = ".self_attention.core_attention"
 TIED_WEIGHT_OWNERS = (WORD_EMBEDDING, OUTPUT_LAYER)  # one tensor with share_embeddings_and_output_weights
 
 # ``<prefix>.layers.<index><rest>``, the prefix ending in ``layers`` (``decoder.layers``, or ``layers``
@@ -59,6 +62,12 @@ def split_layer_module(name: str) -> tuple[str, int, str] | None:
 def is_layer_module(name: str) -> bool:
     """Whether ``name`` is a transformer layer or a module inside one."""
     return split_layer_module(name) is not None
+
+
+def is_core_attention_module(name: str) -> bool:
+    """Whether ``name`` is a layer's core attention or a module inside it (its softmax, its dropout)."""
+    split = split_layer_module(name)
+    return split is not None and (split[2] == CORE_ATTENTION or split[2].startswith(CORE_ATTENTION + "."))
 
 
 def is_embedding_module(name: str) -> bool:
@@ -94,7 +103,8 @@ def chunk_role(plan: ParallelPlan, pipeline_rank: int, chunk: int) -> ChunkRole:
 
 # -- rank order -------------------------------------------------------------------------------------
 
-RANK_ORDER: tuple[ParallelGroup, ...] = (ParallelGroup.TP, ParallelGroup.DP, ParallelGroup.PP)  # fastest first
+RANK_ORDER: tuple[ParallelGroup, ...] = (ParallelGroup.TP, ParallelGroup.CP, ParallelGroup.DP,
+                                         ParallelGroup.PP)  # fastest first
 
 
 def rank_strides(sizes: Mapping[ParallelGroup, int]) -> dict[ParallelGroup, int]:

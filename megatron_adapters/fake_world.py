@@ -1,7 +1,7 @@
 """A whole Megatron process layout inside one process: fake process group plus parallel_state.
 
 ``fake_world(plan, pipeline_rank=s)`` makes this process the representative rank of pipeline stage
-``s`` (tensor- and data-parallel rank 0) of a world of TP x PP x DP ranks, with every megatron-core
+``s`` (tensor-, context- and data-parallel rank 0) of a world of TP x CP x PP x DP ranks, with every megatron-core
 process group created on the fake backend, and tears it all down on exit.
 """
 
@@ -21,9 +21,9 @@ from vtrain_plugin.specs.parallel import ParallelPlan
 
 
 def representative_rank(plan: ParallelPlan, pipeline_rank: int) -> int:
-    """Global rank of (tp 0, dp 0, pp ``pipeline_rank``) in megatron-core's rank order."""
-    sizes = {ParallelGroup.TP: plan.tensor_parallel, ParallelGroup.DP: plan.data_parallel,
-             ParallelGroup.PP: plan.pipeline_parallel}
+    """Global rank of (tp 0, cp 0, dp 0, pp ``pipeline_rank``) in megatron-core's rank order."""
+    sizes = {ParallelGroup.TP: plan.tensor_parallel, ParallelGroup.CP: plan.context_parallel,
+             ParallelGroup.DP: plan.data_parallel, ParallelGroup.PP: plan.pipeline_parallel}
     return global_rank({ParallelGroup.PP: pipeline_rank}, sizes)
 
 
@@ -47,6 +47,7 @@ def fake_world(plan: ParallelPlan, *, pipeline_rank: int = 0) -> Iterator[dict[s
             tensor_model_parallel_size=plan.tensor_parallel,
             pipeline_model_parallel_size=plan.pipeline_parallel,
             virtual_pipeline_model_parallel_size=plan.virtual_pipeline if plan.virtual_pipeline > 1 else None,
+            context_parallel_size=plan.context_parallel,
             create_gloo_process_groups=False,
         )
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

@@ -194,7 +194,7 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
     device = get_device(cluster.gpu)
     if training.fp8 is not None:
         device.require_fp8("training.fp8", training.fp8.value)
-    stack = training.stack_for(graph.model, device.architecture)
+    stack = training.stack_for(graph.model, device.architecture, graph.parallel)
     calibration = calibration_for(device.name, stack)
     prepared = prepare(graph, stack, measured, fp8=training.fp8_settings,
                        distributed_optimizer=training.distributed_optimizer)
@@ -228,8 +228,9 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
     gpus = plan.world_size
     stage_breakdowns = tuple(_breakdown_ms(r) for r in result.ranks)
     bottleneck = max(range(len(result.ranks)), key=lambda i: _busy(result.ranks[i]))
-    per_microbatch = (costing.flops[Phase.FORWARD] + costing.flops[Phase.BACKWARD]) * plan.tensor_parallel
-    recompute = costing.flops[Phase.RECOMPUTE] * plan.tensor_parallel
+    ranks_per_replica = plan.tensor_parallel * plan.context_parallel  # that split one micro-batch of a stage
+    per_microbatch = (costing.flops[Phase.FORWARD] + costing.flops[Phase.BACKWARD]) * ranks_per_replica
+    recompute = costing.flops[Phase.RECOMPUTE] * ranks_per_replica
     replicas_work = num_microbatches * plan.data_parallel
     model_flops = per_microbatch * replicas_work
     hardware_flops = (per_microbatch + recompute) * replicas_work
@@ -272,4 +273,4 @@ def _breakdown_ms(rank: RankBreakdown) -> dict[str, float]:
 
 
 def _busy(rank: RankBreakdown) -> float:
-    return rank.forward_ns + rank.backward_ns + rank.recompute_ns + rank.tp_comm_ns
+    return rank.forward_ns + rank.backward_ns + rank.recompute_ns + rank.tp_comm_ns + rank.cp_comm_ns

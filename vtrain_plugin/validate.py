@@ -34,7 +34,7 @@ from vtrain_plugin.specs.training import SoftwareStack
 
 
 _SINGLE_DEVICE = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "virtual_pipeline": 1,
-                  "sequence_parallel": False}
+                  "sequence_parallel": False, "context_parallel": 1}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,8 +136,12 @@ def single_device_run(run: RunConfig, device: str = "cpu") -> tuple[RunConfig, t
     overridden = tuple(f"{name}: {current[name]} -> {value}" for name, value in _SINGLE_DEVICE.items()
                        if current[name] != value)
     plan = ParallelPlan(**{**current, **_SINGLE_DEVICE})
+    training = run.training
+    if training.tp_comm_overlap:  # no tensor parallelism left to overlap
+        overridden += ("tp_comm_overlap: True -> False",)
+        training = replace(training, tp_comm_overlap=False)
     try:
-        single = with_gpu(replace(run, parallel=plan), local_device_preset(device))
+        single = with_gpu(replace(run, parallel=plan, training=training), local_device_preset(device))
     except ConfigError as exc:
         raise ConfigError(f"{run.source}: on one device: {exc}") from None
     # The real step trains megatron-core's local spec: its estimate assumes the same kernels.

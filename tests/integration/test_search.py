@@ -119,7 +119,7 @@ def test_cli_jsonl_is_one_object_per_evaluated_plan_and_plot_is_a_png(tmp_path, 
 def test_cli_table_csv_and_output_file(tmp_path, model_file, capsys, result):
     assert main(["search", model_file, "--gpus", GPUS, *PINNED, "--top", "3", "--workers", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:4] == ["rank", "tp", "pp", "dp"] and len(lines) == 2 + 3 + 2
+    assert lines[0].split()[:5] == ["rank", "tp", "cp", "pp", "dp"] and len(lines) == 2 + 3 + 2
     assert lines[-1] == ("30 plans evaluated, 30 fit in memory, "
                          f"{int(result.table['pareto'].sum())} on the Pareto front (*), ranked by time; skipped 0")
     out = tmp_path / "plans.csv"

@@ -56,5 +56,5 @@ def test_search_pins_fp8_and_reports_the_stack_of_each_plan(tmp_path, run_cli):
     table = run_cli("search", path, "--gpus", "8", "--tp", "2", "--pp", "2", "--micro-batch", "1", "--vp", "1",
                     "--sp", "on", "--recompute", "none", "--grad-reduce", "overlap", "--dist-opt", "off",
                     "--fp8", "off,hybrid", "--workers", "1", check=True).stdout
-    assert table.splitlines()[0].split()[:13] == ["rank", "tp", "pp", "dp", "mb", "vp", "sp", "recompute", "grad",
-                                                  "reduce", "dist", "opt", "fp8"]
+    assert table.splitlines()[0].split()[:14] == ["rank", "tp", "cp", "pp", "dp", "mb", "vp", "sp", "recompute",
+                                                  "grad", "reduce", "dist", "opt", "fp8"]

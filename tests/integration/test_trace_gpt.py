@@ -245,10 +245,19 @@ def test_a_transformer_configs_uneven_pipeline_split_becomes_the_plans():
         trace(first_last, ParallelPlan(pipeline_parallel=3), vocab_size=1000, seq_length=64)
 
 
+def test_a_transformer_config_with_context_parallelism_is_traced_on_one_cp_rank():
+    graph = trace(_llama_config(context_parallel_size=2, cp_comm_type="all_gather"), vocab_size=1000, seq_length=64)
+    assert graph.parallel == ParallelPlan(context_parallel=2, cp_comm_type="all_gather")
+    assert graph.seq_length == 64 and graph.stages[0].activation_shape == (32, 1, 256)
+
+
 @pytest.mark.parametrize("fields, plan, message", [
     (dict(tensor_model_parallel_size=4), ParallelPlan(tensor_parallel=2),
      "parallel.tensor_parallel (2) != TransformerConfig.tensor_model_parallel_size (4)"),
-    (dict(context_parallel_size=2), None, "TransformerConfig.context_parallel_size=2: context parallelism is not modelled"),
+    (dict(context_parallel_size=2, cp_comm_type="a2a"), None,
+     "TransformerConfig.cp_comm_type='a2a': must be one of p2p, all_gather (a2a and a2a+p2p are not modelled yet)"),
+    (dict(context_parallel_size=2), ParallelPlan(context_parallel=4),
+     "parallel.context_parallel (4) != TransformerConfig.context_parallel_size (2)"),
     (dict(num_moe_experts=8), None, "TransformerConfig.num_moe_experts=8: mixture-of-experts layers is not modelled"),
     (dict(fp8="hybrid"), None, "TransformerConfig.fp8='hybrid': fp8 training is not modelled"),
     (dict(add_bias_linear=True), None, "TransformerConfig.add_bias_linear is True with normalization='RMSNorm'"),
@@ -258,7 +267,8 @@ def test_a_transformer_configs_uneven_pipeline_split_becomes_the_plans():
      "TransformerConfig.recompute_method='block', recompute_num_layers=2"),
 ])
 def test_transformer_config_fields_vtrain_does_not_model_are_refused(fields, plan, message):
-    """Regression: MoE, context-parallel and fp8 fields were ignored without a word."""
+    """Regression: MoE, context-parallel and fp8 fields were ignored without a word (CP is now modelled,
+    TE's a2a exchange is not)."""
     from vtrain_plugin.core.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:

@@ -98,8 +98,11 @@ def test_cluster_beyond_the_limits(field, value, message):
 
 def test_parallel_plan_world_size_is_bounded_as_a_product():
     _refused(lambda: ParallelPlan(tensor_parallel=1024, pipeline_parallel=1024, data_parallel=2),
-             "parallel.tensor_parallel (1024) * pipeline_parallel (1024) * data_parallel (2) = 2097152 must be at "
-             "most 1,048,576 (GPUs)")
+             "parallel.tensor_parallel (1024) * context_parallel (1) * pipeline_parallel (1024) * data_parallel (2) "
+             "= 2097152 must be at most 1,048,576 (GPUs)")
+    _refused(lambda: ParallelPlan(tensor_parallel=8, context_parallel=1024, data_parallel=256),
+             "parallel.tensor_parallel (8) * context_parallel (1024) * pipeline_parallel (1) * data_parallel (256) "
+             "= 2097152 must be at most 1,048,576 (GPUs)")
     _refused(lambda: ParallelPlan(virtual_pipeline=10**5), "parallel.virtual_pipeline must be at most 10,000, got 100000")
 
 

@@ -79,7 +79,10 @@ def test_layer_features_other_than_the_familys_are_noted_not_refused():
     ("--squared-relu", "--squared-relu: a squared-ReLU MLP is not modelled by vtrain yet"),
     ("--kv-channels 128", "--kv-channels 128: a head dimension other than --hidden-size / --num-attention-heads "
                           "= 512 / 8 is not modelled by vtrain yet"),
-    ("--context-parallel-size 2", "--context-parallel-size 2: context parallelism is not modelled by vtrain yet"),
+    ("--context-parallel-size 2 --cp-comm-type p2p a2a", "--cp-comm-type p2p a2a: one type for every layer is "
+                                                         "modelled"),
+    ("--context-parallel-size 2 --cp-comm-type a2a", "parallel.cp_comm_type must be one of p2p, all_gather; "
+                                                     "got 'a2a'"),
     ("--expert-model-parallel-size 2", "--expert-model-parallel-size 2: expert parallelism is not modelled by "
                                        "vtrain yet"),
     ("--num-experts 8 --moe-router-topk 2", "--num-experts 8: mixture of experts is not modelled by vtrain yet"),
@@ -100,6 +103,14 @@ def test_layer_features_other_than_the_familys_are_noted_not_refused():
 ])
 def test_refusals_are_one_line(flags, message):
     assert error(flags) == message
+
+
+def test_context_parallelism_and_tp_comm_overlap_set_their_fields():
+    p = plan("--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 "
+             "--cp-comm-type all_gather all_gather --tp-comm-overlap", gpus=16)
+    assert (p.parallel.context_parallel, p.parallel.cp_comm_type.value, p.parallel.data_parallel) == (2, "all_gather", 4)
+    assert p.training.tp_comm_overlap is True and p.warning is None
+    assert plan("--context-parallel-size 4").parallel.cp_comm_type.value == "p2p"  # Megatron-LM's default
 
 
 def test_flags_at_their_inactive_value_are_accepted():
@@ -228,11 +239,11 @@ def test_overlapped_gradient_buckets_hold_megatrons_parameter_counts():
 
 
 def test_performance_flags_are_listed_with_their_values_in_one_warning():
-    p = plan("--use-flash-attn --tp-comm-overlap --attention-backend flash --no-gradient-accumulation-fusion "
+    p = plan("--use-flash-attn --disable-tp-comm-bulk-dgrad --attention-backend flash --no-gradient-accumulation-fusion "
              "--max-position-embeddings 1024 --log-interval 10 --save /ckpt --lr 3e-4 --seed 7")
     assert p.warning == (
         "Megatron-LM arguments vtrain does not model (they may change speed or memory): --attention-backend flash, "
-        "--tp-comm-overlap, --use-flash-attn, --no-gradient-accumulation-fusion, "
+        "--disable-tp-comm-bulk-dgrad, --use-flash-attn, --no-gradient-accumulation-fusion, "
         "--max-position-embeddings 1024 (vtrain's position table has --seq-length 256 rows)")
 
 

@@ -6,8 +6,8 @@ from megatron_adapters.fake_world import representative_rank
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import ParallelGroup as G
 from megatron_adapters.conventions import (HEAD_MODULES, RANK_ORDER, TIED_WEIGHT_OWNERS, global_rank,
-                                         is_embedding_module, is_head_module, is_layer_module, node_of,
-                                         rank_strides, split_layer_module)
+                                         is_core_attention_module, is_embedding_module, is_head_module,
+                                         is_layer_module, node_of, rank_strides, split_layer_module)
 from vtrain_plugin.cost.topology import Layout
 from vtrain_plugin.specs.parallel import ParallelPlan
 
@@ -45,6 +45,16 @@ def test_non_layer_modules(name):
     assert not is_layer_module(name)
 
 
+def test_core_attention_modules():
+    for name in ("decoder.layers.3.self_attention.core_attention",
+                 "decoder.layers.3.self_attention.core_attention.scale_mask_softmax",
+                 "decoder.layers.0.self_attention.core_attention.attention_dropout"):
+        assert is_core_attention_module(name)
+    for name in ("decoder.layers.3.self_attention", "decoder.layers.3.self_attention.linear_qkv",
+                 "decoder.layers.3.self_attention.core_attention_x", "self_attention.core_attention", "loss"):
+        assert not is_core_attention_module(name)
+
+
 def test_embedding_and_head_modules():
     assert HEAD_MODULES == ("decoder.final_layernorm", "output_layer", "loss")
     assert TIED_WEIGHT_OWNERS == ("embedding.word_embeddings", "output_layer")
@@ -68,7 +78,7 @@ COORDINATES = [
 
 
 def test_rank_order():
-    assert RANK_ORDER == (G.TP, G.DP, G.PP)
+    assert RANK_ORDER == (G.TP, G.CP, G.DP, G.PP)
 
 
 def test_global_rank_on_a_small_grid():
@@ -80,9 +90,10 @@ def test_global_rank_on_a_small_grid():
 
 
 def test_rank_strides():
-    assert rank_strides(SIZES) == {G.TP: 1, G.DP: 2, G.PP: 6}
-    assert rank_strides({G.PP: 4}) == {G.TP: 1, G.DP: 1, G.PP: 1}  # left-out dimensions have size 1
-    assert rank_strides({G.TP: 8, G.PP: 16}) == {G.TP: 1, G.DP: 8, G.PP: 8}
+    assert rank_strides(SIZES) == {G.TP: 1, G.CP: 2, G.DP: 2, G.PP: 6}
+    assert rank_strides({G.PP: 4}) == {G.TP: 1, G.CP: 1, G.DP: 1, G.PP: 1}  # left-out dimensions have size 1
+    assert rank_strides({G.TP: 8, G.PP: 16}) == {G.TP: 1, G.CP: 8, G.DP: 8, G.PP: 8}
+    assert rank_strides({G.TP: 2, G.CP: 4, G.DP: 3}) == {G.TP: 1, G.CP: 2, G.DP: 8, G.PP: 24}
 
 
 def test_global_rank_rejects_ranks_outside_the_grid():
@@ -108,3 +119,25 @@ def test_adapter_and_topology_number_ranks_alike():
         assert representative_rank(plan, pp) == layout.rank(pp_rank=pp) == 6 * pp
     for rank, (tp, dp, pp) in enumerate(COORDINATES):
         assert layout.rank(tp_rank=tp, dp_rank=dp, pp_rank=pp) == rank
+
+
+@pytest.mark.parametrize("tp,cp,dp,pp", [(2, 2, 2, 2), (1, 4, 2, 1), (4, 2, 1, 3), (2, 3, 2, 2)])
+def test_layout_groups_are_megatron_cores(tp, cp, dp, pp):
+    """Every group vtrain places is the one megatron-core's RankGenerator builds (order tp-cp-ep-dp-pp):
+    TP, CP, PP, and the gradient group DP x CP ('dp-cp'), for the representative rank of each stage."""
+    from megatron.core.parallel_state import RankGenerator
+
+    generator = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    layout = Layout(tensor_parallel=tp, context_parallel=cp, data_parallel=dp, pipeline_parallel=pp,
+                    gpus_per_node=8)
+    strides = rank_strides(layout.sizes)
+    placed = {G.TP: (1, tp), G.CP: (strides[G.CP], cp), G.DP: (strides[G.CP], cp * dp), G.PP: (strides[G.PP], pp)}
+    tokens = {G.TP: "tp", G.CP: "cp", G.DP: "dp-cp", G.PP: "pp"}
+    for stage in range(pp):
+        rank = layout.rank(pp_rank=stage)
+        for group, token in tokens.items():
+            (megatron,) = (g for g in generator.get_ranks(token) if rank in g)
+            step, size = placed[group]
+            start = 0 if group is G.PP else rank
+            assert megatron == [start + step * i for i in range(size)], (group, stage)
+            assert layout.placement(group, pipeline_rank=stage).size == size

@@ -248,3 +248,30 @@ def test_pinned_fp8_runs_only_with_the_te_stack():
     with pytest.raises(ConfigError, match=r"^--stack: 'te' is not one of local_spec, megatron_deepspeed_2023, "
                                           r"megatron_core_te$"):
         by_flag["stack"].values(["te"], where="--stack")
+
+
+def test_context_parallel_sizes_are_tried_when_pinned():
+    """CP 1 unless pinned. Pinned 1, 2, 3, 8, 128 on a 128-token sequence, 8 GPUs, TP 2, PP 1:
+    CP 3 does not divide 128; CP 128 does, but 2 x 128 does not (the load-balanced split);
+    TP 2 x CP 8 is 16 GPUs, over the budget; DP = 8 / (TP x CP) is 4 (CP 1) or 2 (CP 2)."""
+    assert {c.parallel.context_parallel for c in plans(SearchSpace()).candidates} == {1}
+    result = plans(SearchSpace(tensor_parallel=(2,), context_parallel=(1, 2, 3, 8, 128), pipeline_parallel=(1,),
+                               micro_batch_size=(1,), sequence_parallel=(True,), recompute=("full",),
+                               grad_reduce=("overlap",), distributed_optimizer=(False,)))
+    assert result.skipped == {"seq % cp": 1, "seq % (2*cp)": 1, "gpus not in budget": 1}
+    assert [(c.parallel.context_parallel, c.parallel.data_parallel, c.num_gpus) for c in result.candidates] == [
+        (1, 4, 8), (2, 2, 8)]
+    by_flag = {axis.flag: axis for axis in AXES}
+    assert by_flag["cp"].values(["2", "4"], where="--cp") == (2, 4)
+
+
+def test_context_parallelism_runs_only_with_the_te_stack():
+    """megatron-core has CP attention only through TransformerEngine: CP 2 with the other stacks is
+    skipped (2); CP 1 runs with all three."""
+    space = SearchSpace(tensor_parallel=(2,), context_parallel=(1, 2), pipeline_parallel=(1,), micro_batch_size=(1,),
+                        virtual_pipeline=(1,), sequence_parallel=(False,), recompute=("none",),
+                        grad_reduce=("overlap",), distributed_optimizer=(False,), software_stack=tuple(SoftwareStack))
+    result = plans(space, gpus="8")
+    assert result.skipped == {"cp needs megatron_core_te": 2}
+    assert [(c.parallel.context_parallel, c.training.software_stack.value) for c in result.candidates] == [
+        (1, "local_spec"), (1, "megatron_deepspeed_2023"), (1, "megatron_core_te"), (2, "megatron_core_te")]

@@ -27,11 +27,12 @@ MODEL_VARIANTS = {"family": "llama", "hidden_size": 128, "num_attention_heads": 
                   "vocab_size": 256, "ffn_hidden_size": 128, "num_query_groups": 2, "tied_embeddings": False,
                   "dtype": "bf16"}
 PLAN_VARIANTS = {"tensor_parallel": 4, "sequence_parallel": True, "micro_batch_size": 2, "recompute": "full",
-                 "pipeline_parallel": 2}
+                 "pipeline_parallel": 2, "context_parallel": 2}
 # Fields that do not change a chunk's trace, so plans that differ only in them share it.
 MODEL_FIELDS_NOT_IN_KEY = {"num_layers": 8, "name": "other"}
 PLAN_FIELDS_NOT_IN_KEY = {"data_parallel": 16, "account_for_embedding_in_pipeline_split": True,
-                          "account_for_loss_in_pipeline_split": True}
+                          "account_for_loss_in_pipeline_split": True,
+                          "cp_comm_type": "all_gather"}  # the CP attention is derived when costing
 # Uneven first / last stages (they need several stages) pick each chunk's layer count, i.e. the
 # layers built (a field of the key), not the trace of a chunk role.
 UNEVEN_SPLIT_NOT_IN_KEY = {"decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1}

@@ -1,10 +1,11 @@
 """One traced chunk role and the shape key it is cached under, in process and on disk.
 
 A chunk's trace depends on the model's dimensions, on the plan's tensor parallelism, sequence
-parallelism, micro-batch size and recompute mode, on the chunk's role (whether it holds the
-embedding, the head) and on the number of layers built; not on data parallelism, the number of
-pipeline stages beyond whether there are several, nor the model's layer count (the folded layer
-stands for all of them). :func:`shape_key` names exactly these inputs, so plans that share a key
+parallelism, micro-batch size, recompute mode and context parallelism (the chunk runs on one CP
+rank's tokens; how CP ranks exchange keys and values is derived when costing), on the chunk's
+role (whether it holds the embedding, the head) and on the number of layers built; not on data
+parallelism, the number of pipeline stages beyond whether there are several, nor the model's layer
+count (the folded layer stands for all of them). :func:`shape_key` names exactly these inputs, so plans that share a key
 share the trace.
 """
 
@@ -19,7 +20,8 @@ from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
 # The fields of plan_shape_key, then of shape_key after the model's dimensions.
-PLAN_SHAPE_FIELDS = ("tensor_parallel", "sequence_parallel", "micro_batch_size", "recompute", "pipelined")
+PLAN_SHAPE_FIELDS = ("tensor_parallel", "sequence_parallel", "micro_batch_size", "recompute", "pipelined",
+                     "context_parallel")
 SHAPE_FIELDS = ("model", *PLAN_SHAPE_FIELDS, "pre_process", "post_process", "traced_layers")
 
 
@@ -56,7 +58,7 @@ def plan_shape_key(plan: ParallelPlan) -> tuple:
     keys share no chunk trace (the plan search groups plans by it, so that each shape is traced in
     one process)."""
     return (plan.tensor_parallel, plan.sequence_parallel, plan.micro_batch_size, plan.recompute.value,
-            plan.pipeline_parallel > 1)
+            plan.pipeline_parallel > 1, plan.context_parallel)
 
 
 def shape_key(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> tuple:

@@ -6,6 +6,7 @@ in-process nor its on-disk cache, so estimating a plan traced before loads neith
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -32,6 +33,13 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
     The chunk's ops depend on TP, not on DP or the number of stages, so a world of
     ``tensor_parallel x (1..3)`` ranks builds the same shard as the full world, in a fraction of
     the time megatron needs to create every process group of thousands of ranks.
+
+    With context parallelism the chunk is built for the whole sequence (learned position tables
+    keep all their rows) and run on one CP rank's tokens, ``seq_length / context_parallel``:
+    megatron-core's CP attention runs only through TransformerEngine, so the layer is traced
+    without CP on the local sequence, and the CP attention (its exchange of keys and values, and
+    the local queries' attention to the other ranks' keys) is derived from it when costing
+    (:mod:`vtrain_plugin.cost.context_parallel`).
     """
     stages = 1 if (pre and post) else 2 if (pre or post) else 3
     trace_plan = ParallelPlan(tensor_parallel=plan.tensor_parallel, pipeline_parallel=stages,
@@ -39,6 +47,7 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
                               micro_batch_size=plan.micro_batch_size, recompute=plan.recompute)
     rank = 0 if pre else stages - 1 if post else 1
     role = ChunkRole(pipeline_rank=rank, chunk=0, pre_process=pre, post_process=post)
+    local = replace(model, seq_length=plan.local_seq_length(model))  # one CP rank's tokens
     try:
         with quiet_megatron(), cpu_tracing_patches(), fake_world(trace_plan, pipeline_rank=rank) as group_names:
             reset_global_memory_buffer()
@@ -47,7 +56,7 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
                 prepare_for_recording(gpt)
                 recorder = OpRecorder(gpt)
                 with recorder.recording():
-                    run_training_step(gpt, model, trace_plan, role, recorder)
+                    run_training_step(gpt, local, trace_plan, role, recorder)
             reset_global_memory_buffer()
             params_by_block, word_embedding = _parameter_counts(gpt)
     except (RuntimeError, TypeError, AssertionError, NotImplementedError) as exc:
@@ -67,7 +76,7 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
         log.warning("traced layers differ; they are kept as separate blocks")
     return ChunkTrace(blocks=tuple(blocks), params_by_block=params_by_block,
                       word_embedding_params=word_embedding,
-                      activation_shape=stage_input_shape(model, plan),
+                      activation_shape=stage_input_shape(local, plan),
                       activation_dtype=Dtype(model.dtype).torch_name)
 
 

@@ -1,7 +1,9 @@
 """Human and machine renderings of the CLI's results: traced graphs, estimates, validations, searches.
 
-A traced graph is shown with Megatron's runtime collectives (DP gradients, pipeline transfers, tied
-embeddings) that costing derives from it, marked ``synthesized``.
+A traced graph is shown with what costing derives from it: Megatron's runtime collectives (DP
+gradients, pipeline transfers, tied embeddings) and, under context parallelism, each layer's CP
+attention (:mod:`vtrain_plugin.cost.context_parallel`) in its stack kernels and collectives, the
+derived collectives marked ``synthesized``.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vtrain_plugin.core.graph import Block, OpGraph, OpNode, Phase, StageGraph
+from vtrain_plugin.cost.context_parallel import ContextParallel, model_flops, with_context_parallel
 from vtrain_plugin.cost.lowering import map_nodes
 from vtrain_plugin.cost.runtime_collectives import runtime_collectives
 from vtrain_plugin.estimate import Estimate
 from vtrain_plugin.planning.search import SearchResult
 from vtrain_plugin.planning.sizing import SizingResult
 from vtrain_plugin.planning.space import format_skipped
+from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
 from vtrain_plugin.validate import ValidationResult
@@ -48,30 +52,38 @@ def trace_table(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = 
     header = ["stage", "layers", "fwd/layer", "bwd/layer", "recomp/layer", "stack fwd/bwd/recomp", "unique kernels",
               "TFLOP/micro-batch/rank", "collectives per layer"]
     rows = []
-    for s in graph.stages:
-        layer = s.layer_template()
+    cp = ContextParallel.of(graph)
+    for s, costed in zip(graph.stages, with_context_parallel(graph).stages):
+        layer, costed_layer = s.layer_template(), costed.layer_template()
         counts = Counter(op.phase for op in layer.ops()) if layer else Counter()
-        lowered = Counter(n.phase for n in map_nodes(layer.nodes, stack, fp8) if isinstance(n, OpNode)) \
+        lowered = Counter(n.phase for n in map_nodes(costed_layer.nodes, stack, fp8) if isinstance(n, OpNode)) \
             if layer else Counter()
         per_stage = {op.key for b in s.blocks for op in b.ops()}
         rows.append([
             _stage_name(s, graph), str(s.num_layers), str(counts[Phase.FORWARD]), str(counts[Phase.BACKWARD]),
             str(counts[Phase.RECOMPUTE]),
             f"{lowered[Phase.FORWARD]}/{lowered[Phase.BACKWARD]}/{lowered[Phase.RECOMPUTE]}",
-            str(len(per_stage)), f"{s.flops() / 1e12:.2f}", _collective_summary(layer) if layer else "-",
+            str(len(per_stage)), f"{model_flops(s.blocks, cp) / 1e12:.2f}",
+            _collective_summary(costed_layer) if layer else "-",
         ])
     model, plan = graph.model, graph.parallel
     dims = f"layers={model.num_layers} hidden={model.hidden_size}" if model is not None else "layers=? hidden=?"
     title = (f"model: {graph.name} {dims}  "
              f"parallel: tp={plan.tensor_parallel} pp={plan.pipeline_parallel} "
              f"dp={plan.data_parallel} sp={plan.sequence_parallel} "
-             f"vp={plan.virtual_pipeline} recompute={plan.recompute.value}  "
+             f"vp={plan.virtual_pipeline} recompute={plan.recompute.value}{_cp_label(plan)}  "
              f"micro-batch={graph.micro_batch_size} seq={graph.seq_length}  stack: {stack.value}"
              + ("" if fp8 is None else f" (fp8 {fp8.format.value}, {fp8.recipe.value} scaling)"))
-    total = graph.flops() * plan.tensor_parallel
+    total = sum(model_flops(s.blocks, cp) for s in graph.stages) * plan.tensor_parallel * plan.context_parallel
+    ranks = "TP and CP ranks" if plan.context_parallel > 1 else "TP ranks"
     footer = (f"unique kernels: {len(graph.unique_kernels())}   model FLOPs per micro-batch "
-              f"(all TP ranks): {total / 1e12:.1f} TFLOP")
+              f"(all {ranks}): {total / 1e12:.1f} TFLOP")
     return "\n".join([title, "", render_table(rows, header), "", footer])
+
+
+def _cp_label(plan: ParallelPlan) -> str:
+    """`` cp=N (comm)`` under context parallelism, nothing without."""
+    return f" cp={plan.context_parallel} ({plan.cp_comm_type.value})" if plan.context_parallel > 1 else ""
 
 
 def _stage_name(s: StageGraph, graph: OpGraph) -> str:
@@ -88,17 +100,19 @@ def _collective_summary(layer: Block) -> str:
 
 def trace_json(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = None, *,
                distributed_optimizer: bool = False) -> dict[str, Any]:
-    """Per stage: the traced ``ops``, the ``stack_kernels`` ``stack`` runs for them, and the
-    ``collectives``, identical entries merged with a ``count`` (the DP collectives those of the
+    """Per stage: the traced ``ops``, the ``stack_kernels`` ``stack`` runs for them (with each layer's
+    CP attention under context parallelism), and the ``collectives`` (the traced, the CP attention's and
+    the runtime's), identical entries merged with a ``count`` (the DP collectives those of the
     distributed optimizer when ``distributed_optimizer``)."""
     stages = []
     tied = graph.model is not None and graph.model.tied
-    for s in graph.stages:
+    for s, costed in zip(graph.stages, with_context_parallel(graph).stages):
         runtime = runtime_collectives(s, graph.parallel, dtype=graph.dtype, tied_embeddings=tied,
                                       distributed_optimizer=distributed_optimizer).nodes(s)
-        traced = [(b.kind.value, b.count, b.nodes) for b in s.blocks] + [("runtime", 1, runtime)]
-        ops, collectives = _merged(traced)
-        kernels, _ = _merged([(b.kind.value, b.count, map_nodes(b.nodes, stack, fp8)) for b in s.blocks])
+        ops, _ = _merged([(b.kind.value, b.count, b.nodes) for b in s.blocks])
+        derived = [(b.kind.value, b.count, b.nodes) for b in costed.blocks] + [("runtime", 1, runtime)]
+        _, collectives = _merged(derived)
+        kernels, _ = _merged([(b.kind.value, b.count, map_nodes(b.nodes, stack, fp8)) for b in costed.blocks])
         stages.append({"pipeline_rank": s.pipeline_rank, "chunk": s.chunk, "num_layers": s.num_layers,
                        "num_parameters": s.num_parameters, "flops": s.flops(),
                        "ops": ops, "stack_kernels": kernels, "collectives": collectives})
@@ -138,9 +152,10 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
     lines = [
         f"{run.source}: {run.model.name or run.model.family.value} {run.model.num_layers} layers, hidden "
         f"{run.model.hidden_size} on {result.num_gpus} x {result.gpu} "
-        f"(tp={plan.tensor_parallel} pp={plan.pipeline_parallel} dp={plan.data_parallel} "
+        f"(tp={plan.tensor_parallel}{_cp_label(plan)} pp={plan.pipeline_parallel} dp={plan.data_parallel} "
         f"micro-batch={plan.micro_batch_size} global batch={result.global_batch_size} "
         f"micro-batches={result.num_microbatches}, {run.training.schedule.value}, recompute={plan.recompute.value}, "
+        f"{'TP comm overlapped, ' if run.training.tp_comm_overlap else ''}"
         f"stack {result.software_stack}" + ("" if result.fp8 is None else f", fp8 {result.fp8}")
         + (", distributed optimizer" if result.distributed_optimizer else "") + ")",
         "",
@@ -202,7 +217,9 @@ def _money(usd: float) -> str:
 
 
 def _plan_label(row: Mapping[str, Any]) -> str:
-    return (f"tp={row['tensor_parallel']} pp={row['pipeline_parallel']} dp={row['data_parallel']} "
+    cp = row.get("context_parallel", 1)
+    return (f"tp={row['tensor_parallel']}{f' cp={cp}' if cp > 1 else ''} pp={row['pipeline_parallel']} "
+            f"dp={row['data_parallel']} "
             f"micro-batch={row['micro_batch_size']} vp={row['virtual_pipeline']} "
             f"sp={'on' if row['sequence_parallel'] else 'off'} recompute={row['recompute']}"
             + (" distributed optimizer" if row["distributed_optimizer"] else ""))
@@ -214,14 +231,15 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
     table = result.table
     trained = "train_days" in table
     varied = [column for column in ("software_stack", "fp8") if table[column].nunique(dropna=False) > 1]
-    header = ["rank", "tp", "pp", "dp", "mb", "vp", "sp", "recompute", "grad reduce", "dist opt",
+    header = ["rank", "tp", "cp", "pp", "dp", "mb", "vp", "sp", "recompute", "grad reduce", "dist opt",
               *(_VARIED_HEADERS[c] for c in varied), "GPUs", "iteration ms",
               "tokens/s", "MFU", "memory GiB", "fits", "$/iteration", *(["days", "$ to train"] if trained else []),
               "front"]
     rows = []
     for row in result.top().to_dict(orient="records"):
         rows.append([
-            str(row["rank"]), str(row["tensor_parallel"]), str(row["pipeline_parallel"]), str(row["data_parallel"]),
+            str(row["rank"]), str(row["tensor_parallel"]), str(row["context_parallel"]), str(row["pipeline_parallel"]),
+            str(row["data_parallel"]),
             str(row["micro_batch_size"]), str(row["virtual_pipeline"]), "on" if row["sequence_parallel"] else "off",
             row["recompute"], row["grad_reduce"], "on" if row["distributed_optimizer"] else "off", *(str(row[c] or "off") for c in varied),
             f"{row['num_gpus']:,}", f"{row['iteration_time_ms']:,.1f}",

@@ -25,7 +25,8 @@ def run(args: argparse.Namespace) -> int:
     run_config = load_run_config(args.config)
     graph = trace(run_config.model, run_config.parallel)
     training = run_config.training
-    stack = training.stack_for(run_config.model, get_device(run_config.cluster.gpu).architecture)
+    stack = training.stack_for(run_config.model, get_device(run_config.cluster.gpu).architecture,
+                              run_config.parallel)
     if args.format == "json":
         emit(json.dumps(trace_json(graph, stack, training.fp8_settings,
                                    distributed_optimizer=training.distributed_optimizer), indent=1), args.output)

@@ -48,9 +48,12 @@ class CollectiveKind(StrEnum):
 
 class ParallelGroup(StrEnum):
     TP = "tp"
+    # The ranks gradients are reduced over: the data-parallel replicas times the context-parallel
+    # ranks (Megatron-Core's data-parallel group with context parallelism; DP alone without CP).
     DP = "dp"
     PP = "pp"
     EMBEDDING = "embedding"
+    CP = "cp"  # context parallelism: the ranks that split one sequence
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -67,16 +67,18 @@ class CommModel:
     data_parallel: int
     measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None  # (kind, group size) -> table
     network_efficiency: float = 1.0  # fraction of the nominal inter-node bandwidth reached, (0, 1]
+    context_parallel: int = 1
     layout: Layout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "context_parallel"):
             v.positive_int(f"parallel.{name}", getattr(self, name))
         if not 0.0 < v.positive_number("network_efficiency", self.network_efficiency) <= 1.0:
             raise ConfigError(f"network_efficiency must lie in (0, 1], got {self.network_efficiency:g}")
         object.__setattr__(self, "layout", Layout(
             tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
-            data_parallel=self.data_parallel, gpus_per_node=self.cluster.gpus_per_node))
+            data_parallel=self.data_parallel, gpus_per_node=self.cluster.gpus_per_node,
+            context_parallel=self.context_parallel))
 
     @classmethod
     def for_plan(cls, cluster: ClusterSpec, plan: ParallelPlan, *,
@@ -84,7 +86,7 @@ class CommModel:
                  network_efficiency: float = 1.0) -> CommModel:
         return cls(cluster=cluster, tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
                    data_parallel=plan.data_parallel, measured_comm=measured_comm,
-                   network_efficiency=network_efficiency)
+                   network_efficiency=network_efficiency, context_parallel=plan.context_parallel)
 
     def rank_signatures(self) -> tuple[tuple, ...]:
         """Per pipeline rank, everything :meth:`time_ns` depends on besides the message: every
@@ -99,12 +101,17 @@ class CommModel:
                 pipeline_rank: int = 0) -> float:
         """Duration of collective ``kind`` over ``group`` of stage ``pipeline_rank``'s representative rank.
 
-        SEND/RECV on the PP group is the transfer from ``pipeline_rank`` to the next stage.
+        SEND/RECV on the PP group is the transfer from ``pipeline_rank`` to the next stage; on another
+        group, a ring step of that group (every member sends to the next at once), which crosses the
+        network when the group spans nodes: its slowest hop paces every step.
         """
         v.non_negative_int("nbytes", nbytes)
         kind = CollectiveKind(kind)
         if kind in (CollectiveKind.SEND, CollectiveKind.RECV):
-            return self.send_recv_ns(nbytes, across_nodes=self.layout.p2p_crosses_nodes(pipeline_rank))
+            if ParallelGroup(group) is ParallelGroup.PP:
+                return self.send_recv_ns(nbytes, across_nodes=self.layout.p2p_crosses_nodes(pipeline_rank))
+            placement = self.placement(group, pipeline_rank=pipeline_rank)
+            return 0.0 if placement.size == 1 else self.send_recv_ns(nbytes, across_nodes=placement.spans_nodes)
         placement = self.placement(group, pipeline_rank=pipeline_rank)
         n = placement.size
         if n == 1 or nbytes == 0:

@@ -3,11 +3,13 @@
 This is where the hundreds of kernels of a layer are summed, once per estimate, into forward,
 backward, recompute and optimizer durations per chunk (:class:`ChunkWork`), with a few array
 operations per stage: kernel times (:mod:`vtrain_plugin.cost.kernel_timer`), the host/device pipeline
-(:mod:`vtrain_plugin.cost.host_device`), blocking tensor-parallel collectives timed by the comm model
-and entering the pipeline in place with ``collective_host_overhead_ns`` of host cost (a kernel's when
-that is not modelled), gradient buckets (:mod:`vtrain_plugin.cost.dp_buckets`; with the distributed
-optimizer Megatron-Core's reduce-scatter and all-gather buckets), pipeline transfers and the
-tied-embedding synchronisation.
+(:mod:`vtrain_plugin.cost.host_device`), tensor- and context-parallel collectives timed by the comm
+model and entering the pipeline in place with ``collective_host_overhead_ns`` of host cost (a kernel's
+when that is not modelled), blocking with their whole time or, when they run beside a kernel
+(:mod:`vtrain_plugin.cost.comm_overlap`: CP ring steps, and TP collectives under
+``training.tp_comm_overlap``), with what that kernel cannot hide, gradient buckets
+(:mod:`vtrain_plugin.cost.dp_buckets`; with the distributed optimizer Megatron-Core's reduce-scatter
+and all-gather buckets), pipeline transfers and the tied-embedding synchronisation.
 Each task (a forward, a recompute, a backward of one micro-batch on one chunk) starts with the
 pipeline empty, as after Megatron's synchronisation around pipeline transfers, and each forward also
 pays ``microbatch_overhead_ns`` of host work outside the model. Host time is spent per kernel
@@ -24,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.core.graph import Phase
+from vtrain_plugin.core.graph import ParallelGroup, Phase
 from vtrain_plugin.cost.comm import CommModel
+from vtrain_plugin.cost.comm_overlap import exposed_ns
 from vtrain_plugin.cost.dp_buckets import BlockGradients, ZeroRuntime, dp_buckets, zero_buckets
 from vtrain_plugin.cost.host_device import SegmentTime, segment_sums, segment_times, sequence, then
 from vtrain_plugin.cost.kernel_timer import KernelTimer
@@ -56,6 +59,7 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
          num_microbatches: int, explain: bool = False) -> Costing:
     """Time ``prepared`` with ``timer``'s device constants (``explain``: list the modeled kernels)."""
     parallel = prepared.graph.parallel
+    training.check_plan(parallel)
     pp = parallel.pipeline_parallel
     if prepared.distributed_optimizer != training.distributed_optimizer:
         raise ConfigError(f"the graph was prepared with distributed_optimizer={prepared.distributed_optimizer}, "
@@ -95,16 +99,23 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     device, host = timer.times_ns(role.kernels, role.measured_ns)
     host += constants.module_host_overhead_ns * role.module_calls + constants.layer_host_overhead_ns * role.layer_calls
     is_comm = np.zeros(len(device), bool)
-    for row, node in role.tp_rows:
-        device[row] = comm.time_ns(node.kind, node.nbytes, node.group, pipeline_rank=rank)
-        host[row] = constants.collective_host_overhead_ns or (
+    is_cp = np.zeros(len(device), bool)
+    for c in role.comm_rows:
+        node = c.node
+        comm_ns = comm.time_ns(node.kind, node.nbytes, node.group, pipeline_rank=rank)
+        on_cp = node.group is ParallelGroup.CP
+        overlapped = c.partner >= 0 and (on_cp or training.tp_comm_overlap)
+        device[c.row] = exposed_ns(comm_ns, device[c.partner]) if overlapped else comm_ns
+        host[c.row] = constants.collective_host_overhead_ns or (
             constants.backward_host_overhead_ns if node.phase is Phase.BACKWARD else constants.host_overhead_ns)
-        is_comm[row] = True
+        is_comm[c.row] = True
+        is_cp[c.row] = on_cp
     if timer.device.host_runs_kernels:  # a CPU issues and runs each op: no overlap to model
         device, host = device + host, np.zeros_like(host)
     segments = role.segments
     h, d, p = segment_times(host, device, segments)
-    tp_comm = segment_sums(np.where(is_comm, device, 0.0), segments)
+    tp_comm = segment_sums(np.where(is_comm & ~is_cp, device, 0.0), segments)
+    cp_comm = segment_sums(np.where(is_cp, device, 0.0), segments)
     provenance = stage_provenance(role, device, is_comm, num_microbatches, track_modeled=explain)
 
     index = {(s.block, s.phase): i for i, s in enumerate(segments)}
@@ -126,8 +137,10 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         totals[Phase.RECOMPUTE] = combined * totals[Phase.RECOMPUTE] / alone
         totals[Phase.BACKWARD] = combined - totals[Phase.RECOMPUTE]
     tp = dict.fromkeys(PHASES, 0.0)
+    cp = dict.fromkeys(PHASES, 0.0)
     for i, s in enumerate(segments):
         tp[s.phase] += s.count * tp_comm[i]
+        cp[s.phase] += s.count * cp_comm[i]
 
     runtime = prepared.runtime
     sync_ns = max((comm.time_ns(n.kind, n.nbytes, n.group, pipeline_rank=rank) for n in runtime.embedding_sync),
@@ -147,7 +160,8 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     work = ChunkWork(
         forward_ns=totals[Phase.FORWARD] + constants.microbatch_overhead_ns, backward_ns=totals[Phase.BACKWARD],
         recompute_ns=totals[Phase.RECOMPUTE], tp_comm_forward_ns=tp[Phase.FORWARD],
-        tp_comm_backward_ns=tp[Phase.BACKWARD] + tp[Phase.RECOMPUTE],
+        tp_comm_backward_ns=tp[Phase.BACKWARD] + tp[Phase.RECOMPUTE], cp_comm_forward_ns=cp[Phase.FORWARD],
+        cp_comm_backward_ns=cp[Phase.BACKWARD] + cp[Phase.RECOMPUTE],
         p2p_forward_ns=p2p[Phase.FORWARD], p2p_backward_ns=p2p[Phase.BACKWARD],
         dp_buckets=reduces, param_gathers=gathers)
     return StageCost(work=work, optimizer_ns=totals[Phase.OPTIMIZER], embedding_sync_ns=sync_ns,

@@ -1,14 +1,15 @@
 """Memory each GPU needs: model states from the traced parameters, activations from the trace and
 the schedule, and an allowance for what the process holds besides tensors.
 
-Per pipeline rank (the representative one; TP and DP replicas hold the same), for the ``P``
+Per pipeline rank (the representative one; TP, CP and DP replicas hold the same), for the ``P``
 parameters of its chunks:
 
 - weights in the model dtype and gradients in Megatron's gradient dtype
   (:func:`vtrain_plugin.specs.training.grad_dtype`: fp32 for bf16), ``P x (2 + 4)`` bytes in bf16;
 - optimizer state: fp32 main weights (when the model dtype is narrower) and Adam's two fp32
   moments, ``P x 12`` bytes in fp16/bf16, divided by DP with the distributed optimizer (ZeRO-1
-  shards exactly these; weights and gradients stay whole). With Megatron-LM's
+  shards exactly these over Megatron-Core's data-parallel group, DP x CP ranks with context
+  parallelism; weights and gradients stay whole). With Megatron-LM's
   ``theoretical_memory_usage`` that is 18 bytes per parameter, or ``6 + 12 / DP``;
 - activations: what the forward of one micro-batch keeps for backward on each chunk (the saved
   tensors of the real model, captured while tracing), at the schedule's peak of micro-batches in
@@ -71,7 +72,7 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
     """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule."""
     dtype = graph.dtype
     plan = graph.parallel
-    shards = plan.data_parallel if distributed_optimizer else 1
+    shards = plan.grad_reduce_group_size if distributed_optimizer else 1
     optimizer_per_param = optimizer_bytes_per_parameter(dtype) / shards
     params = [0] * plan.pipeline_parallel
     chunks: list[list[int]] = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]

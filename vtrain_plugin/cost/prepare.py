@@ -3,10 +3,13 @@ settings) and profile.
 
 Each block's ops are lowered onto the kernels of the software stack (:mod:`vtrain_plugin.cost.lowering`)
 and every block's phases are laid out as segments of one :class:`KernelBatch` per stage, with the
-measured durations looked up; tensor-parallel collectives are rows of the batch (they block the
-compute stream). Megatron's runtime collectives (DP gradients, pipeline transfers, tied embeddings)
-are derived per stage (:mod:`vtrain_plugin.cost.runtime_collectives`); with the distributed optimizer
-the optimizer step runs on the rank's shard (:mod:`vtrain_plugin.cost.optimizer_shard`). Stages that share their blocks
+measured durations looked up; tensor- and context-parallel collectives are rows of the batch, on
+the compute stream, with the kernel each can hide behind (:mod:`vtrain_plugin.cost.comm_overlap`).
+Under context parallelism the layers' core attention is first replaced by TransformerEngine's CP
+attention (:mod:`vtrain_plugin.cost.context_parallel`). Megatron's runtime collectives (DP gradients,
+pipeline transfers, tied embeddings) are derived per stage
+(:mod:`vtrain_plugin.cost.runtime_collectives`); with the distributed optimizer the optimizer step
+runs on the rank's shard (:mod:`vtrain_plugin.cost.optimizer_shard`). Stages that share their blocks
 (one chunk role) share one :class:`PreparedRole`, and roles prepared without measured durations are
 kept across calls. This depends on the graph, the stack and the profile, not on the device constants
 or the cluster:
@@ -22,7 +25,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from vtrain_plugin.core.graph import Block, BlockKind, CollectiveNode, KernelKey, OpGraph, OpNode, ParallelGroup, Phase, StageGraph
+from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveKind, CollectiveNode, KernelKey, OpGraph, OpNode,
+                                      ParallelGroup, Phase, StageGraph)
+from vtrain_plugin.cost.comm_overlap import overlap_partners
+from vtrain_plugin.cost.context_parallel import ContextParallel, model_flops
 from vtrain_plugin.cost.host_device import Segment
 from vtrain_plugin.cost.kernel_model import KernelBatch
 from vtrain_plugin.cost.kernel_timer import measured_ns
@@ -34,6 +40,16 @@ from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE, Phase.OPTIMIZER)
 _NO_KERNEL = OpNode(key=KernelKey(op="aten.empty.memory_format", input_shapes=(), dtypes=()), phase=Phase.FORWARD,
                     module="", launches_kernel=False)  # the batch row of a collective
+
+
+@dataclass(frozen=True, slots=True)
+class CommRow:
+    """A collective on the compute stream: its row in the batch and the row of the kernel it can hide
+    behind, -1 when it blocks (:mod:`vtrain_plugin.cost.comm_overlap`)."""
+
+    row: int
+    node: CollectiveNode
+    partner: int = -1
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -49,9 +65,9 @@ class PreparedRole:
     kernels: KernelBatch  # every segment's kernels in order; collectives are rows of kind NONE
     measured_ns: np.ndarray  # per row, NaN where unmeasured
     nodes: tuple[OpNode | None, ...]  # per row (None for a collective)
-    tp_rows: tuple[tuple[int, CollectiveNode], ...]  # rows holding blocking TP collectives
+    comm_rows: tuple[CommRow, ...]  # rows holding TP and CP collectives
     segments: tuple[Segment, ...]  # blocks in stage order, phases in PHASES order
-    flops: dict[Phase, int]  # of one micro-batch through this chunk, on one tensor-parallel rank
+    flops: dict[Phase, int]  # model FLOPs of one micro-batch through this chunk, on one TP and CP rank
     module_calls: np.ndarray  # per row: 1 where a module call's host work starts (see host_calls)
     layer_calls: np.ndarray  # per row: 1 where a transformer layer's own host work starts
 
@@ -109,7 +125,8 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
     """Lay ``graph`` out for costing under ``stack`` (GEMMs in FP8 with ``fp8``), with ``measured``
     kernel durations (ns), and Megatron-Core's ``distributed_optimizer`` or not."""
     stack = SoftwareStack(stack)
-    shards = graph.parallel.data_parallel if distributed_optimizer else 1
+    shards = graph.parallel.grad_reduce_group_size if distributed_optimizer else 1
+    cp = ContextParallel.of(graph)
     pp = graph.parallel.pipeline_parallel
     last = graph.parallel.num_model_chunks - 1
     ordered = sorted(graph.stages, key=lambda s: s.chunk * pp + s.pipeline_rank)
@@ -118,10 +135,10 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
     runtimes: dict[tuple, RuntimeCollectives] = {}
     stages = []
     for stage in ordered:
-        role_key = (stack, fp8, shards, tuple((id(b.nodes), b.count) for b in stage.blocks))
+        role_key = (stack, fp8, shards, cp, tuple((id(b.nodes), b.count) for b in stage.blocks))
         role = roles.get(role_key)
         if role is None:
-            role = roles[role_key] = _role(stage.blocks, stack, fp8, shards, measured, role_key)
+            role = roles[role_key] = _role(stage.blocks, stack, fp8, shards, cp, measured, role_key)
         virtual = stage.chunk * pp + stage.pipeline_rank
         runtime_key = (role_key, tuple(b.num_parameters for b in stage.blocks), stage.word_embedding_parameters,
                        stage.activation_shape, stage.activation_dtype, virtual == 0, virtual == last)
@@ -137,12 +154,12 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
 
 
 def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: int,
-          measured: Mapping[KernelKey, float] | None, key: tuple) -> PreparedRole:
+          cp: ContextParallel | None, measured: Mapping[KernelKey, float] | None, key: tuple) -> PreparedRole:
     if measured:
-        return _prepare_role(blocks, stack, fp8, shards, measured)
+        return _prepare_role(blocks, stack, fp8, shards, cp, measured)
     role = _roles.get(key)
     if role is None:
-        role = _roles[key] = _prepare_role(blocks, stack, fp8, shards, {})
+        role = _roles[key] = _prepare_role(blocks, stack, fp8, shards, cp, {})
         if len(_roles) > _ROLE_CACHE_SIZE:
             _roles.popitem(last=False)
     else:
@@ -151,24 +168,29 @@ def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | No
 
 
 def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: int,
-                  measured: Mapping[KernelKey, float]) -> PreparedRole:
+                  cp: ContextParallel | None, measured: Mapping[KernelKey, float]) -> PreparedRole:
     rows: list[OpNode | None] = []
     phases: list[Phase] = []
-    tp_rows: list[tuple[int, CollectiveNode]] = []
+    comm_rows: list[CommRow] = []
     segments: list[Segment] = []
     for b, block in enumerate(blocks):
+        layer = block.kind is BlockKind.LAYER
+        nodes = cp.layer_nodes(block.nodes) if cp is not None and layer else block.nodes
         by_phase: dict[Phase, list[OpNode | CollectiveNode]] = {p: [] for p in PHASES}
-        for node in shard_optimizer(map_nodes(block.nodes, stack, fp8), shards):
+        for node in shard_optimizer(map_nodes(nodes, stack, fp8), shards):
             if isinstance(node, OpNode):
                 if node.launches_kernel:
                     by_phase[node.phase].append(node)
-            elif node.group is ParallelGroup.TP:
+            elif _on_compute_stream(node):
                 by_phase[node.phase].append(node)
         for phase in PHASES:
             start = len(rows)
-            for node in by_phase[phase]:
+            partners = overlap_partners(by_phase[phase], in_layer=layer)
+            for i, node in enumerate(by_phase[phase]):
                 if isinstance(node, CollectiveNode):
-                    tp_rows.append((len(rows), node))
+                    partner = partners.get(i)
+                    partner_row = -1 if partner is None else start + partner
+                    comm_rows.append(CommRow(row=len(rows), node=node, partner=partner_row))
                     rows.append(None)
                 else:
                     rows.append(node)
@@ -176,8 +198,14 @@ def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setti
             segments.append(Segment(block=b, phase=phase, start=start, stop=len(rows), count=block.count))
     kernels = KernelBatch.of([n if n is not None else _NO_KERNEL for n in rows])
     kernels = replace(kernels, backward=np.array([p is Phase.BACKWARD for p in phases], bool))
-    flops = {phase: sum(b.count * op.flops for b in blocks for op in b.ops(phase)) for phase in PHASES}
+    flops = {phase: model_flops(blocks, cp, phase) for phase in PHASES}
     module_calls, layer_calls = host_calls(rows, segments, blocks)
     return PreparedRole(blocks=blocks, kernels=kernels, measured_ns=measured_ns(rows, measured), nodes=tuple(rows),
-                        tp_rows=tuple(tp_rows), segments=tuple(segments), flops=flops,
+                        comm_rows=tuple(comm_rows), segments=tuple(segments), flops=flops,
                         module_calls=module_calls, layer_calls=layer_calls)
+
+
+def _on_compute_stream(node: CollectiveNode) -> bool:
+    """TP collectives and CP transfers run in the layer's order; a CP ring step's receive is the
+    other half of its send (one batched exchange), timed once, with the send."""
+    return node.group is ParallelGroup.TP or (node.group is ParallelGroup.CP and node.kind is not CollectiveKind.RECV)

@@ -5,9 +5,9 @@ while tracing. Three more run outside the model in Megatron and are derived here
 recorded, once per stage:
 
 - the data-parallel gradient reduction: each block's gradients (its parameters in Megatron's
-  gradient dtype, :func:`vtrain_plugin.specs.training.grad_dtype`) all-reduced over the DP group
-  when ``data_parallel > 1``; with the distributed optimizer reduce-scattered instead, and the
-  parameters (model dtype) all-gathered after the optimizer step (the buckets, with Megatron-Core's
+  gradient dtype, :func:`vtrain_plugin.specs.training.grad_dtype`) all-reduced over the DP group,
+  DP x CP ranks (:attr:`ParallelPlan.grad_reduce_group_size`), when there are more than one; with
+  the distributed optimizer reduce-scattered instead, and the parameters (model dtype) all-gathered after the optimizer step (the buckets, with Megatron-Core's
   padding, are laid out by :mod:`vtrain_plugin.cost.param_buffer` when the stage is costed);
 - the pipeline point-to-point traffic of one micro-batch: the stage-boundary activation sent to the
   next virtual stage in forward and its gradient sent back in backward (and the matching receives);
@@ -71,7 +71,7 @@ class RuntimeCollectives:
 def runtime_collectives(stage: StageGraph, plan: ParallelPlan, *, dtype: Dtype, tied_embeddings: bool,
                         distributed_optimizer: bool = False) -> RuntimeCollectives:
     """The runtime collectives of ``stage`` under ``plan`` for a model of ``dtype`` (see the module doc)."""
-    dp = plan.data_parallel
+    dp = plan.grad_reduce_group_size
     grads = grad_dtype(dtype)
     nbytes = tuple(block.num_parameters * grads.nbytes if dp > 1 else 0 for block in stage.blocks)
     sync = _embedding_sync(stage, plan, grads, tied_embeddings)

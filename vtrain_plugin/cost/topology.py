@@ -1,13 +1,16 @@
 """Where the ranks of a 3D-parallel job sit, and how many nodes each communication group spans.
 
 Ranks are numbered and placed on nodes as :mod:`megatron_adapters.conventions` records megatron-core
-does it (tensor parallelism fastest, then data, then pipeline parallelism)::
+does it (tensor parallelism fastest, then context, then data, then pipeline parallelism)::
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank),    node = rank // gpus_per_node
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)),    node = rank // gpus_per_node
 
-Every group is then an arithmetic progression of ranks (TP: stride 1, DP: stride tp, PP: stride
-tp*dp, tied-embedding group: the first and the last pipeline rank), which is what the placement
-below works on. Groups are those of the representative rank of a pipeline stage (tp_rank = dp_rank = 0).
+Every group is then an arithmetic progression of ranks (TP: stride 1, CP: stride tp, PP: stride
+tp*cp*dp, tied-embedding group: the first and the last pipeline rank), which is what the placement
+below works on. The DP group is the one gradients are reduced over, Megatron-Core's data-parallel group
+with context parallelism: its CP x DP ranks are consecutive in the order, so stride tp, size cp*dp.
+A CP group lies inside a node when tp*cp divides the GPUs per node. Groups are those of the
+representative rank of a pipeline stage (tp_rank = cp_rank = dp_rank = 0).
 """
 
 from __future__ import annotations
@@ -40,14 +43,15 @@ class Layout:
     pipeline_parallel: int
     data_parallel: int
     gpus_per_node: int
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "gpus_per_node"):
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "gpus_per_node", "context_parallel"):
             v.positive_int(f"layout.{name}", getattr(self, name))
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel * self.data_parallel
 
     @property
     def num_nodes(self) -> int:
@@ -55,12 +59,12 @@ class Layout:
 
     @property
     def sizes(self) -> dict[ParallelGroup, int]:
-        return {ParallelGroup.TP: self.tensor_parallel, ParallelGroup.DP: self.data_parallel,
-                ParallelGroup.PP: self.pipeline_parallel}
+        return {ParallelGroup.TP: self.tensor_parallel, ParallelGroup.CP: self.context_parallel,
+                ParallelGroup.DP: self.data_parallel, ParallelGroup.PP: self.pipeline_parallel}
 
-    def rank(self, *, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
-        return global_rank({ParallelGroup.TP: tp_rank, ParallelGroup.DP: dp_rank, ParallelGroup.PP: pp_rank},
-                           self.sizes)
+    def rank(self, *, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0) -> int:
+        return global_rank({ParallelGroup.TP: tp_rank, ParallelGroup.CP: cp_rank, ParallelGroup.DP: dp_rank,
+                            ParallelGroup.PP: pp_rank}, self.sizes)
 
     def node_of(self, rank: int) -> int:
         return node_of(rank, self.gpus_per_node)
@@ -72,8 +76,10 @@ class Layout:
         stride = rank_strides(sizes)
         pp = sizes[ParallelGroup.PP]
         match ParallelGroup(group):
-            case ParallelGroup.TP | ParallelGroup.DP as dim:
+            case ParallelGroup.TP | ParallelGroup.CP as dim:
                 offset, step, size = base, stride[dim], sizes[dim]
+            case ParallelGroup.DP:
+                offset, step, size = base, stride[ParallelGroup.CP], sizes[ParallelGroup.CP] * sizes[ParallelGroup.DP]
             case ParallelGroup.PP:
                 offset, step, size = 0, stride[ParallelGroup.PP], pp
             case ParallelGroup.EMBEDDING:

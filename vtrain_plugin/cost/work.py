@@ -48,6 +48,8 @@ class ChunkWork:
     recompute_ns: float = 0.0  # activation recompute, run right before this chunk's backward
     tp_comm_forward_ns: float = 0.0  # share of forward_ns spent in TP collectives
     tp_comm_backward_ns: float = 0.0  # share of backward_ns + recompute_ns spent in TP collectives
+    cp_comm_forward_ns: float = 0.0  # share of forward_ns spent in exposed CP attention communication
+    cp_comm_backward_ns: float = 0.0  # share of backward_ns + recompute_ns spent in exposed CP communication
     p2p_forward_ns: float = 0.0  # send of the output activation to the next virtual stage
     p2p_backward_ns: float = 0.0  # send of the input gradient to the previous virtual stage
     dp_buckets: tuple[DpBucket, ...] = ()
@@ -55,7 +57,8 @@ class ChunkWork:
 
     def __post_init__(self) -> None:
         for name in ("forward_ns", "backward_ns", "recompute_ns", "tp_comm_forward_ns",
-                     "tp_comm_backward_ns", "p2p_forward_ns", "p2p_backward_ns"):
+                     "tp_comm_backward_ns", "cp_comm_forward_ns", "cp_comm_backward_ns", "p2p_forward_ns",
+                     "p2p_backward_ns"):
             v.non_negative_number(f"chunk_work.{name}", getattr(self, name))
         if self.tp_comm_forward_ns > self.forward_ns:
             raise ConfigError(f"chunk_work.tp_comm_forward_ns ({self.tp_comm_forward_ns}) must not "
@@ -63,6 +66,13 @@ class ChunkWork:
         if self.tp_comm_backward_ns > self.backward_ns + self.recompute_ns:
             raise ConfigError(f"chunk_work.tp_comm_backward_ns ({self.tp_comm_backward_ns}) must not "
                               f"exceed backward_ns + recompute_ns ({self.backward_ns + self.recompute_ns})")
+        if self.cp_comm_forward_ns > self.forward_ns - self.tp_comm_forward_ns:
+            raise ConfigError(f"chunk_work.cp_comm_forward_ns ({self.cp_comm_forward_ns}) must not exceed "
+                              f"forward_ns - tp_comm_forward_ns ({self.forward_ns} - {self.tp_comm_forward_ns})")
+        if self.cp_comm_backward_ns > self.backward_ns + self.recompute_ns - self.tp_comm_backward_ns:
+            raise ConfigError(f"chunk_work.cp_comm_backward_ns ({self.cp_comm_backward_ns}) must not exceed "
+                              f"backward_ns + recompute_ns - tp_comm_backward_ns ({self.backward_ns} + "
+                              f"{self.recompute_ns} - {self.tp_comm_backward_ns})")
         object.__setattr__(self, "dp_buckets", tuple(self.dp_buckets))
         object.__setattr__(self, "param_gathers", tuple(self.param_gathers))
 

@@ -7,14 +7,17 @@ values already chosen for the axes before it:
 =================  ==================================================================================
 tensor_parallel    divisors of num_attention_heads that are <= max_tp and keep the layout rules
                    (divide num_query_groups and the FFN size); max_tp defaults to the GPUs per node
+context_parallel   1 only: context parallelism pays off for long sequences alone, and each size
+                   tried multiplies the search, so sizes > 1 are tried when pinned (``--cp 1,2,4``)
 pipeline_parallel  divisors of num_layers
-data_parallel      every DP size that puts TP x PP x DP in the GPU budget
+data_parallel      every DP size that puts TP x CP x PP x DP in the GPU budget
 micro_batch_size   divisors of the per-replica batch, global_batch / DP
 virtual_pipeline   1, plus every divisor v > 1 of layers / PP when PP > 1 (interleaved 1F1B then)
-sequence_parallel  off, plus on when TP > 1 and TP divides seq_length
+sequence_parallel  off, plus on when TP > 1 and TP divides seq_length / CP
 recompute          none, selective, full
 grad_reduce        after_backward, overlap
-software_stack     the base training spec's (none given: each plan's default, TrainingSpec.stack_for)
+software_stack     the base training spec's (none given: each plan's default, TrainingSpec.stack_for);
+                   CP > 1 only with megatron_core_te
 fp8                the base training spec's (off unless the plan file sets training.fp8); ``off``,
                    ``hybrid`` and ``e4m3`` can be pinned, FP8 only with megatron_core_te
 distributed_opt.   off, plus on when DP > 1 (with grad_reduce overlap it overlaps the parameter
@@ -31,7 +34,7 @@ global batch, so no micro-batch size does) counts that prefix under the axis's f
 Plans beyond the input limits of :mod:`vtrain_plugin.specs.limits` (micro-batch size and tokens,
 micro-batches, scheduled passes) are skipped under the ``... beyond limits`` rules.
 
-Adding an axis (context or expert parallelism, the distributed optimizer) is one entry in
+Adding an axis (expert parallelism, the distributed optimizer) is one entry in
 :data:`AXES` and one field of :class:`SearchSpace`, named like the :class:`ParallelPlan` or
 :class:`TrainingSpec` field it sets.
 """
@@ -189,19 +192,28 @@ _TP_RULES = (
 _SP_RULES = (
     Rule("sp needs tp > 1", lambda ctx, c: c["sequence_parallel"] and c["tensor_parallel"] == 1),
     _layout_rule("seq % tp (sp)"),
+    _layout_rule("seq/cp % tp (sp)"),
 )
+_CP_RULES = (_layout_rule("seq % cp"), _layout_rule("seq % (2*cp)"))
+
+
+def _model_parallel(c: Prefix) -> int:
+    """GPUs of one model replica: TP x CP x PP."""
+    return c["tensor_parallel"] * c["context_parallel"] * c["pipeline_parallel"]
+
 
 AXES: tuple[Axis, ...] = (
     Axis("tensor_parallel", "tp", "tensor-parallel sizes", POSITIVE_INT,
          _keeping(_TP_RULES, "tensor_parallel", lambda ctx, c: _divisors(ctx.model.num_attention_heads)),
          _TP_RULES),
+    Axis("context_parallel", "cp", "context-parallel sizes", POSITIVE_INT, lambda ctx, c: (1,), _CP_RULES,
+         default_label="1"),
     Axis("pipeline_parallel", "pp", "pipeline-parallel sizes", POSITIVE_INT,
          lambda ctx, c: _divisors(ctx.model.num_layers),
          (_layout_rule("layers % pp"),)),
     Axis("data_parallel", "dp", "data-parallel sizes", POSITIVE_INT,
-         lambda ctx, c: ctx.budget.data_parallel_sizes(c["tensor_parallel"] * c["pipeline_parallel"]),
-         (Rule("gpus not in budget", lambda ctx, c: (c["tensor_parallel"] * c["pipeline_parallel"]
-                                                     * c["data_parallel"]) not in ctx.budget),)),
+         lambda ctx, c: ctx.budget.data_parallel_sizes(_model_parallel(c)),
+         (Rule("gpus not in budget", lambda ctx, c: _model_parallel(c) * c["data_parallel"] not in ctx.budget),)),
     Axis("micro_batch_size", "micro_batch", "micro-batch sizes", POSITIVE_INT,
          lambda ctx, c: (() if ctx.global_batch_size % c["data_parallel"]
                          else _divisors(ctx.global_batch_size // c["data_parallel"])),
@@ -230,6 +242,8 @@ AXES: tuple[Axis, ...] = (
          _choice(GradReduce), lambda ctx, c: tuple(GradReduce)),
     Axis("software_stack", "stack", "software stacks: " + ", ".join(s.value for s in SoftwareStack),
          _choice(SoftwareStack), lambda ctx, c: (ctx.training.software_stack,),
+         (Rule("cp needs megatron_core_te", lambda ctx, c: c["context_parallel"] > 1
+               and c["software_stack"] not in (None, SoftwareStack.MEGATRON_CORE_TE)),),
          default_label="each plan's default stack unless the plan file names one"),
     Axis("fp8", "fp8", "FP8 GEMMs: off, " + ", ".join(f.value for f in Fp8Format), FP8,
          lambda ctx, c: (ctx.training.fp8,),
@@ -251,6 +265,7 @@ class SearchSpace:
     """Each axis: ``None`` (its whole valid range, see the module doc) or the values to try."""
 
     tensor_parallel: tuple[int, ...] | None = None
+    context_parallel: tuple[int, ...] | None = None
     pipeline_parallel: tuple[int, ...] | None = None
     data_parallel: tuple[int, ...] | None = None
     micro_batch_size: tuple[int, ...] | None = None

@@ -32,6 +32,15 @@ def _as_given(flag: str, value: Any) -> Any:
     return value
 
 
+def _cp_comm_type(flag: str, value: Any) -> str:
+    """Megatron-LM takes one type, or one per layer; vtrain's layers are alike, so one type. The
+    spec refuses types other than p2p and all_gather (TE's a2a and a2a+p2p)."""
+    kinds = set(value) if isinstance(value, list) else {value}
+    if len(kinds) != 1:
+        raise ConfigError(f"{flag} {' '.join(value)}: one type for every layer is modelled")
+    return kinds.pop()
+
+
 @dataclass(frozen=True, slots=True)
 class FlagField:
     """A flag that sets one spec field as given (``"section.field"``), or that shapes the plan in a way
@@ -54,7 +63,9 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--pipeline-model-parallel-size", "parallel.pipeline_parallel"),
     FlagField("--micro-batch-size", "parallel.micro_batch_size"),
     FlagField("--global-batch-size", "training.global_batch_size"),
-    FlagField("--context-parallel-size", None, 1, "context parallelism"),
+    FlagField("--context-parallel-size", "parallel.context_parallel"),
+    FlagField("--cp-comm-type", "parallel.cp_comm_type", convert=_cp_comm_type),
+    FlagField("--tp-comm-overlap", "training.tp_comm_overlap", convert=_as_given),
     FlagField("--expert-model-parallel-size", None, 1, "expert parallelism"),
     FlagField("--expert-tensor-parallel-size", None, None, "expert tensor parallelism"),
     FlagField("--num-experts", None, None, "mixture of experts"),

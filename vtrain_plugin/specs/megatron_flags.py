@@ -179,7 +179,7 @@ MEGATRON_FLAGS: dict[str, Arity] = _read(_GROUPS)
 
 # Flags that change the speed or memory of training but that vtrain does not model (listed in one warning).
 PERFORMANCE_FLAGS = frozenset("--" + word for word in """
-attention-backend transformer-impl use-flash-attn spec use-legacy-models tp-comm-overlap tp-comm-overlap-cfg
+attention-backend transformer-impl use-flash-attn spec use-legacy-models tp-comm-overlap-cfg
 disable-tp-comm-overlap-ag disable-tp-comm-overlap-rs tp-comm-overlap-rs-dgrad disable-tp-comm-bulk-dgrad
 disable-tp-comm-bulk-wgrad disable-tp-comm-split-ag disable-tp-comm-split-rs no-masked-softmax-fusion
 no-bias-gelu-fusion no-bias-swiglu-fusion no-bias-dropout-fusion no-rope-fusion no-persist-layer-norm

@@ -14,6 +14,13 @@ from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.pipeline_split import chunk_layers_error, rank_layers_error, stage_layers
 
 
+class CpCommType(StrEnum):
+    """How context-parallel attention exchanges keys and values (TransformerEngine's ``cp_comm_type``)."""
+
+    P2P = "p2p"  # ring: each step sends the K/V chunk to the next CP rank, overlapped with attention
+    ALL_GATHER = "all_gather"  # all-gather of K/V before attention, reduce-scatter of dK/dV after
+
+
 class Recompute(StrEnum):
     NONE = "none"
     SELECTIVE = "selective"  # core attention only (Megatron's --recompute-granularity selective)
@@ -38,15 +45,21 @@ class ParallelPlan:
     decoder_last_pipeline_num_layers: int | None = None
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # Context parallelism: each sequence split over context_parallel ranks (Megatron-Core's
+    # context_parallel_size; see vtrain_plugin.cost.context_parallel), K/V exchanged by cp_comm_type.
+    context_parallel: int = 1
+    cp_comm_type: CpCommType = CpCommType.P2P
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+        for name in ("tensor_parallel", "context_parallel", "pipeline_parallel", "data_parallel"):
             limits.WORLD_SIZE.positive_int(f"parallel.{name}", getattr(self, name))
         limits.WORLD_SIZE.check_derived(
-            f"parallel.tensor_parallel ({self.tensor_parallel}) * pipeline_parallel ({self.pipeline_parallel}) "
-            f"* data_parallel ({self.data_parallel})", self.world_size)
+            f"parallel.tensor_parallel ({self.tensor_parallel}) * context_parallel ({self.context_parallel}) "
+            f"* pipeline_parallel ({self.pipeline_parallel}) * data_parallel ({self.data_parallel})", self.world_size)
         limits.NUM_LAYERS.positive_int("parallel.virtual_pipeline", self.virtual_pipeline)
         limits.MICRO_BATCH_SIZE.positive_int("parallel.micro_batch_size", self.micro_batch_size)
+        object.__setattr__(self, "cp_comm_type", CpCommType(
+            v.one_of("parallel.cp_comm_type", self.cp_comm_type, [c.value for c in CpCommType])))
         v.boolean("parallel.sequence_parallel", self.sequence_parallel)
         object.__setattr__(self, "recompute", Recompute(
             v.one_of("parallel.recompute", self.recompute, [r.value for r in Recompute])))
@@ -72,7 +85,18 @@ class ParallelPlan:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel * self.data_parallel
+
+    @property
+    def grad_reduce_group_size(self) -> int:
+        """Ranks a gradient is reduced over (and a distributed optimizer shards over): DP x CP, as
+        Megatron-Core's data-parallel group with context parallelism (CP ranks hold the same
+        weights and see different tokens of the same sequences)."""
+        return self.data_parallel * self.context_parallel
+
+    def local_seq_length(self, model: ModelSpec) -> int:
+        """Tokens of each sequence on one context-parallel rank."""
+        return model.seq_length // self.context_parallel
 
     @property
     def num_model_chunks(self) -> int:
@@ -94,6 +118,7 @@ class ParallelPlan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["recompute"] = self.recompute.value
+        d["cp_comm_type"] = self.cp_comm_type.value
         return d
 
 
@@ -116,6 +141,25 @@ def _divides(name: str, divisor: str, dividend: str, get_divisor: Callable[[Para
         message=lambda p, m: f"{divisor} ({get_divisor(p)}) must divide {dividend} ({get_dividend(m)})")
 
 
+CP_LAYOUT_RULES: tuple[LayoutRule, ...] = (
+    _divides("seq % cp", "context_parallel_size", "seq_length",
+             lambda p: p.context_parallel, lambda m: m.seq_length),
+    LayoutRule(
+        name="seq % (2*cp)",
+        broken=lambda p, m: p.context_parallel > 1 and m.seq_length % (2 * p.context_parallel) != 0,
+        message=lambda p, m: (f"2 * context_parallel_size (2 * {p.context_parallel} = {2 * p.context_parallel}) "
+                              f"must divide seq_length ({m.seq_length}): Megatron's load-balanced causal split "
+                              f"gives each CP rank two chunks of seq / (2 * cp) tokens")),
+    LayoutRule(
+        name="seq/cp % tp (sp)",
+        broken=lambda p, m: (p.sequence_parallel and p.context_parallel > 1
+                             and (m.seq_length // p.context_parallel) % p.tensor_parallel != 0),
+        message=lambda p, m: (f"tensor_parallel_size ({p.tensor_parallel}) must divide seq_length / "
+                              f"context_parallel_size ({m.seq_length} / {p.context_parallel} = "
+                              f"{m.seq_length // p.context_parallel}) with sequence parallelism")),
+)
+
+
 # In the order check_fits tests them (and the plan search reports them).
 LAYOUT_RULES: tuple[LayoutRule, ...] = (
     _divides("heads % tp", "tensor_parallel_size", "num_attention_heads",
@@ -130,4 +174,5 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
                message=chunk_layers_error),
     _divides("seq % tp (sp)", "tensor_parallel_size", "seq_length",
              lambda p: p.tensor_parallel, lambda m: m.seq_length, when=lambda p: p.sequence_parallel),
+    *CP_LAYOUT_RULES,
 )

@@ -15,6 +15,7 @@ from vtrain_plugin.core.units import MEGABYTE
 from vtrain_plugin.specs import limits
 from vtrain_plugin.specs.cluster import GpuArchitecture
 from vtrain_plugin.specs.model import Family, ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
 
 
 class ScheduleKind(StrEnum):
@@ -84,6 +85,9 @@ class TrainingSpec:
     # overlap_param_gather the all-gather of each bucket overlaps the first forward passes.
     distributed_optimizer: bool = False
     overlap_param_gather: bool = False
+    # TransformerEngine's userbuffers: the all-gather / reduce-scatter of sequence parallelism
+    # overlapped with the GEMMs they feed (Megatron-Core's --tp-comm-overlap; needs SP).
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         limits.GLOBAL_BATCH_SIZE.positive_int("training.global_batch_size", self.global_batch_size)
@@ -114,6 +118,19 @@ class TrainingSpec:
             if self.grad_reduce is not GradReduce.OVERLAP:
                 raise ConfigError(f"training.overlap_param_gather requires training.grad_reduce: overlap "
                                   f"(got {self.grad_reduce.value}), as Megatron-LM does")
+        v.boolean("training.tp_comm_overlap", self.tp_comm_overlap)
+
+    def check_plan(self, plan: ParallelPlan) -> None:
+        """Raise ConfigError when this run's options need what ``plan`` lacks, or ``plan`` needs
+        software this run does not run."""
+        if self.tp_comm_overlap and not plan.sequence_parallel:
+            raise ConfigError("training.tp_comm_overlap requires parallel.sequence_parallel (got false): "
+                              "TransformerEngine overlaps the all-gather / reduce-scatter of sequence "
+                              "parallelism with the GEMMs they feed")
+        if plan.context_parallel > 1 and self.software_stack not in (None, SoftwareStack.MEGATRON_CORE_TE):
+            raise ConfigError(f"parallel.context_parallel {plan.context_parallel} needs training.software_stack "
+                              f"megatron_core_te (got {self.software_stack.value}): megatron-core runs "
+                              f"context-parallel attention only through TransformerEngine")
 
     @property
     def bucket_nbytes(self) -> int:
@@ -146,13 +163,14 @@ class TrainingSpec:
     def fp8_settings(self) -> Fp8Settings | None:
         return None if self.fp8 is None else Fp8Settings(format=self.fp8, recipe=self.fp8_recipe)
 
-    def stack_for(self, model: ModelSpec | None, architecture: GpuArchitecture | str) -> SoftwareStack:
-        """The software stack of this run on a GPU of ``architecture``: the one given, else the
-        plan's default (:func:`default_software_stack`; FP8 runs megatron_core_te), the same for
-        the Python API, the CLI and a search."""
+    def stack_for(self, model: ModelSpec | None, architecture: GpuArchitecture | str,
+                  plan: ParallelPlan | None = None) -> SoftwareStack:
+        """The software stack of this run of ``plan`` on a GPU of ``architecture``: the one given,
+        else the plan's default (:func:`default_software_stack`; FP8 and context parallelism run
+        megatron_core_te), the same for the Python API, the CLI and a search."""
         if self.software_stack is not None:
             return self.software_stack
-        if self.fp8 is not None:
+        if self.fp8 is not None or (plan is not None and plan.context_parallel > 1):
             return SoftwareStack.MEGATRON_CORE_TE
         return default_software_stack(model, architecture)
 
