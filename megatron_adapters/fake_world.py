@@ -47,6 +47,8 @@ def fake_world(plan: ParallelPlan, *, pipeline_rank: int = 0) -> Iterator[dict[s
             tensor_model_parallel_size=plan.tensor_parallel,
             pipeline_model_parallel_size=plan.pipeline_parallel,
             virtual_pipeline_model_parallel_size=plan.virtual_pipeline if plan.virtual_pipeline > 1 else None,
+            expert_model_parallel_size=plan.expert_parallel,
+            expert_tensor_parallel_size=plan.expert_tensor_parallel,
             create_gloo_process_groups=False,
         )
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -64,6 +66,12 @@ def _group_names(ps) -> dict[str, ParallelGroup]:
         (ps.get_data_parallel_group, ParallelGroup.DP),
         (ps.get_pipeline_model_parallel_group, ParallelGroup.PP),
         (ps.get_embedding_group, ParallelGroup.EMBEDDING),
+        # MoE layers: the router's load-balancing loss reduces over TP x CP (TP: vtrain has no CP).
+        (ps.get_tensor_and_context_parallel_group, ParallelGroup.TP),
+        (ps.get_expert_model_parallel_group, ParallelGroup.EP),
+        (ps.get_expert_tensor_parallel_group, ParallelGroup.EXPERT_TP),
+        (ps.get_expert_tensor_and_model_parallel_group, ParallelGroup.EXPERT_TP_EP),
+        (ps.get_expert_data_parallel_group, ParallelGroup.EXPERT_DP),
     ]
     for getter, group in candidates:
         try:

@@ -272,4 +272,4 @@ def _breakdown_ms(rank: RankBreakdown) -> dict[str, float]:
 
 
 def _busy(rank: RankBreakdown) -> float:
-    return rank.forward_ns + rank.backward_ns + rank.recompute_ns + rank.tp_comm_ns
+    return rank.forward_ns + rank.backward_ns + rank.recompute_ns + rank.tp_comm_ns + rank.ep_comm_ns

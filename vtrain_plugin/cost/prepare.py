@@ -3,10 +3,11 @@ settings) and profile.
 
 Each block's ops are lowered onto the kernels of the software stack (:mod:`vtrain_plugin.cost.lowering`)
 and every block's phases are laid out as segments of one :class:`KernelBatch` per stage, with the
-measured durations looked up; tensor-parallel collectives are rows of the batch (they block the
-compute stream). Megatron's runtime collectives (DP gradients, pipeline transfers, tied embeddings)
-are derived per stage (:mod:`vtrain_plugin.cost.runtime_collectives`); with the distributed optimizer
-the optimizer step runs on the rank's shard (:mod:`vtrain_plugin.cost.optimizer_shard`). Stages that share their blocks
+measured durations looked up; tensor-parallel collectives, and the MoE layers' expert-parallel
+ones, are rows of the batch (they block the compute stream). Megatron's runtime collectives (DP
+gradients, pipeline transfers, tied embeddings) are derived per stage
+(:mod:`vtrain_plugin.cost.runtime_collectives`); with the distributed optimizer the optimizer step
+runs on the rank's shard (:mod:`vtrain_plugin.cost.optimizer_shard`). Stages that share their blocks
 (one chunk role) share one :class:`PreparedRole`, and roles prepared without measured durations are
 kept across calls. This depends on the graph, the stack and the profile, not on the device constants
 or the cluster:
@@ -27,7 +28,8 @@ from vtrain_plugin.cost.host_device import Segment
 from vtrain_plugin.cost.kernel_model import KernelBatch
 from vtrain_plugin.cost.kernel_timer import measured_ns
 from vtrain_plugin.cost.lowering import map_nodes
-from vtrain_plugin.cost.optimizer_shard import shard_optimizer
+from vtrain_plugin.cost.moe import MOE_GROUPS
+from vtrain_plugin.cost.optimizer_shard import optimizer_shards, shard_optimizer
 from vtrain_plugin.cost.runtime_collectives import RuntimeCollectives, runtime_collectives
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
 
@@ -49,7 +51,8 @@ class PreparedRole:
     kernels: KernelBatch  # every segment's kernels in order; collectives are rows of kind NONE
     measured_ns: np.ndarray  # per row, NaN where unmeasured
     nodes: tuple[OpNode | None, ...]  # per row (None for a collective)
-    tp_rows: tuple[tuple[int, CollectiveNode], ...]  # rows holding blocking TP collectives
+    # rows holding blocking model collectives: TP, and the MoE layers' (cost.moe.MOE_GROUPS)
+    tp_rows: tuple[tuple[int, CollectiveNode], ...]
     segments: tuple[Segment, ...]  # blocks in stage order, phases in PHASES order
     flops: dict[Phase, int]  # of one micro-batch through this chunk, on one tensor-parallel rank
     module_calls: np.ndarray  # per row: 1 where a module call's host work starts (see host_calls)
@@ -109,7 +112,7 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
     """Lay ``graph`` out for costing under ``stack`` (GEMMs in FP8 with ``fp8``), with ``measured``
     kernel durations (ns), and Megatron-Core's ``distributed_optimizer`` or not."""
     stack = SoftwareStack(stack)
-    shards = graph.parallel.data_parallel if distributed_optimizer else 1
+    shards = optimizer_shards(graph.parallel, distributed_optimizer)
     pp = graph.parallel.pipeline_parallel
     last = graph.parallel.num_model_chunks - 1
     ordered = sorted(graph.stages, key=lambda s: s.chunk * pp + s.pipeline_rank)
@@ -136,7 +139,7 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
                          flops=flops)
 
 
-def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: int,
+def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
           measured: Mapping[KernelKey, float] | None, key: tuple) -> PreparedRole:
     if measured:
         return _prepare_role(blocks, stack, fp8, shards, measured)
@@ -150,7 +153,7 @@ def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | No
     return role
 
 
-def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: int,
+def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
                   measured: Mapping[KernelKey, float]) -> PreparedRole:
     rows: list[OpNode | None] = []
     phases: list[Phase] = []
@@ -158,11 +161,11 @@ def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setti
     segments: list[Segment] = []
     for b, block in enumerate(blocks):
         by_phase: dict[Phase, list[OpNode | CollectiveNode]] = {p: [] for p in PHASES}
-        for node in shard_optimizer(map_nodes(block.nodes, stack, fp8), shards):
+        for node in shard_optimizer(map_nodes(block.nodes, stack, fp8), *shards):
             if isinstance(node, OpNode):
                 if node.launches_kernel:
                     by_phase[node.phase].append(node)
-            elif node.group is ParallelGroup.TP:
+            elif node.group is ParallelGroup.TP or node.group in MOE_GROUPS:
                 by_phase[node.phase].append(node)
         for phase in PHASES:
             start = len(rows)

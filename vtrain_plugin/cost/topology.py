@@ -7,7 +7,14 @@ does it (tensor parallelism fastest, then data, then pipeline parallelism)::
 
 Every group is then an arithmetic progression of ranks (TP: stride 1, DP: stride tp, PP: stride
 tp*dp, tied-embedding group: the first and the last pipeline rank), which is what the placement
-below works on. Groups are those of the representative rank of a pipeline stage (tp_rank = dp_rank = 0).
+below works on. The groups of MoE layers number the same ranks a second way (megatron-core's expert
+rank generator)::
+
+    rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank)),    edp = tp * dp / (etp * ep)
+
+so expert TP has stride 1, EP stride etp, expert TP x EP stride 1 (etp * ep ranks), expert DP stride
+etp * ep. Groups are those of the representative rank of a pipeline stage (tp_rank = dp_rank = 0,
+hence etp_rank = ep_rank = edp_rank = 0).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from functools import lru_cache
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.graph import ParallelGroup
-from megatron_adapters.conventions import global_rank, node_of, rank_strides
+from megatron_adapters.conventions import EXPERT_RANK_ORDER, global_rank, node_of, rank_strides
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,10 +47,15 @@ class Layout:
     pipeline_parallel: int
     data_parallel: int
     gpus_per_node: int
+    expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "gpus_per_node"):
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "gpus_per_node", "expert_parallel",
+                     "expert_tensor_parallel"):
             v.positive_int(f"layout.{name}", getattr(self, name))
+        v.divides("layout.expert_parallel * expert_tensor_parallel", self.expert_parallel * self.expert_tensor_parallel,
+                  "tensor_parallel * data_parallel", self.tensor_parallel * self.data_parallel)
 
     @property
     def world_size(self) -> int:
@@ -56,6 +68,13 @@ class Layout:
     @property
     def sizes(self) -> dict[ParallelGroup, int]:
         return {ParallelGroup.TP: self.tensor_parallel, ParallelGroup.DP: self.data_parallel,
+                ParallelGroup.PP: self.pipeline_parallel}
+
+    @property
+    def expert_sizes(self) -> dict[ParallelGroup, int]:
+        etp, ep = self.expert_tensor_parallel, self.expert_parallel
+        return {ParallelGroup.EXPERT_TP: etp, ParallelGroup.EP: ep,
+                ParallelGroup.EXPERT_DP: self.tensor_parallel * self.data_parallel // (etp * ep),
                 ParallelGroup.PP: self.pipeline_parallel}
 
     def rank(self, *, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
@@ -78,6 +97,11 @@ class Layout:
                 offset, step, size = 0, stride[ParallelGroup.PP], pp
             case ParallelGroup.EMBEDDING:
                 offset, step, size = 0, stride[ParallelGroup.PP] * max(pp - 1, 1), min(pp, 2)
+            case ParallelGroup.EXPERT_TP | ParallelGroup.EP | ParallelGroup.EXPERT_DP as dim:
+                expert = self.expert_sizes
+                offset, step, size = base, rank_strides(expert, EXPERT_RANK_ORDER)[dim], expert[dim]
+            case ParallelGroup.EXPERT_TP_EP:
+                offset, step, size = base, 1, self.expert_tensor_parallel * self.expert_parallel
         return _progression_placement(offset, step, size, self.gpus_per_node)
 
     def p2p_crosses_nodes(self, src_pipeline_rank: int) -> bool:

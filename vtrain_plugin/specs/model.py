@@ -13,6 +13,10 @@ from typing import Any
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.dtypes import MODEL_DTYPES, Dtype
+from vtrain_plugin.core.errors import ConfigError
+
+
+DEFAULT_MOE_ROUTER_TOPK = 2  # megatron-core's moe_router_topk
 
 
 class Family(StrEnum):
@@ -35,6 +39,14 @@ class ModelSpec:
     tied_embeddings: bool | None = None  # default: True for GPT, False for Llama
     dtype: Dtype = Dtype.FP16
     name: str = ""
+    # Mixture of experts (megatron-core MoELayer in every layer); None: a dense MLP. See moe_* below.
+    num_experts: int | None = None
+    moe_router_topk: int | None = None  # experts per token; default 2 (Megatron's)
+    moe_ffn_hidden_size: int | None = None  # of one expert; default ffn_size
+    # The busiest expert receives this many times the balanced share of the routed tokens (1: every
+    # expert gets tokens * topk / experts); the others share the rest evenly. See specs/moe.py.
+    moe_routing_skew: float = 1.0
+    moe_shared_expert_intermediate_size: int | None = None  # shared experts: refused, not modelled
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", Family(v.one_of("model.family", str(self.family), [f.value for f in Family])))
@@ -51,6 +63,7 @@ class ModelSpec:
             v.boolean("model.tied_embeddings", self.tied_embeddings)
         v.divides("model.num_attention_heads", self.num_attention_heads,
                   "model.hidden_size", self.hidden_size)
+        check_moe_fields(self)
 
     @property
     def ffn_size(self) -> int:
@@ -60,6 +73,24 @@ class ModelSpec:
             raw = int(2 * 4 * self.hidden_size / 3)
             return 256 * ((raw + 255) // 256)
         return 4 * self.hidden_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def router_topk(self) -> int:
+        """Experts per token (0 for a dense model)."""
+        if not self.is_moe:
+            return 0
+        return self.moe_router_topk if self.moe_router_topk is not None else DEFAULT_MOE_ROUTER_TOPK
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """FFN hidden size of one expert (0 for a dense model)."""
+        if not self.is_moe:
+            return 0
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
 
     @property
     def query_groups(self) -> int:
@@ -105,3 +136,31 @@ class ModelSpec:
         d["family"] = self.family.value
         d["dtype"] = self.dtype.value
         return d
+
+
+def check_moe_fields(model: ModelSpec) -> None:
+    """The MoE fields of ``model``: all left unset for a dense model; for a MoE model, at most
+    ``num_experts`` experts per token and a skew the token count allows (the busiest expert gets at
+    most every token once: ``skew * tokens * topk / experts <= tokens``)."""
+    moe_fields = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+    if model.num_experts is None:
+        for name in moe_fields:
+            if getattr(model, name) is not None:
+                raise ConfigError(f"model.{name} needs model.num_experts (a mixture-of-experts model)")
+        if model.moe_routing_skew != 1.0:
+            raise ConfigError("model.moe_routing_skew needs model.num_experts (a mixture-of-experts model)")
+        return
+    v.positive_int("model.num_experts", model.num_experts)
+    for name in moe_fields:
+        if getattr(model, name) is not None:
+            v.positive_int(f"model.{name}", getattr(model, name))
+    topk, experts = model.router_topk, model.num_experts
+    if topk > experts:
+        raise ConfigError(f"model.moe_router_topk ({topk}) must not exceed model.num_experts ({experts})")
+    skew = v.positive_number("model.moe_routing_skew", model.moe_routing_skew)
+    if not 1.0 <= skew <= experts / topk:
+        raise ConfigError(f"model.moe_routing_skew ({skew:g}) must lie in [1, num_experts / moe_router_topk = "
+                          f"{experts} / {topk} = {experts / topk:g}]: the busiest expert gets at most every token")
+    if model.moe_shared_expert_intermediate_size is not None:
+        raise ConfigError("model.moe_shared_expert_intermediate_size: shared experts are not modelled yet "
+                          "(leave it unset to trace the routed experts only)")

@@ -13,6 +13,14 @@ from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.pipeline_split import chunk_layers_error, rank_layers_error, stage_layers
 
 
+class TokenDispatcher(StrEnum):
+    """How a MoE layer moves tokens to the ranks of their experts (megatron-core's
+    ``moe_token_dispatcher_type``)."""
+
+    ALLTOALL = "alltoall"  # all-to-all over the EP group, all-gather / reduce-scatter over expert TP
+    ALLGATHER = "allgather"  # all-gather of every token over expert TP x EP, reduce-scatter back
+
+
 class Recompute(StrEnum):
     NONE = "none"
     SELECTIVE = "selective"  # core attention only (Megatron's --recompute-granularity selective)
@@ -37,12 +45,23 @@ class ParallelPlan:
     decoder_last_pipeline_num_layers: int | None = None
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # MoE layers: experts split over expert_parallel ranks carved out of TP x DP (megatron-core's
+    # expert_model_parallel_size), each expert's FFN over expert_tensor_parallel ranks (None: the
+    # tensor-parallel size, megatron-core's default); see expert_data_parallel.
+    expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None
+    moe_token_dispatcher: TokenDispatcher = TokenDispatcher.ALLTOALL
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "virtual_pipeline",
                      "micro_batch_size"):
             v.positive_int(f"parallel.{name}", getattr(self, name))
         v.boolean("parallel.sequence_parallel", self.sequence_parallel)
+        v.positive_int("parallel.expert_parallel", self.expert_parallel)
+        if self.expert_tensor_parallel is not None:
+            v.positive_int("parallel.expert_tensor_parallel", self.expert_tensor_parallel)
+        object.__setattr__(self, "moe_token_dispatcher", TokenDispatcher(v.one_of(
+            "parallel.moe_token_dispatcher", str(self.moe_token_dispatcher), [d.value for d in TokenDispatcher])))
         object.__setattr__(self, "recompute", Recompute(
             v.one_of("parallel.recompute", str(self.recompute), [r.value for r in Recompute])))
         if self.sequence_parallel and self.tensor_parallel == 1:
@@ -70,6 +89,18 @@ class ParallelPlan:
         return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
 
     @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size: the one given, else the tensor-parallel size."""
+        return self.tensor_parallel if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Replicas of each expert shard: megatron-core lays the expert ranks (expert TP, EP, expert
+        DP) over the same TP x DP ranks of a pipeline stage as the dense ones, so expert DP is
+        TP x DP / (expert TP x EP) (the rule "(tp*dp) % (ep*etp)" keeps it whole)."""
+        return self.tensor_parallel * self.data_parallel // (self.expert_parallel * self.expert_tp)
+
+    @property
     def num_model_chunks(self) -> int:
         return self.pipeline_parallel * self.virtual_pipeline
 
@@ -86,6 +117,7 @@ class ParallelPlan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["recompute"] = self.recompute.value
+        d["moe_token_dispatcher"] = self.moe_token_dispatcher.value
         return d
 
 
@@ -108,6 +140,38 @@ def _divides(name: str, divisor: str, dividend: str, get_divisor: Callable[[Para
         message=lambda p, m: f"{divisor} ({get_divisor(p)}) must divide {dividend} ({get_dividend(m)})")
 
 
+def _expert_layout_broken(p: ParallelPlan, m: ModelSpec) -> bool:
+    return (p.tensor_parallel * p.data_parallel) % (p.expert_parallel * p.expert_tp) != 0
+
+
+MOE_LAYOUT_RULES: tuple[LayoutRule, ...] = (
+    LayoutRule(
+        name="ep needs moe",
+        broken=lambda p, m: not m.is_moe and (p.expert_parallel > 1 or p.expert_tensor_parallel is not None),
+        message=lambda p, m: (f"expert_parallel ({p.expert_parallel}) and expert_tensor_parallel "
+                              f"({p.expert_tensor_parallel}) need a mixture-of-experts model (model.num_experts)")),
+    _divides("experts % ep", "expert_parallel_size", "num_experts",
+             lambda p: p.expert_parallel, lambda m: m.num_experts, when=lambda p: p.expert_parallel > 1),
+    LayoutRule(
+        name="(tp*dp) % (ep*etp)",
+        broken=_expert_layout_broken,
+        message=lambda p, m: (f"expert_parallel ({p.expert_parallel}) * expert_tensor_parallel ({p.expert_tp}) = "
+                              f"{p.expert_parallel * p.expert_tp} must divide tensor_parallel ({p.tensor_parallel}) "
+                              f"* data_parallel ({p.data_parallel}) = {p.tensor_parallel * p.data_parallel}: "
+                              f"the expert ranks of a pipeline stage are its TP x DP ranks")),
+    LayoutRule(
+        name="moe ffn % etp",
+        broken=lambda p, m: m.is_moe and m.expert_ffn_size % p.expert_tp != 0,
+        message=lambda p, m: (f"expert_tensor_parallel ({p.expert_tp}) must divide moe_ffn_hidden_size "
+                              f"({m.expert_ffn_size})")),
+    LayoutRule(
+        name="moe tp needs sp",
+        broken=lambda p, m: m.is_moe and p.tensor_parallel > 1 and not p.sequence_parallel,
+        message=lambda p, m: (f"a mixture-of-experts model with tensor_parallel ({p.tensor_parallel}) > 1 needs "
+                              f"sequence_parallel (megatron-core refuses to train MoE layers under TP without it)")),
+)
+
+
 # In the order check_fits tests them (and the plan search reports them).
 LAYOUT_RULES: tuple[LayoutRule, ...] = (
     _divides("heads % tp", "tensor_parallel_size", "num_attention_heads",
@@ -122,4 +186,5 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
                message=chunk_layers_error),
     _divides("seq % tp (sp)", "tensor_parallel_size", "seq_length",
              lambda p: p.tensor_parallel, lambda m: m.seq_length, when=lambda p: p.sequence_parallel),
+    *MOE_LAYOUT_RULES,
 )
