@@ -65,6 +65,15 @@ def is_expert_parallel_parameter(param) -> bool:
     return not getattr(param, "allreduce", True)
 
 
+_MLP = re.compile(r"\.mlp(?:\.experts\.local_experts\.\d+)?$")
+
+
+def is_mlp_module(name: str) -> bool:
+    """Whether ``name`` is the module that runs an MLP's activation: a dense layer's ``mlp``, or one
+    of the local experts of a MoE layer's ``SequentialMLP`` (``...mlp.experts.local_experts.0``)."""
+    return _MLP.search(name) is not None
+
+
 def is_expert_module(name: str) -> bool:
     """Whether ``name`` is one of a MoE layer's experts or a module inside one
     (``decoder.layers.3.mlp.experts.local_experts.0.linear_fc1``)."""

@@ -40,13 +40,15 @@ LOAD_BALANCING = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_co
 
 def moe_config_fields(model: ModelSpec, plan: ParallelPlan) -> dict:
     """The TransformerConfig fields of ``model``'s MoE layers under ``plan`` (none for a dense model):
-    dropless routing (no capacity factor), unfused permutation, local experts."""
+    dropless routing (no capacity factor), unfused permutation, local experts; softmax before the
+    top-k when k is 1 (megatron-core requires it: a softmax over one expert has no gradient)."""
     if not model.is_moe:
         return {}
     return dict(num_moe_experts=model.num_experts, moe_router_topk=model.router_topk,
                 moe_ffn_hidden_size=model.expert_ffn_size, expert_model_parallel_size=plan.expert_parallel,
                 expert_tensor_parallel_size=plan.expert_tp, moe_token_dispatcher_type=plan.moe_token_dispatcher.value,
-                moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False, **LOAD_BALANCING)
+                moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+                moe_router_pre_softmax=model.router_topk == 1, **LOAD_BALANCING)
 
 
 def moe_layer_spec(model: ModelSpec):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vtrain_plugin.capture.tracer import trace
@@ -228,8 +228,9 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
     gpus = plan.world_size
     stage_breakdowns = tuple(_breakdown_ms(r) for r in result.ranks)
     bottleneck = max(range(len(result.ranks)), key=lambda i: _busy(result.ranks[i]))
-    per_microbatch = (costing.flops[Phase.FORWARD] + costing.flops[Phase.BACKWARD]) * plan.tensor_parallel
-    recompute = costing.flops[Phase.RECOMPUTE] * plan.tensor_parallel
+    flops = _model_flops(graph, costing)
+    per_microbatch = (flops[Phase.FORWARD] + flops[Phase.BACKWARD]) * plan.tensor_parallel
+    recompute = flops[Phase.RECOMPUTE] * plan.tensor_parallel
     replicas_work = num_microbatches * plan.data_parallel
     model_flops = per_microbatch * replicas_work
     hardware_flops = (per_microbatch + recompute) * replicas_work
@@ -265,6 +266,18 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         iterations=training.train_iterations(graph.seq_length),
         timeline=result.timeline,
     )
+
+
+def _model_flops(graph: OpGraph, costing: Costing) -> dict[Phase, int]:
+    """FLOPs per phase of one micro-batch through every chunk on one TP rank, the traced rank's. Under
+    a skewed MoE routing assumption the traced rank is the busiest one, and the model's FLOPs are
+    those of balanced routing (skew moves expert work between ranks, it adds none): traced again
+    with skew 1 (cached by shape)."""
+    model = graph.model
+    if model is None or not model.is_moe or model.moe_routing_skew == 1.0:
+        return costing.flops
+    balanced = trace(replace(model, moe_routing_skew=1.0), graph.parallel)
+    return {phase: balanced.flops(phase) for phase in Phase}
 
 
 def _breakdown_ms(rank: RankBreakdown) -> dict[str, float]:

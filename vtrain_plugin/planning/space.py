@@ -9,6 +9,8 @@ tensor_parallel    divisors of num_attention_heads that are <= max_tp and keep t
                    (divide num_query_groups and the FFN size); max_tp defaults to the GPUs per node
 pipeline_parallel  divisors of num_layers
 data_parallel      every DP size that puts TP x PP x DP in the GPU budget
+expert_parallel    1 for a dense model; for a MoE model, the divisors of num_experts whose expert ranks
+                   (EP x expert TP, expert TP being TP) fit in the TP x DP ranks of a stage
 micro_batch_size   divisors of the per-replica batch, global_batch / DP
 virtual_pipeline   1, plus every divisor v > 1 of layers / PP when PP > 1 (interleaved 1F1B then)
 sequence_parallel  off, plus on when TP > 1 and TP divides seq_length
@@ -29,7 +31,7 @@ once: its range depends on the values before it). An unpinned axis whose default
 for the values before it (no DP size puts the GPU count in the budget; DP does not divide the
 global batch, so no micro-batch size does) counts that prefix under the axis's first rule.
 
-Adding an axis (context or expert parallelism, the distributed optimizer) is one entry in
+Adding an axis (context parallelism, the distributed optimizer) is one entry in
 :data:`AXES` and one field of :class:`SearchSpace`, named like the :class:`ParallelPlan` or
 :class:`TrainingSpec` field it sets.
 """
@@ -185,7 +187,10 @@ _TP_RULES = (
 _SP_RULES = (
     Rule("sp needs tp > 1", lambda ctx, c: c["sequence_parallel"] and c["tensor_parallel"] == 1),
     _layout_rule("seq % tp (sp)"),
+    _layout_rule("moe tp needs sp"),
 )
+_EP_RULES = tuple(_layout_rule(name) for name in ("ep needs moe", "experts % ep", "(tp*dp) % (ep*etp)",
+                                                  "moe ffn % etp", "moe bias needs etp 1"))
 
 AXES: tuple[Axis, ...] = (
     Axis("tensor_parallel", "tp", "tensor-parallel sizes", POSITIVE_INT,
@@ -198,6 +203,10 @@ AXES: tuple[Axis, ...] = (
          lambda ctx, c: ctx.budget.data_parallel_sizes(c["tensor_parallel"] * c["pipeline_parallel"]),
          (Rule("gpus not in budget", lambda ctx, c: (c["tensor_parallel"] * c["pipeline_parallel"]
                                                      * c["data_parallel"]) not in ctx.budget),)),
+    Axis("expert_parallel", "ep", "expert-parallel sizes (MoE models)", POSITIVE_INT,
+         _keeping(_EP_RULES, "expert_parallel",
+                  lambda ctx, c: _divisors(ctx.model.num_experts) if ctx.model.is_moe else (1,)),
+         _EP_RULES),
     Axis("micro_batch_size", "micro_batch", "micro-batch sizes", POSITIVE_INT,
          lambda ctx, c: (() if ctx.global_batch_size % c["data_parallel"]
                          else _divisors(ctx.global_batch_size // c["data_parallel"])),
@@ -242,6 +251,7 @@ class SearchSpace:
     tensor_parallel: tuple[int, ...] | None = None
     pipeline_parallel: tuple[int, ...] | None = None
     data_parallel: tuple[int, ...] | None = None
+    expert_parallel: tuple[int, ...] | None = None
     micro_batch_size: tuple[int, ...] | None = None
     virtual_pipeline: tuple[int, ...] | None = None
     sequence_parallel: tuple[bool, ...] | None = None

@@ -114,22 +114,30 @@ class ModelSpec:
     @property
     def num_parameters(self) -> int:
         """Parameters of the whole (unsharded) model, embeddings included."""
-        h, f = self.hidden_size, self.ffn_size
+        h = self.hidden_size
         kv = 2 * self.query_groups * self.head_dim
-        if self.family is Family.GPT:
+        gpt = self.family is Family.GPT
+        if gpt:
             attn = h * (h + kv) + (h + kv) + h * h + h
-            mlp = h * f + f + f * h + h
             norms = 2 * 2 * h
             positions = self.seq_length * h
             final_norm = 2 * h
         else:
             attn = h * (h + kv) + h * h
-            mlp = h * 2 * f + f * h
             norms = 2 * h
             positions = 0
             final_norm = h
+        mlp = self._mlp_parameters(self.ffn_size)
+        if self.is_moe:  # the router's gate (with a bias in a GPT layer), then every expert's MLP
+            mlp = self.num_experts * (h + (1 if gpt else 0)) + self.num_experts * self._mlp_parameters(self.expert_ffn_size)
         embed = self.vocab_size * h * (1 if self.tied else 2)
         return self.num_layers * (attn + mlp + norms) + embed + positions + final_norm
+
+    def _mlp_parameters(self, f: int) -> int:
+        h = self.hidden_size
+        if self.family is Family.GPT:
+            return h * f + f + f * h + h
+        return h * 2 * f + f * h
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -9,7 +9,7 @@ from typing import Any
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.model import Family, ModelSpec
 from vtrain_plugin.specs.pipeline_split import chunk_layers_error, rank_layers_error, stage_layers
 
 
@@ -140,10 +140,6 @@ def _divides(name: str, divisor: str, dividend: str, get_divisor: Callable[[Para
         message=lambda p, m: f"{divisor} ({get_divisor(p)}) must divide {dividend} ({get_dividend(m)})")
 
 
-def _expert_layout_broken(p: ParallelPlan, m: ModelSpec) -> bool:
-    return (p.tensor_parallel * p.data_parallel) % (p.expert_parallel * p.expert_tp) != 0
-
-
 MOE_LAYOUT_RULES: tuple[LayoutRule, ...] = (
     LayoutRule(
         name="ep needs moe",
@@ -154,7 +150,7 @@ MOE_LAYOUT_RULES: tuple[LayoutRule, ...] = (
              lambda p: p.expert_parallel, lambda m: m.num_experts, when=lambda p: p.expert_parallel > 1),
     LayoutRule(
         name="(tp*dp) % (ep*etp)",
-        broken=_expert_layout_broken,
+        broken=lambda p, m: (p.tensor_parallel * p.data_parallel) % (p.expert_parallel * p.expert_tp) != 0,
         message=lambda p, m: (f"expert_parallel ({p.expert_parallel}) * expert_tensor_parallel ({p.expert_tp}) = "
                               f"{p.expert_parallel * p.expert_tp} must divide tensor_parallel ({p.tensor_parallel}) "
                               f"* data_parallel ({p.data_parallel}) = {p.tensor_parallel * p.data_parallel}: "
@@ -164,6 +160,11 @@ MOE_LAYOUT_RULES: tuple[LayoutRule, ...] = (
         broken=lambda p, m: m.is_moe and m.expert_ffn_size % p.expert_tp != 0,
         message=lambda p, m: (f"expert_tensor_parallel ({p.expert_tp}) must divide moe_ffn_hidden_size "
                               f"({m.expert_ffn_size})")),
+    LayoutRule(
+        name="moe bias needs etp 1",
+        broken=lambda p, m: m.is_moe and m.family is Family.GPT and p.expert_tp > 1,
+        message=lambda p, m: (f"expert_tensor_parallel ({p.expert_tp}) must be 1 for a gpt-family MoE model: "
+                              f"megatron-core supports expert linear biases only without expert TP")),
     LayoutRule(
         name="moe tp needs sp",
         broken=lambda p, m: m.is_moe and p.tensor_parallel > 1 and not p.sequence_parallel,
