@@ -212,3 +212,23 @@ def test_distributed_optimizer_shards_the_experts_over_expert_dp(alltoall):
                   if n is not None and n.op == "te.multi_tensor_adam.default" and ".layers." in f".{n.module}")
     dense_layer = layer.num_parameters - layer.num_expert_parameters
     assert adam == sorted([-(-dense_layer // 4), -(-layer.num_expert_parameters // 2)])
+
+
+def test_known_count_permutation_is_megatrons_on_real_routing():
+    """The permutation traced in place of megatron's dropless one gives the same tokens, order and
+    probabilities on real data (its masked_select run as nonzero + gather with the count known)."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    from megatron_adapters.moe import _permute
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randn(32, 16, generator=generator)
+    scores = torch.randn(32, E, generator=generator).softmax(dim=-1)
+    top = scores.topk(TOPK, dim=-1).indices
+    routing_map = torch.zeros(32, E, dtype=torch.bool).scatter(1, top, True)
+    probs = scores * routing_map
+    expected = permute(tokens, routing_map, probs=probs, num_out_tokens=32 * TOPK)
+    got = _permute(tokens, routing_map, probs=probs, num_out_tokens=32 * TOPK)
+    for want, have in zip(expected, got):
+        assert torch.equal(want, have)

@@ -44,7 +44,8 @@ class ModelSpec:
     moe_router_topk: int | None = None  # experts per token; default 2 (Megatron's)
     moe_ffn_hidden_size: int | None = None  # of one expert; default ffn_size
     # The busiest expert receives this many times the balanced share of the routed tokens (1: every
-    # expert gets tokens * topk / experts); the others share the rest evenly. See specs/moe.py.
+    # expert gets tokens * topk / experts); the others share the rest evenly
+    # (megatron_adapters/moe_routing.py).
     moe_routing_skew: float = 1.0
     moe_shared_expert_intermediate_size: int | None = None  # shared experts: refused, not modelled
 
