@@ -2,9 +2,12 @@
 
 Fields are read by attribute, so no megatron type leaks out. Every field that changes the traced
 graph is either honoured (dims, GQA, dtype, the GPT or Llama layer, TP, CP and its communication, PP,
-virtual pipeline, SP, recompute, uneven pipeline splits) or refused with a one-line :class:`ConfigError`
-naming it (expert parallelism, MoE, fp8 / fp4, multi-token prediction, custom pipeline layouts, ...):
-a config is never traced as something it is not.
+virtual pipeline, SP, recompute, uneven pipeline splits, MoE experts, top-k and expert FFN, expert
+parallel and expert TP sizes, the token dispatcher) or refused with a one-line :class:`ConfigError`
+naming it (shared experts, token dropping, grouped-GEMM experts, fp8 / fp4, multi-token prediction,
+custom pipeline layouts, ...): a config is never traced as something it is not. Two MoE settings are
+vtrain's own: the router's load-balancing loss is the auxiliary loss of Megatron-LM's MoE recipes
+(:data:`megatron_adapters.moe.LOAD_BALANCING`), and routing follows the balanced assumption.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.model import Family, ModelSpec
-from vtrain_plugin.specs.parallel import CpCommType, ParallelPlan, Recompute
+from vtrain_plugin.specs.parallel import CpCommType, ParallelPlan, Recompute, TokenDispatcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +44,14 @@ def _is_one(value: Any) -> bool:
 
 
 UNMODELLED = (
-    Unmodelled("expert_model_parallel_size", _is_one, "expert parallelism"),
-    Unmodelled("num_moe_experts", _is_none, "mixture-of-experts layers"),
+    Unmodelled("moe_shared_expert_intermediate_size", _is_none, "shared experts"),
+    Unmodelled("moe_expert_capacity_factor", _is_none, "MoE token dropping (capacity factor)"),
+    Unmodelled("moe_grouped_gemm", _is_false, "grouped-GEMM experts (vtrain traces megatron's SequentialMLP)"),
+    Unmodelled("moe_latent_size", _is_none, "MoE latent projections"),
+    Unmodelled("moe_layer_freq", _is_one, "dense layers between MoE layers"),
+    Unmodelled("moe_permute_fusion", _is_false, "fused MoE permutation"),
+    Unmodelled("moe_token_dispatcher_type", lambda value: value in (None, "alltoall", "allgather"),
+               "the flex token dispatcher (DeepEP / HybridEP)"),
     Unmodelled("fp8", _is_none, "fp8 training"),
     Unmodelled("fp4", _is_none, "fp4 training"),
     Unmodelled("mtp_num_layers", _is_none, "multi-token prediction layers"),
@@ -85,6 +94,9 @@ def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_leng
         ffn_hidden_size=config.ffn_hidden_size,
         seq_length=seq_length,
         vocab_size=vocab_size,
+        num_experts=getattr(config, "num_moe_experts", None),
+        moe_router_topk=getattr(config, "moe_router_topk", None) if getattr(config, "num_moe_experts", None) else None,
+        moe_ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None),
         dtype=Dtype.BF16 if getattr(config, "bf16", False) else Dtype.FP16 if getattr(config, "fp16", False) else Dtype.FP32,
     )
 
@@ -132,7 +144,16 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
             "account_for_loss_in_pipeline_split", bool(getattr(config, "account_for_loss_in_pipeline_split", False))),
         "context_parallel": ("context_parallel_size", getattr(config, "context_parallel_size", None) or 1),
         "cp_comm_type": ("cp_comm_type", _cp_comm_type(config)),
+        "expert_parallel": ("expert_model_parallel_size", getattr(config, "expert_model_parallel_size", None) or 1),
     }
+    if getattr(config, "num_moe_experts", None):
+        # megatron-core fills expert_tensor_parallel_size with the TP size when unset: that is the
+        # plan's default (None), not a choice to check the plan against.
+        etp = getattr(config, "expert_tensor_parallel_size", None)
+        stated["expert_tensor_parallel"] = ("expert_tensor_parallel_size",
+                                            None if etp == stated["tensor_parallel"][1] else etp)
+        stated["moe_token_dispatcher"] = ("moe_token_dispatcher_type",
+                                          TokenDispatcher(config.moe_token_dispatcher_type))
     if plan is None:
         return ParallelPlan(**{name: value for name, (_, value) in stated.items()})
     defaults = ParallelPlan()
@@ -180,6 +201,6 @@ def _cp_comm_type(config: Any) -> CpCommType:
 
 
 def _show(value: Any) -> str:
-    if isinstance(value, (Recompute, CpCommType)):
+    if isinstance(value, (Recompute, CpCommType, TokenDispatcher)):
         return value.value
     return repr(value) if isinstance(value, bool) else str(value)

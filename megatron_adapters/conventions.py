@@ -15,9 +15,12 @@ final layer norm, the output layer and the loss.
 
 Rank order: megatron-core numbers global ranks in the order ``tp-cp-ep-dp-pp``
 (``initialize_model_parallel``'s default ``order``), the first dimension varying fastest, and the
-launcher fills nodes in rank order. vtrain does not model expert parallelism, so :data:`RANK_ORDER`
-holds tensor, context, data and pipeline parallelism; adding it means inserting it at its place in
-:data:`RANK_ORDER`, and every function below follows.
+launcher fills nodes in rank order. :data:`RANK_ORDER` holds tensor, context, data and pipeline
+parallelism; adding another means inserting it at its place in :data:`RANK_ORDER`, and every function
+below follows. Expert parallelism does not add ranks: the MoE layers' groups come from a second
+numbering of the same ranks with the same order (its own rank generator: expert TP, EP, expert DP,
+PP; no CP, so an expert group spans the TP x CP x DP ranks of a pipeline stage),
+:data:`EXPERT_RANK_ORDER`.
 """
 
 from __future__ import annotations
@@ -57,6 +60,28 @@ def split_layer_module(name: str) -> tuple[str, int, str] | None:
     """
     m = _LAYER.match(name)
     return (m.group("prefix"), int(m.group("index")), m.group("rest")) if m else None
+
+
+def is_expert_parallel_parameter(param) -> bool:
+    """Whether megatron-core's DDP reduces ``param``'s gradient over the expert data-parallel group
+    rather than the data-parallel one: its linear layers mark the weights of experts split by expert
+    parallelism (EP > 1) ``allreduce = False``."""
+    return not getattr(param, "allreduce", True)
+
+
+_MLP = re.compile(r"\.mlp(?:\.experts\.local_experts\.\d+)?$")
+
+
+def is_mlp_module(name: str) -> bool:
+    """Whether ``name`` is the module that runs an MLP's activation: a dense layer's ``mlp``, or one
+    of the local experts of a MoE layer's ``SequentialMLP`` (``...mlp.experts.local_experts.0``)."""
+    return _MLP.search(name) is not None
+
+
+def is_expert_module(name: str) -> bool:
+    """Whether ``name`` is one of a MoE layer's experts or a module inside one
+    (``decoder.layers.3.mlp.experts.local_experts.0.linear_fc1``)."""
+    return ".mlp.experts." in f"{name}."
 
 
 def is_layer_module(name: str) -> bool:
@@ -105,17 +130,21 @@ def chunk_role(plan: ParallelPlan, pipeline_rank: int, chunk: int) -> ChunkRole:
 
 RANK_ORDER: tuple[ParallelGroup, ...] = (ParallelGroup.TP, ParallelGroup.CP, ParallelGroup.DP,
                                          ParallelGroup.PP)  # fastest first
+EXPERT_RANK_ORDER: tuple[ParallelGroup, ...] = (ParallelGroup.EXPERT_TP, ParallelGroup.EP, ParallelGroup.EXPERT_DP,
+                                                ParallelGroup.PP)
 
 
-def rank_strides(sizes: Mapping[ParallelGroup, int]) -> dict[ParallelGroup, int]:
+def rank_strides(sizes: Mapping[ParallelGroup, int], order: tuple[ParallelGroup, ...] = RANK_ORDER
+                 ) -> dict[ParallelGroup, int]:
     """How far apart in global rank two ranks are that differ by one along each dimension.
 
     ``sizes`` maps each dimension to its parallel size; one it leaves out has size 1. The stride of
-    a dimension is the product of the sizes of the dimensions before it in :data:`RANK_ORDER`.
+    a dimension is the product of the sizes of the dimensions before it in ``order``
+    (:data:`RANK_ORDER`, or :data:`EXPERT_RANK_ORDER` for the groups of MoE layers).
     """
     strides: dict[ParallelGroup, int] = {}
     stride = 1
-    for dim in RANK_ORDER:
+    for dim in order:
         strides[dim] = stride
         stride *= sizes.get(dim, 1)
     return strides

@@ -26,28 +26,45 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _no_stream(*args: Any, **kwargs: Any) -> None:
+    """megatron-core's MoE all-to-all dispatcher creates a side stream for device-to-host copies of
+    its token counts; the traced dispatcher (megatron_adapters.moe) copies nothing."""
+    return None
+
+
 def _cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8)
+
+
+_MISSING = object()
 
 
 @contextlib.contextmanager
 def cpu_tracing_patches() -> Iterator[None]:
     """Patch, for the duration of the block, the CUDA entry points megatron-core 0.16 calls."""
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
 
     patches: list[tuple[Any, str, Any]] = [
         (torch.cuda, "current_device", _cpu_current_device),
         (torch.cuda, "synchronize", _no_op),
         (torch.Tensor, "cuda", _tensor_cuda),
+        (torch.cuda, "Stream", _no_stream),
         # Activation checkpointing saves and restores the CUDA RNG; tracing needs no RNG state.
         (mrandom, "_get_cuda_rng_state", _cpu_rng_state),
         (mrandom, "_set_cuda_rng_state", _no_op),
+        # megatron-core 0.16.1 binds TransformerEngine's GEMM in moe_utils only when TE imports, then
+        # tests it against None in the router's gating GEMM: without TE the name must be None.
+        (moe_utils, "te_general_gemm", None),
     ]
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    saved = [(obj, name, getattr(obj, name, _MISSING)) for obj, name, _ in patches]
     try:
         for obj, name, value in patches:
             setattr(obj, name, value)
         yield
     finally:
         for obj, name, value in saved:
-            setattr(obj, name, value)
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)

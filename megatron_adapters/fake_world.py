@@ -48,6 +48,8 @@ def fake_world(plan: ParallelPlan, *, pipeline_rank: int = 0) -> Iterator[dict[s
             pipeline_model_parallel_size=plan.pipeline_parallel,
             virtual_pipeline_model_parallel_size=plan.virtual_pipeline if plan.virtual_pipeline > 1 else None,
             context_parallel_size=plan.context_parallel,
+            expert_model_parallel_size=plan.expert_parallel,
+            expert_tensor_parallel_size=plan.expert_tensor_parallel,
             create_gloo_process_groups=False,
         )
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -65,6 +67,17 @@ def _group_names(ps) -> dict[str, ParallelGroup]:
         (ps.get_data_parallel_group, ParallelGroup.DP),
         (ps.get_pipeline_model_parallel_group, ParallelGroup.PP),
         (ps.get_embedding_group, ParallelGroup.EMBEDDING),
+        # MoE layers: the router's load-balancing loss reduces over TP x CP. Chunks are traced
+        # without CP (vtrain_plugin.capture.megatron_chunk), where that group is the TP ranks; with
+        # CP it is neither group, and a collective on it is refused rather than mislabelled.
+        *([(ps.get_tensor_and_context_parallel_group, ParallelGroup.TP)]
+          if ps.get_context_parallel_world_size() == 1 else []),
+        # Expert groups: megatron-core's expert rank generator (expert TP, EP, expert DP) over the
+        # TP x CP x DP ranks of a pipeline stage (megatron_adapters.conventions.EXPERT_RANK_ORDER).
+        (ps.get_expert_model_parallel_group, ParallelGroup.EP),
+        (ps.get_expert_tensor_parallel_group, ParallelGroup.EXPERT_TP),
+        (ps.get_expert_tensor_and_model_parallel_group, ParallelGroup.EXPERT_TP_EP),
+        (ps.get_expert_data_parallel_group, ParallelGroup.EXPERT_DP),
     ]
     for getter, group in candidates:
         try:

@@ -43,6 +43,11 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
     elif plan.recompute is Recompute.SELECTIVE:
         recompute = dict(recompute_granularity="selective")
     llama = model.family is Family.LLAMA
+    moe: dict = {}
+    if model.is_moe:
+        from megatron_adapters.moe import moe_config_fields
+
+        moe = moe_config_fields(model, plan)
     return TransformerConfig(
         num_layers=layers_per_chunk * plan.num_model_chunks,
         hidden_size=model.hidden_size,
@@ -73,6 +78,7 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         hidden_dropout=0.0 if llama else 0.1,
         attention_dropout=0.0 if llama else 0.1,
         **recompute,
+        **moe,
     )
 
 
@@ -92,6 +98,10 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
         layer = get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm")
         layer.submodules.input_layernorm = SequenceParallelNorm
         layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+        if model.is_moe:
+            from megatron_adapters.moe import moe_layer_spec
+
+            layer.submodules.mlp = moe_layer_spec(model)
         block = TransformerBlockSubmodules(layer_specs=[layer] * layers_per_chunk, layer_norm=SequenceParallelNorm)
         gpt = GPTModel(
             config=config,
@@ -105,6 +115,10 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
             vp_stage=role.chunk if plan.virtual_pipeline > 1 else None,
         )
     _cast_parameters(gpt, torch_dtype(model.dtype))
+    if model.is_moe:
+        from megatron_adapters.moe import prepare_moe_layers
+
+        prepare_moe_layers(gpt, model.moe_routing_skew)
     return gpt
 
 

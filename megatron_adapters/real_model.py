@@ -100,6 +100,9 @@ def train(model: ModelSpec, plan: ParallelPlan, *, num_microbatches: int, iterat
 
     if plan.world_size != 1:
         raise ConfigError(f"real training runs on one device; parallel world size is {plan.world_size}")
+    if model.is_moe:
+        raise ConfigError(f"model.num_experts ({model.num_experts}): real training of MoE models is not supported "
+                          f"yet (their estimates route tokens by an assumption, real training by the data)")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} requested but torch.cuda.is_available() is False")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vtrain_plugin.capture.tracer import trace
@@ -18,6 +18,8 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey, OpGraph, Phase
 from vtrain_plugin.core.units import GIB, MS_PER_S, NS_PER_MS, NS_PER_S, SECONDS_PER_DAY, SECONDS_PER_HOUR
 from vtrain_plugin.cost.comm import CommModel
+from vtrain_plugin.cost.context_parallel import ContextParallel
+from vtrain_plugin.cost.context_parallel import model_flops as blocks_model_flops
 from vtrain_plugin.cost.costing import Costing, cost
 from vtrain_plugin.cost.kernel_timer import KernelTimer
 from vtrain_plugin.cost.memory import RankMemory
@@ -228,9 +230,10 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
     gpus = plan.world_size
     stage_breakdowns = tuple(_breakdown_ms(r) for r in result.ranks)
     bottleneck = max(range(len(result.ranks)), key=lambda i: _busy(result.ranks[i]))
+    flops = _model_flops(graph, costing)
     ranks_per_replica = plan.tensor_parallel * plan.context_parallel  # that split one micro-batch of a stage
-    per_microbatch = (costing.flops[Phase.FORWARD] + costing.flops[Phase.BACKWARD]) * ranks_per_replica
-    recompute = costing.flops[Phase.RECOMPUTE] * ranks_per_replica
+    per_microbatch = (flops[Phase.FORWARD] + flops[Phase.BACKWARD]) * ranks_per_replica
+    recompute = flops[Phase.RECOMPUTE] * ranks_per_replica
     replicas_work = num_microbatches * plan.data_parallel
     model_flops = per_microbatch * replicas_work
     hardware_flops = (per_microbatch + recompute) * replicas_work
@@ -268,9 +271,24 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
     )
 
 
+def _model_flops(graph: OpGraph, costing: Costing) -> dict[Phase, int]:
+    """Model FLOPs per phase of one micro-batch through every chunk on one TP and CP rank, the traced
+    rank's. Under a skewed MoE routing assumption the traced rank is the busiest one, and the model's
+    FLOPs are those of balanced routing (skew moves expert work between ranks, it adds none): traced
+    again with skew 1 (cached by shape), counted as the costing counts them (the CP attention's
+    included)."""
+    model = graph.model
+    if model is None or not model.is_moe or model.moe_routing_skew == 1.0:
+        return costing.flops
+    balanced = trace(replace(model, moe_routing_skew=1.0), graph.parallel)
+    cp = ContextParallel.of(balanced)
+    return {phase: sum(blocks_model_flops(s.blocks, cp, phase) for s in balanced.stages) for phase in Phase}
+
+
 def _breakdown_ms(rank: RankBreakdown) -> dict[str, float]:
     return {name: getattr(rank, f"{name}_ns") / NS_PER_MS for name in BREAKDOWN_FIELDS}
 
 
 def _busy(rank: RankBreakdown) -> float:
-    return rank.forward_ns + rank.backward_ns + rank.recompute_ns + rank.tp_comm_ns + rank.cp_comm_ns
+    return (rank.forward_ns + rank.backward_ns + rank.recompute_ns + rank.tp_comm_ns + rank.cp_comm_ns
+            + rank.ep_comm_ns)

@@ -11,7 +11,7 @@ from vtrain_plugin.specs.launch_script import read_command_line
 from vtrain_plugin.specs.megatron_args import FIELDS, MegatronPlan, megatron_plan
 from vtrain_plugin.specs.megatron_flags import MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, Arity
 from vtrain_plugin.specs.model import Family
-from vtrain_plugin.specs.parallel import Recompute
+from vtrain_plugin.specs.parallel import Recompute, TokenDispatcher
 from vtrain_plugin.specs.training import Fp8Format, Fp8Recipe, GradReduce, ScheduleKind
 
 BASE = "--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 256 --micro-batch-size 2 --vocab-size 1000"
@@ -83,9 +83,17 @@ def test_layer_features_other_than_the_familys_are_noted_not_refused():
                                                          "modelled"),
     ("--context-parallel-size 2 --cp-comm-type a2a", "parallel.cp_comm_type must be one of p2p, all_gather; "
                                                      "got 'a2a'"),
-    ("--expert-model-parallel-size 2", "--expert-model-parallel-size 2: expert parallelism is not modelled by "
-                                       "vtrain yet"),
-    ("--num-experts 8 --moe-router-topk 2", "--num-experts 8: mixture of experts is not modelled by vtrain yet"),
+    ("--num-experts 8 --moe-shared-expert-intermediate-size 512",
+     "--moe-shared-expert-intermediate-size 512: shared experts is not modelled by vtrain yet"),
+    ("--num-experts 8 --moe-expert-capacity-factor 1.0",
+     "--moe-expert-capacity-factor 1.0: MoE token dropping (capacity factor) is not modelled by vtrain yet"),
+    ("--num-experts 8 --moe-layer-freq 2", "--moe-layer-freq 2: dense layers between MoE layers is not modelled by "
+                                           "vtrain yet"),
+    ("--num-experts 8 --moe-token-dispatcher-type flex",
+     "--moe-token-dispatcher-type flex: the flex token dispatcher (DeepEP / HybridEP) is not modelled by vtrain yet"),
+    ("--num-experts 8 --moe-token-dispatcher-type ring", "parallel.moe_token_dispatcher must be one of alltoall, "
+                                                         "allgather; got 'ring'"),
+    ("--moe-router-topk 2", "model.moe_router_topk needs model.num_experts (a mixture-of-experts model)"),
     ("--fp8-format e4m3 --fp8-recipe mxfp8", "training.fp8_recipe must be one of delayed, tensorwise; got 'mxfp8'"),
     ("--overlap-param-gather", "training.overlap_param_gather requires training.distributed_optimizer: true"),
     ("--optimizer sgd", "--optimizer sgd: an optimizer other than Adam is not modelled by vtrain yet"),
@@ -114,8 +122,22 @@ def test_context_parallelism_and_tp_comm_overlap_set_their_fields():
 
 
 def test_flags_at_their_inactive_value_are_accepted():
-    p = plan("--context-parallel-size 1 --expert-model-parallel-size 1 --optimizer adam")
+    p = plan("--context-parallel-size 1 --expert-model-parallel-size 1 --optimizer adam --moe-layer-freq 1")
     assert p.parallel.data_parallel == 8
+
+
+def test_moe_flags_set_the_experts_and_their_parallelism():
+    p = plan("--num-experts 8 --moe-router-topk 1 --moe-ffn-hidden-size 256 --expert-model-parallel-size 4 "
+             "--expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall --moe-grouped-gemm "
+             "--moe-aux-loss-coeff 1e-2")
+    assert (p.model.num_experts, p.model.router_topk, p.model.expert_ffn_size) == (8, 1, 256)
+    assert (p.parallel.expert_parallel, p.parallel.expert_tensor_parallel, p.parallel.moe_token_dispatcher) == (
+        4, 1, TokenDispatcher.ALLTOALL)
+    assert p.unmodelled == ("--moe-grouped-gemm",)  # one GEMM for all local experts: same FLOPs, other kernels
+    defaults = plan("--num-experts 8")
+    assert (defaults.model.router_topk, defaults.parallel.expert_parallel, defaults.parallel.expert_tp,
+            defaults.parallel.moe_token_dispatcher) == (2, 1, 1, TokenDispatcher.ALLGATHER)  # Megatron-LM's
+    assert plan().parallel.moe_token_dispatcher is TokenDispatcher.ALLTOALL  # a dense model: unused
 
 
 @pytest.mark.parametrize("flags, message", [

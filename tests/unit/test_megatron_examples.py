@@ -138,11 +138,34 @@ def test_llama3_8b_bf16_field_by_field(caplog):
         "--sequence-parallel at TP 1 (Megatron-LM turns it off)"]
 
 
-def test_mixtral_8x7b_is_refused_as_mixture_of_experts(tmp_path):
-    # The optional wandb block does not change the plan; the experts are what vtrain cannot model yet.
+def test_mixtral_8x7b_field_by_field(tmp_path, caplog):
+    # The optional wandb block does not change the plan. The script names a tokenizer model file, not
+    # the vocabulary size; and on its default single node (NNODES=${SLURM_NNODES:-"1"}) DP is 2, too
+    # few ranks for EP 8, as Megatron-LM would also find.
     script = tmp_path / "train_mixtral_8x7b_distributed.sh"
     script.write_text(MIXTRAL_8X7B)
     assert len(read_launch_script(MIXTRAL_8X7B)) == 2
     with pytest.raises(ConfigError) as exc:
         load_megatron_script(script)
-    assert str(exc.value) == f"{script}: --num-experts 8: mixture of experts is not modelled by vtrain yet"
+    assert str(exc.value) == (f"{script}: the vocabulary size is unknown (--tokenizer-type Llama2Tokenizer): give "
+                              f"--vocab-size N, the tokenizer's size before Megatron-LM pads it")
+    sized = MIXTRAL_8X7B.replace("--tokenizer-type Llama2Tokenizer", "--tokenizer-type Llama2Tokenizer --vocab-size 32000")
+    script.write_text(sized)
+    with pytest.raises(ConfigError) as exc:
+        load_megatron_script(script)
+    assert str(exc.value) == (f"{script}: expert_parallel (8) * expert_tensor_parallel (1) = 8 must divide "
+                              f"tensor_parallel (1) * context_parallel (1) * data_parallel (2) = 2: the expert ranks "
+                              f"of a pipeline stage are its TP x CP x DP ranks")
+    script.write_text(sized.replace('NNODES=${SLURM_NNODES:-"1"}', 'NNODES=${SLURM_NNODES:-"4"}'))
+    with caplog.at_level(logging.WARNING, logger="vtrain_plugin.api"):
+        run = load_megatron_script(script)
+    assert run.model == ModelSpec(family=Family.LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32,
+                                  num_query_groups=8, ffn_hidden_size=14336, seq_length=4096, vocab_size=32000,
+                                  tied_embeddings=False, dtype=Dtype.BF16, num_experts=8, moe_router_topk=2)
+    assert run.parallel == ParallelPlan(tensor_parallel=1, pipeline_parallel=4, data_parallel=8, micro_batch_size=1,
+                                        expert_parallel=8, moe_token_dispatcher="alltoall")
+    assert run.training == TrainingSpec(global_batch_size=256, grad_reduce=GradReduce.OVERLAP, bucket_size_mb=160.0,
+                                        distributed_optimizer=True, overlap_param_gather=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"warning: {script}: Megatron-LM arguments vtrain does not model (they may change speed or memory): "
+        "--no-masked-softmax-fusion, --moe-grouped-gemm, --sequence-parallel at TP 1 (Megatron-LM turns it off)"]

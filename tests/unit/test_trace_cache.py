@@ -25,9 +25,14 @@ KEY = shape_key(MODEL, PLAN, True, True, 2)  # the one chunk of PLAN: TP 2, one 
 # Each changes the key of KEY's chunk (a field of the model or the plan it depends on).
 MODEL_VARIANTS = {"family": "llama", "hidden_size": 128, "num_attention_heads": 8, "seq_length": 64,
                   "vocab_size": 256, "ffn_hidden_size": 128, "num_query_groups": 2, "tied_embeddings": False,
-                  "dtype": "bf16"}
+                  "dtype": "bf16", "num_experts": 4}
+# Each changes the key of a MoE model's chunk (the fields a dense model must leave unset).
+MOE_MODEL = dataclasses.replace(MODEL, num_experts=4)
+MOE_MODEL_VARIANTS = {"moe_router_topk": 1, "moe_ffn_hidden_size": 128, "moe_routing_skew": 2.0}
+MODEL_FIELDS_REFUSED = {"moe_shared_expert_intermediate_size"}  # always unset: any value is a ConfigError
 PLAN_VARIANTS = {"tensor_parallel": 4, "sequence_parallel": True, "micro_batch_size": 2, "recompute": "full",
-                 "pipeline_parallel": 2, "context_parallel": 2}
+                 "pipeline_parallel": 2, "context_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 1,
+                 "moe_token_dispatcher": "allgather"}
 # Fields that do not change a chunk's trace, so plans that differ only in them share it.
 MODEL_FIELDS_NOT_IN_KEY = {"num_layers": 8, "name": "other"}
 PLAN_FIELDS_NOT_IN_KEY = {"data_parallel": 16, "account_for_embedding_in_pipeline_split": True,
@@ -122,18 +127,22 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     a chunk's trace: a new field fails here until it is classified."""
     model_fields = {f.name for f in dataclasses.fields(ModelSpec)}
     plan_fields = {f.name for f in dataclasses.fields(ParallelPlan)}
-    assert model_fields == set(MODEL_VARIANTS) | set(MODEL_FIELDS_NOT_IN_KEY)
+    assert model_fields == (set(MODEL_VARIANTS) | set(MOE_MODEL_VARIANTS) | set(MODEL_FIELDS_NOT_IN_KEY)
+                            | MODEL_FIELDS_REFUSED)
     assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
                            | {"virtual_pipeline"})
     paths = {disk_cache.entry_path(KEY)}
     for name, value in MODEL_VARIANTS.items():
         model = dataclasses.replace(MODEL, **{name: value})
         paths.add(disk_cache.entry_path(shape_key(model, PLAN, True, True, 2)))
+    for name, value in MOE_MODEL_VARIANTS.items():
+        model = dataclasses.replace(MOE_MODEL, **{name: value})
+        paths.add(disk_cache.entry_path(shape_key(model, PLAN, True, True, 2)))
     for name, value in PLAN_VARIANTS.items():
         paths.add(disk_cache.entry_path(shape_key(MODEL, dataclasses.replace(PLAN, **{name: value}), True, True, 2)))
     paths |= {disk_cache.entry_path(shape_key(MODEL, PLAN, *role)) for role in
               ((True, False, 2), (False, True, 2), (True, True, 1))}
-    assert len(paths) == 1 + len(MODEL_VARIANTS) + len(PLAN_VARIANTS) + 3
+    assert len(paths) == 1 + len(MODEL_VARIANTS) + len(MOE_MODEL_VARIANTS) + len(PLAN_VARIANTS) + 3
     same = [shape_key(dataclasses.replace(MODEL, **MODEL_FIELDS_NOT_IN_KEY), PLAN, True, True, 2),
             shape_key(MODEL, dataclasses.replace(PLAN, **PLAN_FIELDS_NOT_IN_KEY), True, True, 2)]
     assert all(k == KEY for k in same)
@@ -172,6 +181,7 @@ def test_the_cache_folder(monkeypatch, tmp_path):
 
 def _small_chunk(name: str) -> ChunkTrace:
     return ChunkTrace(blocks=(Block(kind=BlockKind.STAGE, name=name),), params_by_block={name: (1,)},
+                      expert_params_by_block={},
                       word_embedding_params=0, activation_shape=(1, 2, 3), activation_dtype="float16")
 
 

@@ -2,10 +2,11 @@
 
 A chunk's trace depends on the model's dimensions, on the plan's tensor parallelism, sequence
 parallelism, micro-batch size, recompute mode and context parallelism (the chunk runs on one CP
-rank's tokens; how CP ranks exchange keys and values is derived when costing), on the chunk's
-role (whether it holds the embedding, the head) and on the number of layers built; not on data
-parallelism, the number of pipeline stages beyond whether there are several, nor the model's layer
-count (the folded layer stands for all of them). :func:`shape_key` names exactly these inputs, so plans that share a key
+rank's tokens; how CP ranks exchange keys and values is derived when costing), and, for MoE layers,
+its expert parallelism, expert tensor parallelism and token dispatcher; on the chunk's role (whether
+it holds the embedding, the head) and on the number of layers built; not on data parallelism, the
+number of pipeline stages beyond whether there are several, nor the model's layer count (the folded
+layer stands for all of them). :func:`shape_key` names exactly these inputs, so plans that share a key
 share the trace.
 """
 
@@ -21,7 +22,7 @@ from vtrain_plugin.specs.parallel import ParallelPlan
 
 # The fields of plan_shape_key, then of shape_key after the model's dimensions.
 PLAN_SHAPE_FIELDS = ("tensor_parallel", "sequence_parallel", "micro_batch_size", "recompute", "pipelined",
-                     "context_parallel")
+                     "context_parallel", "expert_parallel", "expert_tensor_parallel", "moe_token_dispatcher")
 SHAPE_FIELDS = ("model", *PLAN_SHAPE_FIELDS, "pre_process", "post_process", "traced_layers")
 
 
@@ -31,6 +32,8 @@ class ChunkTrace:
 
     blocks: tuple[Block, ...]  # layers not yet folded
     params_by_block: dict[str, tuple[int, ...]]  # each parameter's elements per block name (per layer)
+    # of those, the parameters reduced over expert DP (experts split by expert parallelism), apart
+    expert_params_by_block: dict[str, tuple[int, ...]]
     word_embedding_params: int  # of the (possibly shared) word embedding / output weight here
     activation_shape: tuple[int, ...]
     activation_dtype: str
@@ -41,6 +44,7 @@ class ChunkTrace:
     def to_dict(self) -> dict[str, Any]:
         return {"blocks": [b.to_dict() for b in self.blocks],
                 "params_by_block": {k: list(n) for k, n in self.params_by_block.items()},
+                "expert_params_by_block": {k: list(n) for k, n in self.expert_params_by_block.items()},
                 "word_embedding_params": self.word_embedding_params,
                 "activation_shape": list(self.activation_shape), "activation_dtype": self.activation_dtype}
 
@@ -48,6 +52,8 @@ class ChunkTrace:
     def from_dict(cls, d: dict[str, Any]) -> ChunkTrace:
         return cls(blocks=tuple(Block.from_dict(b) for b in d["blocks"]),
                    params_by_block={str(k): tuple(int(x) for x in n) for k, n in d["params_by_block"].items()},
+                   expert_params_by_block={str(k): tuple(int(x) for x in n)
+                                           for k, n in d["expert_params_by_block"].items()},
                    word_embedding_params=int(d["word_embedding_params"]),
                    activation_shape=tuple(int(n) for n in d["activation_shape"]),
                    activation_dtype=str(d["activation_dtype"]))
@@ -58,7 +64,8 @@ def plan_shape_key(plan: ParallelPlan) -> tuple:
     keys share no chunk trace (the plan search groups plans by it, so that each shape is traced in
     one process)."""
     return (plan.tensor_parallel, plan.sequence_parallel, plan.micro_batch_size, plan.recompute.value,
-            plan.pipeline_parallel > 1, plan.context_parallel)
+            plan.pipeline_parallel > 1, plan.context_parallel, plan.expert_parallel, plan.expert_tp,
+            plan.moe_token_dispatcher.value)
 
 
 def shape_key(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> tuple:

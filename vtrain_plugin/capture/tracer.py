@@ -142,8 +142,10 @@ def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int) -
     blocks = traced.folded.get(per_chunk)
     if blocks is None:
         blocks = traced.folded[per_chunk] = tuple(
-            replace(block, num_parameters=sum(traced.params_by_block.get(block.name, ())),
-                    parameter_numels=traced.params_by_block.get(block.name, ()))
+            replace(block, num_parameters=sum(traced.params_by_block.get(block.name, ()))
+                    + sum(traced.expert_params_by_block.get(block.name, ())),
+                    parameter_numels=traced.params_by_block.get(block.name, ()),
+                    expert_parameter_numels=traced.expert_params_by_block.get(block.name, ()))
             for block in folding.fold_layers(traced.blocks, per_chunk))
     return StageGraph(pipeline_rank=rank, chunk=chunk, blocks=blocks,
                       activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,

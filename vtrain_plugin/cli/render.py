@@ -22,6 +22,7 @@ from vtrain_plugin.estimate import Estimate
 from vtrain_plugin.planning.search import SearchResult
 from vtrain_plugin.planning.sizing import SizingResult
 from vtrain_plugin.planning.space import format_skipped
+from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
@@ -71,7 +72,8 @@ def trace_table(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = 
     title = (f"model: {graph.name} {dims}  "
              f"parallel: tp={plan.tensor_parallel} pp={plan.pipeline_parallel} "
              f"dp={plan.data_parallel} sp={plan.sequence_parallel} "
-             f"vp={plan.virtual_pipeline} recompute={plan.recompute.value}{_cp_label(plan)}  "
+             f"vp={plan.virtual_pipeline} recompute={plan.recompute.value}{_cp_label(plan)}"
+             f"{_moe_label(graph.model, plan)}  "
              f"micro-batch={graph.micro_batch_size} seq={graph.seq_length}  stack: {stack.value}"
              + ("" if fp8 is None else f" (fp8 {fp8.format.value}, {fp8.recipe.value} scaling)"))
     total = sum(model_flops(s.blocks, cp) for s in graph.stages) * plan.tensor_parallel * plan.context_parallel
@@ -84,6 +86,14 @@ def trace_table(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = 
 def _cp_label(plan: ParallelPlan) -> str:
     """`` cp=N (comm)`` under context parallelism, nothing without."""
     return f" cp={plan.context_parallel} ({plan.cp_comm_type.value})" if plan.context_parallel > 1 else ""
+
+
+def _moe_label(model: ModelSpec | None, plan: ParallelPlan) -> str:
+    """`` experts=8 top-2 ep=8 etp=1 dispatcher=alltoall skew=1`` for a MoE model, else ``""``."""
+    if model is None or not model.is_moe:
+        return ""
+    return (f" experts={model.num_experts} top-{model.router_topk} ep={plan.expert_parallel} etp={plan.expert_tp} "
+            f"dispatcher={plan.moe_token_dispatcher.value} skew={model.moe_routing_skew:g}")
 
 
 def _stage_name(s: StageGraph, graph: OpGraph) -> str:
@@ -156,6 +166,7 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
         f"micro-batch={plan.micro_batch_size} global batch={result.global_batch_size} "
         f"micro-batches={result.num_microbatches}, {run.training.schedule.value}, recompute={plan.recompute.value}, "
         f"{'TP comm overlapped, ' if run.training.tp_comm_overlap else ''}"
+        f"{_moe_label(run.model, plan).strip() + ', ' if run.model.is_moe else ''}"
         f"stack {result.software_stack}" + ("" if result.fp8 is None else f", fp8 {result.fp8}")
         + (", distributed optimizer" if result.distributed_optimizer else "") + ")",
         "",
@@ -218,8 +229,9 @@ def _money(usd: float) -> str:
 
 def _plan_label(row: Mapping[str, Any]) -> str:
     cp = row.get("context_parallel", 1)
+    ep = f"ep={row['expert_parallel']} " if row.get("expert_parallel", 1) > 1 else ""
     return (f"tp={row['tensor_parallel']}{f' cp={cp}' if cp > 1 else ''} pp={row['pipeline_parallel']} "
-            f"dp={row['data_parallel']} "
+            f"dp={row['data_parallel']} {ep}"
             f"micro-batch={row['micro_batch_size']} vp={row['virtual_pipeline']} "
             f"sp={'on' if row['sequence_parallel'] else 'off'} recompute={row['recompute']}"
             + (" distributed optimizer" if row["distributed_optimizer"] else ""))
@@ -231,15 +243,16 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
     table = result.table
     trained = "train_days" in table
     varied = [column for column in ("software_stack", "fp8") if table[column].nunique(dropna=False) > 1]
-    header = ["rank", "tp", "cp", "pp", "dp", "mb", "vp", "sp", "recompute", "grad reduce", "dist opt",
-              *(_VARIED_HEADERS[c] for c in varied), "GPUs", "iteration ms",
+    experts = bool((table["expert_parallel"] > 1).any())  # an ep column when some plan splits experts
+    header = ["rank", "tp", "cp", "pp", "dp", *(["ep"] if experts else []), "mb", "vp", "sp", "recompute",
+              "grad reduce", "dist opt", *(_VARIED_HEADERS[c] for c in varied), "GPUs", "iteration ms",
               "tokens/s", "MFU", "memory GiB", "fits", "$/iteration", *(["days", "$ to train"] if trained else []),
               "front"]
     rows = []
     for row in result.top().to_dict(orient="records"):
         rows.append([
             str(row["rank"]), str(row["tensor_parallel"]), str(row["context_parallel"]), str(row["pipeline_parallel"]),
-            str(row["data_parallel"]),
+            str(row["data_parallel"]), *([str(row["expert_parallel"])] if experts else []),
             str(row["micro_batch_size"]), str(row["virtual_pipeline"]), "on" if row["sequence_parallel"] else "off",
             row["recompute"], row["grad_reduce"], "on" if row["distributed_optimizer"] else "off", *(str(row[c] or "off") for c in varied),
             f"{row['num_gpus']:,}", f"{row['iteration_time_ms']:,.1f}",

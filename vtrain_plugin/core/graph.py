@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # the specs layer sits above core; the graph only holds its v
     from vtrain_plugin.specs.model import ModelSpec
     from vtrain_plugin.specs.parallel import ParallelPlan
 
-SCHEMA_VERSION = 3  # 2: model and parallel are specs, module_name names a plain module; 3: parameter_numels
+SCHEMA_VERSION = 4  # 2: model and parallel are specs, module_name names a plain module; 3: parameter_numels;
+# 4: expert_parameter_numels
 
 Scalar = Union[int, float, bool, str, None]
 
@@ -54,6 +55,12 @@ class ParallelGroup(StrEnum):
     PP = "pp"
     EMBEDDING = "embedding"
     CP = "cp"  # context parallelism: the ranks that split one sequence
+    # MoE layers (megatron-core's expert rank groups): experts over EP, each expert's FFN over expert
+    # TP, the two together (the all-gather dispatcher's group), expert replicas over expert DP.
+    EP = "ep"
+    EXPERT_TP = "expert_tp"
+    EXPERT_TP_EP = "expert_tp_ep"
+    EXPERT_DP = "expert_dp"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,14 +202,23 @@ class Block:
     num_parameters: int = 0  # per instance, on this rank
     # Elements of each parameter of one instance, in the model's parameter order (what Megatron's
     # gradient buffers are laid out from); empty when not known (then one tensor of num_parameters).
+    # MoE experts split by expert parallelism are counted apart, in expert_parameter_numels.
     parameter_numels: tuple[int, ...] = ()
+    # Elements of each parameter Megatron's DDP reduces over expert DP rather than DP (the weights of
+    # experts split by expert parallelism), in parameter order; part of num_parameters.
+    expert_parameter_numels: tuple[int, ...] = ()
+
+    @property
+    def num_expert_parameters(self) -> int:
+        return sum(self.expert_parameter_numels)
 
     @property
     def parameter_sizes(self) -> tuple[int, ...]:
-        """``parameter_numels``, or ``(num_parameters,)`` when they are not known."""
+        """``parameter_numels``, or the non-expert parameters as one tensor when they are not known."""
         if self.parameter_numels:
             return self.parameter_numels
-        return (self.num_parameters,) if self.num_parameters else ()
+        dense = self.num_parameters - self.num_expert_parameters
+        return (dense,) if dense else ()
 
     def ops(self, phase: Phase | None = None, *, kernels_only: bool = True) -> Iterator[OpNode]:
         for n in self.nodes:
@@ -219,13 +235,17 @@ class Block:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "name": self.name, "count": self.count,
                 "activation_nbytes": self.activation_nbytes, "num_parameters": self.num_parameters,
-                "parameter_numels": list(self.parameter_numels), "nodes": [n.to_dict() for n in self.nodes]}
+                "parameter_numels": list(self.parameter_numels),
+                "expert_parameter_numels": list(self.expert_parameter_numels),
+                "nodes": [n.to_dict() for n in self.nodes]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Block:
         return cls(kind=BlockKind(d["kind"]), name=d["name"], count=d["count"],
                    activation_nbytes=d["activation_nbytes"], num_parameters=d["num_parameters"],
-                   parameter_numels=tuple(d["parameter_numels"]), nodes=tuple(_node_from_dict(n) for n in d["nodes"]))
+                   parameter_numels=tuple(d["parameter_numels"]),
+                   expert_parameter_numels=tuple(d["expert_parameter_numels"]),
+                   nodes=tuple(_node_from_dict(n) for n in d["nodes"]))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -245,6 +265,11 @@ class StageGraph:
     def num_parameters(self) -> int:
         """Parameters held by this rank for this chunk."""
         return sum(b.count * b.num_parameters for b in self.blocks)
+
+    @property
+    def num_expert_parameters(self) -> int:
+        """Of :attr:`num_parameters`, those reduced over expert DP (experts split by expert parallelism)."""
+        return sum(b.count * b.num_expert_parameters for b in self.blocks)
 
     @property
     def num_layers(self) -> int:

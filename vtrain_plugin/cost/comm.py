@@ -65,27 +65,32 @@ class CommModel:
     tensor_parallel: int
     pipeline_parallel: int
     data_parallel: int
+    expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
     measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None  # (kind, group size) -> table
     network_efficiency: float = 1.0  # fraction of the nominal inter-node bandwidth reached, (0, 1]
     context_parallel: int = 1
     layout: Layout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "context_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "context_parallel", "expert_parallel",
+                     "expert_tensor_parallel"):
             v.positive_int(f"parallel.{name}", getattr(self, name))
         if not 0.0 < v.positive_number("network_efficiency", self.network_efficiency) <= 1.0:
             raise ConfigError(f"network_efficiency must lie in (0, 1], got {self.network_efficiency:g}")
         object.__setattr__(self, "layout", Layout(
             tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
             data_parallel=self.data_parallel, gpus_per_node=self.cluster.gpus_per_node,
-            context_parallel=self.context_parallel))
+            context_parallel=self.context_parallel, expert_parallel=self.expert_parallel,
+            expert_tensor_parallel=self.expert_tensor_parallel))
 
     @classmethod
     def for_plan(cls, cluster: ClusterSpec, plan: ParallelPlan, *,
                  measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None,
                  network_efficiency: float = 1.0) -> CommModel:
         return cls(cluster=cluster, tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
-                   data_parallel=plan.data_parallel, measured_comm=measured_comm,
+                   data_parallel=plan.data_parallel, expert_parallel=plan.expert_parallel,
+                   expert_tensor_parallel=plan.expert_tp, measured_comm=measured_comm,
                    network_efficiency=network_efficiency, context_parallel=plan.context_parallel)
 
     def rank_signatures(self) -> tuple[tuple, ...]:

@@ -32,9 +32,10 @@ from vtrain_plugin.cost.comm_overlap import exposed_ns
 from vtrain_plugin.cost.dp_buckets import BlockGradients, ZeroRuntime, dp_buckets, zero_buckets
 from vtrain_plugin.cost.host_device import SegmentTime, segment_sums, segment_times, sequence, then
 from vtrain_plugin.cost.kernel_timer import KernelTimer
+from vtrain_plugin.cost.moe import MOE_GROUPS
 from vtrain_plugin.cost.prepare import PHASES, PreparedGraph, PreparedStage
 from vtrain_plugin.cost.provenance import Provenance, StageProvenance, stage_provenance
-from vtrain_plugin.cost.work import ChunkWork, PipelineWork
+from vtrain_plugin.cost.work import ChunkWork, DpBucket, ParamGather, PipelineWork
 from vtrain_plugin.specs.training import GradReduce, TrainingSpec
 
 
@@ -100,6 +101,7 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     host += constants.module_host_overhead_ns * role.module_calls + constants.layer_host_overhead_ns * role.layer_calls
     is_comm = np.zeros(len(device), bool)
     is_cp = np.zeros(len(device), bool)
+    is_ep = np.zeros(len(device), bool)
     for c in role.comm_rows:
         node = c.node
         comm_ns = comm.time_ns(node.kind, node.nbytes, node.group, pipeline_rank=rank)
@@ -110,12 +112,14 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
             constants.backward_host_overhead_ns if node.phase is Phase.BACKWARD else constants.host_overhead_ns)
         is_comm[c.row] = True
         is_cp[c.row] = on_cp
+        is_ep[c.row] = node.group in MOE_GROUPS
     if timer.device.host_runs_kernels:  # a CPU issues and runs each op: no overlap to model
         device, host = device + host, np.zeros_like(host)
     segments = role.segments
     h, d, p = segment_times(host, device, segments)
-    tp_comm = segment_sums(np.where(is_comm & ~is_cp, device, 0.0), segments)
+    tp_comm = segment_sums(np.where(is_comm & ~is_cp & ~is_ep, device, 0.0), segments)
     cp_comm = segment_sums(np.where(is_cp, device, 0.0), segments)
+    ep_comm = segment_sums(np.where(is_ep, device, 0.0), segments)
     provenance = stage_provenance(role, device, is_comm, num_microbatches, track_modeled=explain)
 
     index = {(s.block, s.phase): i for i, s in enumerate(segments)}
@@ -138,9 +142,11 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         totals[Phase.BACKWARD] = combined - totals[Phase.RECOMPUTE]
     tp = dict.fromkeys(PHASES, 0.0)
     cp = dict.fromkeys(PHASES, 0.0)
+    ep = dict.fromkeys(PHASES, 0.0)
     for i, s in enumerate(segments):
         tp[s.phase] += s.count * tp_comm[i]
         cp[s.phase] += s.count * cp_comm[i]
+        ep[s.phase] += s.count * ep_comm[i]
 
     runtime = prepared.runtime
     sync_ns = max((comm.time_ns(n.kind, n.nbytes, n.group, pipeline_rank=rank) for n in runtime.embedding_sync),
@@ -148,24 +154,42 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     p2p = {Phase.FORWARD: 0.0, Phase.BACKWARD: 0.0}
     for node in runtime.sends:
         p2p[node.phase] = comm.time_ns(node.kind, node.nbytes, node.group, pipeline_rank=rank)
-    gradients = [BlockGradients(backward_ns=_busy(time(b, Phase.BACKWARD)) + _busy(time(b, Phase.RECOMPUTE)),
-                                grad_nbytes=runtime.dp_grad_nbytes[b], count=blocks[b].count,
-                                forward_ns=_busy(time(b, Phase.FORWARD)), param_numels=blocks[b].parameter_sizes)
+    backward_ns = [_busy(time(b, Phase.BACKWARD)) + _busy(time(b, Phase.RECOMPUTE)) for b in range(len(blocks))]
+    forward_ns = [_busy(time(b, Phase.FORWARD)) for b in range(len(blocks))]
+    gradients = [BlockGradients(backward_ns=backward_ns[b], grad_nbytes=runtime.dp_grad_nbytes[b], count=blocks[b].count,
+                                forward_ns=forward_ns[b], param_numels=blocks[b].parameter_sizes)
                  for b in range(len(blocks))]
-    if runtime.distributed_optimizer and runtime.dp_group_size > 1:
-        zero = ZeroRuntime.of(runtime, pipeline_rank=rank, chunk=stage.chunk)
-        reduces, gathers = zero_buckets(gradients, comm, training, zero)
-    else:
-        reduces, gathers = dp_buckets(gradients, comm, training, rank), ()
+    expert_gradients = [BlockGradients(backward_ns=backward_ns[b], grad_nbytes=runtime.expert_dp_grad_nbytes[b],
+                                       count=blocks[b].count, forward_ns=forward_ns[b],
+                                       param_numels=blocks[b].expert_parameter_numels)
+                        for b in range(len(blocks))]
+    reduces, gathers = _gradient_buckets(gradients, prepared, comm, training, ParallelGroup.DP)
+    expert_reduces, expert_gathers = _gradient_buckets(expert_gradients, prepared, comm, training,
+                                                       ParallelGroup.EXPERT_DP)
     work = ChunkWork(
         forward_ns=totals[Phase.FORWARD] + constants.microbatch_overhead_ns, backward_ns=totals[Phase.BACKWARD],
         recompute_ns=totals[Phase.RECOMPUTE], tp_comm_forward_ns=tp[Phase.FORWARD],
         tp_comm_backward_ns=tp[Phase.BACKWARD] + tp[Phase.RECOMPUTE], cp_comm_forward_ns=cp[Phase.FORWARD],
-        cp_comm_backward_ns=cp[Phase.BACKWARD] + cp[Phase.RECOMPUTE],
+        cp_comm_backward_ns=cp[Phase.BACKWARD] + cp[Phase.RECOMPUTE], ep_comm_forward_ns=ep[Phase.FORWARD],
+        ep_comm_backward_ns=ep[Phase.BACKWARD] + ep[Phase.RECOMPUTE],
         p2p_forward_ns=p2p[Phase.FORWARD], p2p_backward_ns=p2p[Phase.BACKWARD],
-        dp_buckets=reduces, param_gathers=gathers)
+        dp_buckets=sorted(reduces + expert_reduces, key=lambda b: b.ready_fraction),
+        param_gathers=sorted(gathers + expert_gathers, key=lambda g: g.need_fraction))
     return StageCost(work=work, optimizer_ns=totals[Phase.OPTIMIZER], embedding_sync_ns=sync_ns,
                      provenance=provenance)
+
+
+def _gradient_buckets(gradients: Sequence[BlockGradients], prepared: PreparedStage, comm: CommModel,
+                      training: TrainingSpec, group: ParallelGroup
+                      ) -> tuple[tuple[DpBucket, ...], tuple[ParamGather, ...]]:
+    """The stage's gradient reductions over ``group`` (DP, or expert DP for the parameters of experts
+    split by expert parallelism: Megatron-Core's DDP keeps them in buffers of their own) and, with
+    the distributed optimizer, its parameter all-gathers."""
+    runtime, stage = prepared.runtime, prepared.stage
+    if runtime.distributed_optimizer and runtime.group_size(group) > 1:
+        zero = ZeroRuntime.of(runtime, pipeline_rank=stage.pipeline_rank, chunk=stage.chunk, group=group)
+        return zero_buckets(gradients, comm, training, zero)
+    return dp_buckets(gradients, comm, training, stage.pipeline_rank, group), ()
 
 
 def _busy(t: SegmentTime) -> float:

@@ -39,13 +39,15 @@ class BlockGradients:
 
 
 def dp_buckets(blocks: Sequence[BlockGradients], comm: CommModel, training: TrainingSpec,
-               pipeline_rank: int) -> tuple[DpBucket, ...]:
-    """The stage's buckets in the order they become ready (see the module doc)."""
+               pipeline_rank: int, group: ParallelGroup = ParallelGroup.DP) -> tuple[DpBucket, ...]:
+    """The stage's buckets in the order they become ready (see the module doc), all-reduced over
+    ``group`` (DP; expert DP for the gradients of experts split by expert parallelism, which
+    megatron-core's DDP keeps in buffers and buckets of their own)."""
     total_grad = sum(b.grad_nbytes * b.count for b in blocks)
     if total_grad == 0:
         return ()
     if training.grad_reduce is GradReduce.AFTER_BACKWARD:
-        return (_bucket(total_grad, 1.0, comm, pipeline_rank),)
+        return (_bucket(total_grad, 1.0, comm, pipeline_rank, group),)
     total_time = sum(b.backward_ns * b.count for b in blocks) or 1.0
     buckets: list[DpBucket] = []
     pending = 0
@@ -56,15 +58,15 @@ def dp_buckets(blocks: Sequence[BlockGradients], comm: CommModel, training: Trai
             elapsed += block.backward_ns
             pending += block.grad_nbytes
             if pending >= limit:
-                buckets.append(_bucket(pending, elapsed / total_time, comm, pipeline_rank))
+                buckets.append(_bucket(pending, elapsed / total_time, comm, pipeline_rank, group))
                 pending = 0
     if pending:
-        buckets.append(_bucket(pending, 1.0, comm, pipeline_rank))
+        buckets.append(_bucket(pending, 1.0, comm, pipeline_rank, group))
     return tuple(buckets)
 
 
-def _bucket(nbytes: int, ready: float, comm: CommModel, rank: int) -> DpBucket:
-    return DpBucket(comm_ns=comm.time_ns(CollectiveKind.ALL_REDUCE, nbytes, ParallelGroup.DP, pipeline_rank=rank),
+def _bucket(nbytes: int, ready: float, comm: CommModel, rank: int, group: ParallelGroup) -> DpBucket:
+    return DpBucket(comm_ns=comm.time_ns(CollectiveKind.ALL_REDUCE, nbytes, group, pipeline_rank=rank),
                     ready_fraction=min(1.0, ready))
 
 
@@ -72,18 +74,21 @@ def _bucket(nbytes: int, ready: float, comm: CommModel, rank: int) -> DpBucket:
 class ZeroRuntime:
     """What the distributed optimizer's buckets of one chunk depend on besides its parameters."""
 
-    data_parallel: int
+    data_parallel: int  # size of the group the buffer is sharded over
     pipeline_rank: int
     chunk: int
     grad_nbytes: int  # per element
     param_nbytes: int
     shared_embedding: int | None  # forward index of the parameter with a bucket of its own
+    group: ParallelGroup = ParallelGroup.DP  # expert DP for the buffer of experts split by expert parallelism
 
     @classmethod
-    def of(cls, runtime: RuntimeCollectives, *, pipeline_rank: int, chunk: int) -> ZeroRuntime:
-        return cls(data_parallel=runtime.dp_group_size, pipeline_rank=pipeline_rank, chunk=chunk,
+    def of(cls, runtime: RuntimeCollectives, *, pipeline_rank: int, chunk: int,
+           group: ParallelGroup = ParallelGroup.DP) -> ZeroRuntime:
+        return cls(data_parallel=runtime.group_size(group), pipeline_rank=pipeline_rank, chunk=chunk,
                    grad_nbytes=runtime.grad_dtype.nbytes, param_nbytes=runtime.param_dtype.nbytes,
-                   shared_embedding=runtime.shared_embedding_param)
+                   shared_embedding=runtime.shared_embedding_param if group is ParallelGroup.DP else None,
+                   group=group)
 
 
 def zero_layout(param_numels: Sequence[int], training: TrainingSpec, runtime: ZeroRuntime) -> tuple[Bucket, ...]:
@@ -121,11 +126,11 @@ def zero_buckets(blocks: Sequence[BlockGradients], comm: CommModel, training: Tr
     groups = [list(buckets)] if runtime.chunk > 0 else [[b] for b in buckets]
 
     def reduce_ns(group: list[Bucket]) -> float:
-        return sum(comm.time_ns(CollectiveKind.REDUCE_SCATTER, b.numel * runtime.grad_nbytes, ParallelGroup.DP,
+        return sum(comm.time_ns(CollectiveKind.REDUCE_SCATTER, b.numel * runtime.grad_nbytes, runtime.group,
                                 pipeline_rank=rank) for b in group)
 
     def gather_ns(group: list[Bucket]) -> float:
-        return sum(comm.time_ns(CollectiveKind.ALL_GATHER, b.numel * runtime.param_nbytes, ParallelGroup.DP,
+        return sum(comm.time_ns(CollectiveKind.ALL_GATHER, b.numel * runtime.param_nbytes, runtime.group,
                                 pipeline_rank=rank) for b in group)
 
     def first(group: list[Bucket]) -> int:

@@ -4,7 +4,10 @@ the node of a fused kernel, and the fusions Megatron-DeepSpeed and Megatron-Core
 A block's nodes are walked in runs of consecutive kernel-launching ops of one *unit* (a module, or
 a module and its children when a stack fuses them all, as fused attention does) and one phase;
 collectives end a run and pass through; optimizer-phase ops are collected and mapped together
-(their kernels are multi-tensor passes over the whole block), in the place of the first one. Ops
+(their kernels are multi-tensor passes over the whole block), in the place of the first one; those
+of a MoE layer's experts apart from the others (Megatron-Core keeps the experts' parameters in
+buffers and optimizer groups of their own, sharded over expert DP when expert parallelism splits
+them: :mod:`vtrain_plugin.cost.optimizer_shard`). Ops
 that launch no kernel are dropped. Each run is handed to the stack's rule, which returns the
 kernels that stack launches for it.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from megatron_adapters.conventions import is_expert_module, is_mlp_module
 from vtrain_plugin.core.dtypes import element_nbytes
 from vtrain_plugin.core.graph import KernelKey, Node, OpNode, Phase
 from vtrain_plugin.core.op_names import parse_op_name
@@ -88,7 +92,9 @@ def lower_block(nodes: Sequence[Node], rule: Rule, optimizer: Callable[[list[OpN
             out.append(node)
     flush()
     if optimizer_ops:
-        out[optimizer_at:optimizer_at] = optimizer(optimizer_ops)
+        experts = [n for n in optimizer_ops if is_expert_module(n.module)]
+        others = [n for n in optimizer_ops if not is_expert_module(n.module)]
+        out[optimizer_at:optimizer_at] = [*optimizer(others), *(optimizer(experts) if experts else ())]
     return tuple(out)
 
 
@@ -152,16 +158,18 @@ def bias_dropout_add(group: list[OpNode], dtype: str = "float16") -> list[Node] 
 
 
 def bias_gelu(group: list[OpNode], dtype: str = "float16") -> list[Node] | None:
-    """The MLP's add(bias), gelu -> ``bias_gelu_fused`` (x and bias in, y out); gelu_backward ->
+    """The MLP's (or a MoE layer's local expert's) add(bias), gelu -> ``bias_gelu_fused`` (x and bias in, y out); gelu_backward ->
     ``bias_gelu_fused_backward`` (grad and input in, grad out), the bias gradient kept."""
     first = group[0]
-    if not first.module.endswith(".mlp"):
+    if not is_mlp_module(first.module):
         return None
-    found, shape, size = names(group), first.key.input_shapes[0], element_nbytes(dtype)
+    found, size = names(group), element_nbytes(dtype)
     if first.phase in FORWARD_PHASES and found == _BIAS_GELU_OPS:
+        shape = first.key.input_shapes[0]
         bias = size * numel(first.key.input_shapes[1])
         return [fused("megatron.bias_gelu_fused.default", first, shape, 2 * size * numel(shape) + bias, dtype)]
     if first.phase is Phase.BACKWARD and found[:1] == ("gelu_backward",):
+        shape = first.key.input_shapes[0]
         return [fused("megatron.bias_gelu_fused_backward.default", first, shape, 3 * size * numel(shape), dtype),
                 *group[1:]]
     return None

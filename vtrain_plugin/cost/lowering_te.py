@@ -22,7 +22,7 @@ RMSNorm bwd: 17 ops                         ``te.rms_norm_backward``: dy, x, gam
 ``linear_*`` fwd bias add, bwd bias ``sum``  none: in the GEMM epilogue (cuBLASLt bias, bgrad)  0
 rotary embedding (``self_attention``), per  ``te.fused_rope`` (and ``_backward``): t and the   2e n + 4 f
 tensor: 12 ops fwd, 6 ops bwd               fp32 frequencies ``f`` in, out
-``mlp`` silu, mul (SwiGLU)                  ``megatron.swiglu_fused``: 2n in, n out           3e n
+``mlp`` / local expert silu, mul (SwiGLU)   ``megatron.swiglu_fused``: 2n in, n out           3e n
 ``mlp`` bwd mul, mul, silu_backward, cat    ``megatron.swiglu_fused_backward``                5e n
 bias-GeLU, bias-dropout-add, dropout        as Megatron-DeepSpeed (:mod:`.fusion`)            as there
 ``loss`` fwd: cast + max                    ``megatron.vocab_parallel_ce_logits_max``         (e + 4) n
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from megatron_adapters.conventions import is_mlp_module
 from vtrain_plugin.core.dtypes import element_nbytes
 from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, Node, OpNode, ParallelGroup, Phase
 from vtrain_plugin.cost.fusion import (FORWARD_PHASES, bias_dropout_add, bias_gelu, dropout, dtype_nbytes, fused,
@@ -105,7 +106,7 @@ def _map_group(group: list[OpNode]) -> list[Node]:
         return [n for n in group if op_name(n) != dropped]
     if module.endswith(".self_attention"):
         return replace_runs(group, _ROPE_FWD_OPS if forward else _ROPE_BWD_OPS, _rope)
-    if module.endswith(".mlp"):
+    if is_mlp_module(module):
         return replace_runs(group, _SWIGLU_FWD_OPS if forward else _SWIGLU_BWD_OPS, _swiglu)
     if module.endswith("loss"):
         return _cross_entropy(group)

@@ -10,7 +10,9 @@ parameters of its chunks:
   moments, ``P x 12`` bytes in fp16/bf16, divided by DP with the distributed optimizer (ZeRO-1
   shards exactly these over Megatron-Core's data-parallel group, DP x CP ranks with context
   parallelism; weights and gradients stay whole). With Megatron-LM's
-  ``theoretical_memory_usage`` that is 18 bytes per parameter, or ``6 + 12 / DP``;
+  ``theoretical_memory_usage`` that is 18 bytes per parameter, or ``6 + 12 / DP``; the parameters
+  of experts split by expert parallelism are sharded over the expert DP group instead
+  (:func:`~vtrain_plugin.cost.optimizer_shard.optimizer_shards`);
 - activations: what the forward of one micro-batch keeps for backward on each chunk (the saved
   tensors of the real model, captured while tracing), at the schedule's peak of micro-batches in
   flight: the most activation bytes the rank holds at once when walking its task order (1F1B:
@@ -34,6 +36,7 @@ from dataclasses import dataclass, replace
 
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
+from vtrain_plugin.cost.optimizer_shard import optimizer_shards
 from vtrain_plugin.specs.training import grad_dtype, optimizer_bytes_per_parameter
 
 RESERVED_GIB = 2.0  # CUDA context, NCCL buffers, library workspaces (see the module doc)
@@ -72,18 +75,21 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
     """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule."""
     dtype = graph.dtype
     plan = graph.parallel
-    shards = plan.grad_reduce_group_size if distributed_optimizer else 1
-    optimizer_per_param = optimizer_bytes_per_parameter(dtype) / shards
+    shards, expert_shards = optimizer_shards(plan, distributed_optimizer)
+    per_param = optimizer_bytes_per_parameter(dtype)
     params = [0] * plan.pipeline_parallel
+    experts = [0] * plan.pipeline_parallel
     chunks: list[list[int]] = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]
     for stage in graph.stages:
         params[stage.pipeline_rank] += stage.num_parameters
+        experts[stage.pipeline_rank] += stage.num_expert_parameters
         chunks[stage.pipeline_rank][stage.chunk] = stage.activation_nbytes
     out = []
     for rank, count in enumerate(params):
         activations, inflight = peak_live(rank, chunks[rank])
+        optimizer = (count - experts[rank]) * (per_param / shards) + experts[rank] * (per_param / expert_shards)
         tensors = RankMemory(weights_gib=count * dtype.nbytes / GIB, gradients_gib=count * grad_dtype(dtype).nbytes / GIB,
-                             optimizer_gib=count * optimizer_per_param / GIB, activations_gib=activations / GIB,
+                             optimizer_gib=optimizer / GIB, activations_gib=activations / GIB,
                              inflight_microbatches=inflight)
         out.append(replace(tensors, allowance_gib=RESERVED_GIB + FRAGMENTATION * tensors.tensors_gib))
     return tuple(out)

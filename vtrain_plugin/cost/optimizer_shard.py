@@ -11,6 +11,10 @@ number of kernels: each rank is taken to run every parameter's kernels on its sl
 holds about ``1/DP`` of the parameters, whole or cut at its edges, so this overstates the kernel
 launches, not the bytes). A sharded kernel has a new key: measured durations of the whole-parameter
 kernel do not apply to it.
+
+The parameters of experts split by expert parallelism live in buffers of their own, sharded over
+the expert data-parallel group: their kernels are cut into ``ceil(n / expert DP)`` instead
+(:func:`optimizer_shards`).
 """
 
 from __future__ import annotations
@@ -18,17 +22,35 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from megatron_adapters.conventions import is_expert_module
 from vtrain_plugin.core.graph import KernelKey, Node, OpNode, Phase
+from vtrain_plugin.specs.parallel import ParallelPlan
 
 
-def shard_optimizer(nodes: Sequence[Node], shards: int) -> tuple[Node, ...]:
-    """``nodes`` with the optimizer-phase kernels on one of ``shards`` shards (see the module doc)."""
-    if shards == 1:
+def optimizer_shards(plan: ParallelPlan, distributed_optimizer: bool) -> tuple[int, int]:
+    """Shards of the optimizer state of the dense parameters and of the experts' parameters: the
+    gradient-reduce group (DP, times CP with context parallelism) and, when expert parallelism splits
+    the experts (their gradients then reduce over expert DP), expert DP; (1, 1) without the
+    distributed optimizer."""
+    if not distributed_optimizer:
+        return 1, 1
+    dense = plan.grad_reduce_group_size
+    return dense, plan.expert_data_parallel if plan.expert_parallel > 1 else dense
+
+
+def shard_optimizer(nodes: Sequence[Node], shards: int, expert_shards: int | None = None) -> tuple[Node, ...]:
+    """``nodes`` with the optimizer-phase kernels on one of ``shards`` shards, those of the experts'
+    parameters on one of ``expert_shards`` (default ``shards``; see the module doc)."""
+    expert_shards = shards if expert_shards is None else expert_shards
+    if shards == expert_shards == 1:
         return tuple(nodes)
-    return tuple(_shard(n, shards) if isinstance(n, OpNode) and n.phase is Phase.OPTIMIZER else n for n in nodes)
+    return tuple(_shard(n, expert_shards if is_expert_module(n.module) else shards)
+                 if isinstance(n, OpNode) and n.phase is Phase.OPTIMIZER else n for n in nodes)
 
 
 def _shard(node: OpNode, shards: int) -> OpNode:
+    if shards == 1:
+        return node
     sizes = [math.prod(shape) for shape in node.key.input_shapes]
     full = max(sizes, default=0)
     if full <= 1:

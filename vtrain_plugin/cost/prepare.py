@@ -3,10 +3,11 @@ settings) and profile.
 
 Each block's ops are lowered onto the kernels of the software stack (:mod:`vtrain_plugin.cost.lowering`)
 and every block's phases are laid out as segments of one :class:`KernelBatch` per stage, with the
-measured durations looked up; tensor- and context-parallel collectives are rows of the batch, on
-the compute stream, with the kernel each can hide behind (:mod:`vtrain_plugin.cost.comm_overlap`).
-Under context parallelism the layers' core attention is first replaced by TransformerEngine's CP
-attention (:mod:`vtrain_plugin.cost.context_parallel`). Megatron's runtime collectives (DP gradients,
+measured durations looked up; tensor- and context-parallel collectives, and the MoE layers'
+expert-parallel ones, are rows of the batch, on the compute stream, with the kernel each can hide
+behind (:mod:`vtrain_plugin.cost.comm_overlap`; the MoE layers' block it). Under context parallelism
+the layers' core attention is first replaced by TransformerEngine's CP attention
+(:mod:`vtrain_plugin.cost.context_parallel`). Megatron's runtime collectives (DP gradients,
 pipeline transfers, tied embeddings) are derived per stage
 (:mod:`vtrain_plugin.cost.runtime_collectives`); with the distributed optimizer the optimizer step
 runs on the rank's shard (:mod:`vtrain_plugin.cost.optimizer_shard`). Stages that share their blocks
@@ -33,7 +34,8 @@ from vtrain_plugin.cost.host_device import Segment
 from vtrain_plugin.cost.kernel_model import KernelBatch
 from vtrain_plugin.cost.kernel_timer import measured_ns
 from vtrain_plugin.cost.lowering import map_nodes
-from vtrain_plugin.cost.optimizer_shard import shard_optimizer
+from vtrain_plugin.cost.moe import MOE_GROUPS
+from vtrain_plugin.cost.optimizer_shard import optimizer_shards, shard_optimizer
 from vtrain_plugin.cost.runtime_collectives import RuntimeCollectives, runtime_collectives
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
 
@@ -65,7 +67,7 @@ class PreparedRole:
     kernels: KernelBatch  # every segment's kernels in order; collectives are rows of kind NONE
     measured_ns: np.ndarray  # per row, NaN where unmeasured
     nodes: tuple[OpNode | None, ...]  # per row (None for a collective)
-    comm_rows: tuple[CommRow, ...]  # rows holding TP and CP collectives
+    comm_rows: tuple[CommRow, ...]  # rows holding TP, CP and the MoE layers' (cost.moe.MOE_GROUPS) collectives
     segments: tuple[Segment, ...]  # blocks in stage order, phases in PHASES order
     flops: dict[Phase, int]  # model FLOPs of one micro-batch through this chunk, on one TP and CP rank
     module_calls: np.ndarray  # per row: 1 where a module call's host work starts (see host_calls)
@@ -125,7 +127,7 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
     """Lay ``graph`` out for costing under ``stack`` (GEMMs in FP8 with ``fp8``), with ``measured``
     kernel durations (ns), and Megatron-Core's ``distributed_optimizer`` or not."""
     stack = SoftwareStack(stack)
-    shards = graph.parallel.grad_reduce_group_size if distributed_optimizer else 1
+    shards = optimizer_shards(graph.parallel, distributed_optimizer)
     cp = ContextParallel.of(graph)
     pp = graph.parallel.pipeline_parallel
     last = graph.parallel.num_model_chunks - 1
@@ -153,7 +155,7 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
                          flops=flops)
 
 
-def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: int,
+def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
           cp: ContextParallel | None, measured: Mapping[KernelKey, float] | None, key: tuple) -> PreparedRole:
     if measured:
         return _prepare_role(blocks, stack, fp8, shards, cp, measured)
@@ -167,7 +169,7 @@ def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | No
     return role
 
 
-def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: int,
+def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
                   cp: ContextParallel | None, measured: Mapping[KernelKey, float]) -> PreparedRole:
     rows: list[OpNode | None] = []
     phases: list[Phase] = []
@@ -177,7 +179,7 @@ def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setti
         layer = block.kind is BlockKind.LAYER
         nodes = cp.layer_nodes(block.nodes) if cp is not None and layer else block.nodes
         by_phase: dict[Phase, list[OpNode | CollectiveNode]] = {p: [] for p in PHASES}
-        for node in shard_optimizer(map_nodes(nodes, stack, fp8), shards):
+        for node in shard_optimizer(map_nodes(nodes, stack, fp8), *shards):
             if isinstance(node, OpNode):
                 if node.launches_kernel:
                     by_phase[node.phase].append(node)
@@ -206,6 +208,7 @@ def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setti
 
 
 def _on_compute_stream(node: CollectiveNode) -> bool:
-    """TP collectives and CP transfers run in the layer's order; a CP ring step's receive is the
-    other half of its send (one batched exchange), timed once, with the send."""
-    return node.group is ParallelGroup.TP or (node.group is ParallelGroup.CP and node.kind is not CollectiveKind.RECV)
+    """TP collectives, the MoE layers' collectives and CP transfers run in the layer's order; a CP
+    ring step's receive is the other half of its send (one batched exchange), timed once, with the send."""
+    return (node.group is ParallelGroup.TP or node.group in MOE_GROUPS
+            or (node.group is ParallelGroup.CP and node.kind is not CollectiveKind.RECV))

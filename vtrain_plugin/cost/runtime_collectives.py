@@ -6,9 +6,12 @@ recorded, once per stage:
 
 - the data-parallel gradient reduction: each block's gradients (its parameters in Megatron's
   gradient dtype, :func:`vtrain_plugin.specs.training.grad_dtype`) all-reduced over the DP group,
-  DP x CP ranks (:attr:`ParallelPlan.grad_reduce_group_size`), when there are more than one; with
-  the distributed optimizer reduce-scattered instead, and the parameters (model dtype) all-gathered after the optimizer step (the buckets, with Megatron-Core's
-  padding, are laid out by :mod:`vtrain_plugin.cost.param_buffer` when the stage is costed);
+  DP x CP ranks (:attr:`ParallelPlan.grad_reduce_group_size`), when there are more than one; those
+  of experts split by expert parallelism over the expert DP group instead (TP x CP x DP / (EP x
+  expert TP) ranks, :attr:`ParallelPlan.expert_data_parallel`), when there are more than one; with
+  the distributed optimizer reduce-scattered instead, and the parameters (model dtype) all-gathered
+  after the optimizer step (the buckets, with Megatron-Core's padding, are laid out by
+  :mod:`vtrain_plugin.cost.param_buffer` when the stage is costed);
 - the pipeline point-to-point traffic of one micro-batch: the stage-boundary activation sent to the
   next virtual stage in forward and its gradient sent back in backward (and the matching receives);
 - the tied-embedding synchronisation: with tied embeddings and ``pipeline_parallel > 1`` the first
@@ -36,6 +39,8 @@ class RuntimeCollectives:
 
     dp_grad_nbytes: tuple[int, ...]  # per block instance, in the stage's block order (0 without DP)
     dp_group_size: int
+    expert_dp_grad_nbytes: tuple[int, ...]  # per block instance: its expert-parallel parameters' gradients
+    expert_dp_group_size: int
     grad_dtype: Dtype
     param_dtype: Dtype
     distributed_optimizer: bool
@@ -46,21 +51,32 @@ class RuntimeCollectives:
     shared_embedding_param: int | None = None
 
     def nodes(self, stage: StageGraph) -> tuple[CollectiveNode, ...]:
-        """All of them as graph nodes (DP collectives per block, by module), for reports."""
+        """All of them as graph nodes (DP and expert-DP collectives per block, by module), for reports."""
         dp: list[CollectiveNode] = []
-        for block, nbytes in zip(stage.blocks, self.dp_grad_nbytes):
-            if not nbytes:
-                continue
-            if self.distributed_optimizer:
-                dp.append(self._dp(CollectiveKind.REDUCE_SCATTER, nbytes, Phase.BACKWARD, block.name, self.grad_dtype))
-                params = nbytes // self.grad_dtype.nbytes * self.param_dtype.nbytes
-                dp.append(self._dp(CollectiveKind.ALL_GATHER, params, Phase.OPTIMIZER, block.name, self.param_dtype))
-            else:
-                dp.append(self._dp(CollectiveKind.ALL_REDUCE, nbytes, Phase.BACKWARD, block.name, self.grad_dtype))
+        for group, size, per_block in ((ParallelGroup.DP, self.dp_group_size, self.dp_grad_nbytes),
+                                       (ParallelGroup.EXPERT_DP, self.expert_dp_group_size, self.expert_dp_grad_nbytes)):
+            for block, nbytes in zip(stage.blocks, per_block):
+                if not nbytes:
+                    continue
+                if self.distributed_optimizer:
+                    dp.append(self._dp(CollectiveKind.REDUCE_SCATTER, nbytes, Phase.BACKWARD, block.name,
+                                       self.grad_dtype, group, size))
+                    params = nbytes // self.grad_dtype.nbytes * self.param_dtype.nbytes
+                    dp.append(self._dp(CollectiveKind.ALL_GATHER, params, Phase.OPTIMIZER, block.name,
+                                       self.param_dtype, group, size))
+                else:
+                    dp.append(self._dp(CollectiveKind.ALL_REDUCE, nbytes, Phase.BACKWARD, block.name, self.grad_dtype,
+                                       group, size))
         return tuple(dp) + self.embedding_sync + self.p2p
 
-    def _dp(self, kind: CollectiveKind, nbytes: int, phase: Phase, module: str, dtype: Dtype) -> CollectiveNode:
-        return CollectiveNode(kind=kind, nbytes=nbytes, group=ParallelGroup.DP, group_size=self.dp_group_size,
+    def group_size(self, group: ParallelGroup) -> int:
+        """Size of the group gradients are reduced over: DP, or expert DP."""
+        return self.expert_dp_group_size if group is ParallelGroup.EXPERT_DP else self.dp_group_size
+
+    @staticmethod
+    def _dp(kind: CollectiveKind, nbytes: int, phase: Phase, module: str, dtype: Dtype, group: ParallelGroup,
+            size: int) -> CollectiveNode:
+        return CollectiveNode(kind=kind, nbytes=nbytes, group=group, group_size=size,
                               phase=phase, module=module, dtype=dtype.torch_name, synthesized=True)
 
     @property
@@ -71,11 +87,14 @@ class RuntimeCollectives:
 def runtime_collectives(stage: StageGraph, plan: ParallelPlan, *, dtype: Dtype, tied_embeddings: bool,
                         distributed_optimizer: bool = False) -> RuntimeCollectives:
     """The runtime collectives of ``stage`` under ``plan`` for a model of ``dtype`` (see the module doc)."""
-    dp = plan.grad_reduce_group_size
+    dp, edp = plan.grad_reduce_group_size, plan.expert_data_parallel
     grads = grad_dtype(dtype)
-    nbytes = tuple(block.num_parameters * grads.nbytes if dp > 1 else 0 for block in stage.blocks)
+    nbytes = tuple((block.num_parameters - block.num_expert_parameters) * grads.nbytes if dp > 1 else 0
+                   for block in stage.blocks)
+    expert = tuple(block.num_expert_parameters * grads.nbytes if edp > 1 else 0 for block in stage.blocks)
     sync = _embedding_sync(stage, plan, grads, tied_embeddings)
-    return RuntimeCollectives(dp_grad_nbytes=nbytes, dp_group_size=dp, grad_dtype=grads, param_dtype=dtype,
+    return RuntimeCollectives(dp_grad_nbytes=nbytes, dp_group_size=dp, expert_dp_grad_nbytes=expert,
+                              expert_dp_group_size=edp, grad_dtype=grads, param_dtype=dtype,
                               distributed_optimizer=distributed_optimizer, embedding_sync=sync, p2p=_p2p(stage, plan),
                               shared_embedding_param=_shared_embedding_param(stage, sync))
 

@@ -9,8 +9,15 @@ Every group is then an arithmetic progression of ranks (TP: stride 1, CP: stride
 tp*cp*dp, tied-embedding group: the first and the last pipeline rank), which is what the placement
 below works on. The DP group is the one gradients are reduced over, Megatron-Core's data-parallel group
 with context parallelism: its CP x DP ranks are consecutive in the order, so stride tp, size cp*dp.
-A CP group lies inside a node when tp*cp divides the GPUs per node. Groups are those of the
-representative rank of a pipeline stage (tp_rank = cp_rank = dp_rank = 0).
+A CP group lies inside a node when tp*cp divides the GPUs per node. The groups of MoE layers number
+the same ranks a second way (megatron-core's expert rank generator, which has no CP: the expert ranks
+of a pipeline stage are its TP x CP x DP ranks)::
+
+    rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank)),    edp = tp * cp * dp / (etp * ep)
+
+so expert TP has stride 1, EP stride etp, expert TP x EP stride 1 (etp * ep ranks), expert DP stride
+etp * ep. Groups are those of the representative rank of a pipeline stage (tp_rank = cp_rank =
+dp_rank = 0, hence etp_rank = ep_rank = edp_rank = 0).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from functools import lru_cache
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.graph import ParallelGroup
-from megatron_adapters.conventions import global_rank, node_of, rank_strides
+from megatron_adapters.conventions import EXPERT_RANK_ORDER, global_rank, node_of, rank_strides
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,10 +51,16 @@ class Layout:
     data_parallel: int
     gpus_per_node: int
     context_parallel: int = 1
+    expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "gpus_per_node", "context_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "gpus_per_node", "context_parallel",
+                     "expert_parallel", "expert_tensor_parallel"):
             v.positive_int(f"layout.{name}", getattr(self, name))
+        v.divides("layout.expert_parallel * expert_tensor_parallel", self.expert_parallel * self.expert_tensor_parallel,
+                  "tensor_parallel * context_parallel * data_parallel",
+                  self.tensor_parallel * self.context_parallel * self.data_parallel)
 
     @property
     def world_size(self) -> int:
@@ -61,6 +74,13 @@ class Layout:
     def sizes(self) -> dict[ParallelGroup, int]:
         return {ParallelGroup.TP: self.tensor_parallel, ParallelGroup.CP: self.context_parallel,
                 ParallelGroup.DP: self.data_parallel, ParallelGroup.PP: self.pipeline_parallel}
+
+    @property
+    def expert_sizes(self) -> dict[ParallelGroup, int]:
+        etp, ep = self.expert_tensor_parallel, self.expert_parallel
+        return {ParallelGroup.EXPERT_TP: etp, ParallelGroup.EP: ep,
+                ParallelGroup.EXPERT_DP: self.tensor_parallel * self.context_parallel * self.data_parallel // (etp * ep),
+                ParallelGroup.PP: self.pipeline_parallel}
 
     def rank(self, *, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0) -> int:
         return global_rank({ParallelGroup.TP: tp_rank, ParallelGroup.CP: cp_rank, ParallelGroup.DP: dp_rank,
@@ -84,6 +104,11 @@ class Layout:
                 offset, step, size = 0, stride[ParallelGroup.PP], pp
             case ParallelGroup.EMBEDDING:
                 offset, step, size = 0, stride[ParallelGroup.PP] * max(pp - 1, 1), min(pp, 2)
+            case ParallelGroup.EXPERT_TP | ParallelGroup.EP | ParallelGroup.EXPERT_DP as dim:
+                expert = self.expert_sizes
+                offset, step, size = base, rank_strides(expert, EXPERT_RANK_ORDER)[dim], expert[dim]
+            case ParallelGroup.EXPERT_TP_EP:
+                offset, step, size = base, 1, self.expert_tensor_parallel * self.expert_parallel
         return _progression_placement(offset, step, size, self.gpus_per_node)
 
     def p2p_crosses_nodes(self, src_pipeline_rank: int) -> bool:

@@ -24,9 +24,9 @@ from vtrain_plugin.specs.model import ModelSpec
 
 Row = dict[str, Any]
 
-PLAN_COLUMNS = ("tensor_parallel", "context_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size",
-                "virtual_pipeline", "sequence_parallel", "recompute", "grad_reduce", "distributed_optimizer", "schedule",
-                "software_stack", "fp8")
+PLAN_COLUMNS = ("tensor_parallel", "context_parallel", "pipeline_parallel", "data_parallel", "expert_parallel",
+                "micro_batch_size", "virtual_pipeline", "sequence_parallel", "recompute", "grad_reduce",
+                "distributed_optimizer", "schedule", "software_stack", "fp8")
 ESTIMATE_COLUMNS = ("num_gpus", "num_microbatches", "iteration_time_ms", "tokens_per_second", "tflops_per_gpu",
                     "mfu", "peak_memory_gib", "fits_in_memory", "cost_usd", "gpu_hours")
 TRAIN_COLUMNS = ("iterations", "train_days", "train_cost_usd")  # with TrainingSpec.total_tokens
@@ -55,6 +55,7 @@ def plan_row(candidate: Candidate, est: Estimate) -> Row:
         "context_parallel": plan.context_parallel,
         "pipeline_parallel": plan.pipeline_parallel,
         "data_parallel": plan.data_parallel,
+        "expert_parallel": plan.expert_parallel,
         "micro_batch_size": plan.micro_batch_size,
         "virtual_pipeline": plan.virtual_pipeline,
         "sequence_parallel": plan.sequence_parallel,

@@ -82,8 +82,9 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     ``progress`` draws a bar on stderr. ``tokens`` adds ``train_days`` and ``train_cost_usd`` for
     training on that many tokens.
 
-    Columns: the plan (``tensor_parallel, pipeline_parallel, data_parallel, micro_batch_size,
-    virtual_pipeline, sequence_parallel, recompute, grad_reduce, schedule, software_stack, fp8``), its estimate
+    Columns: the plan (``tensor_parallel, context_parallel, pipeline_parallel, data_parallel,
+    expert_parallel, micro_batch_size, virtual_pipeline, sequence_parallel, recompute, grad_reduce,
+    distributed_optimizer, schedule, software_stack, fp8``), its estimate
     (``num_gpus, num_microbatches, iteration_time_ms, tokens_per_second, tflops_per_gpu, mfu,
     peak_memory_gib, fits_in_memory, cost_usd`` (NaN without a price), ``gpu_hours`` per
     iteration), then ``train_days, train_cost_usd`` with ``tokens``, ``pareto`` and ``rank``.

@@ -11,6 +11,8 @@ context_parallel   1 only: context parallelism pays off for long sequences alone
                    tried multiplies the search, so sizes > 1 are tried when pinned (``--cp 1,2,4``)
 pipeline_parallel  divisors of num_layers
 data_parallel      every DP size that puts TP x CP x PP x DP in the GPU budget
+expert_parallel    1 for a dense model; for a MoE model, the divisors of num_experts whose expert ranks
+                   (EP x expert TP, expert TP being TP) fit in the TP x CP x DP ranks of a stage
 micro_batch_size   divisors of the per-replica batch, global_batch / DP
 virtual_pipeline   1, plus every divisor v > 1 of layers / PP when PP > 1 (interleaved 1F1B then)
 sequence_parallel  off, plus on when TP > 1 and TP divides seq_length / CP
@@ -34,7 +36,7 @@ global batch, so no micro-batch size does) counts that prefix under the axis's f
 Plans beyond the input limits of :mod:`vtrain_plugin.specs.limits` (micro-batch size and tokens,
 micro-batches, scheduled passes) are skipped under the ``... beyond limits`` rules.
 
-Adding an axis (expert parallelism, the distributed optimizer) is one entry in
+Adding an axis is one entry in
 :data:`AXES` and one field of :class:`SearchSpace`, named like the :class:`ParallelPlan` or
 :class:`TrainingSpec` field it sets.
 """
@@ -193,8 +195,11 @@ _SP_RULES = (
     Rule("sp needs tp > 1", lambda ctx, c: c["sequence_parallel"] and c["tensor_parallel"] == 1),
     _layout_rule("seq % tp (sp)"),
     _layout_rule("seq/cp % tp (sp)"),
+    _layout_rule("moe tp needs sp"),
 )
 _CP_RULES = (_layout_rule("seq % cp"), _layout_rule("seq % (2*cp)"))
+_EP_RULES = tuple(_layout_rule(name) for name in ("ep needs moe", "experts % ep", "(tp*cp*dp) % (ep*etp)",
+                                                  "moe ffn % etp", "moe bias needs etp 1"))
 
 
 def _model_parallel(c: Prefix) -> int:
@@ -214,6 +219,10 @@ AXES: tuple[Axis, ...] = (
     Axis("data_parallel", "dp", "data-parallel sizes", POSITIVE_INT,
          lambda ctx, c: ctx.budget.data_parallel_sizes(_model_parallel(c)),
          (Rule("gpus not in budget", lambda ctx, c: _model_parallel(c) * c["data_parallel"] not in ctx.budget),)),
+    Axis("expert_parallel", "ep", "expert-parallel sizes (MoE models)", POSITIVE_INT,
+         _keeping(_EP_RULES, "expert_parallel",
+                  lambda ctx, c: _divisors(ctx.model.num_experts) if ctx.model.is_moe else (1,)),
+         _EP_RULES),
     Axis("micro_batch_size", "micro_batch", "micro-batch sizes", POSITIVE_INT,
          lambda ctx, c: (() if ctx.global_batch_size % c["data_parallel"]
                          else _divisors(ctx.global_batch_size // c["data_parallel"])),
@@ -268,6 +277,7 @@ class SearchSpace:
     context_parallel: tuple[int, ...] | None = None
     pipeline_parallel: tuple[int, ...] | None = None
     data_parallel: tuple[int, ...] | None = None
+    expert_parallel: tuple[int, ...] | None = None
     micro_batch_size: tuple[int, ...] | None = None
     virtual_pipeline: tuple[int, ...] | None = None
     sequence_parallel: tuple[bool, ...] | None = None

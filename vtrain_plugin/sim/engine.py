@@ -22,10 +22,11 @@ the first forward of each chunk cannot pass the point where it needs a bucket (`
 of its duration) before that bucket is gathered. This issues every gather as early as Megatron-LM's
 ``align_param_gather`` does the first chunk's (later chunks' a little earlier than Megatron does).
 
-Per-rank breakdowns partition the iteration time: compute (TP collectives split out by the chunks'
-shares, proportionally over backward and recompute), exposed PP comm (waiting for a send after its
-producer finished), exposed DP comm (gradients not reduced when compute ends, parameters not
-gathered when needed or gathered after the optimizer step), embedding sync,
+Per-rank breakdowns partition the iteration time: compute (TP collectives, and the MoE layers' EP
+collectives, split out by the chunks' shares, proportionally over backward and recompute), exposed
+PP comm (waiting for a send after its producer finished), exposed DP comm (gradients not reduced
+when compute ends, parameters not gathered when needed or gathered after the optimizer step),
+embedding sync,
 optimizer, and bubble (every other idle time: pipeline fill and drain, waiting for other ranks).
 """
 
@@ -39,7 +40,7 @@ from vtrain_plugin.sim.timeline import Interval, IntervalKind, Stream, Timeline
 from vtrain_plugin.cost.work import PipelineWork
 
 
-BREAKDOWN_FIELDS = ("forward", "backward", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm",
+BREAKDOWN_FIELDS = ("forward", "backward", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm",
                     "embedding_sync", "optimizer", "bubble")  # RankBreakdown's ``<name>_ns`` fields
 
 
@@ -50,6 +51,7 @@ class RankBreakdown:
     recompute_ns: float
     tp_comm_ns: float
     cp_comm_ns: float  # exposed context-parallel attention communication (ring steps, K/V all-gathers)
+    ep_comm_ns: float  # MoE dispatch and combine collectives (EP, expert TP)
     pp_comm_ns: float
     dp_comm_ns: float
     embedding_sync_ns: float
@@ -59,7 +61,8 @@ class RankBreakdown:
     @property
     def total_ns(self) -> float:
         return (self.forward_ns + self.backward_ns + self.recompute_ns + self.tp_comm_ns + self.cp_comm_ns
-                + self.pp_comm_ns + self.dp_comm_ns + self.embedding_sync_ns + self.optimizer_ns + self.bubble_ns)
+                + self.ep_comm_ns + self.pp_comm_ns + self.dp_comm_ns + self.embedding_sync_ns + self.optimizer_ns
+                + self.bubble_ns)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,21 +112,25 @@ def simulate(work: PipelineWork, *, record_timeline: bool = False, reference: bo
 
     ranks = []
     for r in range(pp):
-        forward = backward = recompute = tp = cp = 0.0
+        forward = backward = recompute = tp = cp = ep = 0.0
         for c in range(vp):
             chunk = chunks[c * pp + r]
             fb = chunk.backward_ns + chunk.recompute_ns
-            keep = 1.0 - (chunk.tp_comm_backward_ns + chunk.cp_comm_backward_ns) / fb if fb else 1.0
-            forward += m * (chunk.forward_ns - chunk.tp_comm_forward_ns - chunk.cp_comm_forward_ns)
+            keep = (1.0 - (chunk.tp_comm_backward_ns + chunk.cp_comm_backward_ns + chunk.ep_comm_backward_ns) / fb
+                    if fb else 1.0)
+            forward += m * (chunk.forward_ns - chunk.tp_comm_forward_ns - chunk.cp_comm_forward_ns
+                            - chunk.ep_comm_forward_ns)
             backward += m * chunk.backward_ns * keep
             recompute += m * chunk.recompute_ns * keep
             tp += m * (chunk.tp_comm_forward_ns + chunk.tp_comm_backward_ns)
             cp += m * (chunk.cp_comm_forward_ns + chunk.cp_comm_backward_ns)
+            ep += m * (chunk.ep_comm_forward_ns + chunk.ep_comm_backward_ns)
         embedding = work.embedding_sync_ns if r in (0, pp - 1) else 0.0
         dp = grads_ready[r] - compute_end[r] + gate_wait[r] + after_step[r]
-        busy = forward + backward + recompute + tp + cp + pp_wait[r] + dp + embedding + work.optimizer_ns[r]
+        busy = forward + backward + recompute + tp + cp + ep + pp_wait[r] + dp + embedding + work.optimizer_ns[r]
         ranks.append(RankBreakdown(
             forward_ns=forward, backward_ns=backward, recompute_ns=recompute, tp_comm_ns=tp, cp_comm_ns=cp,
+            ep_comm_ns=ep,
             pp_comm_ns=pp_wait[r], dp_comm_ns=dp, embedding_sync_ns=embedding,
             optimizer_ns=work.optimizer_ns[r], bubble_ns=max(iteration_ns - busy, 0.0)))
     timeline = None

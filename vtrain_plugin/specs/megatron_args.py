@@ -3,7 +3,8 @@
 Flags are parsed with argparse against the table of Megatron-LM's arguments
 (:mod:`vtrain_plugin.specs.megatron_flags`), then mapped: the flags that shape the plan set
 :class:`ModelSpec`, :class:`ParallelPlan` and :class:`TrainingSpec` fields, with Megatron-LM's own
-defaults where a flag is absent (ffn size, global batch, vocabulary padding, DDP bucket size);
+defaults where a flag is absent (ffn size, global batch, vocabulary padding, DDP bucket size, the MoE
+token dispatcher);
 flags vtrain does not model yet are refused unless at their inactive value; flags that change
 performance but are not modelled are listed in :attr:`MegatronPlan.unmodelled`; the rest (logging,
 checkpoints, data paths, learning rate...) are accepted and change nothing. README, "Megatron-LM
@@ -24,7 +25,7 @@ from vtrain_plugin.specs.launch_script import LaunchCommand
 from vtrain_plugin.specs.megatron_flags import MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, Arity
 from vtrain_plugin.specs.megatron_model import Given, model_fields, positive_int, recompute_mode
 from vtrain_plugin.specs.model import ModelSpec
-from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
 from vtrain_plugin.specs.training import GradReduce, ScheduleKind, TrainingSpec, grad_dtype
 
 
@@ -39,6 +40,13 @@ def _cp_comm_type(flag: str, value: Any) -> str:
     if len(kinds) != 1:
         raise ConfigError(f"{flag} {' '.join(value)}: one type for every layer is modelled")
     return kinds.pop()
+
+
+def _dispatcher(flag: str, value: Any) -> Any:
+    """The dispatcher as given (ParallelPlan checks the name); flex is not modelled."""
+    if value == "flex":
+        raise ConfigError(f"{flag} flex: the flex token dispatcher (DeepEP / HybridEP) is not modelled by vtrain yet")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +74,18 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--context-parallel-size", "parallel.context_parallel"),
     FlagField("--cp-comm-type", "parallel.cp_comm_type", convert=_cp_comm_type),
     FlagField("--tp-comm-overlap", "training.tp_comm_overlap", convert=_as_given),
-    FlagField("--expert-model-parallel-size", None, 1, "expert parallelism"),
-    FlagField("--expert-tensor-parallel-size", None, None, "expert tensor parallelism"),
-    FlagField("--num-experts", None, None, "mixture of experts"),
-    FlagField("--moe-router-topk", None, None, "mixture of experts"),
-    FlagField("--moe-ffn-hidden-size", None, None, "mixture of experts"),
-    FlagField("--moe-shared-expert-intermediate-size", None, None, "mixture of experts"),
+    FlagField("--num-experts", "model.num_experts"),
+    FlagField("--moe-router-topk", "model.moe_router_topk"),
+    FlagField("--moe-ffn-hidden-size", "model.moe_ffn_hidden_size"),
+    FlagField("--expert-model-parallel-size", "parallel.expert_parallel"),
+    FlagField("--expert-tensor-parallel-size", "parallel.expert_tensor_parallel"),
+    FlagField("--moe-token-dispatcher-type", "parallel.moe_token_dispatcher", convert=_dispatcher),
+    FlagField("--moe-shared-expert-intermediate-size", None, None, "shared experts"),
+    FlagField("--moe-expert-capacity-factor", None, None, "MoE token dropping (capacity factor)", _as_given),
+    FlagField("--moe-pad-expert-input-to-capacity", None, False, "MoE token dropping (capacity factor)", _as_given),
+    FlagField("--moe-layer-freq", None, "1", "dense layers between MoE layers", _as_given),
+    FlagField("--moe-enable-deepep", None, False, "the flex token dispatcher (DeepEP / HybridEP)", _as_given),
+    FlagField("--moe-layer-recompute", None, False, "recompute of MoE layers", _as_given),
     FlagField("--use-distributed-optimizer", "training.distributed_optimizer", convert=_as_given),
     FlagField("--overlap-param-gather", "training.overlap_param_gather", convert=_as_given),
     FlagField("--num-distributed-optimizer-instances", None, 1, "the distributed optimizer"),
@@ -184,6 +198,8 @@ def _parallel(given: Given, values: dict[str, Any], model: ModelSpec, num_gpus: 
         if tp == 1:
             notes.append("--sequence-parallel at TP 1 (Megatron-LM turns it off)")
     values["recompute"] = recompute_mode(given, model.num_layers, pp * values["virtual_pipeline"])
+    if model.is_moe:  # Megatron-LM's default dispatcher
+        values.setdefault("moe_token_dispatcher", TokenDispatcher.ALLGATHER)
     return ParallelPlan(**values)
 
 

@@ -195,6 +195,9 @@ accumulate-allreduce-grads-in-fp32 fp16-lm-cross-entropy apply-layernorm-1p qk-l
 add-qkv-bias window-size rampup-batch-size use-precision-aware-optimizer main-grads-dtype main-params-dtype
 exp-avg-dtype exp-avg-sq-dtype overlap-param-gather-with-optimizer-step high-priority-stream-groups
 pipeline-model-parallel-comm-backend disable-bf16-reduced-precision-matmul
+moe-grouped-gemm moe-use-legacy-grouped-gemm moe-permute-fusion moe-router-fusion moe-router-dtype
+moe-router-score-function moe-z-loss-coeff moe-input-jitter-eps
+moe-shared-expert-overlap moe-router-padding-for-fp8 moe-apply-probs-on-input
 """.split())
 
 # Retired flags that Megatron-LM still parses only to refuse them, with the flag that replaced each.

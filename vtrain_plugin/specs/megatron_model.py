@@ -28,6 +28,7 @@ _FAMILIES = {
 }
 # Tokenizers whose vocabulary size is fixed by the tokenizer itself (Megatron-LM's GPT-2 BPE files).
 TOKENIZER_VOCAB_SIZES = {"GPT2BPETokenizer": 50257}
+MOE_LOAD_BALANCING = "aux_loss"  # the router's loss vtrain traces (megatron_adapters.moe.LOAD_BALANCING)
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's default --make-vocab-size-divisible-by, which ModelSpec pads to
 
 
@@ -90,6 +91,9 @@ def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: in
             notes.append(f"{flag} {given.get(flag, 0.1)} (vtrain's {family.value} layers: {expected})")
     if out["dtype"] is Dtype.BF16 and given.get("--grad-reduce-in-bf16"):
         notes.append("--grad-reduce-in-bf16 (Megatron-LM reduces gradients in bf16, vtrain in fp32)")
+    balancing = given.get("--moe-router-load-balancing-type", MOE_LOAD_BALANCING)
+    if balancing != MOE_LOAD_BALANCING:
+        notes.append(f"--moe-router-load-balancing-type {balancing} (vtrain's router: {MOE_LOAD_BALANCING})")
     return out
 
 

@@ -17,6 +17,9 @@ from vtrain_plugin.core.dtypes import MODEL_DTYPES, Dtype
 from vtrain_plugin.specs import limits
 
 
+DEFAULT_MOE_ROUTER_TOPK = 2  # megatron-core's moe_router_topk
+
+
 class Family(StrEnum):
     GPT = "gpt"  # LayerNorm, GeLU MLP, learned absolute positions, multi-head attention
     LLAMA = "llama"  # RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention
@@ -37,6 +40,15 @@ class ModelSpec:
     tied_embeddings: bool | None = None  # default: True for GPT, False for Llama
     dtype: Dtype = Dtype.FP16
     name: str = ""
+    # Mixture of experts (megatron-core MoELayer in every layer); None: a dense MLP. See moe_* below.
+    num_experts: int | None = None
+    moe_router_topk: int | None = None  # experts per token; default 2 (Megatron's)
+    moe_ffn_hidden_size: int | None = None  # of one expert; default ffn_size
+    # The busiest expert receives this many times the balanced share of the routed tokens (1: every
+    # expert gets tokens * topk / experts); the others share the rest evenly
+    # (megatron_adapters/moe_routing.py).
+    moe_routing_skew: float = 1.0
+    moe_shared_expert_intermediate_size: int | None = None  # shared experts: refused, not modelled
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", Family(v.one_of("model.family", self.family, [f.value for f in Family])))
@@ -60,6 +72,7 @@ class ModelSpec:
             raise ConfigError(f"model.hidden_size ({self.hidden_size}) / model.num_attention_heads "
                               f"({self.num_attention_heads}) = {self.head_dim}: rotary position embeddings "
                               "rotate pairs of channels, so a Llama head dimension must be even")
+        check_moe_fields(self)
 
     @property
     def ffn_size(self) -> int:
@@ -69,6 +82,24 @@ class ModelSpec:
             raw = int(2 * 4 * self.hidden_size / 3)
             return 256 * ((raw + 255) // 256)
         return 4 * self.hidden_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def router_topk(self) -> int:
+        """Experts per token (0 for a dense model)."""
+        if not self.is_moe:
+            return 0
+        return self.moe_router_topk if self.moe_router_topk is not None else DEFAULT_MOE_ROUTER_TOPK
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """FFN hidden size of one expert (0 for a dense model)."""
+        if not self.is_moe:
+            return 0
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
 
     @property
     def query_groups(self) -> int:
@@ -92,25 +123,61 @@ class ModelSpec:
     @property
     def num_parameters(self) -> int:
         """Parameters of the whole (unsharded) model, embeddings included."""
-        h, f = self.hidden_size, self.ffn_size
+        h = self.hidden_size
         kv = 2 * self.query_groups * self.head_dim
-        if self.family is Family.GPT:
+        gpt = self.family is Family.GPT
+        if gpt:
             attn = h * (h + kv) + (h + kv) + h * h + h
-            mlp = h * f + f + f * h + h
             norms = 2 * 2 * h
             positions = self.seq_length * h
             final_norm = 2 * h
         else:
             attn = h * (h + kv) + h * h
-            mlp = h * 2 * f + f * h
             norms = 2 * h
             positions = 0
             final_norm = h
+        mlp = self._mlp_parameters(self.ffn_size)
+        if self.is_moe:  # the router's gate (with a bias in a GPT layer), then every expert's MLP
+            mlp = self.num_experts * (h + (1 if gpt else 0)) + self.num_experts * self._mlp_parameters(self.expert_ffn_size)
         embed = self.vocab_size * h * (1 if self.tied else 2)
         return self.num_layers * (attn + mlp + norms) + embed + positions + final_norm
+
+    def _mlp_parameters(self, f: int) -> int:
+        h = self.hidden_size
+        if self.family is Family.GPT:
+            return h * f + f + f * h + h
+        return h * 2 * f + f * h
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["family"] = self.family.value
         d["dtype"] = self.dtype.value
         return d
+
+
+def check_moe_fields(model: ModelSpec) -> None:
+    """The MoE fields of ``model``: all left unset for a dense model; for a MoE model, at most
+    ``num_experts`` experts per token and a skew the token count allows (the busiest expert gets at
+    most every token once: ``skew * tokens * topk / experts <= tokens``)."""
+    moe_fields = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+    if model.num_experts is None:
+        for name in moe_fields:
+            if getattr(model, name) is not None:
+                raise ConfigError(f"model.{name} needs model.num_experts (a mixture-of-experts model)")
+        if model.moe_routing_skew != 1.0:
+            raise ConfigError("model.moe_routing_skew needs model.num_experts (a mixture-of-experts model)")
+        return
+    v.positive_int("model.num_experts", model.num_experts)
+    for name in moe_fields:
+        if getattr(model, name) is not None:
+            v.positive_int(f"model.{name}", getattr(model, name))
+    topk, experts = model.router_topk, model.num_experts
+    if topk > experts:
+        raise ConfigError(f"model.moe_router_topk ({topk}) must not exceed model.num_experts ({experts})")
+    skew = v.positive_number("model.moe_routing_skew", model.moe_routing_skew)
+    if not 1.0 <= skew <= experts / topk:
+        raise ConfigError(f"model.moe_routing_skew ({skew:g}) must lie in [1, num_experts / moe_router_topk = "
+                          f"{experts} / {topk} = {experts / topk:g}]: the busiest expert gets at most every token")
+    if model.moe_shared_expert_intermediate_size is not None:
+        raise ConfigError("model.moe_shared_expert_intermediate_size: shared experts are not modelled yet "
+                          "(leave it unset to trace the routed experts only)")

@@ -10,7 +10,7 @@ from typing import Any
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs import limits
-from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.model import Family, ModelSpec
 from vtrain_plugin.specs.pipeline_split import chunk_layers_error, rank_layers_error, stage_layers
 
 
@@ -19,6 +19,14 @@ class CpCommType(StrEnum):
 
     P2P = "p2p"  # ring: each step sends the K/V chunk to the next CP rank, overlapped with attention
     ALL_GATHER = "all_gather"  # all-gather of K/V before attention, reduce-scatter of dK/dV after
+
+
+class TokenDispatcher(StrEnum):
+    """How a MoE layer moves tokens to the ranks of their experts (megatron-core's
+    ``moe_token_dispatcher_type``)."""
+
+    ALLTOALL = "alltoall"  # all-to-all over the EP group, all-gather / reduce-scatter over expert TP
+    ALLGATHER = "allgather"  # all-gather of every token over expert TP x EP, reduce-scatter back
 
 
 class Recompute(StrEnum):
@@ -49,6 +57,12 @@ class ParallelPlan:
     # context_parallel_size; see vtrain_plugin.cost.context_parallel), K/V exchanged by cp_comm_type.
     context_parallel: int = 1
     cp_comm_type: CpCommType = CpCommType.P2P
+    # MoE layers: experts split over expert_parallel ranks carved out of TP x CP x DP (megatron-core's
+    # expert_model_parallel_size), each expert's FFN over expert_tensor_parallel ranks (None: the
+    # tensor-parallel size, megatron-core's default); see expert_data_parallel.
+    expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None
+    moe_token_dispatcher: TokenDispatcher = TokenDispatcher.ALLTOALL
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "context_parallel", "pipeline_parallel", "data_parallel"):
@@ -61,6 +75,11 @@ class ParallelPlan:
         object.__setattr__(self, "cp_comm_type", CpCommType(
             v.one_of("parallel.cp_comm_type", self.cp_comm_type, [c.value for c in CpCommType])))
         v.boolean("parallel.sequence_parallel", self.sequence_parallel)
+        limits.WORLD_SIZE.positive_int("parallel.expert_parallel", self.expert_parallel)
+        if self.expert_tensor_parallel is not None:
+            limits.WORLD_SIZE.positive_int("parallel.expert_tensor_parallel", self.expert_tensor_parallel)
+        object.__setattr__(self, "moe_token_dispatcher", TokenDispatcher(v.one_of(
+            "parallel.moe_token_dispatcher", str(self.moe_token_dispatcher), [d.value for d in TokenDispatcher])))
         object.__setattr__(self, "recompute", Recompute(
             v.one_of("parallel.recompute", self.recompute, [r.value for r in Recompute])))
         if self.sequence_parallel and self.tensor_parallel == 1:
@@ -99,6 +118,19 @@ class ParallelPlan:
         return model.seq_length // self.context_parallel
 
     @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size: the one given, else the tensor-parallel size."""
+        return self.tensor_parallel if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Replicas of each expert shard: megatron-core lays the expert ranks (expert TP, EP, expert
+        DP) over the same TP x CP x DP ranks of a pipeline stage as the dense ones, so expert DP is
+        TP x CP x DP / (expert TP x EP) (the rule "(tp*cp*dp) % (ep*etp)" keeps it whole)."""
+        return (self.tensor_parallel * self.context_parallel * self.data_parallel
+                // (self.expert_parallel * self.expert_tp))
+
+    @property
     def num_model_chunks(self) -> int:
         return self.pipeline_parallel * self.virtual_pipeline
 
@@ -119,6 +151,7 @@ class ParallelPlan:
         d = asdict(self)
         d["recompute"] = self.recompute.value
         d["cp_comm_type"] = self.cp_comm_type.value
+        d["moe_token_dispatcher"] = self.moe_token_dispatcher.value
         return d
 
 
@@ -160,6 +193,41 @@ CP_LAYOUT_RULES: tuple[LayoutRule, ...] = (
 )
 
 
+MOE_LAYOUT_RULES: tuple[LayoutRule, ...] = (
+    LayoutRule(
+        name="ep needs moe",
+        broken=lambda p, m: not m.is_moe and (p.expert_parallel > 1 or p.expert_tensor_parallel is not None),
+        message=lambda p, m: (f"expert_parallel ({p.expert_parallel}) and expert_tensor_parallel "
+                              f"({p.expert_tensor_parallel}) need a mixture-of-experts model (model.num_experts)")),
+    _divides("experts % ep", "expert_parallel_size", "num_experts",
+             lambda p: p.expert_parallel, lambda m: m.num_experts, when=lambda p: p.expert_parallel > 1),
+    LayoutRule(
+        name="(tp*cp*dp) % (ep*etp)",
+        broken=lambda p, m: ((p.tensor_parallel * p.context_parallel * p.data_parallel)
+                             % (p.expert_parallel * p.expert_tp) != 0),
+        message=lambda p, m: (f"expert_parallel ({p.expert_parallel}) * expert_tensor_parallel ({p.expert_tp}) = "
+                              f"{p.expert_parallel * p.expert_tp} must divide tensor_parallel ({p.tensor_parallel}) "
+                              f"* context_parallel ({p.context_parallel}) * data_parallel ({p.data_parallel}) = "
+                              f"{p.tensor_parallel * p.context_parallel * p.data_parallel}: "
+                              f"the expert ranks of a pipeline stage are its TP x CP x DP ranks")),
+    LayoutRule(
+        name="moe ffn % etp",
+        broken=lambda p, m: m.is_moe and m.expert_ffn_size % p.expert_tp != 0,
+        message=lambda p, m: (f"expert_tensor_parallel ({p.expert_tp}) must divide moe_ffn_hidden_size "
+                              f"({m.expert_ffn_size})")),
+    LayoutRule(
+        name="moe bias needs etp 1",
+        broken=lambda p, m: m.is_moe and m.family is Family.GPT and p.expert_tp > 1,
+        message=lambda p, m: (f"expert_tensor_parallel ({p.expert_tp}) must be 1 for a gpt-family MoE model: "
+                              f"megatron-core supports expert linear biases only without expert TP")),
+    LayoutRule(
+        name="moe tp needs sp",
+        broken=lambda p, m: m.is_moe and p.tensor_parallel > 1 and not p.sequence_parallel,
+        message=lambda p, m: (f"a mixture-of-experts model with tensor_parallel ({p.tensor_parallel}) > 1 needs "
+                              f"sequence_parallel (megatron-core refuses to train MoE layers under TP without it)")),
+)
+
+
 # In the order check_fits tests them (and the plan search reports them).
 LAYOUT_RULES: tuple[LayoutRule, ...] = (
     _divides("heads % tp", "tensor_parallel_size", "num_attention_heads",
@@ -175,4 +243,5 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
     _divides("seq % tp (sp)", "tensor_parallel_size", "seq_length",
              lambda p: p.tensor_parallel, lambda m: m.seq_length, when=lambda p: p.sequence_parallel),
     *CP_LAYOUT_RULES,
+    *MOE_LAYOUT_RULES,
 )

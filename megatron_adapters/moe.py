@@ -1,0 +1,181 @@
+"""Megatron-Core's MoE layer on the fake process group, traced under a routing assumption.
+
+The layer is megatron-core's own ``MoELayer``: its ``TopKRouter`` (gating GEMM, top-k, softmax,
+load-balancing loss), its token dispatcher (permutation, the all-to-all or all-gather of tokens over
+the expert groups, the sort by local expert, the combine) and ``SequentialMLP`` experts (one
+megatron ``MLP`` per local expert: the experts that run without TransformerEngine or the
+``grouped_gemm`` package). Every op and collective of it is traced as it runs.
+
+Fake tensors cannot give one thing: how many tokens the router sends to each expert. Megatron
+copies these counts to the host (numpy arrays) to size the all-to-all and split the tokens among
+the local experts; the dispatchers below take them from the routing assumption of
+:mod:`megatron_adapters.moe_routing` instead, and the one op whose output size depends on them,
+the dropless permutation's ``masked_select``, runs as the ``nonzero`` + gather it is on the GPU with
+its count known (:func:`_masked_select`). Nothing is synthesized: the all-to-all and the expert
+GEMMs are megatron's, with the shapes the assumption gives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.transformer.moe import token_dispatcher as dispatchers
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+from megatron_adapters.moe_routing import DispatchCounts, expert_token_counts
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+
+LOAD_BALANCING_LOSS = "load_balancing_loss"  # the name TopKRouter logs its auxiliary loss under
+# Megatron-LM's Mixtral / DeepSeek recipes: auxiliary load-balancing loss with coefficient 1e-2.
+LOAD_BALANCING = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
+
+
+def moe_config_fields(model: ModelSpec, plan: ParallelPlan) -> dict:
+    """The TransformerConfig fields of ``model``'s MoE layers under ``plan`` (none for a dense model):
+    dropless routing (no capacity factor), unfused permutation, local experts; softmax before the
+    top-k when k is 1 (megatron-core requires it: a softmax over one expert has no gradient)."""
+    if not model.is_moe:
+        return {}
+    return dict(num_moe_experts=model.num_experts, moe_router_topk=model.router_topk,
+                moe_ffn_hidden_size=model.expert_ffn_size, expert_model_parallel_size=plan.expert_parallel,
+                expert_tensor_parallel_size=plan.expert_tp, moe_token_dispatcher_type=plan.moe_token_dispatcher.value,
+                moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+                moe_router_pre_softmax=model.router_topk == 1, **LOAD_BALANCING)
+
+
+def moe_layer_spec(model: ModelSpec):
+    """The MLP spec of a MoE layer: megatron's local MoE spec (SequentialMLP experts)."""
+    return get_moe_module_spec_for_backend(backend=LocalSpecProvider(), num_experts=model.num_experts,
+                                           moe_grouped_gemm=False)
+
+
+def prepare_moe_layers(module: torch.nn.Module, skew: float) -> None:
+    """Make the MoE layers under ``module`` traceable as a steady-state step (build it under the
+    fake mode that runs the step).
+
+    Each layer gets a token dispatcher of the same kind and process groups that takes its token
+    counts from the routing assumption with skew ``skew``. Megatron's per-layer log of the
+    load-balancing loss (a global of moe_utils) is allocated here: its training loop allocates it at
+    the first step and only zeroes it later, and a log left by an earlier trace holds tensors of
+    another fake mode.
+    """
+    tracker = get_moe_layer_wise_logging_tracker()
+    tracker.clear()
+    layers = [m for m in module.modules() if isinstance(m, MoELayer)]
+    if layers:
+        tracker[LOAD_BALANCING_LOSS] = {"values": torch.zeros(layers[0].config.num_layers)}
+    for layer in layers:
+        if not isinstance(layer, MoELayer):
+            continue
+        built = layer.token_dispatcher
+        kind = {dispatchers.MoEAlltoAllTokenDispatcher: AssumedAlltoAllDispatcher,
+                dispatchers.MoEAllGatherTokenDispatcher: AssumedAllGatherDispatcher}[type(built)]
+        groups = ProcessGroupCollection(ep=built.ep_group, expt_tp=built.tp_group, tp_ep=built.tp_ep_group)
+        layer.token_dispatcher = kind(layer.num_local_experts, layer.local_expert_indices, config=layer.config,
+                                      pg_collection=groups, routing_skew=skew)
+
+
+class AssumedAlltoAllDispatcher(dispatchers.MoEAlltoAllTokenDispatcher):
+    """The all-to-all dispatcher, its host-side counts from the routing assumption."""
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, routing_skew: float):
+        super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection)
+        self.routing_skew = routing_skew
+        # Index tables megatron builds with torch.arange on the host: fake here, so built again as
+        # the host arrays they are.
+        idx = np.arange(self.num_experts * self.tp_size)
+        self.sort_input_by_local_experts = idx.reshape(-1, self.num_local_experts).T.ravel()
+        self.restore_output_by_local_experts = idx.reshape(self.num_local_experts, -1).T.ravel()
+
+    def preprocess(self, routing_map: torch.Tensor):
+        """Megatron's preprocessing (its per-expert count and the all-gather of the counts are
+        traced), then the counts the assumption gives, on the host as megatron holds them."""
+        super().preprocess(routing_map)
+        counts = DispatchCounts(per_expert=expert_token_counts(routing_map.size(0), self.config.moe_router_topk,
+                                                               self.num_experts, self.routing_skew),
+                                ep=self.ep_size, etp=self.tp_size)
+        if self.ep_size > 1 or self.tp_size > 1:
+            self.input_splits = counts.input_splits
+            self.output_splits = counts.output_splits
+            self.output_splits_tp = counts.output_splits_tp
+        if self.num_local_experts > 1:
+            self.num_global_tokens_per_local_expert = counts.global_tokens_per_local_expert
+        return counts.tokens_per_local_expert
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        with _known_count_permute():
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        """The counts are on the host already: no copy, no stream to wait for."""
+        return tokens_per_expert
+
+
+class AssumedAllGatherDispatcher(dispatchers.MoEAllGatherTokenDispatcher):
+    """The all-gather dispatcher, its local token counts from the routing assumption."""
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, routing_skew: float):
+        super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection)
+        self.routing_skew = routing_skew
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        """megatron-core 0.16's ``MoEAllGatherTokenDispatcher.dispatch_postprocess`` with the local
+        counts from the assumption and its ``masked_select`` as :func:`_masked_select`."""
+        self.hidden_shape_before_permute = hidden_states.shape
+        first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
+        self.local_map = self.routing_map[:, first:last].contiguous()
+        self.local_probs = probs[:, first:last].contiguous()
+        self.local_map.sum(dim=0)  # megatron counts the local pairs on the device, then copies them
+        local_tokens = hidden_states.size(0) // (self.tp_size * self.ep_size)
+        per_expert = expert_token_counts(local_tokens, self.router_topk, self.config.num_moe_experts,
+                                         self.routing_skew)
+        tokens_per_expert = DispatchCounts(per_expert=per_expert, ep=self.ep_size,
+                                           etp=self.tp_size).tokens_per_local_expert
+        permuted, _, self.reversed_local_input_permutation_mapping = _permute(
+            hidden_states, self.local_map, num_out_tokens=int(tokens_per_expert.sum()))
+        self.local_probs = _masked_select(self.local_probs.T.contiguous(), self.local_map.T.contiguous(),
+                                          int(tokens_per_expert.sum()))
+        self.routing_map = None
+        return permuted, tokens_per_expert, self.local_probs
+
+
+def _masked_select(values: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor:
+    """``values.masked_select(mask)`` when ``count`` elements are selected: on the GPU a nonzero
+    over the mask and a gather, which is what runs here, with the output size known."""
+    selected = torch.nonzero_static(mask.reshape(-1), size=count).squeeze(1)
+    return values.reshape(-1).index_select(0, selected)
+
+
+def _permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
+    """megatron-core 0.16's unfused dropless ``permute`` (moe_utils) with ``num_out_tokens`` pairs
+    selected by :func:`_masked_select`."""
+    if fused or drop_and_pad or num_out_tokens is None:
+        raise NotImplementedError("vtrain traces megatron's unfused dropless permutation only")
+    num_tokens, _ = tokens.shape
+    num_experts = routing_map.shape[1]
+    routing_map = routing_map.bool().T.contiguous()
+    token_indices = torch.arange(num_tokens, device=routing_map.device).unsqueeze(0).expand(num_experts, -1)
+    sorted_indices = _masked_select(token_indices, routing_map, int(num_out_tokens))
+    permuted_probs = None if probs is None else _masked_select(probs.T.contiguous(), routing_map,
+                                                               int(num_out_tokens))
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
+@contextlib.contextmanager
+def _known_count_permute() -> Iterator[None]:
+    """Megatron's dispatcher calls ``permute`` by its module-level name; for the block, that name
+    is :func:`_permute`."""
+    original = dispatchers.permute
+    dispatchers.permute = _permute
+    try:
+        yield
+    finally:
+        dispatchers.permute = original
