@@ -53,6 +53,8 @@ def test_a_config_error_loads_neither_megatron_nor_torch(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1].startswith(f"vtrain: error: {bad}: ")
     assert "megatron" not in packages and "torch" not in packages
+    # nor the plotting and table libraries (a third of a second each; cluster-sim once loaded them)
+    assert "matplotlib" not in packages and "pandas" not in packages
 
 
 def test_no_cache_writes_nothing(tmp_path, run_cli):

@@ -15,7 +15,6 @@ from vtrain_plugin.hardware.clusters import cluster_for_gpu, cluster_preset_name
 from vtrain_plugin.planning.cluster.cluster_config import ClusterConfig, Granularity
 from vtrain_plugin.planning.cluster.curve_cache import CurveCache, compute_curves, job_curves
 from vtrain_plugin.planning.cluster.curves import CurveSpace
-from vtrain_plugin.planning.cluster.gantt import plot_gantt
 from vtrain_plugin.planning.cluster.generator import DEFAULT_MODELS, MixSpec, generate_jobs
 from vtrain_plugin.planning.cluster.jobs import job_from_entry, read_jobs, write_jobs
 from vtrain_plugin.planning.cluster.policies import POLICIES
@@ -91,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
             lines += [f"  ... and {len(unfit) - 5} more"] if len(unfit) > 5 else []
         emit("\n".join(lines), args.output)
     if args.gantt:
+        from vtrain_plugin.planning.cluster.gantt import plot_gantt  # matplotlib: loaded only to draw
+
         for result in results:
             path = Path(args.gantt)
             plot_gantt(result, path if len(results) == 1 else path.with_suffix(f".{result.policy}{path.suffix}"))

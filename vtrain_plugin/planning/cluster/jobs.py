@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import yaml
 
 from vtrain_plugin.api import load_model_file
@@ -160,6 +159,8 @@ def write_jobs(path: str | Path, rows: Sequence[Mapping[str, Any]]) -> None:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix == ".csv":
+        import pandas as pd  # here: a third of a second to load, and only CSV job files need it
+
         columns = [f for f in FIELDS if any(f in row for row in rows)]
         text = pd.DataFrame(rows, columns=columns, dtype=object).to_csv(index=False)
     elif suffix == ".json":
@@ -172,6 +173,8 @@ def write_jobs(path: str | Path, rows: Sequence[Mapping[str, Any]]) -> None:
 
 
 def _csv_entries(path: Path) -> list[dict[str, str]]:
+    import pandas as pd  # here: a third of a second to load, and only CSV job files need it
+
     try:
         frame = pd.read_csv(path, dtype=str, keep_default_na=False, skipinitialspace=True)
     except OSError as exc:

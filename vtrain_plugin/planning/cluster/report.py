@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from vtrain_plugin.core.units import SECONDS_PER_HOUR
 from vtrain_plugin.planning.cluster.simulator import JobOutcome, SimulationResult
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 SUMMARY_COLUMNS = ("policy", "jobs", "deadline_satisfaction", "rejected", "late", "mean_jct_hours", "p95_jct_hours",
                    "makespan_hours", "utilization", "gpu_hours", "cost_usd")
@@ -54,6 +56,8 @@ def summarize(result: SimulationResult) -> dict[str, Any]:
 
 def summary_table(results: Sequence[SimulationResult]) -> pd.DataFrame:
     """One row per policy, side by side on the same jobs."""
+    import pandas as pd  # here: a third of a second to load; `vtrain --help` and a config error need none of it
+
     return pd.DataFrame([summarize(r) for r in results], columns=list(SUMMARY_COLUMNS))
 
 
