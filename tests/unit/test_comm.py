@@ -1,8 +1,10 @@
+import numpy as np
 import pytest
 
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.cost import CommModel, Layout
+from vtrain_plugin.cost.comm import measured_latency
 from vtrain_plugin.hardware.nccl import NcclTable, load_table_set, parse_table
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CollectiveKind as K
@@ -138,7 +140,7 @@ def test_comm_model_uses_tables_inside_a_node():
     assert m.time_ns(K.ALL_GATHER, 1 << 20, G.TP) == measured / 2
     assert m.time_ns(K.REDUCE_SCATTER, 1 << 20, G.TP) == measured / 2
     # across nodes: alpha-beta (8 NIC shares of 25 GB/s = 200 bytes/ns)
-    assert m.time_ns(K.ALL_REDUCE, 1 << 20, G.DP) == 2 * 1 / 2 * (1 << 20) / 25 + 2 * 5000
+    assert m.time_ns(K.ALL_REDUCE, 1 << 20, G.DP) == 2 * 1 / 2 * (1 << 20) / 25 + (measured_latency("a100_sxm")[0] + 0 + 2 * 5000)
     # a 16-GPU node has no 16-GPU table: alpha-beta
     big_node = ClusterSpec(**{**a100.to_dict(), "gpus_per_node": 16, "name": "x"})
     assert comm(tp=16, cluster=big_node).time_ns(K.ALL_REDUCE, 1600, G.TP) == 2 * 15 / 16 * 1600 / 300 + 30 * 1000
@@ -166,3 +168,43 @@ def test_network_efficiency_scales_every_network_transfer():
     assert half.send_recv_ns(1_000_000, across_nodes=False) == full.send_recv_ns(1_000_000, across_nodes=False)
     with pytest.raises(ConfigError, match=r"network_efficiency must lie in \(0, 1\], got 1.5"):
         CommModel(cluster=PLAIN, tensor_parallel=1, pipeline_parallel=1, data_parallel=1, network_efficiency=1.5)
+
+
+def test_table_zero_byte_time_extrapolates_the_first_two_points():
+    table = load_table_set("a100_sxm")[8]
+    t0, t1 = (92790 + 92150) / 2, (93250 + 92970) / 2  # 1 MiB and 2 MiB
+    assert table.zero_byte_ns == t0 - (t1 - t0)  # 91,830 ns
+    assert NcclTable(num_gpus=2, sizes_nbytes=(100, 200), times_ns=(50.0, 60.0)).zero_byte_ns == 40.0
+    assert NcclTable(num_gpus=2, sizes_nbytes=(100, 200), times_ns=(10.0, 60.0)).zero_byte_ns == 0.0  # clamped
+    assert NcclTable(num_gpus=2, sizes_nbytes=(100,), times_ns=(7.0,)).zero_byte_ns == 7.0
+
+
+def test_measured_latency_is_the_tables_zero_byte_line():
+    tables = load_table_set("a100_sxm")
+    steps = [2 * (g - 1) for g in sorted(tables)]
+    slope, intercept = np.polyfit(steps, [tables[g].zero_byte_ns for g in sorted(tables)], 1)
+    fixed, per_step = measured_latency("a100_sxm")
+    assert (fixed, per_step) == (pytest.approx(intercept, rel=1e-9), pytest.approx(slope, rel=1e-9))
+    assert (round(fixed), round(per_step)) == (30908, 4102)  # per collective, per NVLink ring step
+
+
+def test_node_spanning_group_pays_the_measured_intra_node_latency():
+    # TP 16 on two DGX A100 nodes: 8 GPUs of the group per node, 8 NIC shares of 25 GB/s = 200 bytes/ns.
+    # Of the ring's 30 steps, 28 stay inside a node at the tables' per-step latency, 2 cross the
+    # network at 5 us, plus the tables' per-collective fixed cost; reduce-scatter has 14 + 1 steps.
+    a100 = get_cluster_preset("dgx-a100")
+    fixed, step = measured_latency("a100_sxm")
+    m = comm(tp=16, cluster=a100)
+    nbytes = 402_653_184  # 32 x 2048 x 3072 fp16: a micro-batch 32 activation
+    assert m.time_ns(K.ALL_REDUCE, nbytes, G.TP) == 2 * 15 / 16 * nbytes / 200 + (fixed + 28 * step + 2 * 5000)
+    # at micro-batch 2 (25 MB) the tree's shorter intra-node chain (7 steps each way) wins
+    small = 25_165_824
+    assert m.time_ns(K.ALL_REDUCE, small, G.TP) == small / (0.5 * 0.92 * 200) + (fixed + 2 * (7 * step + 1 * 5000))
+    assert m.time_ns(K.REDUCE_SCATTER, nbytes, G.TP) == 15 / 16 * nbytes / 200 + (fixed + 14 * step + 1 * 5000)
+    # the tree's intra-node chain too: 1 KB on 8 nodes x 8 GPUs (DP 64) is latency-bound, the tree wins
+    dp = comm(dp=64, cluster=a100)
+    assert dp.time_ns(K.ALL_REDUCE, 1000, G.DP) == 1000 / (0.5 * 0.92 * 200) + (fixed + 2 * (7 * step + 3 * 5000))
+    # one GPU of the group per node (DP with TP 8): no intra-node steps, the fixed cost only
+    assert comm(tp=8, dp=2, cluster=a100).time_ns(K.ALL_REDUCE, 1 << 20, G.DP) == (1 << 20) / 25 + (fixed + 0 * step + 2 * 5000)
+    # inside a node nothing changes: the table itself
+    assert comm(tp=8, cluster=a100).time_ns(K.ALL_REDUCE, 1 << 20, G.TP) == (92790 + 92150) / 2

@@ -33,6 +33,11 @@ point-to-point transfer inside a node: ``(SEND, 2)``) takes its time from it, in
 and the group lies inside one node, the measured all-reduce time replaces alpha-beta; all-gather
 and reduce-scatter take half of it: at the same bus bandwidth they move ``(n-1)/n`` instead of
 ``2(n-1)/n`` of the buffer per GPU, and run half of the ring steps.
+A group that spans nodes keeps alpha-beta, but its latency is the one the set measures
+(:func:`measured_latency`: the tables' zero-byte times against their ring steps give a fixed cost
+per collective, 30.9 us on A100, and a latency per intra-node ring step, 4.1 us) instead of the
+cluster's nominal per-step NVLink latency (1 us): NCCL launches, sets up and steps through the node
+alike whether or not the ring then leaves it. Network steps keep ``inter_node_latency``.
 """
 
 from __future__ import annotations
@@ -168,13 +173,30 @@ class CommModel:
         """
         c = self.cluster
         inter_steps = steps * (placement.num_nodes - 1) // (placement.size - 1)
+        measured = self._measured_latency(placement)
+        if measured is not None:
+            fixed, per_step = measured
+            return fixed + (steps - inter_steps) * per_step + inter_steps * c.inter_node_latency_ns
         return (steps - inter_steps) * c.intra_node_latency_ns + inter_steps * c.inter_node_latency_ns
+
+    def _measured_latency(self, placement: GroupPlacement) -> tuple[float, float] | None:
+        """For a group spanning nodes, when the cluster names a table set: the per-collective fixed
+        cost and the per-intra-node-step latency that set measures (:func:`measured_latency`), which
+        replace the nominal per-step NVLink latency. NCCL launches the same kernel, sets up the same
+        channels and runs its intra-node ring steps alike whether or not the ring then leaves the
+        node, so what the tables measure inside a node is paid too."""
+        name = self.cluster.nccl_tables
+        if name is None or not placement.spans_nodes:
+            return None
+        return measured_latency(name)
 
     def _tree_all_reduce_ns(self, nbytes: int, placement: GroupPlacement) -> float:
         c = self.cluster
         bw = _TREE_ALGORITHM_RATIO * _TREE_BUS_EFFICIENCY * self._ring_bytes_per_ns(placement)
-        latency = 2 * ((placement.gpus_per_node - 1) * c.intra_node_latency_ns
-                       + math.ceil(math.log2(placement.num_nodes)) * c.inter_node_latency_ns)
+        measured = self._measured_latency(placement)
+        fixed, per_step = (0.0, c.intra_node_latency_ns) if measured is None else measured
+        latency = fixed + 2 * ((placement.gpus_per_node - 1) * per_step
+                               + math.ceil(math.log2(placement.num_nodes)) * c.inter_node_latency_ns)
         return nbytes / bw + latency
 
     def _all_to_all_ns(self, nbytes: int, placement: GroupPlacement) -> float:
@@ -203,6 +225,25 @@ class CommModel:
         n = placement.size
         all_reduce_ns = table.time_ns(nbytes, latency_floor_ns=self._latency_ns(2 * (n - 1), placement))
         return all_reduce_ns if kind is CollectiveKind.ALL_REDUCE else all_reduce_ns / 2
+
+
+@lru_cache(maxsize=None)
+def measured_latency(name: str) -> tuple[float, float]:
+    """``(fixed_ns, per_step_ns)``: the least-squares line of table set ``name``'s zero-byte
+    all-reduce times (:attr:`NcclTable.zero_byte_ns`) against their ring steps ``2(g-1)``. The
+    A100 set gives 30.9 us per collective (launch, channel setup) and 4.10 us per NVLink ring step,
+    where the cluster's nominal step latency is 1 us. Derived from the tables, not fitted to
+    iteration times; a set with one table has no per-step slope (its zero-byte time is all fixed)."""
+    tables = load_table_set(name)
+    steps = [2 * (g - 1) for g in sorted(tables)]
+    zero = [tables[g].zero_byte_ns for g in sorted(tables)]
+    if len(steps) == 1:
+        return zero[0], 0.0
+    mx, my = sum(steps) / len(steps), sum(zero) / len(zero)
+    slope = (sum((x - mx) * (y - my) for x, y in zip(steps, zero))
+             / sum((x - mx) ** 2 for x in steps))
+    slope = max(slope, 0.0)
+    return max(my - slope * mx, 0.0), slope
 
 
 @lru_cache(maxsize=1024)

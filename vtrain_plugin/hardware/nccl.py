@@ -42,6 +42,18 @@ class NcclTable:
         if any(b <= a for a, b in zip(self.sizes_nbytes, self.sizes_nbytes[1:])) or self.sizes_nbytes[0] <= 0:
             raise ConfigError("nccl_table.sizes_nbytes must be positive and strictly increasing")
 
+    @property
+    def zero_byte_ns(self) -> float:
+        """The all-reduce's fixed cost: the first two entries' line extrapolated to zero bytes
+        (clamped to ``[0, first time]``). What NCCL spends per collective on these GPUs whatever the
+        size: the kernel launch, the channels' setup and the ring's intra-node steps at their
+        measured (not nominal) latency."""
+        sizes, times = self.sizes_nbytes, self.times_ns
+        if len(sizes) == 1:
+            return times[0]
+        slope = (times[1] - times[0]) / (sizes[1] - sizes[0])
+        return min(max(times[0] - slope * sizes[0], 0.0), times[0])
+
     def time_ns(self, nbytes: int, *, latency_floor_ns: float = 0.0) -> float:
         """Time of an all-reduce of ``nbytes``.
 
