@@ -44,6 +44,10 @@ HEAD_MODULES = (FINAL_LAYERNORM, OUTPUT_LAYER, LOSS)
 # A layer's core attention (DotProductAttention in the local spec: scores, softmax, dropout, context;
 # TransformerEngine's fused attention in the TE spec), under the layer: ``<layer>.self_attention.core_attention``.
 CORE_ATTENTION = ".self_attention.core_attention"
+# Not a module of megatron-core's: the owner tracing gives a tensor that the core attention of several
+# layers keeps for backward (the causal attention mask of the local spec's softmax), which a fused
+# attention kernel does not keep; it is a block of the stage of its own.
+SHARED_BY_CORE_ATTENTION = "<kept by the core attention of every layer>"
 TIED_WEIGHT_OWNERS = (WORD_EMBEDDING, OUTPUT_LAYER)  # one tensor with share_embeddings_and_output_weights
 
 # ``<prefix>.layers.<index><rest>``, the prefix ending in ``layers`` (``decoder.layers``, or ``layers``

@@ -7,13 +7,16 @@ from __future__ import annotations
 import pytest
 
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.core.graph import CollectiveNode, OpNode, Phase
+from vtrain_plugin.core.graph import BlockKind, CollectiveNode, OpNode, Phase
+from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.lowering import map_nodes
 from vtrain_plugin.cost.lowering_fp8 import fp8_weight_cache_nbytes
 from vtrain_plugin.cost.lowering_te import fused_attention_saved_delta
+from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
-from vtrain_plugin.specs.training import Fp8Format, Fp8Recipe, Fp8Settings
+from vtrain_plugin.specs.training import Fp8Format, Fp8Recipe, Fp8Settings, SoftwareStack
+from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
 
 TE = "megatron_core_te"
 H, HEADS, GROUPS, S, MB, TP = 64, 4, 2, 32, 2, 2
@@ -272,3 +275,27 @@ def test_python_api_estimates_fp8_on_h100_and_refuses_it_on_a100(llama):
     assert fp8.to_dict()["fp8"] == "hybrid" and fp8.mfu > 0
     with pytest.raises(ConfigError, match=r"^training.fp8 'hybrid' needs fp8 tensor cores; a100-sxm4-80gb"):
         estimate(llama, cluster=get_cluster_preset("dgx-a100"), training=TrainingSpec(global_batch_size=4, fp8="hybrid"))
+
+
+def test_the_causal_mask_is_a_stage_block_that_fused_attention_does_not_keep():
+    """The local spec's softmax keeps the ``s x s`` causal mask all layers of a chunk share: a stage
+    block of its own, which the TE stack drops (its causal kernels take no mask). A checkpoint around
+    the core attention keeps the mask as one of its inputs: then it stays with the chunk."""
+    def stage_blocks(graph):
+        return {b.name: b.activation_nbytes for b in graph.stages[0].blocks if b.kind is BlockKind.STAGE}
+
+    none, selective = _trace("llama"), _trace("llama", recompute="selective")
+    mask = S * S  # (1, 1, s, s) bool
+    assert stage_blocks(none)[SHARED_BY_CORE_ATTENTION] == mask
+    assert SHARED_BY_CORE_ATTENTION not in stage_blocks(selective)
+    assert stage_blocks(selective)["stage"] == stage_blocks(none)["stage"] + mask
+
+    def activations(graph, stack):
+        memory = stack_rank_memory(graph, lambda rank, chunks: (sum(chunks), len(chunks)), stack)
+        return memory[0].activations_gib * GIB
+
+    layer = none.stages[0].layer_template()
+    assert layer.count == 2
+    assert (activations(none, SoftwareStack.MEGATRON_CORE_TE) - activations(none, SoftwareStack.LOCAL_SPEC)
+            == pytest.approx(2 * fused_attention_saved_delta(layer.nodes) - mask, abs=1e-3))
+    assert activations(selective, SoftwareStack.MEGATRON_CORE_TE) == activations(selective, SoftwareStack.LOCAL_SPEC)

@@ -10,7 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveNode, Node, OpNode, ParallelGroup)
-from megatron_adapters.conventions import EMBEDDING, is_embedding_module, is_head_module, split_layer_module
+from megatron_adapters.conventions import (EMBEDDING, SHARED_BY_CORE_ATTENTION, is_embedding_module, is_head_module,
+                                          split_layer_module)
 from vtrain_plugin.capture.records import OpRecord, Record
 
 
@@ -29,6 +30,8 @@ def block_of(module: str) -> tuple[BlockKind, str]:
         return BlockKind.EMBEDDING, EMBEDDING
     if is_head_module(module):
         return BlockKind.HEAD, "head"
+    if module == SHARED_BY_CORE_ATTENTION:
+        return BlockKind.STAGE, SHARED_BY_CORE_ATTENTION
     return BlockKind.STAGE, "stage"
 
 

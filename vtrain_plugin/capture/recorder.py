@@ -23,7 +23,7 @@ from vtrain_plugin.capture import opinfo
 from vtrain_plugin.capture.records import CollectiveRecord, OpRecord, Record
 from vtrain_plugin.core.errors import TraceError
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey, Phase
-from megatron_adapters.conventions import split_layer_module
+from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION, is_core_attention_module, split_layer_module
 
 _TAG = "vtrain_module"
 
@@ -183,7 +183,7 @@ class OpRecorder:
     def _count_saved_activations(self) -> None:
         """Bytes of every saved storage (parameters excluded), each counted once: for the module
         that saved it first, or, when modules of several layers saved it (the attention mask, an
-        input of the whole chunk), for the chunk (module ``""``), so that a layer template stands
+        input of the whole chunk), for the chunk (:func:`_owner`), so that a layer template stands
         for a layer alone. Walking the saves in order (after collecting unreachable cycles) makes
         the attribution deterministic."""
         gc.collect()
@@ -200,7 +200,7 @@ class OpRecorder:
             savers.setdefault(key, []).append(saved.module)
             sizes[key] = storage.nbytes()
         for key, modules in savers.items():
-            owner = modules[0] if len({_layer_of(m) for m in modules}) == 1 else ""
+            owner = _owner(modules)
             self.saved_nbytes[owner] = self.saved_nbytes.get(owner, 0) + sizes[key]
 
     # -- recording --------------------------------------------------------------------------
@@ -268,6 +268,19 @@ class _SavedTensor:
     def __init__(self, tensor: torch.Tensor, module: str) -> None:
         self.tensor = tensor
         self.module = module
+
+
+def _owner(savers: list[str]) -> str:
+    """The module a saved storage's bytes are attributed to, from the modules that saved it, in order:
+    the first when they are all in one layer; :data:`SHARED_BY_CORE_ATTENTION` when they are the core
+    attention of several layers (the causal mask: a stack with fused attention keeps none); else the
+    chunk (``""``). In a chunk of one layer nothing tells the shared mask from the layer's own
+    tensors: it stays with the layer, and is counted under fused attention too (``s^2`` bytes)."""
+    if len({_layer_of(m) for m in savers}) == 1:
+        return savers[0]
+    if all(is_core_attention_module(m) for m in savers):
+        return SHARED_BY_CORE_ATTENTION
+    return ""
 
 
 def _layer_of(module: str) -> str:

@@ -24,8 +24,8 @@ if TYPE_CHECKING:  # the specs layer sits above core; the graph only holds its v
     from vtrain_plugin.specs.model import ModelSpec
     from vtrain_plugin.specs.parallel import ParallelPlan
 
-SCHEMA_VERSION = 4  # 2: model and parallel are specs, module_name names a plain module; 3: parameter_numels;
-# 4: expert_parameter_numels
+SCHEMA_VERSION = 5  # 2: model and parallel are specs, module_name names a plain module; 3: parameter_numels;
+# 4: expert_parameter_numels; 5: the causal mask the layers' core attention keeps is a stage block of its own
 
 Scalar = Union[int, float, bool, str, None]
 

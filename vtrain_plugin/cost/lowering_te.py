@@ -250,7 +250,8 @@ def fused_attention_saved_delta(nodes: Sequence[Node]) -> int:
 
     The traced attention keeps the fp32 softmax output, the probabilities its context GEMM reads and
     the dropout mask (the score-sized tensors: ``b h s^2`` elements each; the causal mask, shared by
-    every layer of a chunk, is counted once per chunk by the memory model, not here), and
+    every layer of a chunk, is a block of the stage of its own, which
+    :func:`~vtrain_plugin.cost.stack_memory.stack_rank_memory` drops), and
     with grouped-query attention keys and values expanded to every query head; the fused kernel
     keeps none of these, but keys and values at their own size and the softmax statistics (one fp32
     value per query row). Queries, the output and, without GQA, keys and values are kept by both.
