@@ -1,0 +1,66 @@
+"""benchmarks/h100_validation.py, the ground-truth run for a lent GPU, checked end to end on the CPU
+(``--smoke``: two tiny plans, profiled, trained and compared for real) so that a session with a GPU
+only has to run it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "h100_validation.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+import h100_validation  # noqa: E402
+
+
+def test_smoke_run_writes_the_validation_csv_and_the_profile_export(tmp_path):
+    out, export = tmp_path / "validation.csv", tmp_path / "profiles.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--export", str(export)],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr
+    frame = pd.read_csv(out)
+    assert list(frame.columns) == ["plan", "predicted_ms", "measured_ms", "error_pct", "predicted_peak_gib",
+                                   "measured_peak_gib"]
+    assert list(frame["plan"]) == list(h100_validation.SMOKE_PLANS)
+    assert (frame["predicted_ms"] > 0).all() and (frame["measured_ms"] > 0).all()
+    expected = 100 * (frame["predicted_ms"] - frame["measured_ms"]) / frame["measured_ms"]
+    assert (expected - frame["error_pct"]).abs().max() < 0.01  # columns rounded to 3 decimals
+    doc = json.loads(export.read_text())
+    assert len(doc["devices"]) == 1 and doc["devices"][0]["fingerprint"]["kind"] == "cpu"
+    assert len(doc["kernels"]) > 100  # every unique kernel of both plans, timed
+
+
+def test_rows_of_other_plans_are_kept(tmp_path):
+    path = tmp_path / "validation.csv"
+    row = dict.fromkeys(h100_validation.COLUMNS[1:], 1.0)
+    h100_validation.write_rows([{"plan": "a", **row}, {"plan": "b", **row}], path)
+    h100_validation.write_rows([{"plan": "b", **row, "measured_ms": 2.0}], path)
+    frame = pd.read_csv(path)
+    assert list(frame["plan"]) == ["a", "b"] and list(frame["measured_ms"]) == [1.0, 2.0]
+
+
+def test_unknown_plan_is_refused():
+    with pytest.raises(SystemExit) as exit_info:
+        h100_validation.main(["--smoke", "--plans", "nope"])
+    assert exit_info.value.code == 2
+
+
+def test_gpu_plans_fit_one_h100_as_estimated():
+    """Every GPU plan, estimated as it will run (one H100, megatron-core's local spec as the real step
+    trains it), fits in 80 GB with room for what the estimate does not count."""
+    from dataclasses import replace
+
+    from vtrain_plugin.api import run_config_from_dict
+    from vtrain_plugin.estimate import estimate
+    from vtrain_plugin.specs.training import SoftwareStack
+
+    for name, mapping in h100_validation.PLANS.items():
+        run = run_config_from_dict(mapping, source=name)
+        assert run.parallel.world_size == 1
+        local = replace(run, training=replace(run.training, software_stack=SoftwareStack.LOCAL_SPEC))
+        total = estimate(local).memory_gib[0].total_gib
+        assert total < 60, (name, total)
