@@ -30,6 +30,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
 from megatron_adapters.moe_routing import DispatchCounts, expert_token_counts
+from vtrain_plugin.core.errors import TraceError
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
@@ -156,9 +157,13 @@ def _masked_select(values: torch.Tensor, mask: torch.Tensor, count: int) -> torc
 
 def _permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
     """megatron-core 0.16's unfused dropless ``permute`` (moe_utils) with ``num_out_tokens`` pairs
-    selected by :func:`_masked_select`."""
+    selected by :func:`_masked_select`. The fused and drop-and-pad variants are refused before any
+    tracing (:mod:`megatron_adapters.config_map`: ``moe_permute_fusion``, capacity factor); reaching
+    one here means megatron-core called the permutation in a way this adapter does not know."""
     if fused or drop_and_pad or num_out_tokens is None:
-        raise NotImplementedError("vtrain traces megatron's unfused dropless permutation only")
+        raise TraceError(f"megatron-core asked for a MoE permutation vtrain does not trace (fused={fused}, "
+                         f"drop_and_pad={drop_and_pad}, num_out_tokens={num_out_tokens}); vtrain traces "
+                         f"the unfused dropless one")
     num_tokens, _ = tokens.shape
     num_experts = routing_map.shape[1]
     routing_map = routing_map.bool().T.contiguous()

@@ -232,3 +232,15 @@ def test_known_count_permutation_is_megatrons_on_real_routing():
     got = _permute(tokens, routing_map, probs=probs, num_out_tokens=32 * TOPK)
     for want, have in zip(expected, got):
         assert torch.equal(want, have)
+
+
+def test_an_unknown_permutation_variant_is_a_trace_error():
+    import torch
+
+    from megatron_adapters.moe import _permute
+    from vtrain_plugin.core.errors import TraceError
+
+    tokens, routing = torch.zeros(4, 8), torch.ones(4, 2, dtype=torch.bool)
+    with pytest.raises(TraceError, match=r"fused=True, drop_and_pad=False, num_out_tokens=8"):
+        _permute(tokens, routing, num_out_tokens=8, fused=True)
+    assert _permute(tokens, routing, num_out_tokens=8)[0].shape == (8, 8)
