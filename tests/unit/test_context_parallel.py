@@ -10,20 +10,16 @@ from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveKind, Collecti
                                       ParallelGroup, Phase, StageGraph)
 from vtrain_plugin.cost import CommModel, Layout
 from vtrain_plugin.cost.context_parallel import ContextParallel
-from vtrain_plugin.cost.costing import cost
-from vtrain_plugin.cost.kernel_timer import KernelTimer
 from vtrain_plugin.cost.memory import rank_memory
-from vtrain_plugin.cost.prepare import prepare
 from vtrain_plugin.cost.runtime_collectives import runtime_collectives
 from vtrain_plugin.core.dtypes import Dtype
-from vtrain_plugin.hardware.calibration import calibration_for
-from vtrain_plugin.hardware.clusters import get_cluster_preset
-from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import CpCommType, ParallelPlan
 from vtrain_plugin.specs.plan_file import parse_plan
 from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
+
+from tests.unit.one_layer_cost import LAYER, cost_one_layer
 
 MODEL = ModelSpec(family="llama", num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2,
                   seq_length=96, vocab_size=1024)
@@ -107,7 +103,6 @@ def test_a_ring_step_is_a_send_inside_the_node_or_over_the_network():
 
 # -- the CP attention of a layer --------------------------------------------------------------------
 
-LAYER = "decoder.layers.0"
 CORE = f"{LAYER}.self_attention.core_attention"
 # B = 4 heads x micro-batch 1 on this TP rank, s_l = 32 tokens, head dim 32; one K/V head (GQA 4:1)
 SCORES = OpNode(key=KernelKey(op="aten.baddbmm.default", input_shapes=((4, 32, 32), (4, 32, 32), (4, 32, 32)),
@@ -229,16 +224,9 @@ def _ring_step_cost(kernel_ns: float, nbytes: int, comm_type: str = "p2p"):
     recv = CollectiveNode(kind=CollectiveKind.RECV, nbytes=nbytes, group=ParallelGroup.CP, group_size=2,
                           phase=Phase.FORWARD, module=CORE, synthesized=True)
     plan = ParallelPlan(tensor_parallel=2, context_parallel=2, cp_comm_type=comm_type)
-    block = Block(kind=BlockKind.LAYER, name=LAYER, nodes=(send, recv, KERNEL))
-    graph = OpGraph(model=None, parallel=plan, micro_batch_size=1, seq_length=64,
-                    stages=(StageGraph(pipeline_rank=0, blocks=(block,)),))
-    cluster = get_cluster_preset("dgx-h100")
-    device = get_device(cluster.gpu)
-    timer = KernelTimer(device, calibration_for(device.name, "megatron_core_te").constants)
-    comm = CommModel.for_plan(cluster, plan)
-    costing = cost(prepare(graph, "megatron_core_te", {KERNEL.key: kernel_ns}), timer=timer, comm=comm,
-                   training=TrainingSpec(global_batch_size=1), num_microbatches=1)
-    return costing.work.chunks[0], comm.time_ns(CollectiveKind.SEND, nbytes, ParallelGroup.CP)
+    chunk, comm = cost_one_layer((send, recv, KERNEL), plan, "megatron_core_te", {KERNEL.key: kernel_ns},
+                                 seq_length=64)
+    return chunk, comm.time_ns(CollectiveKind.SEND, nbytes, ParallelGroup.CP)
 
 
 def test_a_ring_step_hides_its_send_behind_its_attention_kernel():

@@ -4,20 +4,13 @@ reduce-scatter hides behind, and the exact time left exposed, on hand-built laye
 import pytest
 
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveKind, CollectiveNode, KernelKey, OpGraph, OpNode,
-                                      ParallelGroup, Phase, StageGraph)
-from vtrain_plugin.cost.comm import CommModel
+from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, KernelKey, OpNode, ParallelGroup, Phase
 from vtrain_plugin.cost.comm_overlap import overlap_partners
-from vtrain_plugin.cost.costing import cost
-from vtrain_plugin.cost.kernel_timer import KernelTimer
-from vtrain_plugin.cost.prepare import prepare
-from vtrain_plugin.hardware.calibration import calibration_for
-from vtrain_plugin.hardware.clusters import get_cluster_preset
-from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import TrainingSpec
 
-LAYER = "decoder.layers.0"
+from tests.unit.one_layer_cost import LAYER, cost_one_layer
+
 QKV, PROJ, FC1, FC2 = (f"{LAYER}.{m}" for m in ("self_attention.linear_qkv", "self_attention.linear_proj",
                                                  "mlp.linear_fc1", "mlp.linear_fc2"))
 NBYTES = 8_000_000
@@ -51,16 +44,9 @@ def test_each_collective_pairs_with_the_gemm_it_feeds_or_drains():
 
 def _cost(gemm_ns: float, *, overlap: bool, plan: ParallelPlan = PLAN):
     gemm = _gemm(QKV, F, 4096)
-    block = Block(kind=BlockKind.LAYER, name=LAYER, nodes=(_tp(AG, QKV, F), gemm))
-    graph = OpGraph(model=None, parallel=plan, micro_batch_size=1, seq_length=4096,
-                    stages=(StageGraph(pipeline_rank=0, blocks=(block,)),))
-    cluster = get_cluster_preset("dgx-h100")
-    device = get_device(cluster.gpu)
-    timer = KernelTimer(device, calibration_for(device.name, "local_spec").constants)
-    comm = CommModel.for_plan(cluster, plan)
-    costing = cost(prepare(graph, "local_spec", {gemm.key: gemm_ns}), timer=timer, comm=comm,
-                   training=TrainingSpec(global_batch_size=1, tp_comm_overlap=overlap), num_microbatches=1)
-    return costing.work.chunks[0], comm.time_ns(AG, NBYTES, ParallelGroup.TP)
+    chunk, comm = cost_one_layer((_tp(AG, QKV, F), gemm), plan, "local_spec", {gemm.key: gemm_ns}, seq_length=4096,
+                                 training=TrainingSpec(global_batch_size=1, tp_comm_overlap=overlap))
+    return chunk, comm.time_ns(AG, NBYTES, ParallelGroup.TP)
 
 
 def test_a_collective_shorter_than_its_gemm_is_hidden():
