@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.hardware.nccl import NcclTable, load_table_set
 from vtrain_plugin.cost.topology import GroupPlacement, Layout
@@ -239,11 +241,9 @@ def measured_latency(name: str) -> tuple[float, float]:
     zero = [tables[g].zero_byte_ns for g in sorted(tables)]
     if len(steps) == 1:
         return zero[0], 0.0
-    mx, my = sum(steps) / len(steps), sum(zero) / len(zero)
-    slope = (sum((x - mx) * (y - my) for x, y in zip(steps, zero))
-             / sum((x - mx) ** 2 for x in steps))
-    slope = max(slope, 0.0)
-    return max(my - slope * mx, 0.0), slope
+    slope, _ = np.polyfit(steps, zero, 1)
+    slope = max(float(slope), 0.0)
+    return max(float(np.mean(zero)) - slope * float(np.mean(steps)), 0.0), slope
 
 
 @lru_cache(maxsize=1024)
