@@ -123,6 +123,26 @@ def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
     atomic_write_text(path, frame.to_csv(index=False, float_format="%.3f"))
 
 
+def _each_in_its_own_process(names: list[str], args: argparse.Namespace) -> int:
+    """Run every plan in a fresh interpreter sharing one profile database and one CSV.
+
+    A trained model leaves memory behind in the process (megatron-core's global buffers, the CUDA
+    caching allocator), so the next plan's fit check would see a fraction of the GPU free.
+    """
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        db_path = args.db or Path(tmp) / "profiles.sqlite"
+        failed = 0
+        for name in names:
+            command = [sys.executable, str(Path(__file__).resolve()), "--plans", name, "--db", str(db_path),
+                       "--out", str(args.out), "--export", str(args.export), "--iterations", str(args.iterations),
+                       "--warmup", str(args.warmup)] + (["--device", args.device] if args.device else [])
+            failed += subprocess.run(command, check=False).returncode != 0
+    print(f"{len(names) - failed} of {len(names)} plans ran; rows in {args.out}")
+    return 1 if failed else 0
+
+
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -149,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cpu" if args.smoke else "cuda")
     iterations, warmup = (1, 0) if args.smoke else (args.iterations, args.warmup)
 
+    if device.startswith("cuda") and len(names) > 1:
+        return _each_in_its_own_process(names, args)
+
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         db_path = args.db or Path(tmp) / "profiles.sqlite"
@@ -163,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"{name}: predicted {row['predicted_ms']:,.1f} ms, measured {row['measured_ms']:,.1f} ms "
                  f"({row['error_pct']:+.1f}%), peak {row['predicted_peak_gib']:.2f} / "
                  f"{row['measured_peak_gib']:.2f} GiB ({time.perf_counter() - start:.0f} s)")
-        if rows:
+            # written after every plan, so a run stopped at a time limit keeps the plans it finished
             write_rows(rows, args.out)
             from profiler.db import ProfileDB
 

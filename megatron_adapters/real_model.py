@@ -35,7 +35,7 @@ from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.specs.model import ModelSpec
-from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
 from vtrain_plugin.specs.training import model_state_bytes_per_parameter
 _INIT_STD = 0.02
 
@@ -63,12 +63,18 @@ def required_memory_bytes(model: ModelSpec, plan: ParallelPlan) -> int:
     parameter in fp16, 2 + 4 + 4 + 8 = 18 in bf16 and 4 + 4 + 8 = 16 in fp32 (the optimizer step's
     transient fp32 main gradients are not counted); activations of one micro-batch
     per layer after Korthikanti et al. (``34 s b h + 5 a s^2 b`` bytes at 2-byte activations, scaled
-    to the dtype); the fp32 logits with their softmax and gradient (``3 * 4 s b V``).
+    to the dtype; selective recompute keeps ``34 s b h`` of them, full recompute only the layer's
+    ``2 s b h`` input, and both rebuild one whole layer in the backward pass); the fp32 logits with
+    their softmax and gradient (``3 * 4 s b V``).
     """
     per_param = model_state_bytes_per_parameter(model.dtype)
     s, b, h, a = model.seq_length, plan.micro_batch_size, model.hidden_size, model.num_attention_heads
     scale = model.dtype.nbytes / 2
-    activations = model.num_layers * (34 * s * b * h + 5 * a * s * s * b) * scale
+    whole_layer = 34 * s * b * h + 5 * a * s * s * b
+    kept_per_layer = {Recompute.NONE: whole_layer, Recompute.SELECTIVE: 34 * s * b * h,
+                      Recompute.FULL: 2 * s * b * h}[plan.recompute]
+    rebuilt = 0 if plan.recompute is Recompute.NONE else whole_layer
+    activations = (model.num_layers * kept_per_layer + rebuilt) * scale
     logits = 3 * 4 * s * b * model.padded_vocab_size(1)
     return int(model.num_parameters * per_param + activations + logits)
 
