@@ -160,6 +160,7 @@ FITTED: dict[str, tuple[float, float, bool]] = {
         ("collective_host_overhead_ns", True),
         ("microbatch_overhead_ns", True),
         ("network_efficiency", False),
+        ("gpu_speed_spread", False),
     )
 }
 
@@ -171,7 +172,8 @@ TIED = ("backward_host_overhead_ns",)
 # Where every fit starts: typical values from the documentation of each constant, not from the data.
 START = DeviceConstants(gemm_efficiency=0.8, hbm_efficiency=0.8, kernel_overhead_ns=2000.0, host_overhead_ns=5000.0,
                         backward_host_overhead_ns=5000.0, module_host_overhead_ns=20000.0,
-                        layer_host_overhead_ns=100_000.0, collective_host_overhead_ns=20000.0, microbatch_overhead_ns=500_000.0, network_efficiency=0.85)
+                        layer_host_overhead_ns=100_000.0, collective_host_overhead_ns=20000.0, microbatch_overhead_ns=500_000.0, network_efficiency=0.85,
+                        gpu_speed_spread=0.01)
 
 
 def _to_unit(name: str, value: float, fitted: Mapping[str, tuple[float, float, bool]]) -> float:

@@ -25,6 +25,7 @@ import h100_data  # noqa: E402
 from a100_data import FITTED, START, add_data_argument, error_stats, fit, predict_all, prepare_runs  # noqa: E402
 
 from vtrain_plugin.cli.render import render_table  # noqa: E402
+from vtrain_plugin.hardware.devices import get_device  # noqa: E402
 from vtrain_plugin.hardware.calibration import (CONSTANT_RANGES, OPTIONAL_CONSTANTS, Calibration, DeviceConstants,  # noqa: E402
                                                 write_calibration)
 
@@ -42,6 +43,15 @@ DATASETS = {("a100-sxm4-80gb", "megatron_deepspeed_2023"): (
     "gemm_efficiency (FP8 GEMMs), attention_efficiency and hbm_efficiency are fitted (bounded Nelder-Mead on the "
     "mean absolute log error); host costs, kernel overhead and network efficiency are the A100 fit's "
     "(software and platform constants).", h100_data.read_runs, h100_data.start_constants, h100_data.FITTED_H100)}
+
+
+def within_gemm_ceiling(fitted: dict[str, tuple[float, float, bool]], device: str) -> dict[str, tuple[float, float, bool]]:
+    """The search ranges with the GEMM efficiency's top at the device's measured ceiling."""
+    ceiling = get_device(device).gemm_ceiling
+    if "gemm_efficiency" not in fitted or ceiling is None:
+        return fitted
+    low, high, log = fitted["gemm_efficiency"]
+    return {**fitted, "gemm_efficiency": (low, min(high, ceiling), log)}
 
 
 def leave_one_out(prepared, start, fitted, max_evals: int) -> list[tuple[str, float, float]]:
@@ -69,6 +79,7 @@ def main() -> None:
                      f"{', '.join(f'{d} {s}' for d, s in DATASETS)}")
 
     source, read_runs, start_constants, fitted = dataset
+    fitted = within_gemm_ceiling(fitted, args.device)
     base = start_constants()
     start = time.perf_counter()
     runs = read_runs(args.data)

@@ -76,4 +76,5 @@ def start_constants() -> DeviceConstants:
         backward_host_overhead_ns=a100.backward_host_overhead_ns, module_host_overhead_ns=a100.module_host_overhead_ns,
         layer_host_overhead_ns=a100.layer_host_overhead_ns,
         collective_host_overhead_ns=a100.collective_host_overhead_ns,
-        microbatch_overhead_ns=a100.microbatch_overhead_ns, network_efficiency=a100.network_efficiency)
+        microbatch_overhead_ns=a100.microbatch_overhead_ns, network_efficiency=a100.network_efficiency,
+        gpu_speed_spread=a100.gpu_speed_spread)

@@ -13,8 +13,13 @@ A key is turned back into a call from the op's schema alone
   ``ScalarType``/``Layout``/``MemoryFormat`` values may be strings ("float16", "torch.float16");
   ``Device`` arguments are replaced by the replay device; ``Generator`` arguments are None.
 
-Inputs are made on the device so that the op runs as in training: floating tensors uniform in
-[0, 1) (valid probabilities, non-negative second moments, no overflow in half precision), bool
+Inputs are made on the device so that the op runs as in training: the floating operands of matmuls
+(``mm``, ``bmm``, ``baddbmm``, ``addmm``, ``linear``, ``matmul``, ``_scaled_mm``) standard normal,
+as weights and activations are, because a tensor core's power draw, hence its clock, depends on
+the bits it multiplies (on an H100, ``benchmarks/results/h100_kernel_sweep.csv``: a 16384^3 bf16
+GEMM runs at 675 TFLOP/s on normal inputs, 744 on U[0, 1) and 829 on zeros); every other floating
+tensor uniform in [0, 1) (valid probabilities, non-negative second moments, no overflow in half
+precision); bool
 tensors whose last two dimensions are equal a causal attention mask (True above the diagonal; a
 random mask would cost a CPU kernel several times more in branch mispredictions than the masks
 training uses), other bool tensors a random mask, integer tensors random indices in range where
@@ -33,6 +38,9 @@ import torch
 from vtrain_plugin.core.errors import ProfileError
 from vtrain_plugin.core.graph import KernelKey
 from vtrain_plugin.core.op_names import parse_op_name
+
+# Matmuls, whose floating operands are drawn standard normal (see the module docstring).
+MATMUL_OPS = frozenset({"mm", "bmm", "baddbmm", "addmm", "linear", "matmul", "_scaled_mm"})
 
 # Namespaces whose ops are communication, not kernels: measured by profiler.comm_bench instead.
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
@@ -57,6 +65,7 @@ def build_call(key: KernelKey, device: str | torch.device) -> tuple[torch._ops.O
     """The op and the keyword arguments (tensors materialized on ``device``) that replay ``key``."""
     op = resolve_op(key.op)
     dev = torch.device(device)
+    normal = parse_op_name(key.op).base in MATMUL_OPS
     given = dict(key.args)
     if len(key.input_shapes) != len(key.dtypes):
         _fail(key, f"has {len(key.input_shapes)} input_shapes but {len(key.dtypes)} dtypes")
@@ -89,10 +98,10 @@ def build_call(key: KernelKey, device: str | torch.device) -> tuple[torch._ops.O
     kwargs = dict(scalars)
     for name, spec in tensor_specs.items():
         if isinstance(spec, list):
-            kwargs[name] = [None if s is None else _tensor(key, s, dev, highs.get((name, i)))
+            kwargs[name] = [None if s is None else _tensor(key, s, dev, highs.get((name, i)), normal)
                             for i, s in enumerate(spec)]
         else:
-            kwargs[name] = None if spec is None else _tensor(key, spec, dev, highs.get((name, None)))
+            kwargs[name] = None if spec is None else _tensor(key, spec, dev, highs.get((name, None)), normal)
     return op, kwargs
 
 
@@ -164,7 +173,7 @@ def _dtype(key: KernelKey, name: str) -> torch.dtype:
     return dtype
 
 
-def _tensor(key: KernelKey, pair: Pair, dev: torch.device, high: int | None) -> torch.Tensor:
+def _tensor(key: KernelKey, pair: Pair, dev: torch.device, high: int | None, normal: bool = False) -> torch.Tensor:
     shape, dtype_name = pair
     dtype = _dtype(key, dtype_name)
     if dtype == torch.bool:
@@ -172,7 +181,8 @@ def _tensor(key: KernelKey, pair: Pair, dev: torch.device, high: int | None) -> 
             return torch.ones(shape[-2:], dtype=torch.bool, device=dev).triu(1).expand(shape).contiguous()
         return torch.rand(shape, device=dev) < 0.5
     if dtype.is_floating_point or dtype.is_complex:
-        return torch.rand(shape, device=dev, dtype=torch.float32).to(dtype)
+        draw = torch.randn if normal else torch.rand
+        return draw(shape, device=dev, dtype=torch.float32).to(dtype)
     if high is not None and high > 0:
         return torch.randint(0, high, shape, device=dev, dtype=dtype)
     return torch.zeros(shape, device=dev, dtype=dtype)

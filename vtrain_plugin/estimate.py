@@ -25,6 +25,7 @@ from vtrain_plugin.cost.kernel_timer import KernelTimer
 from vtrain_plugin.cost.memory import RankMemory
 from vtrain_plugin.cost.prepare import PreparedGraph, prepare
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
+from vtrain_plugin.cost.stragglers import slowest_gpu_factor
 from vtrain_plugin.hardware.calibration import DeviceConstants, calibration_for
 from vtrain_plugin.hardware.devices import DeviceSpec, get_device
 from vtrain_plugin.hardware.nccl import NcclTable
@@ -216,7 +217,8 @@ def predict(prepared: PreparedGraph, *, cluster: ClusterSpec, training: Training
     efficiency = cluster.network_efficiency if cluster.network_efficiency is not None else constants.network_efficiency
     comm = CommModel.for_plan(cluster, plan, measured_comm=measured_comm, network_efficiency=efficiency)
     num_microbatches = training.num_microbatches(plan.data_parallel, plan.micro_batch_size)
-    costing = cost(prepared, timer=KernelTimer(device, constants), comm=comm, training=training,
+    timer = KernelTimer(device, constants, slowdown=slowest_gpu_factor(constants.gpu_speed_spread, plan.world_size))
+    costing = cost(prepared, timer=timer, comm=comm, training=training,
                    num_microbatches=num_microbatches, explain=explain)
     return costing, simulate(costing.work, record_timeline=timeline)
 

@@ -145,7 +145,7 @@ def test_spec_is_frozen():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("gemm_efficiency", 1.2, r"gemm_efficiency must lie in \[0.5, 0.95\], got 1.2"),
+    ("gemm_efficiency", 1.2, r"gemm_efficiency must lie in \[0.5, 0.859\], got 1.2"),
     ("hbm_efficiency", 0.1, r"hbm_efficiency must lie in \[0.5, 0.95\], got 0.1"),
     ("kernel_overhead_ns", 5880, r"kernel_overhead_ns must lie in \[1000, 5000\], got 5880"),
     ("host_overhead_ns", 0, r"host_overhead_ns must be positive, got 0"),

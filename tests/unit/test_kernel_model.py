@@ -158,11 +158,11 @@ def test_gemm_dims(key, dims):
 # ---- exact durations on the round device --------------------------------------------------------
 
 def test_gemm_exact_with_flops_and_bytes_from_shapes():
-    # 256^3 fp16: 4 tiles of 128x128 on 4 SMs (occupancy 1), K factor 256/320 -> efficiency 0.4.
-    # compute 2*256^3 / (1e5 * 0.4) = 838.8608 ns; memory 3*256*256*2 B / 500 = 786.432 ns.
+    # 256^3 fp16: 4 tiles of 128x128 on 4 SMs (occupancy 1), K factor 256/384 -> efficiency 1/3.
+    # compute 2*256^3 / (1e5 / 3) = 1006.63296 ns; memory 3*256*256*2 B / 500 = 786.432 ns.
     model = _round_model()
-    assert model.gemm_efficiency(GemmDims(batch=1, m=256, n=256, k=256)) == pytest.approx(0.4)
-    assert model.duration_ns(_node(_mm(256, 256, 256))) == pytest.approx(838.8608 + 1000)
+    assert model.gemm_efficiency(GemmDims(batch=1, m=256, n=256, k=256)) == pytest.approx(1 / 3)
+    assert model.duration_ns(_node(_mm(256, 256, 256))) == pytest.approx(1006.63296 + 1000)
 
 
 def test_gemm_uses_the_nodes_flops_and_bytes_when_present():
@@ -172,18 +172,29 @@ def test_gemm_uses_the_nodes_flops_and_bytes_when_present():
 
 
 def test_bmm_small_tiles_and_short_k():
-    # 8 x (64x32 @ 32x64): 64x64 tiles, 8 tiles in 2 full waves; K factor 32/96 -> efficiency 1/6.
-    # compute 2097152 / (1e5/6) = 125.83 ns < memory (65536 + 65536 B) / 500 = 262.144 ns.
+    # 8 x (64x32 @ 32x64): 64x64 tiles, 8 tiles in 2 full waves; K factor 32/160 -> efficiency 1/10.
+    # compute 2097152 / (1e5/10) = 209.7 ns < memory (65536 + 65536 B) / 500 = 262.144 ns.
     model = _round_model()
     key = _key("aten.bmm.default", (8, 64, 32), (8, 32, 64))
-    assert model.gemm_efficiency(gemm_dims(key)) == pytest.approx(0.5 / 3)
+    assert model.gemm_efficiency(gemm_dims(key)) == pytest.approx(0.5 / 5)
     assert model.duration_ns(_node(key)) == pytest.approx(262.144 + 1000)
 
 
 def test_wave_quantization():
-    # 128x640: 5 tiles on 4 SMs take 2 waves -> occupancy 5/8.
+    # 128x640: 5 tiles on 4 SMs take 2 waves -> occupancy 5/8; K factor 64/192.
     model = _round_model()
-    assert model.gemm_efficiency(GemmDims(batch=1, m=128, n=640, k=64)) == pytest.approx(0.5 * 5 / 8 * 0.5)
+    assert model.gemm_efficiency(GemmDims(batch=1, m=128, n=640, k=64)) == pytest.approx(0.5 * 5 / 8 / 3)
+
+
+def test_split_k_fills_the_sms_when_tiles_are_few_and_k_is_long():
+    # One 128x128 tile on 4 SMs, K 8192: unsplit 8192 + 128 = 8320 steps; split in 4 (one wave):
+    # 2048 + 128 + 1024 = 3200 steps, the fewest -> efficiency 0.5 * 8192 / (4 * 3200).
+    model = _round_model()
+    assert model.gemm_efficiency(GemmDims(batch=1, m=128, n=128, k=8192)) == pytest.approx(0.5 * 8192 / 12800)
+    # K 512: a split costs more than it saves (512 + 128 = 640 < 128 + 128 + 1024 steps)
+    assert model.gemm_efficiency(GemmDims(batch=1, m=128, n=128, k=512)) == pytest.approx(0.5 * 512 / (4 * 640))
+    # enough tiles for every SM: no split
+    assert model.gemm_efficiency(GemmDims(batch=1, m=256, n=256, k=8192)) == pytest.approx(0.5 * 8192 / 8320)
 
 
 def test_fp32_gemm_runs_on_tf32_unless_disabled():

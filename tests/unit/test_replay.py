@@ -147,3 +147,15 @@ def test_progress_bar_draws_only_on_a_tty():
     with ProgressBar(3, "profiling", enabled=False, stream=quiet) as bar:
         bar.advance()
     assert quiet.getvalue() == ""
+
+
+def test_matmul_operands_are_drawn_as_training_draws_them_and_other_inputs_stay_non_negative():
+    torch.manual_seed(0)
+    _, kwargs = build_call(KernelKey(op="aten.mm.default", input_shapes=((256, 256), (256, 256)), dtypes=(F32, F32)),
+                           "cpu")
+    a = kwargs["self"]
+    assert a.min() < 0 < a.max() and abs(float(a.mean())) < 0.05 and abs(float(a.std()) - 1.0) < 0.05
+    _, kwargs = build_call(KEYS["baddbmm"], "cpu")
+    assert min(float(kwargs[n].min()) for n in ("batch1", "batch2")) < 0
+    _, kwargs = build_call(KEYS["addcmul_"], "cpu")
+    assert all(float(kwargs[n].min()) >= 0 for n in ("self", "tensor1", "tensor2"))

@@ -4,14 +4,25 @@ Device time of one kernel is ``max(compute_ns, memory_ns) + kernel_overhead_ns``
 ``memory_ns = nbytes / (hbm_bandwidth * hbm_efficiency)`` and ``compute_ns`` depends on the class:
 
 - GEMM: ``flops / (tensor_peak(dtype) * efficiency(dims))``. The efficiency is
-  ``gemm_efficiency * occupancy * K / (K + 64)``: output tiles of ``t_m x t_n`` (128 per edge, or the
-  smallest power of two from 16 up covering a shorter edge, as cuBLAS's small-tile kernels do) are
-  spread over the SMs in waves, ``occupancy = batch*M*N / (waves * sm_count * t_m * t_n)`` charges
-  both the padding of partial tiles and the idle SMs of the last wave, and each tile's fixed cost
-  (pipeline fill, epilogue) is worth about 64 steps of its K loop. Duration is then proportional to
-  ``waves * t_m * t_n * (K + 64)``, never decreasing in M, N, K or batch. Batched GEMMs (``bmm``,
-  ``baddbmm``: attention scores and context) are tiled the same way over ``batch`` independent
-  matrices. Convolutions and layouts without parsed dims use ``gemm_efficiency`` alone.
+  ``gemm_efficiency * batch*M*N*K / (sm_count * t_m * t_n * steps)``: output tiles of ``t_m x t_n``
+  (128 per edge, or the smallest power of two from 16 up covering a shorter edge, as cuBLAS's
+  small-tile kernels do) are spread over the SMs in waves, and ``steps = waves * (K + 128)`` counts
+  the K-loop steps of an SM, with the padding of partial tiles, the idle SMs of the last wave and
+  each tile's fixed cost (the K loop's prologue: pipeline fill; its epilogue: the output write)
+  worth about 128 steps. When there are fewer tiles than SMs, cuBLAS may split K (split-K /
+  stream-K) into ``s`` pieces: ``steps = ceil(tiles * s / sm_count) * (K / s + 128 + 1024)``, the
+  1024 steps for reducing the partial tiles, with the ``s`` (1 to 16, at most
+  ``sm_count // tiles``) that takes fewest steps, so a 1024 x 512 x 16384 GEMM (32 tiles) fills
+  the SMs. Duration never decreases in M, N, K or batch (each split's steps grow with K, and
+  more tiles leave fewer splits). ``gemm_efficiency`` is the rate of
+  a large, well-shaped GEMM, bounded by the device's measured ceiling
+  (:attr:`~vtrain_plugin.hardware.devices.DeviceSpec.gemm_ceiling`). Tile edge, prologue and split
+  and cost were chosen on 436 bf16 GEMMs measured on an H100 (``benchmarks/gemm_model.py`` over
+  ``benchmarks/results/h100_kernel_sweep.csv``: 128 x 128 tiles fit better than 128 x 256 or
+  256 x 128, a prologue of 128 steps better than 0, 32 or 64). The memory-bound regime of thin
+  GEMMs is the roofline's ``max`` below. Batched GEMMs (``bmm``, ``baddbmm``: attention scores
+  and context) are tiled the same way over ``batch`` independent matrices. Convolutions and
+  layouts without parsed dims use ``gemm_efficiency`` alone.
 - ATTENTION (fused attention kernels: SDPA's flash / memory-efficient / cuDNN kernels, the
   FlashAttention / cuDNN kernels of :mod:`vtrain_plugin.cost.lowering_te`): compute-bound at
   ``flops / (tensor_peak(dtype) * attention_efficiency)``, a calibrated constant of its own (such
@@ -53,7 +64,9 @@ from vtrain_plugin.hardware.devices import DeviceSpec
 
 _MAX_TILE = 128  # output-tile edge of cuBLAS's workhorse kernels
 _MIN_TILE = 16
-_K_FILL = 64  # per-tile fixed cost in K-loop steps
+_K_FILL = 128  # per-tile fixed cost in K-loop steps
+_SPLIT_K_COST = 1024  # reducing the partial tiles of a split GEMM, in K-loop steps
+_MAX_SPLIT_K = 16
 _NO_DEVICE_TIME = frozenset({OpClass.NO_KERNEL, OpClass.HOST_SYNC})
 _TENSOR_DTYPES = (Dtype.FP16, Dtype.BF16, Dtype.FP32, Dtype.FP8)
 
@@ -180,9 +193,12 @@ class KernelModel:
         sms = self.device.sm_count
         tile_m, tile_n = _tile_edges(m), _tile_edges(n)
         tiles = batch * np.ceil(m / tile_m) * np.ceil(n / tile_n)
-        slots = np.ceil(tiles / sms) * sms
-        occupancy = batch * m * n / (slots * tile_m * tile_n)
-        return self.constants.gemm_efficiency * occupancy * k / (k + _K_FILL)
+        steps = np.ceil(tiles / sms) * (k + _K_FILL)
+        most_splits = np.floor(sms / tiles)
+        for split in range(2, _MAX_SPLIT_K + 1):
+            split_steps = np.ceil(tiles * split / sms) * (k / split + _K_FILL + _SPLIT_K_COST)
+            steps = np.where(most_splits >= split, np.minimum(steps, split_steps), steps)
+        return self.constants.gemm_efficiency * batch * m * n * k / (sms * tile_m * tile_n * steps)
 
     def gemm_efficiency(self, dims: GemmDims) -> float:
         one = [np.array([float(x)]) for x in (dims.batch, dims.m, dims.n, dims.k)]

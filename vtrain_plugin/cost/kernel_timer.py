@@ -31,9 +31,13 @@ _timed: OrderedDict[tuple, tuple[KernelBatch, np.ndarray, np.ndarray, np.ndarray
 class KernelTimer:
     """Times batches of kernels on one device with one set of calibrated constants."""
 
-    def __init__(self, device: DeviceSpec, constants: DeviceConstants) -> None:
+    def __init__(self, device: DeviceSpec, constants: DeviceConstants, *, slowdown: float = 1.0) -> None:
+        """``slowdown`` stretches every device time, measured or modeled: the job's slowest GPU
+        (:func:`vtrain_plugin.cost.stragglers.slowest_gpu_factor`) against the one a kernel was
+        measured or modeled on."""
         self.device = device
         self.model = KernelModel(device, constants)
+        self.slowdown = slowdown
 
     @property
     def constants(self) -> DeviceConstants:
@@ -46,7 +50,7 @@ class KernelTimer:
         and constants over and over; those are looked up. The entry holds the batch and the
         measured array, so their ids cannot be reused while it lives.
         """
-        key = (id(kernels), id(measured), self.device, self.constants, self.model.allow_tf32)
+        key = (id(kernels), id(measured), self.device, self.constants, self.model.allow_tf32, self.slowdown)
         hit = _timed.get(key)
         if hit is None or hit[0] is not kernels or hit[1] is not measured:
             hit = _timed[key] = (kernels, measured, self.device_ns(kernels, measured), self.host_ns(kernels))
@@ -58,7 +62,7 @@ class KernelTimer:
 
     def device_ns(self, kernels: KernelBatch, measured: np.ndarray) -> np.ndarray:
         """Device time of each kernel: measured where known (not NaN), modeled otherwise."""
-        return np.where(np.isnan(measured), self.model.device_ns(kernels), measured)
+        return self.slowdown * np.where(np.isnan(measured), self.model.device_ns(kernels), measured)
 
     def host_ns(self, kernels: KernelBatch) -> np.ndarray:
         return self.model.host_ns_batch(kernels)

@@ -17,10 +17,14 @@ kernel, per module call, per transformer layer and per micro-batch, each its own
 constants fitted on one model, GPU or scale carry over to another (host costs are software costs:
 they do not change with the GPU).
 
-- ``gemm_efficiency`` in [0.5, 0.95]: the fraction of dense tensor-core peak that a large,
-  well-shaped GEMM reaches after tile and wave quantization are accounted for. cuBLAS reaches
-  80-90% on A100 and 65-80% on H100 (power and clock limits; NVIDIA's cuBLAS / CUTLASS profiler
-  figures); below 0.5 a calibration is fitting something other than GEMM throughput.
+- ``gemm_efficiency`` in [0.5, 0.859], and never above the device's measured ceiling
+  (:attr:`~vtrain_plugin.hardware.devices.DeviceSpec.gemm_ceiling`): the fraction of dense
+  tensor-core peak that a large, well-shaped GEMM reaches after tile and wave quantization are
+  accounted for. The highest dense matmul rates ever measured by a brute-force shape search are
+  85.9% of peak on an A100 SXM and 80.1% on an H100 SXM (../shared/data/gemm_ceilings_public.csv);
+  no constant may claim more. Our own H100 sweep (benchmarks/results/h100_kernel_sweep.csv, bf16
+  on normal inputs) puts large training GEMMs at 66-80% and the model's best fit at 0.735; below
+  0.5 a calibration is fitting something other than GEMM throughput.
 - ``hbm_efficiency`` in [0.5, 0.95]: the fraction of spec HBM bandwidth a streaming kernel reaches.
   Copy kernels reach 85-92% (STREAM-like device copies), PyTorch pointwise, norm and softmax
   kernels 60-90%.
@@ -66,6 +70,13 @@ Optional constants (a file may leave them out; then the neutral value below appl
   FlashAttention-2 reaches 50-73% of peak forward and 45-63% backward on A100 (Dao, 2023);
   FlashAttention-3 and cuDNN 9 reach 60-75% forward and 45-60% backward in bf16 on H100 (Shah et
   al., 2024); below 0.3 a calibration is fitting something other than attention throughput.
+- ``gpu_speed_spread`` in [0.003, 0.03], neutral 0 (all GPUs equally fast): the relative standard
+  deviation of sustained speed between the nominally identical GPUs of a cluster; a synchronous
+  job runs at the pace of its slowest GPU, ``1 + spread * E[max of N standard normals]`` slower
+  than a typical one (:mod:`vtrain_plugin.cost.stragglers`). Sinha et al. (SC'22, "Not All GPUs
+  Are Created Equal") measured a spread between the fastest and slowest GPU of production clusters
+  of several percent up to about 20% on the same compute-bound kernels; among a thousand normal
+  samples the range is about 6.5 standard deviations, hence 0.3-3%.
 """
 
 from __future__ import annotations
@@ -81,13 +92,14 @@ from typing import Any
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.files import atomic_write_text
+from vtrain_plugin.hardware.devices import get_device
 
 FORMAT_VERSION = 1
 DEFAULT_STACK = "default"
 
 # Physically plausible [low, high] of each device constant; see the module docstring for why.
 CONSTANT_RANGES: dict[str, tuple[float, float]] = {
-    "gemm_efficiency": (0.5, 0.95),
+    "gemm_efficiency": (0.5, 0.859),
     "hbm_efficiency": (0.5, 0.95),
     "kernel_overhead_ns": (1000.0, 5000.0),
     "host_overhead_ns": (1000.0, 15000.0),
@@ -98,6 +110,7 @@ CONSTANT_RANGES: dict[str, tuple[float, float]] = {
     "microbatch_overhead_ns": (100_000.0, 5_000_000.0),
     "network_efficiency": (0.7, 0.95),
     "attention_efficiency": (0.3, 0.9),
+    "gpu_speed_spread": (0.003, 0.03),
 }
 # Constants a file may omit; missing ones take these neutral values ("not modelled"), exempt from the ranges.
 OPTIONAL_CONSTANTS: dict[str, float] = {
@@ -108,6 +121,7 @@ OPTIONAL_CONSTANTS: dict[str, float] = {
     "microbatch_overhead_ns": 0.0,
     "network_efficiency": 1.0,
     "attention_efficiency": 0.0,
+    "gpu_speed_spread": 0.0,
 }
 
 
@@ -126,6 +140,7 @@ class DeviceConstants:
     microbatch_overhead_ns: float = OPTIONAL_CONSTANTS["microbatch_overhead_ns"]
     network_efficiency: float = OPTIONAL_CONSTANTS["network_efficiency"]
     attention_efficiency: float = OPTIONAL_CONSTANTS["attention_efficiency"]
+    gpu_speed_spread: float = OPTIONAL_CONSTANTS["gpu_speed_spread"]
 
     def __post_init__(self) -> None:
         for name, (low, high) in CONSTANT_RANGES.items():
@@ -216,8 +231,18 @@ def _read(path: str, device: str, stack: str) -> Calibration:
     for key in ("source", "command"):
         if not isinstance(data.get(key), str) or not data[key]:
             raise ConfigError(f"{where}: {key} must be a non-empty string")
+    constants = DeviceConstants.from_dict(data["constants"], where=where)
+    check_gemm_ceiling(constants, device, where=where)
     return Calibration(device=device, software_stack=stack, source=data["source"], command=data["command"],
-                       constants=DeviceConstants.from_dict(data["constants"], where=where), path=path)
+                       constants=constants, path=path)
+
+
+def check_gemm_ceiling(constants: DeviceConstants, device: str, *, where: str) -> None:
+    """Refuse a GEMM efficiency above the highest rate ever measured on ``device`` (a preset name)."""
+    ceiling = get_device(device).gemm_ceiling
+    if ceiling is not None and constants.gemm_efficiency > ceiling:
+        raise ConfigError(f"{where}: gemm_efficiency ({constants.gemm_efficiency:g}) must not exceed {device}'s "
+                          f"measured GEMM ceiling ({ceiling:.4f} of peak)")
 
 
 def write_calibration(calibration: Calibration, *, into_package: bool = False) -> Path:

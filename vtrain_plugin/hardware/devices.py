@@ -31,7 +31,9 @@ _MEMORY_TOKEN = re.compile(r"^\d+gb$")
 _NOT_SXM = ("pcie", "nvl")
 _POSITIVE_FIELDS = ("peak_fp16_tflop_per_s", "peak_bf16_tflop_per_s", "peak_tf32_tflop_per_s",
                     "peak_fp32_tflop_per_s", "peak_fp8_tflop_per_s", "hbm_bandwidth_gbytes_per_s",
-                    "memory_gibibytes", "l2_cache_mebibytes", "nvlink_gbytes_per_s_per_direction")
+                    "memory_gibibytes", "l2_cache_mebibytes", "nvlink_gbytes_per_s_per_direction",
+                    "gemm_ceiling_bf16_tflop_per_s")
+_OPTIONAL_FIELDS = ("peak_fp8_tflop_per_s", "gemm_ceiling_bf16_tflop_per_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +49,10 @@ class DeviceSpec:
     peak_tf32_tflop_per_s: float  # fp32 matmuls on tensor cores (TF32)
     peak_fp32_tflop_per_s: float  # CUDA cores, non-tensor
     peak_fp8_tflop_per_s: float | None = None  # None: no fp8 tensor cores
+    # The highest dense bf16 GEMM rate measured on the device (a public brute-force shape search;
+    # ``reference`` says which): the physical ceiling of any calibrated GEMM efficiency. None: no
+    # tensor cores (a CPU).
+    gemm_ceiling_bf16_tflop_per_s: float | None = None
     hbm_bandwidth_gbytes_per_s: float
     memory_gibibytes: float
     sm_count: int
@@ -64,11 +70,21 @@ class DeviceSpec:
         v.positive_int(f"{where} sm_count", self.sm_count)
         for name in _POSITIVE_FIELDS:
             value = getattr(self, name)
-            if not (name == "peak_fp8_tflop_per_s" and value is None):
+            if not (name in _OPTIONAL_FIELDS and value is None):
                 object.__setattr__(self, name, v.positive_number(f"{where} {name}", value))
+        if self.gemm_ceiling is not None and self.gemm_ceiling > 1.0:
+            raise ConfigError(f"{where} gemm_ceiling_bf16_tflop_per_s ({self.gemm_ceiling_bf16_tflop_per_s:g}) "
+                              f"must not exceed peak_bf16_tflop_per_s ({self.peak_bf16_tflop_per_s:g})")
         v.boolean(f"{where} host_runs_kernels", self.host_runs_kernels)
         if not isinstance(self.default_cluster, str) or not self.default_cluster:
             raise ConfigError(f"{where} default_cluster must be a cluster preset name, got {self.default_cluster!r}")
+
+    @property
+    def gemm_ceiling(self) -> float | None:
+        """The measured GEMM ceiling as a fraction of the dense bf16 peak (None: not a GPU)."""
+        if self.gemm_ceiling_bf16_tflop_per_s is None:
+            return None
+        return self.gemm_ceiling_bf16_tflop_per_s / self.peak_bf16_tflop_per_s
 
     @property
     def has_fp8(self) -> bool:
@@ -126,7 +142,7 @@ class DeviceSpec:
         d = v.mapping(where, d)
         names = [f.name for f in fields(cls)]
         v.no_unknown_keys(where, d, names)
-        required = {"name", "architecture", "sm_count", "default_cluster", *_POSITIVE_FIELDS} - {"peak_fp8_tflop_per_s"}
+        required = {"name", "architecture", "sm_count", "default_cluster", *_POSITIVE_FIELDS} - set(_OPTIONAL_FIELDS)
         missing = sorted(required - set(d))
         if missing:
             raise ConfigError(f"{where}: missing key {missing[0]!r}")
