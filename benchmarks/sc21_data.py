@@ -18,6 +18,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
+import a100_data
 from a100_data import DEFAULT_DATA_DIR, MeasuredRun
 
 SC21_CSV = "a100_published_megatron_sc21.csv"
@@ -66,3 +67,9 @@ def read_runs(data_dir: Path = DEFAULT_DATA_DIR) -> list[MeasuredRun]:
     with open(data_dir / SC21_CSV, newline="") as f:
         return [MeasuredRun(source="sc21", config=plan_mapping(row), measured_ms=1000.0 * float(row["iteration_time_s"]))
                 for row in csv.DictReader(f)]
+
+
+def joint_a100_runs(data_dir: Path = DEFAULT_DATA_DIR) -> list[MeasuredRun]:
+    """Every measured A100 run of the megatron_deepspeed_2023 stack, the joint calibration set:
+    vTrain's single- and multi-node runs (up to 64 GPUs) and SC'21's (up to 3,072)."""
+    return a100_data.read_runs(data_dir) + read_runs(data_dir)
