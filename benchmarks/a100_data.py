@@ -30,16 +30,19 @@ DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data
 SINGLE_NODE_CSV = "a100_single_node_calibration.csv"
 MULTI_NODE_CSV = "a100_multi_node_calibration.csv"
 
+# How reports name each source of measured runs (MeasuredRun.source).
+SOURCE_LABELS = {"single": "vTrain single-node", "multi": "vTrain multi-node", "sc21": "SC'21", "h100": "H100"}
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeasuredRun:
-    source: str  # "single" or "multi"
+    source: str  # "single" or "multi" (vTrain), "sc21" (sc21_data.py) or "h100" (h100_data.py)
     config: dict[str, Any]  # the vTrain config of the run
     measured_ms: float
 
     @property
     def run(self) -> RunConfig:
-        return run_config_from_dict(self.config, source=f"{self.source}-node row")
+        return run_config_from_dict(self.config, source=f"{SOURCE_LABELS[self.source]} row")
 
     def group(self, name: str) -> Any:
         """The value of one grouping key: tp, pp, dp, micro_batch, hidden, num_gpus or nodes."""
@@ -87,7 +90,8 @@ def read_runs(data_dir: Path = DEFAULT_DATA_DIR, *, which: Sequence[str] = ("sin
 
 def add_data_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR,
-                        help=f"folder with {SINGLE_NODE_CSV} and {MULTI_NODE_CSV} (default: {DEFAULT_DATA_DIR})")
+                        help=f"folder with the measured runs ({SINGLE_NODE_CSV}, {MULTI_NODE_CSV}, the SC'21 and "
+                             f"H100 CSVs; default: {DEFAULT_DATA_DIR})")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,16 +214,17 @@ def fit(prepared: Sequence[PreparedRun], base: DeviceConstants, *, max_evals: in
         log: Callable[[str], None] = lambda s: None) -> tuple[DeviceConstants, float]:
     """Nelder-Mead on the unit cube of :data:`FITTED` (restarted from the best point until it stalls).
 
-    Single-node and multi-node runs weigh equally (each set's mean error), so the 26 multi-node
-    runs are not drowned by the 144 single-node ones.
+    Every source of runs present (vTrain single-node, vTrain multi-node, SC'21, ...) weighs equally
+    (the mean of each source's mean error), so the 26 multi-node and the 10 SC'21 runs are not
+    drowned by the 144 single-node ones.
     """
     measured = np.array([p.measured.measured_ms for p in prepared])
-    multi = np.array([p.measured.source == "multi" for p in prepared])
+    sources = [p.measured.source for p in prepared]
+    groups = [np.array([s == source for s in sources]) for source in dict.fromkeys(sources)]
 
     def cost(u: np.ndarray) -> float:
         predicted = predict_all(prepared, constants_from_unit(base, u, fitted))
-        parts = [log_error(predicted[mask], measured[mask]) for mask in (~multi, multi) if mask.any()]
-        return float(np.mean(parts))
+        return float(np.mean([log_error(predicted[mask], measured[mask]) for mask in groups]))
 
     x0 = np.array([_to_unit(name, getattr(base, name), fitted) for name in fitted])
     best_x, best_f = x0, cost(x0)
