@@ -28,6 +28,7 @@ once the trace cache holds them).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -219,6 +220,22 @@ def check_fast_path(runs: Sequence[MeasuredRun], predicted: np.ndarray) -> None:
             raise SystemExit(f"{r.run.model.name or r.source} run {i}: the calibration path disagrees with estimate()")
 
 
+def spread_contribution(sets: dict[str, Sequence[PreparedRun]], constants) -> str:
+    """Each set's error with the shipped constants and with the same constants but no spread of GPU
+    speeds (``gpu_speed_spread`` 0: every GPU as fast as the one a kernel was timed on): what the
+    slowest-GPU term contributes."""
+    without = dataclasses.replace(constants, gpu_speed_spread=0.0)
+    rows = []
+    for name, runs in sets.items():
+        measured = np.array([p.measured.measured_ms for p in runs])
+        shipped, flat = error_stats(predict_all(runs, constants), measured), error_stats(predict_all(runs, without), measured)
+        rows.append([name, str(len(runs)), f"{shipped.mape:.2f}", f"{shipped.bias:+.2f}", f"{flat.mape:.2f}",
+                     f"{flat.bias:+.2f}"])
+    return (f"what the slowest-GPU term contributes (gpu_speed_spread {constants.gpu_speed_spread:g} vs 0, "
+            f"other constants as shipped)\n"
+            + render_table(rows, ["set", "runs", "MAPE %", "bias %", "MAPE % without", "bias % without"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_argument(parser)
@@ -246,6 +263,10 @@ def main() -> None:
     print(sc21_tables(sc21_runs, sc21_predicted, sc21_loo))
     print()
     print(bias_by_scale([*prepared, *sc21_prepared], np.concatenate([predicted, sc21_predicted])))
+    print()
+    print(spread_contribution({"vTrain single-node": [p for p in prepared if p.measured.source == "single"],
+                               "vTrain multi-node": [p for p in prepared if p.measured.source == "multi"],
+                               "SC'21": sc21_prepared}, constants))
     print()
     plot(a100_series(runs, predicted), "vtrain on A100 (calibration runs)", args.plot)
     sc21_measured = np.array([r.measured_ms for r in sc21_runs])

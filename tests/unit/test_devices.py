@@ -177,6 +177,27 @@ def test_every_shipped_calibration_file_lies_inside_the_documented_ranges():
         for name, value in constants.items():
             low, high = CONSTANT_RANGES[name]
             assert low <= value <= high, f"{path.parent.name}/{path.name}: {name} = {value} outside [{low}, {high}]"
+        ceiling = get_device(path.parent.name).gemm_ceiling
+        assert ceiling is None or constants["gemm_efficiency"] <= ceiling, (
+            f"{path.parent.name}/{path.name}: gemm_efficiency above the measured ceiling {ceiling:.4f}")
+
+
+def test_gemm_ceilings_are_the_public_measurements():
+    """A100 267.9 and H100 792.1 TFLOP/s (../shared/data/gemm_ceilings_public.csv); H200 and B200 at
+    the H100's ratio of their spec-sheet peaks; a GEMM efficiency above the ceiling is refused."""
+    from vtrain_plugin.hardware.calibration import DeviceConstants, check_gemm_ceiling
+
+    assert get_device("a100-sxm4-80gb").gemm_ceiling == pytest.approx(267.9 / 312)
+    assert get_device("a100-sxm4-40gb").gemm_ceiling == pytest.approx(267.9 / 312)
+    assert get_device("h100").gemm_ceiling == pytest.approx(792.1 / 989)
+    assert get_device("h200").gemm_ceiling == pytest.approx(792.1 / 989)
+    assert get_device("b200").gemm_ceiling == pytest.approx(1802.3 / 2250)
+    assert get_device("cpu").gemm_ceiling is None
+    too_fast = DeviceConstants(gemm_efficiency=0.85, hbm_efficiency=0.8, kernel_overhead_ns=2000, host_overhead_ns=5000)
+    with pytest.raises(ConfigError, match=r"gemm_efficiency \(0.85\) must not exceed h100-sxm's measured GEMM "
+                                          r"ceiling \(0.8009 of peak\)"):
+        check_gemm_ceiling(too_fast, "h100-sxm", where="calibration file x")
+    check_gemm_ceiling(too_fast, "a100-sxm4-80gb", where="calibration file x")
 
 
 def test_spec_validation_names_the_field():

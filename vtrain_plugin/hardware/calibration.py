@@ -172,8 +172,10 @@ class Calibration:
     path: str = ""  # the file it was read from
 
     def to_dict(self) -> dict[str, Any]:
+        constants = {name: value for name, value in asdict(self.constants).items()
+                     if name not in OPTIONAL_CONSTANTS or value != OPTIONAL_CONSTANTS[name]}  # neutral: left out
         return {"format_version": FORMAT_VERSION, "device": self.device, "software_stack": self.software_stack,
-                "source": self.source, "command": self.command, "constants": asdict(self.constants)}
+                "source": self.source, "command": self.command, "constants": constants}
 
 
 def package_calibration_dir() -> Path:
