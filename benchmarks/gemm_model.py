@@ -30,7 +30,8 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vtrain_plugin.cli.render import render_table  # noqa: E402
-from vtrain_plugin.cost.kernel_model import KernelBatch, KernelKind, KernelModel  # noqa: E402
+from vtrain_plugin.core.dtypes import Dtype  # noqa: E402
+from vtrain_plugin.cost.kernel_model import KernelBatch, KernelKind, KernelModel, tensor_dtype_code  # noqa: E402
 from vtrain_plugin.hardware.calibration import calibration_for  # noqa: E402
 from vtrain_plugin.hardware.devices import get_device  # noqa: E402
 
@@ -39,10 +40,10 @@ SIZE_BUCKETS = [0, 1e10, 1e11, 1e12, 1e15]
 SIZE_LABELS = ["< 10 GFLOP", "10-100 GFLOP", "0.1-1 TFLOP", "> 1 TFLOP"]
 
 
-def gemm_batch(frame: pd.DataFrame, dtype_code: int) -> KernelBatch:
+def gemm_batch(frame: pd.DataFrame, dtype: Dtype) -> KernelBatch:
     n = len(frame)
     f = lambda col: frame[col].to_numpy(float)  # noqa: E731
-    return KernelBatch(kind=np.full(n, KernelKind.GEMM, np.int8), dtype=np.full(n, dtype_code, np.int8),
+    return KernelBatch(kind=np.full(n, KernelKind.GEMM, np.int8), dtype=np.full(n, tensor_dtype_code(dtype), np.int8),
                        flops=f("flop"), nbytes=f("bytes"), batch=f("batch"), m=f("m"), n=f("n"), k=f("k"),
                        backward=np.zeros(n, bool))
 
@@ -69,15 +70,9 @@ def fit_gemm_efficiency(device, base, batch: KernelBatch, measured_ns: np.ndarra
 def error_rows(frame: pd.DataFrame, predicted_ns: np.ndarray) -> list[list[str]]:
     ratio = predicted_ns / (frame["median_us"].to_numpy() * 1e3) - 1
     buckets = pd.cut(frame["flop"], SIZE_BUCKETS, labels=SIZE_LABELS)
-    rows = []
-    for label in SIZE_LABELS:
-        r = ratio[(buckets == label).to_numpy()]
-        if len(r):
-            rows.append([label, str(len(r)), f"{100 * np.mean(np.abs(r)):.1f}", f"{100 * np.mean(r):+.1f}",
-                         f"{100 * np.max(np.abs(r)):.0f}"])
-    rows.append(["all", str(len(ratio)), f"{100 * np.mean(np.abs(ratio)):.1f}", f"{100 * np.mean(ratio):+.1f}",
-                 f"{100 * np.max(np.abs(ratio)):.0f}"])
-    return rows
+    groups = [(label, ratio[(buckets == label).to_numpy()]) for label in SIZE_LABELS] + [("all", ratio)]
+    return [[label, str(len(r)), f"{100 * np.mean(np.abs(r)):.1f}", f"{100 * np.mean(r):+.1f}",
+             f"{100 * np.max(np.abs(r)):.0f}"] for label, r in groups if len(r)]
 
 
 def main() -> None:
@@ -91,7 +86,7 @@ def main() -> None:
     gemm = sweep[(sweep.kind == "gemm") & (sweep.dtype == "bf16") & (sweep["values"] == "normal")]
     aligned = gemm[(gemm.m % 8 == 0) & (gemm.n % 8 == 0) & (gemm.k % 8 == 0)]
     measured = aligned["median_us"].to_numpy() * 1e3
-    efficiency, predicted = fit_gemm_efficiency(device, base, gemm_batch(aligned, 1), measured)
+    efficiency, predicted = fit_gemm_efficiency(device, base, gemm_batch(aligned, Dtype.BF16), measured)
     best = gemm.loc[gemm.tflops.idxmax()]
     print(f"{device.name}: {len(aligned)} bf16 GEMMs (dims multiples of 8) on normal inputs; best "
           f"{best.tflops:.1f} TFLOP/s at {best.m}x{best.n}x{best.k} ({best.tflops / device.peak_bf16_tflop_per_s:.3f}"

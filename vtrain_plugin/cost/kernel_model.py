@@ -148,13 +148,18 @@ class KernelBatch:
                    k=np.array(cols[7], float), backward=np.array(cols[8], bool))
 
 
+def tensor_dtype_code(dtype: Dtype) -> int:
+    """The :attr:`KernelBatch.dtype` code of a tensor-core dtype."""
+    return _TENSOR_DTYPES.index(dtype)
+
+
 def _features(node: OpNode) -> tuple:
     cls = classify(node.op)
     if not node.launches_kernel or cls in _NO_DEVICE_TIME:
         return (KernelKind.NONE, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, False)
     backward = node.phase is Phase.BACKWARD
     if cls in (OpClass.GEMM, OpClass.ATTENTION):
-        dtype = _TENSOR_DTYPES.index(canonical_dtype(node.key.dtypes[0]))
+        dtype = tensor_dtype_code(canonical_dtype(node.key.dtypes[0]))
         dims = gemm_dims(node.key) if cls is OpClass.GEMM else None
         if dims is not None:
             nbytes = node.nbytes or _gemm_nbytes(node.key, dims)
