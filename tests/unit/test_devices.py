@@ -269,3 +269,13 @@ def test_constants_are_validated_before_writing_and_when_read(user_calibrations)
     path.write_text(json.dumps({**bad, "constants": {**bad["constants"], "gemm_efficiency": 0.7, "speed": 2.0}}))
     with pytest.raises(ConfigError, match="unknown key 'speed'"):
         calibration_for("h100-sxm", "default")
+
+
+def test_a_calibration_above_its_devices_gemm_ceiling_is_refused_before_it_is_written(user_calibrations):
+    # 0.85 lies inside the documented range (up to the A100's 0.859) but above the H100's 0.801
+    over = dataclasses.replace(calibration_for("h100-sxm", "default"),
+                               constants=_constants(gemm_efficiency=0.85))
+    with pytest.raises(ConfigError, match=r"gemm_efficiency \(0.85\) must not exceed h100-sxm's measured GEMM "
+                                          r"ceiling \(0.8009 of peak\)"):
+        write_calibration(over)
+    assert not user_calibrations.exists()

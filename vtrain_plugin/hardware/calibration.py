@@ -251,6 +251,7 @@ def write_calibration(calibration: Calibration, *, into_package: bool = False) -
     """Write ``calibration`` atomically into the user's folder (or the package's); returns the path."""
     folder = package_calibration_dir() if into_package else user_calibration_dir()
     path = folder / calibration.device / f"{calibration.software_stack}.json"
+    check_gemm_ceiling(calibration.constants, calibration.device, where=str(path))  # what _read would refuse
     atomic_write_text(path, json.dumps(calibration.to_dict(), indent=2) + "\n")
     _read.cache_clear()
     return path
