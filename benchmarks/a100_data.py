@@ -150,10 +150,19 @@ def predict_all(prepared: Sequence[PreparedRun], constants: DeviceConstants) -> 
 
 # ---- the fit ---------------------------------------------------------------------------------------
 
-# The constants calibration fits, each searched exactly inside its plausible range
-# (vtrain_plugin.hardware.calibration.CONSTANT_RANGES: a bounded fit, never clipped afterwards), and
-# whether the search is on a log scale.
-FITTED: dict[str, tuple[float, float, bool]] = {
+def within_gemm_ceiling(fitted: dict[str, tuple[float, float, bool]], device: str) -> dict[str, tuple[float, float, bool]]:
+    """The search ranges with the GEMM efficiency's top at ``device``'s measured ceiling."""
+    ceiling = get_device(device).gemm_ceiling
+    if "gemm_efficiency" not in fitted or ceiling is None:
+        return fitted
+    low, high, log = fitted["gemm_efficiency"]
+    return {**fitted, "gemm_efficiency": (low, min(high, ceiling), log)}
+
+
+# The constants the A100 calibration fits, each searched exactly inside its plausible range
+# (vtrain_plugin.hardware.calibration.CONSTANT_RANGES: a bounded fit, never clipped afterwards; the
+# GEMM efficiency below the A100's measured ceiling), and whether the search is on a log scale.
+FITTED: dict[str, tuple[float, float, bool]] = within_gemm_ceiling({
     name: (*CONSTANT_RANGES[name], log) for name, log in (
         ("gemm_efficiency", False),
         ("hbm_efficiency", False),
@@ -166,7 +175,7 @@ FITTED: dict[str, tuple[float, float, bool]] = {
         ("network_efficiency", False),
         ("gpu_speed_spread", False),
     )
-}
+}, "a100-sxm4-80gb")
 
 
 # Constants set from a fitted one rather than fitted themselves (see constants_from_unit).

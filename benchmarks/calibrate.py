@@ -31,7 +31,6 @@ from a100_data import (FITTED, SOURCE_LABELS, START, MeasuredRun, PreparedRun, a
                        error_stats, fit, predict_all, prepare_runs)
 
 from vtrain_plugin.cli.render import render_table  # noqa: E402
-from vtrain_plugin.hardware.devices import get_device  # noqa: E402
 from vtrain_plugin.hardware.calibration import (CONSTANT_RANGES, OPTIONAL_CONSTANTS, Calibration, DeviceConstants,  # noqa: E402
                                                 write_calibration)
 
@@ -61,15 +60,6 @@ DATASETS = {("a100-sxm4-80gb", "megatron_deepspeed_2023"): Dataset(
     "Nelder-Mead on the mean absolute log error); host costs, kernel overhead, network efficiency and GPU speed spread are the A100 "
     "fit's (software and platform constants).", read_runs=h100_data.read_runs, start=h100_data.start_constants,
     fitted=h100_data.FITTED_H100, left_out="h100")}
-
-
-def within_gemm_ceiling(fitted: dict[str, tuple[float, float, bool]], device: str) -> dict[str, tuple[float, float, bool]]:
-    """The search ranges with the GEMM efficiency's top at the device's measured ceiling."""
-    ceiling = get_device(device).gemm_ceiling
-    if "gemm_efficiency" not in fitted or ceiling is None:
-        return fitted
-    low, high, log = fitted["gemm_efficiency"]
-    return {**fitted, "gemm_efficiency": (low, min(high, ceiling), log)}
 
 
 def leave_one_out(prepared: Sequence[PreparedRun], start: DeviceConstants,
@@ -113,7 +103,7 @@ def main() -> None:
         parser.error(f"no measured data for ({args.device}, {args.stack}); have: "
                      f"{', '.join(f'{d} {s}' for d, s in DATASETS)}")
 
-    base, fitted = dataset.start(), within_gemm_ceiling(dataset.fitted, args.device)
+    base, fitted = dataset.start(), dataset.fitted
     start = time.perf_counter()
     runs = dataset.read_runs(args.data)
     prepared = prepare_runs(runs)
