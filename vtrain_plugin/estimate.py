@@ -8,6 +8,7 @@ device model otherwise; the pipeline schedule is simulated by :mod:`vtrain_plugi
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -17,6 +18,8 @@ from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey, OpGraph, Phase
 from vtrain_plugin.core.units import GIB, MS_PER_S, NS_PER_MS, NS_PER_S, SECONDS_PER_DAY, SECONDS_PER_HOUR
+from vtrain_plugin.core import checks as v
+from vtrain_plugin.cost.checkpoint import CheckpointSize, checkpoint_size
 from vtrain_plugin.cost.comm import CommModel
 from vtrain_plugin.cost.context_parallel import ContextParallel
 from vtrain_plugin.cost.context_parallel import model_flops as blocks_model_flops
@@ -30,15 +33,18 @@ from vtrain_plugin.hardware.calibration import DeviceConstants, calibration_for
 from vtrain_plugin.hardware.devices import DeviceSpec, get_device
 from vtrain_plugin.hardware.nccl import NcclTable
 from vtrain_plugin.sim.engine import BREAKDOWN_FIELDS, RankBreakdown, SimResult, simulate
+from vtrain_plugin.sim.run_totals import TrainTotals, train_totals
 from vtrain_plugin.sim.schedules import build_schedule
 from vtrain_plugin.sim.timeline import Timeline, write_chrome_trace
 from vtrain_plugin.specs.cluster import ClusterSpec
+from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
 
 if TYPE_CHECKING:
     import pandas as pd
 
+_RUN_RELIABILITY = object()  # Estimate.train_totals: the reliability the estimate was made with
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,7 +64,9 @@ class Estimate:
     With ``total_tokens`` (``TrainingSpec.total_tokens``), also the whole run: ``iterations``
     (:meth:`TrainingSpec.train_iterations`, rounded up) times the iteration, in days, GPU-hours and
     dollars; steady-state iterations only (no start-up, checkpoints, evaluation or restarts). All
-    four are None without ``total_tokens``, and ``train_cost_usd`` also without a price.
+    four are None without ``total_tokens``, and ``train_cost_usd`` also without a price. What
+    failures, restarts and checkpoints add is :meth:`train_totals` (``expected_train_*`` in
+    :meth:`to_dict`), with the training spec's ``reliability`` unless told otherwise.
     """
 
     iteration_time_ms: float
@@ -82,6 +90,11 @@ class Estimate:
     largest_unmeasured: tuple[UnmeasuredKernel, ...] = ()
     total_tokens: float | None = None  # of the whole run
     iterations: int | None = None  # that train total_tokens
+    seq_length: int | None = None  # tokens per sequence (None: a plain module without one)
+    gpus_per_node: int = 8
+    price_per_gpu_hour_usd: float | None = None
+    checkpoint: CheckpointSize | None = None  # what a checkpoint of the model holds
+    reliability: ReliabilitySpec | None = None  # TrainingSpec.reliability (None: failures off)
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -110,7 +123,33 @@ class Estimate:
             return None
         return self.iterations * self.cost_usd
 
+    def train_totals(self, tokens: float | None = None, *, reliability: ReliabilitySpec | None | object = _RUN_RELIABILITY
+                     ) -> TrainTotals:
+        """Time and cost to train ``tokens`` (default: ``total_tokens``), failure-free and expected
+        with the failures, restarts and checkpoints of ``reliability`` (default: the estimate's;
+        None: failures off). See :mod:`vtrain_plugin.sim.goodput`."""
+        if tokens is None:
+            if self.total_tokens is None:
+                raise ConfigError("train_totals: give tokens, or estimate with training.total_tokens")
+            tokens, iterations = self.total_tokens, self.iterations
+        else:
+            tokens = v.positive_finite_number("tokens", tokens)
+            if self.seq_length is None:
+                raise ConfigError("train_totals: this estimate has no sequence length to count iterations with")
+            iterations = math.ceil(tokens / (self.global_batch_size * self.seq_length))
+        if self.checkpoint is None:
+            raise ConfigError("train_totals: this estimate has no checkpoint size")
+        device = get_device(self.gpu)
+        host_link = device.host_link_gbytes_per_s_per_direction or device.hbm_bandwidth_gbytes_per_s
+        return train_totals(tokens=tokens, iterations=iterations, iteration_s=self.iteration_time_ms / MS_PER_S,
+                            num_gpus=self.num_gpus, gpus_per_node=self.gpus_per_node,
+                            price_per_gpu_hour_usd=self.price_per_gpu_hour_usd, checkpoint_size=self.checkpoint,
+                            host_link_gbytes_per_s=host_link,
+                            reliability=self.reliability if reliability is _RUN_RELIABILITY else reliability)
+
     def to_dict(self) -> dict[str, Any]:
+        expected = self.iterations is not None and self.checkpoint is not None and self.reliability is not None
+        totals = self.train_totals() if expected else None
         return {
             "iteration_time_ms": self.iteration_time_ms,
             "breakdown_ms": self.breakdown_ms,
@@ -137,13 +176,18 @@ class Estimate:
             "train_days": self.train_days,
             "train_gpu_hours": self.train_gpu_hours,
             "train_cost_usd": self.train_cost_usd,
+            "expected_train_days": totals.days if expected else None,
+            "expected_train_gpu_hours": totals.gpu_hours if expected else None,
+            "expected_train_cost_usd": totals.cost_usd if expected else None,
+            "goodput": totals.goodput if expected else None,
+            "failures": totals.failures.to_dict() if expected else None,
         }
 
     def to_row(self) -> dict[str, Any]:
         """The scalar fields of :meth:`to_dict`, with the bottleneck stage's breakdown flattened to
         ``<part>_ms`` columns: one row of a table of estimates."""
         row = {k: v for k, v in self.to_dict().items()
-               if k not in ("breakdown_ms", "stage_breakdown_ms", "memory_gib_per_stage")}
+               if k not in ("breakdown_ms", "stage_breakdown_ms", "memory_gib_per_stage", "failures")}
         row.update({f"{part}_ms": ms for part, ms in self.breakdown_ms.items()})
         return row
 
@@ -269,6 +313,11 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         gpu_memory_gib=device.memory_bytes / GIB,
         total_tokens=training.total_tokens,
         iterations=training.train_iterations(graph.seq_length),
+        seq_length=graph.seq_length,
+        gpus_per_node=cluster.gpus_per_node,
+        price_per_gpu_hour_usd=price,
+        checkpoint=checkpoint_size(graph),
+        reliability=training.reliability,
         timeline=result.timeline,
     )
 

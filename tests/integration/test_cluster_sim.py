@@ -77,3 +77,18 @@ def test_a_bad_job_file_is_one_line_and_exit_2(run_cli, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr == f"vtrain: error: {path}: job 'late': deadline_hours (3) must be after submit_hours (5)\n"
     assert proc.stdout == ""
+
+
+def test_failures_on_are_reported_and_reproducible(generated, capsys):
+    out, report = generated
+    args = ["cluster-sim", str(out / "jobs.yaml"), *CLUSTER, "--cache-dir", str(out / "cache"), "--format", "json",
+            "--failures", "typical", "--seed", "5"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out) == first
+    assert first["failures"] == {"failure_rate_per_gpu_hour": 1.5 / (384 * 168), "checkpoint": "sync", "seed": 5}
+    assert report["failures"] is None
+    for policy in first["policies"]:
+        assert policy["failures"] == sum(o["failures"] for o in policy["outcomes"])
+        assert policy["lost_gpu_hours"] == pytest.approx(sum(o["lost_gpu_hours"] for o in policy["outcomes"]))

@@ -107,7 +107,9 @@ def test_cli_jsonl_is_one_object_per_evaluated_plan_and_plot_is_a_png(tmp_path, 
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert len(rows) == 30
     for row, expected in zip(rows, result.table.to_dict(orient="records")):
-        assert set(row) == COLUMNS | {"iterations", "train_days", "train_cost_usd"}
+        assert set(row) == COLUMNS | {"iterations", "train_days", "train_cost_usd", "expected_train_days",
+                                      "expected_train_cost_usd", "goodput", "checkpoint_interval_iterations"}
+        assert row["expected_train_days"] > row["train_days"] and 0 < row["goodput"] < 1
         assert {k: row[k] for k in expected} == expected
         # Estimate's arithmetic: whole iterations of 8 sequences of 128 tokens, rounded up
         assert row["iterations"] == math.ceil(1e9 / (8 * 128))
@@ -141,7 +143,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(run_cli, model_file):
 
 @pytest.mark.parametrize("args,message", [
     (["--gpus", "1", "--tp", "2"], "no valid plan: 3 skipped (gpus not in budget: 3)"),  # tp 2 x pp 1, 2, 4
-    (["--gpus", "8", "--objective", "fast"], "--objective must be one of time, cost; got 'fast'"),
+    (["--gpus", "8", "--objective", "fast"], "--objective must be one of time, days, cost; got 'fast'"),
     (["--gpus", "8", "--tokens=-2e9"], "--tokens must be a positive number, got '-2e9'"),
     (["--gpus", "8", "--tp", "4,x"], "--tp: 'x' is not a positive integer"),
     (["--gpus", "8", "--sp", "yes"], "--sp: 'yes' is not on or off"),

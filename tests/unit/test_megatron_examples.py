@@ -13,6 +13,7 @@ from vtrain_plugin.specs.launch_script import read_launch_script
 from vtrain_plugin.specs.megatron_args import script_plan
 from vtrain_plugin.specs.model import Family, ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
+from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.training import Fp8Format, Fp8Recipe, GradReduce, ScheduleKind, SoftwareStack, TrainingSpec
 
 from tests.unit.megatron_examples import GPT3_175B, GPT_345M_WITH_MP, LLAMA3_8B_BF16_FLAGS, LLAMA3_8B_FP8, MIXTRAL_8X7B
@@ -54,7 +55,8 @@ def test_gpt3_175b_on_64_nodes_field_by_field():
     assert plan.parallel == ParallelPlan(tensor_parallel=8, pipeline_parallel=16, data_parallel=4,
                                          micro_batch_size=1, recompute=Recompute.NONE)
     assert plan.training == TrainingSpec(global_batch_size=1536, schedule=ScheduleKind.ONE_F_ONE_B,
-                                         grad_reduce=GradReduce.AFTER_BACKWARD)
+                                         grad_reduce=GradReduce.AFTER_BACKWARD,
+                                         reliability=ReliabilitySpec(checkpoint_interval_iterations=10000))
     assert plan.unmodelled == ("--attention-backend auto", "--rampup-batch-size 16 16 5859375")
 
 
@@ -86,7 +88,8 @@ def test_gpt_345m_with_string_variables_and_line_continuations(tmp_path):
                                   dtype=Dtype.FP16)
     assert run.parallel == ParallelPlan(tensor_parallel=2, pipeline_parallel=2, data_parallel=2,
                                         sequence_parallel=True, micro_batch_size=2)
-    assert run.training == TrainingSpec(global_batch_size=16)
+    assert run.training == TrainingSpec(global_batch_size=16,
+                                        reliability=ReliabilitySpec(checkpoint_interval_iterations=10000))
     assert run.num_microbatches == 4
 
 
@@ -129,7 +132,8 @@ def test_llama3_8b_bf16_field_by_field(caplog):
     assert run.parallel == ParallelPlan(tensor_parallel=1, pipeline_parallel=1, data_parallel=8,
                                         sequence_parallel=False, micro_batch_size=1)
     assert run.training == TrainingSpec(global_batch_size=128, grad_reduce=GradReduce.OVERLAP,
-                                        bucket_size_mb=160.0)  # Megatron's 4e7 parameters x 4 bytes (fp32)
+                                        bucket_size_mb=160.0,  # Megatron's 4e7 parameters x 4 bytes (fp32)
+                                        reliability=ReliabilitySpec(checkpoint_interval_iterations=1000))
     assert [r.getMessage() for r in caplog.records] == [
         "warning: Megatron-LM arguments vtrain does not model (they may change speed or memory): "
         "--attention-backend fused, --apply-layernorm-1p, --empty-unused-memory-level 1, "
@@ -165,7 +169,8 @@ def test_mixtral_8x7b_field_by_field(tmp_path, caplog):
     assert run.parallel == ParallelPlan(tensor_parallel=1, pipeline_parallel=4, data_parallel=8, micro_batch_size=1,
                                         expert_parallel=8, moe_token_dispatcher="alltoall")
     assert run.training == TrainingSpec(global_batch_size=256, grad_reduce=GradReduce.OVERLAP, bucket_size_mb=160.0,
-                                        distributed_optimizer=True, overlap_param_gather=True)
+                                        distributed_optimizer=True, overlap_param_gather=True,
+                                        reliability=ReliabilitySpec(checkpoint_interval_iterations=10000))
     assert [r.getMessage() for r in caplog.records] == [
         f"warning: {script}: Megatron-LM arguments vtrain does not model (they may change speed or memory): "
         "--no-masked-softmax-fusion, --moe-grouped-gemm, --sequence-parallel at TP 1 (Megatron-LM turns it off)"]

@@ -39,4 +39,7 @@ def test_cost_objective_and_the_result_views():
 def test_measures():
     assert measures(priced=True, tokens=None) == ("iteration_time_ms", "cost_usd")
     assert measures(priced=True, tokens=1e9) == ("train_days", "train_cost_usd")
-    assert measures(priced=False, tokens=1e9) == ("iteration_time_ms", "gpu_hours")
+    assert measures(priced=False, tokens=1e9) == ("train_days", "gpu_hours")
+    assert measures(priced=True, tokens=1e9, failures=True) == ("expected_train_days", "expected_train_cost_usd")
+    assert measures(priced=False, tokens=1e9, failures=True) == ("expected_train_days", "gpu_hours")
+    assert measures(priced=True, tokens=None, failures=True) == ("iteration_time_ms", "cost_usd")

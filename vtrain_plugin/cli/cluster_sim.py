@@ -15,12 +15,14 @@ from vtrain_plugin.hardware.clusters import cluster_for_gpu, cluster_preset_name
 from vtrain_plugin.planning.cluster.cluster_config import ClusterConfig, Granularity
 from vtrain_plugin.planning.cluster.curve_cache import CurveCache, compute_curves, job_curves
 from vtrain_plugin.planning.cluster.curves import CurveSpace
+from vtrain_plugin.planning.cluster.failures import FailureModel
 from vtrain_plugin.planning.cluster.generator import DEFAULT_MODELS, MixSpec, generate_jobs
 from vtrain_plugin.planning.cluster.jobs import job_from_entry, read_jobs, write_jobs
 from vtrain_plugin.planning.cluster.policies import POLICIES
 from vtrain_plugin.planning.cluster.report import format_summary, report_dict, summary_table
 from vtrain_plugin.planning.cluster.simulator import DEFAULT_RESTART_S, simulate
 from vtrain_plugin.planning.space import AXES
+from vtrain_plugin.specs.reliability import CheckpointMode, FailurePreset, ReliabilitySpec
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("jobs", nargs="?", metavar="JOBS", help="job file (YAML, JSON or CSV); or use --generate")
     mix = p.add_argument_group("synthetic job mix")
     mix.add_argument("--generate", metavar="N", help="simulate N synthetic jobs instead of a job file")
-    mix.add_argument("--seed", default="0", metavar="S", help="seed of the synthetic mix (default 0)")
+    mix.add_argument("--seed", default="0", metavar="S", help="seed of the synthetic mix and of the failures (default 0)")
     mix.add_argument("--slack", default="1.5:3", metavar="LOW[:HIGH]",
                      help="deadline = submit + slack x ideal time, slack uniform in LOW:HIGH (default 1.5:3)")
     mix.add_argument("--load", default="1", metavar="L", help="offered load of the arrivals (default 1)")
@@ -51,6 +53,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="tensor-parallel sizes; auto: at each GPU count the smallest that fits (default)")
     curves.add_argument("--micro-batch", default="1", metavar="N", help="micro-batch size (default 1)")
     curves.add_argument("--recompute", default="full", help="activation recompute: none, selective, full (default)")
+    failures = p.add_argument_group("failures (off by default)")
+    failures.add_argument("--failures", default="off",
+                          choices=("off", "on", *(preset.value for preset in FailurePreset)),
+                          help="jobs fail at a published rate (on: large-scale, Llama 3's), lose the work since "
+                               "their last checkpoint and restart in place at the restart cost; seeded by --seed")
+    failures.add_argument("--checkpoint", choices=tuple(mode.value for mode in CheckpointMode), default="sync",
+                          help="sync (default) or async checkpoints at each job's Daly interval")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--output", "-o", help="write to this file instead of stdout")
     p.add_argument("--gantt", metavar="FILE.png", help="draw the allocation over time (FILE.POLICY.png for several)")
@@ -78,12 +87,21 @@ def run(args: argparse.Namespace) -> int:
             write_jobs(args.write_jobs, rows)
         jobs = tuple(job_from_entry(row, number=i) for i, row in enumerate(rows, start=1))
     curves = job_curves(jobs, cluster, space, cache, progress=progress)
-    results = [simulate(jobs, curves, cluster, name, restart_s=restart_s, progress=progress) for name in policies]
+    failures = None
+    if args.failures != "off":
+        preset = FailurePreset.LARGE_SCALE if args.failures == "on" else FailurePreset(args.failures)
+        failures = FailureModel(reliability=ReliabilitySpec(failures=preset, checkpoint=CheckpointMode(args.checkpoint)),
+                                seed=_seed(args.seed))
+    results = [simulate(jobs, curves, cluster, name, restart_s=restart_s, progress=progress, failures=failures)
+               for name in policies]
     if args.format == "json":
         emit(json.dumps(report_dict(results), indent=1, allow_nan=False), args.output)
     else:
         unfit = [f"  {job.name}: {curves[job.name].reason}" for job in jobs if not curves[job.name].fits]
-        lines = [f"{len(jobs)} jobs on {cluster.describe()}, restart cost {restart_s:g} s", "",
+        failing = ("" if failures is None else f", failures {failures.reliability.failures.value} "
+                   f"({failures.reliability.rate_per_gpu_hour:.3g} per GPU-hour, seed {failures.seed}), "
+                   f"{failures.reliability.checkpoint.value} checkpoints")
+        lines = [f"{len(jobs)} jobs on {cluster.describe()}, restart cost {restart_s:g} s{failing}", "",
                  format_summary(summary_table(results))]
         if unfit:
             lines += ["", f"{len(unfit)} job(s) fit nowhere and are rejected by every policy:", *unfit[:5]]

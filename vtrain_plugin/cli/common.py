@@ -7,10 +7,13 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from vtrain_plugin.capture import disk_cache
+from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.files import atomic_write_text
+from vtrain_plugin.specs.reliability import CheckpointMode, FailurePreset, ReliabilitySpec
 
 EXIT_USER_ERROR = 2
 CONFIG_HELP = "vTrain config JSON or vtrain plan file (YAML/JSON)"
@@ -68,3 +71,42 @@ def cache_environment(args: argparse.Namespace) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+FAILURES_HELP = ("failures, restarts and checkpoints in the totals of --tokens: a preset of published failure rates "
+                 "(large-scale: Llama 3's, the default; reliable; typical), on (the plan file's reliability "
+                 "section, else the defaults) or off (failure-free totals only)")
+
+
+def reliability_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--failures", choices=("on", "off", *(preset.value for preset in FailurePreset)),
+                   help=FAILURES_HELP)
+    p.add_argument("--checkpoint", choices=tuple(mode.value for mode in CheckpointMode),
+                   help="sync: training waits for the checkpoint write (Megatron-LM's default); async: only for "
+                        "the copy to host memory (--async-save)")
+    p.add_argument("--checkpoint-interval", metavar="ITERATIONS",
+                   help="iterations between checkpoints (Megatron-LM's --save-interval; default: the interval "
+                        "that minimises the expected time, Daly 2006)")
+
+
+def with_reliability(args: argparse.Namespace, reliability: ReliabilitySpec | None) -> ReliabilitySpec | None:
+    """``reliability`` (a plan file's; None: off) as the reliability flags change it."""
+    if args.failures == "off":
+        if args.checkpoint is not None or args.checkpoint_interval is not None:
+            raise ConfigError("--checkpoint and --checkpoint-interval need failures on, not --failures off")
+        return None
+    base = reliability or ReliabilitySpec()
+    if args.failures not in (None, "on"):
+        base = replace(base, failures=FailurePreset(args.failures), failure_rate_per_gpu_hour=None)
+    if args.checkpoint is not None:
+        base = replace(base, checkpoint=CheckpointMode(args.checkpoint))
+    if args.checkpoint_interval is not None:
+        try:
+            interval = int(args.checkpoint_interval)
+        except ValueError:
+            interval = 0
+        if interval <= 0:
+            raise ConfigError(f"--checkpoint-interval must be a positive integer of iterations, "
+                              f"got {args.checkpoint_interval!r}")
+        base = replace(base, checkpoint_interval_iterations=interval)
+    return base

@@ -10,7 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from vtrain_plugin.api import with_gpu
-from vtrain_plugin.cli.common import CONFIG_HELP, EXIT_USER_ERROR, db_option, positive_int
+from vtrain_plugin.cli.common import (CONFIG_HELP, EXIT_USER_ERROR, db_option, positive_int, reliability_options,
+                                     with_reliability)
 from vtrain_plugin.cli.megatron_input import add_megatron_options, run_inputs
 from vtrain_plugin.cli.render import estimate_table
 from vtrain_plugin.core import checks as v
@@ -29,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu", help="GPU preset to estimate for, overriding the config's "
                                  "(a100-sxm4-40gb, a100-sxm4-80gb, h100-sxm, h200-sxm, b200-sxm; aliases A100, H100, H200, B200)")
     p.add_argument("--tokens", metavar="N", help="tokens of the whole training run (e.g. 270e9), overriding "
-                                                  "training.total_tokens: adds iterations, days, GPU-hours and cost")
+                                                  "training.total_tokens: adds iterations, days, GPU-hours and cost, "
+                                                  "failure-free and expected with failures (--failures)")
+    reliability_options(p)
     p.add_argument("--format", choices=FORMATS, default="table",
                    help="table (default); json: one object, an array of them for several configs; jsonl: one "
                         "line per config, errors inline; csv: one row per config (pandas columns of to_row)")
@@ -59,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
                 run_config = with_gpu(run_config, args.gpu)
             if tokens is not None:
                 run_config = replace(run_config, training=replace(run_config.training, total_tokens=tokens))
+            run_config = replace(run_config, training=replace(
+                run_config.training, reliability=with_reliability(args, run_config.training.reliability)))
             result = estimate_with_profiles(run_config, db_path=args.db, timeline=bool(args.timeline),
                                             explain=args.explain or 0)
             if args.timeline:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vtrain_plugin.core.graph import Block, OpGraph, OpNode, Phase, StageGraph
+from vtrain_plugin.core.units import GBYTE, SECONDS_PER_HOUR
 from vtrain_plugin.cost.context_parallel import ContextParallel, model_flops, with_context_parallel
 from vtrain_plugin.cost.lowering import map_nodes
 from vtrain_plugin.cost.runtime_collectives import runtime_collectives
@@ -22,6 +23,7 @@ from vtrain_plugin.estimate import Estimate
 from vtrain_plugin.planning.search import SearchResult
 from vtrain_plugin.planning.sizing import SizingResult
 from vtrain_plugin.planning.space import format_skipped
+from vtrain_plugin.sim.run_totals import TrainTotals
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.run import RunConfig
@@ -183,7 +185,10 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
     if result.iterations is not None:
         train_cost = "" if result.train_cost_usd is None else f", ${result.train_cost_usd:,.0f}"
         lines.append(f"to train {result.total_tokens:,.0f} tokens: {result.iterations:,} iterations, "
-                     f"{result.train_days:,.1f} days, {result.train_gpu_hours:,.0f} GPU-hours{train_cost}")
+                     f"{result.train_days:,.1f} days, {result.train_gpu_hours:,.0f} GPU-hours{train_cost}"
+                     + (" without failures" if result.reliability is not None else ""))
+        if result.reliability is not None:
+            lines.extend(failures_lines(result.train_totals()))
     lines.append(f"kernel time measured: {100 * result.measured_fraction:.1f}% (rest modeled)")
     peak = max(result.memory_gib, key=lambda m: m.total_gib)
     verdict = "fits" if result.fits_in_memory else "DOES NOT FIT"
@@ -198,6 +203,29 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
         lines.append(render_table(rows, ["largest unmeasured kernels", "shapes", "phase", "module",
                                          "ms/iter on its busiest stage", "of iteration"]))
     return "\n".join(lines)
+
+
+def failures_lines(totals: TrainTotals) -> list[str]:
+    """What failures, restarts and checkpoints add to a run (``vtrain estimate --tokens``)."""
+    f = totals.failures
+    run = f.run
+    cost = "" if totals.cost_usd is None else f", ${totals.cost_usd:,.0f}"
+    rate = f.reliability
+    mode = f"{rate.checkpoint.value} checkpoints of {f.checkpoint_nbytes / GBYTE:,.0f} GB"
+    interval = (f"every {f.interval_iterations:,} iterations"
+                + (" (Daly's optimum)" if f.interval_chosen else " (given)"))
+    hours = {"compute": run.compute_s, "checkpoint stalls": run.checkpoint_s, "lost work": run.lost_s,
+             "restarts": run.restart_s}
+    return [
+        f"with failures: {totals.days:,.1f} days, {totals.gpu_hours:,.0f} GPU-hours{cost}, goodput "
+        f"{100 * totals.goodput:.1f}% ({rate.failures.value if rate.failure_rate_per_gpu_hour is None else 'given'}: "
+        f"{rate.rate_per_gpu_hour:.3g} failures per GPU-hour, one every {f.mtbf_hours:.3g} h; "
+        f"{run.failures:,.0f} expected)",
+        f"  {mode} {interval}: write {f.checkpoint.write_s:,.1f} s, stall {f.stall_s:,.1f} s each; "
+        f"restart {f.restart_s / 60:,.1f} min (load {f.checkpoint.load_s:,.1f} s)",
+        "  wall time: " + ", ".join(f"{name} {seconds / SECONDS_PER_HOUR:,.1f} h ({100 * seconds / run.wall_s:.1f}%)"
+                                    for name, seconds in hours.items()),
+    ]
 
 
 def validation_table(result: ValidationResult) -> str:
@@ -242,12 +270,13 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
     stack and FP8 columns appear when the plans differ in them."""
     table = result.table
     trained = "train_days" in table
+    expected = "expected_train_days" in table
     varied = [column for column in ("software_stack", "fp8") if table[column].nunique(dropna=False) > 1]
     experts = bool((table["expert_parallel"] > 1).any())  # an ep column when some plan splits experts
     header = ["rank", "tp", "cp", "pp", "dp", *(["ep"] if experts else []), "mb", "vp", "sp", "recompute",
               "grad reduce", "dist opt", *(_VARIED_HEADERS[c] for c in varied), "GPUs", "iteration ms",
               "tokens/s", "MFU", "memory GiB", "fits", "$/iteration", *(["days", "$ to train"] if trained else []),
-              "front"]
+              *(["expected days", "expected $", "goodput", "ckpt every"] if expected else []), "front"]
     rows = []
     for row in result.top().to_dict(orient="records"):
         rows.append([
@@ -259,11 +288,15 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
             f"{row['tokens_per_second']:,.0f}", f"{100 * row['mfu']:.1f}%", f"{row['peak_memory_gib']:.1f}",
             "yes" if row["fits_in_memory"] else "NO", _money(row["cost_usd"]),
             *([f"{row['train_days']:,.1f}", _money(row["train_cost_usd"])] if trained else []),
+            *([f"{row['expected_train_days']:,.1f}", _money(row["expected_train_cost_usd"]),
+               f"{100 * row['goodput']:.1f}%", f"{row['checkpoint_interval_iterations']:,.0f} it"] if expected else []),
             "*" if row["pareto"] else ""])
     skipped = sum(result.skipped.values())
     lines = [render_table(rows, header), "",
              f"{len(table):,} plans evaluated, {result.num_fitting:,} fit in memory, "
-             f"{int(table['pareto'].sum()):,} on the Pareto front (*), ranked by {result.objective}; "
+             f"{int(table['pareto'].sum()):,} on the Pareto front (*), ranked by {result.objective}"
+             + (f" ({result.time_column if result.objective != 'cost' else result.cost_column})" if trained else "")
+             + "; "
              f"skipped {skipped:,}" + (f" ({format_skipped(result.skipped)})" if skipped else "")]
     if baseline is not None:
         lines.append(_baseline_line(result, baseline))
@@ -306,8 +339,10 @@ def _json_value(value: Any) -> Any:
 
 def sizing_table(result: SizingResult) -> str:
     """The shapes ``vtrain size`` searched, its answer and the naive fixed-MFU answer."""
-    header = ["model", "params", "layers", "hidden", "heads", "tokens", "best plan", "GPUs", "MFU", "days",
-              "$ to train", "within budget"]
+    expected = any(o.plan is not None and "expected_train_days" in o.plan for o in result.evaluated)
+    header = ["model", "params", "layers", "hidden", "heads", "tokens", "best plan", "GPUs", "MFU",
+              "expected days" if expected else "days", "expected $" if expected else "$ to train",
+              *(["goodput"] if expected else []), "within budget"]
     rows = []
     for o in result.evaluated:
         d = o.to_dict()
@@ -322,12 +357,15 @@ def sizing_table(result: SizingResult) -> str:
                      f"{100 * d['mfu']:.1f}%" if o.plan is not None else "",
                      _days(o.train_days) if o.plan is not None else "",
                      _money(o.train_cost_usd) if o.plan is not None else "",
+                     *([f"{100 * d['goodput']:.1f}%" if o.plan is not None else ""] if expected else []),
                      ("yes" if o.within_budget else "no") + mark])
     budget = " and ".join(part for part in (f"{result.days:g} days" if result.days is not None else "",
                                             f"${result.budget_usd:,.0f}" if result.budget_usd is not None else "")
                           if part)
     answer = result.answer
     lines = [render_table(rows, header), "",
+             *(["days and dollars expected with failures, restarts and checkpoints (--failures off: "
+                "failure-free)"] if expected else []),
              f"largest model within {budget}: {answer.model.name}, {answer.model.num_parameters / 1e9:,.2f}B "
              f"parameters on {answer.tokens / 1e9:,.1f}B tokens, {_days(answer.train_days)} days"
              + (f", {_money(answer.train_cost_usd)}" if not math.isnan(answer.train_cost_usd) else "")]

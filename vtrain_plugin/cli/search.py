@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from vtrain_plugin.api import ModelFile, load_model_file, load_run_config
-from vtrain_plugin.cli.common import emit
+from vtrain_plugin.cli.common import emit, reliability_options, with_reliability
 from vtrain_plugin.cli.render import search_csv, search_jsonl, search_table
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.hardware.clusters import cluster_for_gpu, cluster_preset_names, get_cluster_preset
@@ -17,6 +17,8 @@ from vtrain_plugin.planning.plot import plot_search
 from vtrain_plugin.planning.search import OBJECTIVES, evaluate_baseline, search
 from vtrain_plugin.planning.space import AXES, Candidate, GpuBudget, SearchSpace
 from vtrain_plugin.specs.cluster import ClusterSpec
+from vtrain_plugin.specs.reliability import ReliabilitySpec
+from vtrain_plugin.specs.training import TrainingSpec
 
 FORMATS = ("table", "csv", "jsonl")
 
@@ -36,7 +38,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{axis.flag.replace('_', '-')}", dest=axis.name, metavar="LIST",
                        help=f"{axis.label}; comma-separated (default: {axis.default_label})")
     p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node)")
-    p.add_argument("--objective", default="time", help="rank the plans that fit by time or cost (default time)")
+    p.add_argument("--objective", default="time",
+                   help="rank the plans that fit by time, days (to train --tokens) or cost (default time); with "
+                        "--tokens, time and days rank by the days to train and cost by the cost to train, both "
+                        "expected with failures unless --failures off")
     p.add_argument("--top", default="10", metavar="K", help="plans in the table (default 10)")
     p.add_argument("--format", choices=FORMATS, default="table",
                    help="table: the top K and a summary; csv, jsonl: every evaluated plan")
@@ -46,6 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", metavar="N", help="worker processes or Ray tasks at once (default: CPU count)")
     p.add_argument("--backend", default="local", help=f"{' | '.join(BACKENDS)} (default local)")
     p.add_argument("--tokens", metavar="N", help="also the days and cost to train on N tokens, e.g. 270e9")
+    reliability_options(p)
     p.set_defaults(func=run)
 
 
@@ -61,9 +67,12 @@ def run(args: argparse.Namespace) -> int:
     global_batch = _global_batch(args, source)
     tokens = _number("--tokens", args.tokens, float) if args.tokens is not None else None
     space = space_from_args(args)
-    baseline = _baseline(args.baseline, source, cluster, global_batch, tokens) if args.baseline else None
+    training = source.training or TrainingSpec(global_batch_size=global_batch)
+    training = replace(training, reliability=with_reliability(args, training.reliability))
+    baseline = (_baseline(args.baseline, source, cluster, global_batch, tokens, training.reliability)
+                if args.baseline else None)
     result = search(source.model, cluster=cluster, global_batch_size=global_batch,
-                    gpus=GpuBudget.parse(args.gpus, where="--gpus"), space=space, training=source.training,
+                    gpus=GpuBudget.parse(args.gpus, where="--gpus"), space=space, training=training,
                     objective=args.objective, top_k=_number("--top", args.top, int),
                     workers=_number("--workers", args.workers, int) if args.workers is not None else None,
                     backend=args.backend, progress=sys.stderr.isatty(), tokens=tokens)
@@ -116,13 +125,14 @@ def _number(flag: str, text: str, kind: type[int] | type[float]) -> int | float:
 
 
 def _baseline(path: str, source: ModelFile, cluster: ClusterSpec, global_batch: int,
-              tokens: float | None) -> dict:
-    """The row of the plan in ``path``, on the search's cluster with its global batch."""
+              tokens: float | None, reliability: ReliabilitySpec | None) -> dict:
+    """The row of the plan in ``path``, on the search's cluster with its global batch and reliability."""
     run = load_run_config(path)
     if replace(run.model, name="") != replace(source.model, name=""):
         raise ConfigError(f"--baseline {path}: its model is not the model of {source.source}")
     try:
-        candidate = Candidate(parallel=run.parallel, training=replace(run.training, global_batch_size=global_batch))
+        candidate = Candidate(parallel=run.parallel, training=replace(run.training, global_batch_size=global_batch,
+                                                                      reliability=reliability))
         return evaluate_baseline(source.model, candidate, cluster, tokens)
     except ConfigError as exc:
         raise ConfigError(f"--baseline {path}: {exc}") from None

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from vtrain_plugin.cli.common import emit
+from vtrain_plugin.cli.common import emit, reliability_options, with_reliability
 from vtrain_plugin.cli.render import sizing_table
 from vtrain_plugin.cli.search import _number, space_from_args
 from vtrain_plugin.core.errors import ConfigError
@@ -16,6 +16,7 @@ from vtrain_plugin.planning.plot import plot_sizing
 from vtrain_plugin.planning.sizing import DEFAULT_BATCH_TOKENS, DEFAULT_NAIVE_MFU, size_model
 from vtrain_plugin.planning.space import AXES, GpuBudget
 from vtrain_plugin.specs.model import Family
+from vtrain_plugin.specs.reliability import ReliabilitySpec
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", "-o", help="write to this file instead of stdout")
     p.add_argument("--plot", metavar="FILE.png", help="draw parameters against days to train, with the budget")
     p.add_argument("--workers", metavar="N", help="worker processes per search (default: CPU count)")
+    reliability_options(p)
     p.set_defaults(func=run)
 
 
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         max_params=_number("--max-params", args.max_params, float),
         hidden_step=_number("--hidden-step", args.hidden_step, int), space=space_from_args(args),
         workers=_number("--workers", args.workers, int) if args.workers is not None else None,
-        progress=sys.stderr.isatty())
+        progress=sys.stderr.isatty(), reliability=with_reliability(args, ReliabilitySpec()))
     if args.format == "json":
         emit(json.dumps(result.to_dict(), indent=2, allow_nan=False) + "\n", args.output)
     else:

@@ -32,8 +32,8 @@ _NOT_SXM = ("pcie", "nvl")
 _POSITIVE_FIELDS = ("peak_fp16_tflop_per_s", "peak_bf16_tflop_per_s", "peak_tf32_tflop_per_s",
                     "peak_fp32_tflop_per_s", "peak_fp8_tflop_per_s", "hbm_bandwidth_gbytes_per_s",
                     "memory_gibibytes", "l2_cache_mebibytes", "nvlink_gbytes_per_s_per_direction",
-                    "gemm_ceiling_bf16_tflop_per_s")
-_OPTIONAL_FIELDS = ("peak_fp8_tflop_per_s", "gemm_ceiling_bf16_tflop_per_s")
+                    "gemm_ceiling_bf16_tflop_per_s", "host_link_gbytes_per_s_per_direction")
+_OPTIONAL_FIELDS = ("peak_fp8_tflop_per_s", "gemm_ceiling_bf16_tflop_per_s", "host_link_gbytes_per_s_per_direction")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +58,9 @@ class DeviceSpec:
     sm_count: int
     l2_cache_mebibytes: float
     nvlink_gbytes_per_s_per_direction: float
+    # The GPU's link to host memory (PCIe), per direction: copies of checkpoint shards to the host.
+    # None: the device's memory is the host's (a CPU).
+    host_link_gbytes_per_s_per_direction: float | None = None
     default_cluster: str  # the usual node of this device (a cluster preset name)
     # True when the processor that issues kernels also runs them (a CPU): host and kernel time add
     # up instead of overlapping as the CPU -> GPU launch pipeline does.

@@ -30,6 +30,8 @@ PLAN_COLUMNS = ("tensor_parallel", "context_parallel", "pipeline_parallel", "dat
 ESTIMATE_COLUMNS = ("num_gpus", "num_microbatches", "iteration_time_ms", "tokens_per_second", "tflops_per_gpu",
                     "mfu", "peak_memory_gib", "fits_in_memory", "cost_usd", "gpu_hours")
 TRAIN_COLUMNS = ("iterations", "train_days", "train_cost_usd")  # with TrainingSpec.total_tokens
+# With total_tokens and TrainingSpec.reliability: the run with failures, restarts and checkpoints.
+EXPECTED_COLUMNS = ("expected_train_days", "expected_train_cost_usd", "goodput", "checkpoint_interval_iterations")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,7 +80,18 @@ def plan_row(candidate: Candidate, est: Estimate) -> Row:
         **({} if est.iterations is None else {
             "iterations": est.iterations, "train_days": est.train_days,
             "train_cost_usd": math.nan if est.train_cost_usd is None else est.train_cost_usd}),
+        **expected_columns(est),
     }
+
+
+def expected_columns(est: Estimate) -> Row:
+    """The :data:`EXPECTED_COLUMNS` of an estimate of the whole run with failures on (else none)."""
+    if est.iterations is None or est.reliability is None:
+        return {}
+    totals = est.train_totals()
+    return {"expected_train_days": totals.days,
+            "expected_train_cost_usd": math.nan if totals.cost_usd is None else totals.cost_usd,
+            "goodput": totals.goodput, "checkpoint_interval_iterations": totals.failures.interval_iterations}
 
 
 def make_batches(model: ModelSpec, cluster: ClusterSpec, candidates: Sequence[Candidate]) -> list[Batch]:

@@ -24,8 +24,8 @@ from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.planning.backends import BACKENDS, run_batches
-from vtrain_plugin.planning.evaluate import (ESTIMATE_COLUMNS, PLAN_COLUMNS, TRAIN_COLUMNS, evaluate, make_batches,
-                                            plan_row)
+from vtrain_plugin.planning.evaluate import (ESTIMATE_COLUMNS, EXPECTED_COLUMNS, PLAN_COLUMNS, TRAIN_COLUMNS,
+                                            evaluate, make_batches, plan_row)
 from vtrain_plugin.planning.pareto import pareto_front
 from vtrain_plugin.planning.space import Candidate, GpuBudget, SearchSpace, enumerate_plans
 from vtrain_plugin.specs.cluster import ClusterSpec
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OBJECTIVES = ("time", "cost")
+OBJECTIVES = ("time", "days", "cost")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,8 +75,10 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     in ``gpus`` (a :class:`GpuBudget`, a count, ``"1024:4096"``, ``"2240,2800,3360"``, or counts).
 
     ``training`` is the base training spec (schedule, gradient bucket size, software stack).
-    ``objective`` ranks the plans that fit: ``"time"`` (iteration time) or ``"cost"`` (per
-    iteration; needs a price on the cluster). ``workers`` processes (default: the CPU count; 1
+    ``objective`` ranks the plans that fit: ``"time"`` (iteration time, or with ``tokens`` days to
+    train; ``"days"`` says the latter and needs ``tokens``) or ``"cost"`` (per iteration, or to
+    train; needs a price on the cluster). With ``tokens`` and ``training.reliability`` (the default)
+    the days and cost to train are the expected ones, failures, restarts and checkpoints counted. ``workers`` processes (default: the CPU count; 1
     evaluates in this process) or, with ``backend="ray"``, Ray tasks; the processes are spawned, so
     a script that calls this with several workers does so under ``if __name__ == "__main__":``.
     ``progress`` draws a bar on stderr. ``tokens`` adds ``train_days`` and ``train_cost_usd`` for
@@ -87,7 +89,9 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     distributed_optimizer, schedule, software_stack, fp8``), its estimate
     (``num_gpus, num_microbatches, iteration_time_ms, tokens_per_second, tflops_per_gpu, mfu,
     peak_memory_gib, fits_in_memory, cost_usd`` (NaN without a price), ``gpu_hours`` per
-    iteration), then ``train_days, train_cost_usd`` with ``tokens``, ``pareto`` and ``rank``.
+    iteration), then ``iterations, train_days, train_cost_usd`` with ``tokens`` (failure-free), and
+    with failures on ``expected_train_days, expected_train_cost_usd, goodput,
+    checkpoint_interval_iterations``, then ``pareto`` and ``rank``.
     """
     import pandas as pd  # here, not at module level: the CLI imports this module for every command
 
@@ -103,6 +107,9 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     if tokens is not None:
         base = replace(base, total_tokens=v.positive_number("tokens", tokens))
     tokens = base.total_tokens
+    if objective == "days" and tokens is None:
+        raise ConfigError("objective days needs tokens (--tokens): the days to train on them")
+    failures = tokens is not None and base.reliability is not None
     space = space or SearchSpace()
     fp8 = next((f for f in (space.fp8 if space.fp8 is not None else (base.fp8,)) if f is not None), None)
     if fp8 is not None:
@@ -116,19 +123,25 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     with tqdm(total=len(candidates), unit="plan", file=sys.stderr, disable=not progress) as bar:
         results = run_batches(batches, workers=workers, backend=backend, on_plans=bar.update)
     rows = [row for _, row in sorted(results, key=lambda item: item[0])]
-    table = pd.DataFrame(rows, columns=[*PLAN_COLUMNS, *ESTIMATE_COLUMNS, *(TRAIN_COLUMNS if tokens else ())])
-    time_column, cost_column = measures(priced=cluster.price_per_gpu_hour_usd is not None, tokens=tokens)
-    table = rank_plans(table, objective, time_column=time_column, cost_column=cost_column)
+    table = pd.DataFrame(rows, columns=[*PLAN_COLUMNS, *ESTIMATE_COLUMNS, *(TRAIN_COLUMNS if tokens else ()),
+                                        *(EXPECTED_COLUMNS if failures else ())])
+    time_column, cost_column = measures(priced=cluster.price_per_gpu_hour_usd is not None, tokens=tokens,
+                                        failures=failures)
+    table = rank_plans(table, "time" if objective == "days" else objective, time_column=time_column, cost_column=cost_column)
     return SearchResult(table=table, skipped=enumeration.skipped, objective=objective, time_column=time_column,
                         cost_column=cost_column, top_k=top_k)
 
 
-def measures(*, priced: bool, tokens: float | None) -> tuple[str, str]:
+def measures(*, priced: bool, tokens: float | None, failures: bool = False) -> tuple[str, str]:
     """The (time, cost) columns that rank plans and draw the front: to train on ``tokens`` when
-    given, else per iteration; GPU-hours per iteration stand for the cost without a price."""
+    given (expected with ``failures``, else failure-free), else per iteration; without a price,
+    GPU-hours per iteration stand for the cost and, with ``tokens``, days to train for the time."""
+    if tokens is None:
+        return "iteration_time_ms", "cost_usd" if priced else "gpu_hours"
+    days = "expected_train_days" if failures else "train_days"
     if not priced:
-        return "iteration_time_ms", "gpu_hours"
-    return ("train_days", "train_cost_usd") if tokens is not None else ("iteration_time_ms", "cost_usd")
+        return days, "gpu_hours"
+    return days, "expected_train_cost_usd" if failures else "train_cost_usd"
 
 
 def evaluate_baseline(model: ModelSpec, candidate: Candidate, cluster: ClusterSpec,

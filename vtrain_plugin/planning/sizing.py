@@ -10,6 +10,9 @@ so the ladder is bisected: about ``log2(len(ladder))`` searches, each on a shape
 The result also carries the naive answer, the largest shape whose ``6 N D`` FLOPs fit the budget at
 a fixed MFU (:func:`~vtrain_plugin.planning.model_family.naive_size`), and vtrain's days for that
 shape: the vTrain paper's point is that the fixed-MFU answer overshoots the budget.
+
+Days and dollars are the expected ones, failures, restarts and checkpoints counted
+(:mod:`vtrain_plugin.sim.goodput`), unless ``reliability`` is None.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from vtrain_plugin.planning.search import search
 from vtrain_plugin.planning.space import GpuBudget, SearchSpace
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import Family, ModelSpec
+from vtrain_plugin.specs.reliability import ReliabilitySpec
+from vtrain_plugin.specs.training import TrainingSpec
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -51,11 +56,12 @@ class ShapeOutcome:
 
     @property
     def train_days(self) -> float:
-        return math.nan if self.plan is None else float(self.plan["train_days"])
+        """Expected with failures when the search counted them, else failure-free."""
+        return math.nan if self.plan is None else float(self.plan[days_column(self.plan)])
 
     @property
     def train_cost_usd(self) -> float:
-        return math.nan if self.plan is None else float(self.plan["train_cost_usd"])
+        return math.nan if self.plan is None else float(self.plan[cost_column(self.plan)])
 
     def to_dict(self) -> dict[str, Any]:
         plan = self.plan or {}
@@ -68,8 +74,18 @@ class ShapeOutcome:
                                               "iteration_time_ms")},
             "train_days": None if self.plan is None else self.train_days,
             "train_cost_usd": None if self.plan is None or math.isnan(self.train_cost_usd) else self.train_cost_usd,
+            "ideal_train_days": plan.get("train_days"), "goodput": plan.get("goodput"),
             "within_budget": self.within_budget, "reason": self.reason,
         }
+
+
+def days_column(row: Any) -> str:
+    """The days-to-train column of a search row: expected with failures when it has them."""
+    return "expected_train_days" if "expected_train_days" in row else "train_days"
+
+
+def cost_column(row: Any) -> str:
+    return "expected_train_cost_usd" if "expected_train_cost_usd" in row else "train_cost_usd"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,11 +119,13 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
                tokens_per_parameter: float = CHINCHILLA_TOKENS_PER_PARAMETER,
                batch_tokens: int = DEFAULT_BATCH_TOKENS, naive_mfu: float = DEFAULT_NAIVE_MFU,
                min_params: float = 1e9, max_params: float = 2e12, hidden_step: int = HIDDEN_STEP,
-               space: SearchSpace | None = None, workers: int | None = None, progress: bool = False) -> SizingResult:
+               space: SearchSpace | None = None, workers: int | None = None, progress: bool = False,
+               reliability: ReliabilitySpec | None = ReliabilitySpec()) -> SizingResult:
     """The largest ``family`` shape (``min_params`` .. ``max_params`` parameters) that trains on
     ``tokens_per_parameter`` tokens per parameter within ``days`` and/or ``budget_usd`` on ``gpus``
     GPUs of ``cluster`` (see the module doc). ``batch_tokens``: tokens per iteration, rounded down
-    to whole sequences. ``space`` restricts each shape's search (default: every valid plan)."""
+    to whole sequences. ``space`` restricts each shape's search (default: every valid plan).
+    ``reliability``: the failures, restarts and checkpoints the days and dollars count (None: off)."""
     if days is None and budget_usd is None:
         raise ConfigError("size: give a budget: days and/or budget_usd")
     if days is not None:
@@ -133,7 +151,7 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
         if key not in outcomes:
             outcomes[key] = _judge(model, cluster=cluster, budget=budget, days=days, budget_usd=budget_usd,
                                    tokens_per_parameter=tokens_per_parameter, batch_tokens=batch_tokens,
-                                   space=space, workers=workers, progress=progress)
+                                   space=space, workers=workers, progress=progress, reliability=reliability)
             log.info("%s: %s", model.name, outcomes[key].reason or "within budget")
         return outcomes[key]
 
@@ -161,11 +179,12 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
 
 def _judge(model: ModelSpec, *, cluster: ClusterSpec, budget: GpuBudget, days: float | None,
            budget_usd: float | None, tokens_per_parameter: float, batch_tokens: int, space: SearchSpace | None,
-           workers: int | None, progress: bool) -> ShapeOutcome:
+           workers: int | None, progress: bool, reliability: ReliabilitySpec | None) -> ShapeOutcome:
     tokens = chinchilla_tokens(model.num_parameters, tokens_per_parameter)
     global_batch = max(1, batch_tokens // model.seq_length)
     try:
         result = search(model, cluster=cluster, global_batch_size=global_batch, gpus=budget, space=space,
+                        training=TrainingSpec(global_batch_size=global_batch, reliability=reliability),
                         objective="time", workers=workers, progress=progress, tokens=tokens)
     except ConfigError as exc:  # no valid plan at all for this shape within the GPU budget
         return ShapeOutcome(model=model, tokens=tokens, within_budget=False, reason=str(exc))
@@ -173,19 +192,20 @@ def _judge(model: ModelSpec, *, cluster: ClusterSpec, budget: GpuBudget, days: f
     if fitting.empty:
         return ShapeOutcome(model=model, tokens=tokens, within_budget=False,
                             reason="no plan fits in GPU memory")
-    fastest = fitting.sort_values("train_days", kind="stable")
+    days_of, cost_of = days_column(fitting), cost_column(fitting)
+    fastest = fitting.sort_values(days_of, kind="stable")
     meets = fastest
     if days is not None:
-        meets = meets[meets["train_days"] <= days]
+        meets = meets[meets[days_of] <= days]
     if budget_usd is not None:
-        meets = meets[meets["train_cost_usd"] <= budget_usd]
+        meets = meets[meets[cost_of] <= budget_usd]
     if not meets.empty:
         return ShapeOutcome(model=model, tokens=tokens, plan=meets.iloc[0].to_dict(), within_budget=True, reason="")
     best = fastest.iloc[0].to_dict()
     over = []
-    if days is not None and best["train_days"] > days:
-        over.append(f"needs {best['train_days']:.3g} days > {days:g}")
+    if days is not None and best[days_of] > days:
+        over.append(f"needs {best[days_of]:.3g} days > {days:g}")
     if budget_usd is not None:
-        over.append(f"the cheapest plan costs ${fitting['train_cost_usd'].min():,.0f} > ${budget_usd:,.0f}")
+        over.append(f"the cheapest plan costs ${fitting[cost_of].min():,.0f} > ${budget_usd:,.0f}")
     return ShapeOutcome(model=model, tokens=tokens, plan=best, within_budget=False,
                         reason=" and ".join(over) or "no plan meets both budgets at once")

@@ -140,6 +140,21 @@ NETWORK_EFFICIENCY = Limit(
 PRICE_PER_GPU_HOUR = Limit(
     quantity="price (USD per GPU-hour)", maximum=10_000.0, inputs="cluster.price_per_gpu_hour_usd",
     reason="cloud GPUs cost 1 to 10 USD an hour; every cost printed stays finite")
+FAILURE_RATE = Limit(
+    quantity="failures per GPU-hour", maximum=0.01, inputs="reliability.failure_rate_per_gpu_hour",
+    reason="Llama 3 saw 2e-5 (one interruption every 3 hours on 16,384 GPUs); 0.01 stops a 1,000-GPU job "
+           "every 6 minutes")
+RESTART_MINUTES = Limit(
+    quantity="restart (minutes)", maximum=10_080.0, inputs="reliability.restart_minutes",
+    reason="a week; real restarts take minutes to an hour")
+STORAGE_BANDWIDTH = Limit(
+    quantity="storage bandwidth (GB/s)", minimum=1e-3, maximum=1e6,
+    inputs="reliability.storage_{write,read}_gbytes_per_s_{per_node,total}",
+    reason="from 1 MB/s to 500 times Llama 3's 2 TB/s file system; checkpoint times stay finite")
+CHECKPOINT_INTERVAL = Limit(
+    quantity="checkpoint interval (iterations)", maximum=100_000_000,
+    inputs="reliability.checkpoint_interval_iterations; --checkpoint-interval",
+    reason="runs take some 10^5 to 10^6 iterations; an interval longer than the run is refused too")
 FILE_BYTES = Limit(
     quantity="plan file size (bytes)", maximum=65_536, inputs="plan files and vTrain configs",
     reason="plan files take a few hundred bytes; parsing stays well under a second")
@@ -154,7 +169,7 @@ LIMITS: tuple[Limit, ...] = (
     WORLD_SIZE, GPUS_PER_NODE, NUM_LAYERS, HIDDEN_SIZE, FFN_HIDDEN_SIZE, ATTENTION_HEADS, VOCAB_SIZE, SEQ_LENGTH,
     MICRO_BATCH_SIZE, MICRO_BATCH_TOKENS, GLOBAL_BATCH_SIZE, MICRO_BATCHES, SCHEDULED_PASSES, TOTAL_TOKENS,
     BUCKET_SIZE_MB, INTRA_NODE_BANDWIDTH, INTER_NODE_BANDWIDTH, LATENCY_US, NETWORK_EFFICIENCY, PRICE_PER_GPU_HOUR,
-    FILE_BYTES, NESTING_DEPTH, FILE_VALUES,
+    FAILURE_RATE, RESTART_MINUTES, STORAGE_BANDWIDTH, CHECKPOINT_INTERVAL, FILE_BYTES, NESTING_DEPTH, FILE_VALUES,
 )
 
 

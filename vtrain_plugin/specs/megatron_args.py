@@ -26,6 +26,7 @@ from vtrain_plugin.specs.megatron_flags import MEGATRON_FLAGS, PERFORMANCE_FLAGS
 from vtrain_plugin.specs.megatron_model import Given, model_fields, positive_int, recompute_mode
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
+from vtrain_plugin.specs.reliability import CheckpointMode, ReliabilitySpec
 from vtrain_plugin.specs.training import GradReduce, ScheduleKind, TrainingSpec, grad_dtype
 
 
@@ -244,7 +245,19 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
         elements = (positive_int(flag, given[flag]) if flag in given
                     else max(40_000_000, 1_000_000 * parallel.data_parallel))
         values["bucket_size_mb"] = elements * grad_dtype(model.dtype).nbytes / 1e6
+    values["reliability"] = _reliability(given)
     return TrainingSpec(**values)
+
+
+def _reliability(given: Given) -> ReliabilitySpec:
+    """The checkpointing of the command line: ``--save-interval`` and ``--async-save`` (with
+    ``--save``: without a directory Megatron-LM saves nothing, and the interval is chosen)."""
+    if "--save" not in given:
+        return ReliabilitySpec()
+    interval = given.get("--save-interval")
+    return ReliabilitySpec(
+        checkpoint=CheckpointMode.ASYNC if given.get("--async-save") else CheckpointMode.SYNC,
+        checkpoint_interval_iterations=None if interval is None else positive_int("--save-interval", interval))
 
 
 def _shown(flag: str, value: Any) -> str:

@@ -2,7 +2,9 @@
 
 A plan file has four sections, each the fields of one spec (see README, "Plan files"): ``model``
 (:class:`ModelSpec`), ``parallel`` (:class:`ParallelPlan`), ``training`` (:class:`TrainingSpec`) and
-``cluster`` (the fields of :class:`ClusterSpec`, all optional, ``preset`` naming a base). The
+``cluster`` (the fields of :class:`ClusterSpec`, all optional, ``preset`` naming a base), and an
+optional fifth, ``reliability`` (:class:`ReliabilitySpec`, ``TrainingSpec.reliability``; ``off`` or
+null turns failures off). The
 cluster section is returned as given: named presets and GPU aliases are hardware data, resolved by
 :func:`vtrain_plugin.hardware.clusters.resolve_cluster`. A vTrain config
 (:mod:`vtrain_plugin.specs.vtrain_config`) is translated into these sections first.
@@ -13,17 +15,19 @@ Files are read into mappings by :mod:`vtrain_plugin.specs.reading`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.training import TrainingSpec
 from vtrain_plugin.specs.vtrain_config import from_vtrain_config, is_vtrain_config
 
-SECTIONS = ("model", "parallel", "training", "cluster")
+SECTIONS = ("model", "parallel", "training", "cluster", "reliability")
+FAILURES_OFF = "off"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,7 +55,7 @@ def parse_plan(data: Mapping[str, Any]) -> PlanSections:
             raise ConfigError(f"plan: missing section {section!r}")
     return PlanSections(model=build_spec(ModelSpec, "model", data["model"]),
                         parallel=build_spec(ParallelPlan, "parallel", data["parallel"]),
-                        training=build_spec(TrainingSpec, "training", data["training"]),
+                        training=_training(data, data["training"]),
                         cluster=v.mapping("cluster", data.get("cluster", {})))
 
 
@@ -61,9 +65,24 @@ def parse_model_sections(data: Mapping[str, Any]) -> ModelSections:
     data = _sections(data)
     if "model" not in data:
         raise ConfigError("plan: missing section 'model'")
-    training = build_spec(TrainingSpec, "training", data["training"]) if "training" in data else None
+    training = _training(data, data["training"]) if "training" in data else None
     return ModelSections(model=build_spec(ModelSpec, "model", data["model"]), training=training,
                          cluster=v.mapping("cluster", data.get("cluster", {})))
+
+
+def _training(data: Mapping[str, Any], section: Any) -> TrainingSpec:
+    """The training section, with the file's reliability section (default: failures on, the
+    defaults of :class:`ReliabilitySpec`)."""
+    if "reliability" in v.mapping("training", section):
+        raise ConfigError("training: unknown key 'reliability'; failures, restarts and checkpoints are the plan "
+                          "file's top-level reliability section")
+    training = build_spec(TrainingSpec, "training", section)
+    if "reliability" not in data:
+        return training
+    given = data["reliability"]
+    if given is None or given == FAILURES_OFF:
+        return replace(training, reliability=None)
+    return replace(training, reliability=build_spec(ReliabilitySpec, "reliability", given))
 
 
 def _sections(data: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -4,7 +4,7 @@ software and precision the kernels run in, and how many tokens the whole trainin
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -16,6 +16,7 @@ from vtrain_plugin.specs import limits
 from vtrain_plugin.specs.cluster import GpuArchitecture
 from vtrain_plugin.specs.model import Family, ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.reliability import ReliabilitySpec
 
 
 class ScheduleKind(StrEnum):
@@ -88,6 +89,9 @@ class TrainingSpec:
     # TransformerEngine's userbuffers: the all-gather / reduce-scatter of sequence parallelism
     # overlapped with the GEMMs they feed (Megatron-Core's --tp-comm-overlap; needs SP).
     tp_comm_overlap: bool = False
+    # Failures, restarts and checkpoints of the whole run (a plan file's top-level ``reliability``
+    # section): the expected days and cost beside the failure-free ones; None: failures off.
+    reliability: ReliabilitySpec | None = field(default_factory=ReliabilitySpec)
 
     def __post_init__(self) -> None:
         limits.GLOBAL_BATCH_SIZE.positive_int("training.global_batch_size", self.global_batch_size)
@@ -119,6 +123,9 @@ class TrainingSpec:
                 raise ConfigError(f"training.overlap_param_gather requires training.grad_reduce: overlap "
                                   f"(got {self.grad_reduce.value}), as Megatron-LM does")
         v.boolean("training.tp_comm_overlap", self.tp_comm_overlap)
+        if self.reliability is not None and not isinstance(self.reliability, ReliabilitySpec):
+            raise ConfigError(f"training.reliability must be a ReliabilitySpec or None (in a plan file, a top-level "
+                              f"reliability section), got {type(self.reliability).__name__}")
 
     def check_plan(self, plan: ParallelPlan) -> None:
         """Raise ConfigError when this run's options need what ``plan`` lacks, or ``plan`` needs

@@ -1,9 +1,10 @@
 """The event loop of the cluster simulation, in the style of Microsoft's vidur simulator: an event
 knows its time and how to handle itself, and handling it returns the events it causes.
 
-Three kinds: a job arrives, a job finishes, the scheduler runs. At one instant, finishes come
-first, then arrivals, then one scheduling pass that sees them all (:class:`EventKind`); a finish
-carries the epoch of the allocation it was computed for, so a resize makes the old one stale.
+Four kinds: a job arrives, a job finishes, a job fails (with failures on), the scheduler runs. At
+one instant, finishes come first, then failures, then arrivals, then one scheduling pass that sees
+them all (:class:`EventKind`); a finish or a failure carries the epoch of the allocation it was
+drawn for, so a resize makes the old one stale.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ class EventKind(IntEnum):
     """The order of events at the same instant."""
 
     FINISH = 0
-    ARRIVAL = 1
-    SCHEDULE = 2
+    FAILURE = 1
+    ARRIVAL = 2
+    SCHEDULE = 3
 
 
 class EventTarget(Protocol):
@@ -31,6 +33,8 @@ class EventTarget(Protocol):
     def arrive(self, job: int, time_s: float) -> list[Event]: ...
 
     def finish(self, job: int, epoch: int, time_s: float) -> list[Event]: ...
+
+    def fail(self, job: int, epoch: int, time_s: float) -> list[Event]: ...
 
     def schedule(self, time_s: float) -> list[Event]: ...
 
@@ -55,13 +59,27 @@ class Arrival(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class Finish(Event):
+class AllocationEvent(Event):
+    """An event of one allocation of a job: stale once the job's allocation has changed."""
+
     job: int
-    epoch: int  # the allocation this finish was predicted under
+    epoch: int  # the allocation it was predicted (a finish) or drawn (a failure) for
+
+
+@dataclass(frozen=True, slots=True)
+class Finish(AllocationEvent):
     kind: ClassVar[EventKind] = EventKind.FINISH
 
     def handle(self, target: EventTarget) -> list[Event]:
         return target.finish(self.job, self.epoch, self.time_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure(AllocationEvent):
+    kind: ClassVar[EventKind] = EventKind.FAILURE
+
+    def handle(self, target: EventTarget) -> list[Event]:
+        return target.fail(self.job, self.epoch, self.time_s)
 
 
 @dataclass(frozen=True, slots=True)

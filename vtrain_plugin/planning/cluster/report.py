@@ -9,7 +9,9 @@ utilization and cost, as pandas tables and JSON-ready data.
   the 95th percentile interpolated linearly between ranks; null when none finished;
 - ``makespan_hours``: from the first submission to the last finish;
 - ``utilization``: GPU-hours held by jobs (restarts included) over the cluster's GPU-hours in the
-  makespan; ``gpu_hours`` and ``cost_usd`` (at the cluster's price; null without one) of those.
+  makespan; ``gpu_hours`` and ``cost_usd`` (at the cluster's price; null without one) of those;
+- with failures on, ``failures`` and ``lost_gpu_hours``: the jobs' failures, and the GPU-hours of
+  the work they threw away and of the restarts they caused (part of ``gpu_hours``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
 SUMMARY_COLUMNS = ("policy", "jobs", "deadline_satisfaction", "rejected", "late", "mean_jct_hours", "p95_jct_hours",
                    "makespan_hours", "utilization", "gpu_hours", "cost_usd")
+FAILURE_COLUMNS = ("failures", "lost_gpu_hours")
 
 
 def summarize(result: SimulationResult) -> dict[str, Any]:
@@ -51,6 +54,9 @@ def summarize(result: SimulationResult) -> dict[str, Any]:
         "utilization": gpu_hours / available if available > 0 else math.nan,
         "gpu_hours": gpu_hours,
         "cost_usd": math.nan if price is None else gpu_hours * price,
+        **({} if result.failures is None else {
+            "failures": sum(o.failures for o in outcomes),
+            "lost_gpu_hours": sum(o.lost_gpu_seconds for o in outcomes) / SECONDS_PER_HOUR}),
     }
 
 
@@ -58,7 +64,9 @@ def summary_table(results: Sequence[SimulationResult]) -> pd.DataFrame:
     """One row per policy, side by side on the same jobs."""
     import pandas as pd  # here: a third of a second to load; `vtrain --help` and a config error need none of it
 
-    return pd.DataFrame([summarize(r) for r in results], columns=list(SUMMARY_COLUMNS))
+    failures = results[0].failures is not None
+    return pd.DataFrame([summarize(r) for r in results],
+                        columns=[*SUMMARY_COLUMNS, *(FAILURE_COLUMNS if failures else ())])
 
 
 def outcome_row(outcome: JobOutcome) -> dict[str, Any]:
@@ -69,7 +77,8 @@ def outcome_row(outcome: JobOutcome) -> dict[str, Any]:
             "jct_hours": None if outcome.finish_s is None else hours(outcome.jct_s),
             "met_deadline": outcome.met_deadline,
             "rejected": outcome.rejected or None, "gpu_hours": outcome.gpu_seconds / SECONDS_PER_HOUR,
-            "resizes": outcome.resizes}
+            "resizes": outcome.resizes, "failures": outcome.failures,
+            "lost_gpu_hours": outcome.lost_gpu_seconds / SECONDS_PER_HOUR}
 
 
 def report_dict(results: Sequence[SimulationResult]) -> dict[str, Any]:
@@ -82,6 +91,9 @@ def report_dict(results: Sequence[SimulationResult]) -> dict[str, Any]:
                     "total_gpus": cluster.total_gpus, "granularity": cluster.granularity.value,
                     "price_per_gpu_hour_usd": cluster.price_per_gpu_hour_usd},
         "restart_s": results[0].restart_s,
+        "failures": None if results[0].failures is None else {
+            "failure_rate_per_gpu_hour": results[0].failures.reliability.rate_per_gpu_hour,
+            "checkpoint": results[0].failures.reliability.checkpoint.value, "seed": results[0].failures.seed},
         "policies": policies,
     })
 
@@ -89,9 +101,12 @@ def report_dict(results: Sequence[SimulationResult]) -> dict[str, Any]:
 def format_summary(table: pd.DataFrame) -> str:
     """The summary table as text, numbers rounded for reading."""
     formats = {"deadline_satisfaction": "{:.1%}", "mean_jct_hours": "{:,.2f}", "p95_jct_hours": "{:,.2f}",
-               "makespan_hours": "{:,.2f}", "utilization": "{:.1%}", "gpu_hours": "{:,.0f}", "cost_usd": "${:,.0f}"}
+               "makespan_hours": "{:,.2f}", "utilization": "{:.1%}", "gpu_hours": "{:,.0f}", "cost_usd": "${:,.0f}",
+               "lost_gpu_hours": "{:,.0f}"}
     shown = table.copy()
     for column, form in formats.items():
+        if column not in table:
+            continue
         shown[column] = [("-" if isinstance(x, float) and math.isnan(x) else form.format(x)) for x in table[column]]
     return shown.to_string(index=False)
 

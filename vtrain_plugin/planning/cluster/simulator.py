@@ -7,6 +7,10 @@ units, counts with a plan, no overcommit: :class:`PolicyViolation` otherwise) an
 progresses at its curve's speed on its current GPUs; every start and resize first costs
 ``restart_s`` seconds on the new GPUs without progress (checkpoint, relaunch, reload); a job set to
 zero GPUs pauses. GPUs held, restarts included, are the busy GPU-hours the report charges.
+
+With a :class:`~vtrain_plugin.planning.cluster.failures.FailureModel`, jobs also fail: a failure
+loses the work since the job's last checkpoint and restarts it in place at the same restart cost
+(see that module); the GPU-hours of lost work and of those restarts are the job's lost GPU-hours.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from tqdm import tqdm
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.planning.cluster.cluster_config import ClusterConfig
 from vtrain_plugin.planning.cluster.curves import ThroughputCurve
-from vtrain_plugin.planning.cluster.events import Arrival, Event, Finish, Schedule, run_events
+from vtrain_plugin.planning.cluster.events import Arrival, Event, Failure, Finish, Schedule, run_events
+from vtrain_plugin.planning.cluster.failures import Checkpointing, FailureModel
 from vtrain_plugin.planning.cluster.jobs import Job
 from vtrain_plugin.planning.cluster.policies import POLICIES, ClusterView, Decision, JobView, Policy
 
@@ -60,6 +65,8 @@ class JobOutcome:
     rejected: str  # the reason; "" when not rejected
     gpu_seconds: float
     resizes: int  # allocation changes after the first start
+    failures: int = 0
+    lost_gpu_seconds: float = 0.0  # work lost to failures and the restarts they caused
 
     @property
     def met_deadline(self) -> bool:
@@ -76,6 +83,7 @@ class SimulationResult:
     policy: str
     cluster: ClusterConfig
     restart_s: float
+    failures: FailureModel | None
     outcomes: tuple[JobOutcome, ...]
     segments: tuple[Segment, ...]
     events: int  # handled, stale finishes included
@@ -101,13 +109,24 @@ class _Run:
     rejected: str = ""
     gpu_seconds: float = 0.0
     resizes: int = 0
+    checkpointing: Checkpointing | None = None  # of the current allocation, with failures on
+    segment_remaining: float = 0.0  # iterations left when the current allocation started
+    failure_restart: bool = False  # the current allocation's restart was caused by a failure
+    failures: int = 0
+    lost_gpu_seconds: float = 0.0
+
+    def iteration_s(self, gpus: int) -> float:
+        """Wall time per iteration on ``gpus``, checkpoint stalls included."""
+        stretch = 1.0 if self.checkpointing is None else self.checkpointing.stretch
+        return self.curve.iteration_s(gpus) * stretch
 
 
 class Simulation:
     """One run of one policy over a job list (the target of the events, see :mod:`.events`)."""
 
     def __init__(self, jobs: Sequence[Job], curves: Mapping[str, ThroughputCurve], cluster: ClusterConfig,
-                 policy: Policy, *, restart_s: float = DEFAULT_RESTART_S) -> None:
+                 policy: Policy, *, restart_s: float = DEFAULT_RESTART_S,
+                 failures: FailureModel | None = None) -> None:
         self.cluster = cluster
         self.policy = policy
         self.restart_s = v.non_negative_number("restart_s", restart_s)
@@ -115,6 +134,8 @@ class Simulation:
         self.segments: list[Segment] = []
         self._last_pass_s = -math.inf
         self.passes = 0
+        self.failures = failures
+        self._rng = None if failures is None else failures.generator()
 
     def arrive(self, job: int, time_s: float) -> list[Event]:
         run = self.runs[job]
@@ -131,6 +152,27 @@ class Simulation:
         self._release(run, time_s)
         run.status, run.remaining, run.finish_s = Status.FINISHED, 0.0, time_s
         return [Schedule(time_s)]
+
+    def fail(self, job: int, epoch: int, time_s: float) -> list[Event]:
+        """A failure: back to the last checkpoint, and a restart in place (see the module doc)."""
+        run = self.runs[job]
+        if run.status is not Status.ACTIVE or run.epoch != epoch:
+            return []
+        productive = time_s - run.productive_from_s
+        if productive > 0:
+            cycle_s = run.checkpointing.interval_s + run.checkpointing.stall_s
+            cycles = math.floor(productive / cycle_s)
+            run.remaining = run.segment_remaining - cycles * run.checkpointing.interval_s / run.curve.iteration_s(run.gpus)
+            lost_s = productive - cycles * cycle_s
+        else:
+            run.remaining = run.segment_remaining
+            lost_s = -(run.productive_from_s - time_s) if run.failure_restart else 0.0  # its restart, cut short
+        run.failures += 1
+        run.lost_gpu_seconds += run.gpus * (lost_s + self.restart_s)
+        gpus = run.gpus
+        self._release(run, time_s)
+        run.clock_s = time_s
+        return self._allocate(job, run, gpus, time_s, after_failure=True)
 
     def schedule(self, time_s: float) -> list[Event]:
         if time_s == self._last_pass_s:
@@ -167,8 +209,10 @@ class Simulation:
                                   f"left to happen (first: {left[0].job.name}, {left[0].gpus} GPUs)")
         outcomes = tuple(JobOutcome(name=r.job.name, submit_s=r.job.submit_s, deadline_s=r.job.deadline_s,
                                     start_s=r.start_s, finish_s=r.finish_s, rejected=r.rejected,
-                                    gpu_seconds=r.gpu_seconds, resizes=r.resizes) for r in self.runs)
+                                    gpu_seconds=r.gpu_seconds, resizes=r.resizes, failures=r.failures,
+                                    lost_gpu_seconds=r.lost_gpu_seconds) for r in self.runs)
         return SimulationResult(policy=self.policy.name, cluster=self.cluster, restart_s=self.restart_s,
+                                failures=self.failures,
                                 outcomes=outcomes, segments=tuple(self.segments), events=events,
                                 passes=self.passes)
 
@@ -198,7 +242,7 @@ class Simulation:
     def _advance(self, run: _Run, now_s: float) -> None:
         if run.gpus:
             productive = max(0.0, now_s - max(run.clock_s, run.productive_from_s))
-            run.remaining = max(0.0, run.remaining - productive / run.curve.iteration_s(run.gpus))
+            run.remaining = max(0.0, run.remaining - productive / run.iteration_s(run.gpus))
         run.clock_s = now_s
 
     def _resize(self, index: int, run: _Run, gpus: int, now_s: float) -> list[Event]:
@@ -206,6 +250,11 @@ class Simulation:
             self._release(run, now_s)
         if run.start_s is not None:
             run.resizes += 1
+        return self._allocate(index, run, gpus, now_s, after_failure=False)
+
+    def _allocate(self, index: int, run: _Run, gpus: int, now_s: float, *, after_failure: bool) -> list[Event]:
+        """Give ``run`` ``gpus`` GPUs from ``now_s``: a restart, then progress to its finish, and
+        with failures on its next failure if that comes first."""
         run.epoch += 1
         run.gpus = gpus
         if not gpus:
@@ -214,8 +263,17 @@ class Simulation:
             run.start_s = now_s
         run.held_since_s = run.clock_s = now_s
         run.productive_from_s = now_s + self.restart_s
-        end_s = run.productive_from_s + run.remaining * run.curve.iteration_s(gpus)
-        return [Finish(end_s, index, run.epoch)]
+        run.segment_remaining, run.failure_restart = run.remaining, after_failure
+        if self.failures is not None:
+            run.checkpointing = self.failures.checkpointing(run.job.model, gpus=gpus, gpu=self.cluster.spec.gpu,
+                                                            gpus_per_node=self.cluster.spec.gpus_per_node)
+        end_s = run.productive_from_s + run.remaining * run.iteration_s(gpus)
+        events: list[Event] = [Finish(end_s, index, run.epoch)]
+        if self._rng is not None:
+            failure_s = now_s + float(self._rng.exponential(run.checkpointing.mtbf_s))
+            if failure_s < end_s:
+                events.append(Failure(failure_s, index, run.epoch))
+        return events
 
     def _release(self, run: _Run, now_s: float) -> None:
         if now_s > run.held_since_s:
@@ -225,11 +283,13 @@ class Simulation:
 
 
 def simulate(jobs: Sequence[Job], curves: Mapping[str, ThroughputCurve], cluster: ClusterConfig,
-             policy: Policy | str, *, restart_s: float = DEFAULT_RESTART_S, progress: bool = False) -> SimulationResult:
-    """Run ``policy`` (an instance or a registered name) over ``jobs``; ``curves`` by job name."""
+             policy: Policy | str, *, restart_s: float = DEFAULT_RESTART_S, progress: bool = False,
+             failures: FailureModel | None = None) -> SimulationResult:
+    """Run ``policy`` (an instance or a registered name) over ``jobs``; ``curves`` by job name;
+    ``failures``: jobs fail and restart (None: they never fail)."""
     if isinstance(policy, str):
         policy = POLICIES.get(policy)()
-    simulation = Simulation(jobs, curves, cluster, policy, restart_s=restart_s)
+    simulation = Simulation(jobs, curves, cluster, policy, restart_s=restart_s, failures=failures)
     arrivals = [Arrival(job.submit_s, i) for i, job in enumerate(jobs)]
     if not progress:
         return simulation.result(run_events(arrivals, simulation))
