@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vtrain_plugin.cli.render import render_table
+from vtrain_plugin.fitting.calibrate import CalibrationFit
 from vtrain_plugin.fitting.compare import RunComparison
 
 _LABELS = {"iteration_time_ms": ("iteration ms", "{:,.1f}"), "tokens_per_second": ("tokens/s", "{:,.0f}"),
@@ -59,3 +60,23 @@ def comparisons_summary(results: Sequence[tuple[str, RunComparison]]) -> str:
             for plan, c in results]
     return render_table(rows, ["plan", "runs", "intervals", "predicted ms", "measured ms", "error", "predicted MFU",
                                "measured MFU", "measured GiB", "memory error", "drift", "slow"])
+
+
+def calibration_table(fit: CalibrationFit) -> str:
+    """The fitted constants, each run's error before, after and left out, and the mean errors."""
+    lines = [f"{fit.device} {fit.software_stack}: {', '.join(fit.fitted)} fitted to {len(fit.runs)} plan"
+             f"{'s' * (len(fit.runs) != 1)} (other constants from {fit.based_on})", ""]
+    rows = [[name, f"{getattr(fit.before, name):.4g}", f"{getattr(fit.after, name):.4g}",
+             f"[{fit.ranges[name][0]:g}, {fit.ranges[name][1]:g}]"] for name in fit.fitted]
+    lines += [render_table(rows, ["constant", "before", "fitted", "range searched"]), ""]
+    rows = [[r.plan, str(len(r.logs)), f"{r.measured_ms:,.1f}", f"{r.before_ms:,.1f}", _pct(r.error_pct(r.before_ms)),
+             f"{r.after_ms:,.1f}", _pct(r.error_pct(r.after_ms)),
+             "n/a" if r.leave_one_out_ms is None else f"{r.leave_one_out_ms:,.1f}",
+             _pct(r.error_pct(r.leave_one_out_ms)), ", ".join(r.informs)] for r in fit.runs]
+    lines += [render_table(rows, ["plan", "runs", "measured ms", "before ms", "error", "fitted ms", "error",
+                                  "left out ms", "error", "informs"]), ""]
+    loo = fit.leave_one_out_error_pct
+    lines.append(f"mean absolute error: before {fit.error_before_pct:.2f}%, fitted {fit.error_after_pct:.2f}%, "
+                 f"leave-one-out " + ("n/a (no plan can be left out: the others would not identify the constants)"
+                                      if loo is None else f"{loo:.2f}%"))
+    return "\n".join(lines)
