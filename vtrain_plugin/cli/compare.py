@@ -75,22 +75,20 @@ def run(args: argparse.Namespace) -> int:
 
 def plan_groups(args: argparse.Namespace) -> list[tuple[str, Callable[[], RunConfig], list[str]]]:
     """``(plan label, load, logs)`` per plan of the command line (see the module doc)."""
-    groups: list[tuple[str, Callable[[], RunConfig], list[str]]] = []
-    plans = {label: load for label, load in _plan_inputs(args)}
-    if args.megatron_args is not None:
-        groups.append((MEGATRON_ARGS_LABEL, plans[MEGATRON_ARGS_LABEL], []))
+    groups: list[tuple[str, list[str]]] = [(MEGATRON_ARGS_LABEL, [])] if args.megatron_args is not None else []
     for item in args.inputs:
         if _is_plan(item):
-            groups.append((item, plans[item], []))
+            groups.append((item, []))
         elif not groups:
             raise ConfigError(f"{item}: a run log before any plan: give the plan first (a file ending in "
                               f"{', '.join(PLAN_SUFFIXES)}) or --megatron-args")
         else:
-            groups[-1][2].append(item)
-    for label, _, logs in groups:
+            groups[-1][1].append(item)
+    for label, logs in groups:
         if not logs:
             raise ConfigError(f"{label}: a plan without a run log after it")
-    return groups
+    plans = dict(_plan_inputs(args))
+    return [(label, plans[label], logs) for label, logs in groups]
 
 
 def _is_plan(item: str) -> bool:

@@ -68,7 +68,8 @@ class _Reader:
         if self.world_size is not None and size != self.world_size:
             raise self.error(number, f"world size {size} differs from the {self.world_size} GPUs of line "
                                      f"{self.world_size_line}: one log per job")
-        self.world_size, self.world_size_line = size, number
+        if self.world_size is None:
+            self.world_size, self.world_size_line = size, number
 
     def iteration(self, match: re.Match[str], line: str, number: int) -> None:
         iteration = int(match.group(1))
