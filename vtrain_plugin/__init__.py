@@ -8,9 +8,9 @@ Typical use::
     print(est.iteration_time_ms, est.breakdown_ms)
 
 The layers of the package, lowest first (each imports only the ones before it): ``core``, ``specs``,
-``hardware``, ``capture``, ``cost``, ``sim``, then the public API (``api``, ``estimate``,
-``validate``, ``fitting``: predicted against measured runs), ``planning`` (``vtrain_plugin.planning.search``) and ``cli``; see README, "How the
-code is laid out".
+``runlogs`` (training logs of measured runs), ``hardware``, ``capture``, ``cost``, ``sim``, then the
+public API (``api``, ``estimate``, ``validate``, and ``fitting``: predicted against measured runs),
+``planning`` (``vtrain_plugin.planning.search``) and ``cli``; see README, "How the code is laid out".
 """
 
 from vtrain_plugin.api import (load_megatron_script, load_run_config, run_config_from_dict,
