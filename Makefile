@@ -13,7 +13,7 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install megatron-core==0.16.1
-	$(PIP) install pytest hypothesis pyyaml numpy import-linter
+	$(PIP) install pytest hypothesis pyyaml numpy import-linter tensorboard
 	$(PIP) install --no-build-isolation -e .
 	touch $(STAMP)
 

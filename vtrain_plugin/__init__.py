@@ -8,9 +8,9 @@ Typical use::
     print(est.iteration_time_ms, est.breakdown_ms)
 
 The layers of the package, lowest first (each imports only the ones before it): ``core``, ``specs``,
-``hardware``, ``capture``, ``cost``, ``sim``, then the public API (``api``, ``estimate``,
-``validate``), ``planning`` (``vtrain_plugin.planning.search``) and ``cli``; see README, "How the
-code is laid out".
+``runlogs`` (training logs of measured runs), ``hardware``, ``capture``, ``cost``, ``sim``, then the
+public API (``api``, ``estimate``, ``validate``, and ``fitting``: predicted against measured runs),
+``planning`` (``vtrain_plugin.planning.search``) and ``cli``; see README, "How the code is laid out".
 """
 
 from vtrain_plugin.api import (load_megatron_script, load_run_config, run_config_from_dict,
@@ -19,6 +19,7 @@ from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.errors import ConfigError, ProfileError, TraceError, VTrainError
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.estimate import Estimate, estimate, estimates_frame
+from vtrain_plugin.fitting.compare import RunComparison, compare_run
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
@@ -28,7 +29,7 @@ from vtrain_plugin.specs.training import TrainingSpec
 from vtrain_plugin.validate import Comparison, IterationRecorder, ValidationResult, compare, single_device_run
 
 __all__ = ["ClusterSpec", "Comparison", "ConfigError", "Estimate", "IterationRecorder", "ModelSpec", "OpGraph",
-           "ParallelPlan", "ProfileError", "RunConfig", "TraceError", "TrainingSpec", "VTrainError",
-           "ValidationResult", "compare", "estimate", "estimates_frame", "get_cluster_preset", "load_megatron_script",
+           "ParallelPlan", "ProfileError", "RunComparison", "RunConfig", "TraceError", "TrainingSpec", "VTrainError",
+           "ValidationResult", "compare", "compare_run", "estimate", "estimates_frame", "get_cluster_preset", "load_megatron_script",
            "load_run_config", "run_config_from_dict", "run_config_from_megatron_args", "single_device_run", "trace",
            "with_gpu"]

@@ -10,13 +10,13 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from vtrain_plugin.cli import cache, cluster_sim, estimate, profile, search, size, trace, validate
+from vtrain_plugin.cli import cache, calibrate, cluster_sim, compare, estimate, profile, search, size, trace, validate
 from vtrain_plugin.cli.common import EXIT_USER_ERROR, cache_environment, cache_options
 from vtrain_plugin.core.errors import VTrainError
 
 
 # The commands that trace models, and so take --cache-dir and --no-cache.
-TRACING_COMMANDS = ("trace", "estimate", "profile", "validate", "search", "size", "cluster-sim")
+TRACING_COMMANDS = ("trace", "estimate", "profile", "validate", "compare", "calibrate", "search", "size", "cluster-sim")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_parser(sub)
     profile.add_parsers(sub)
     validate.add_parser(sub)
+    compare.add_parser(sub)
+    calibrate.add_parser(sub)
     search.add_parser(sub)
     size.add_parser(sub)
     cluster_sim.add_parser(sub)

@@ -4,7 +4,8 @@ A device's spec sheet (:mod:`vtrain_plugin.hardware.devices`) holds published fa
 calibration fits lives in a calibration file, one per (device, software stack): JSON with
 ``format_version``, ``device``, ``software_stack`` (or ``default``: the device's constants for any
 stack without a file of its own), ``source`` (the data it was fitted on), ``command`` (what
-produced it) and ``constants``. Files are looked up in the user's calibration folder
+produced it), ``constants`` and, optionally, ``provenance`` (a mapping: what ``vtrain calibrate``
+fitted, on which runs, with its errors). Files are looked up in the user's calibration folder
 (``$VTRAIN_CALIBRATION_DIR``, else ``$XDG_CONFIG_HOME/vtrain/calibrations``, else
 ``~/.config/vtrain/calibrations``) before the package's ``data/calibrations``, the stack's own file
 before the ``default`` one. Calibration writes into the user's folder unless asked to write into
@@ -170,12 +171,14 @@ class Calibration:
     command: str  # the command that produced this file
     constants: DeviceConstants
     path: str = ""  # the file it was read from
+    provenance: dict[str, Any] | None = None  # the runs and errors of a fit to measured runs
 
     def to_dict(self) -> dict[str, Any]:
         constants = {name: value for name, value in asdict(self.constants).items()
                      if name not in OPTIONAL_CONSTANTS or value != OPTIONAL_CONSTANTS[name]}  # neutral: left out
         return {"format_version": FORMAT_VERSION, "device": self.device, "software_stack": self.software_stack,
-                "source": self.source, "command": self.command, "constants": constants}
+                "source": self.source, "command": self.command, "constants": constants,
+                **({} if self.provenance is None else {"provenance": self.provenance})}
 
 
 def package_calibration_dir() -> Path:
@@ -223,7 +226,8 @@ def _read(path: str, device: str, stack: str) -> Calibration:
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     data = v.mapping(where, data)
-    v.no_unknown_keys(where, data, ("format_version", "device", "software_stack", "source", "command", "constants"))
+    v.no_unknown_keys(where, data, ("format_version", "device", "software_stack", "source", "command", "constants",
+                                    "provenance"))
     if data.get("format_version") != FORMAT_VERSION:
         raise ConfigError(f"{where}: format_version {data.get('format_version')!r} is not supported "
                           f"(this vtrain reads {FORMAT_VERSION})")
@@ -235,8 +239,10 @@ def _read(path: str, device: str, stack: str) -> Calibration:
             raise ConfigError(f"{where}: {key} must be a non-empty string")
     constants = DeviceConstants.from_dict(data["constants"], where=where)
     check_gemm_ceiling(constants, device, where=where)
+    provenance = data.get("provenance")
     return Calibration(device=device, software_stack=stack, source=data["source"], command=data["command"],
-                       constants=constants, path=path)
+                       constants=constants, path=path,
+                       provenance=None if provenance is None else dict(v.mapping(f"{where} provenance", provenance)))
 
 
 def check_gemm_ceiling(constants: DeviceConstants, device: str, *, where: str) -> None:

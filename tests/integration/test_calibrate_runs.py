@@ -1,0 +1,95 @@
+"""vtrain calibrate: recovers known constants from logs of vtrain's own estimates with noise, stays
+inside the documented ranges, writes a readable user calibration, refuses unidentifiable fits."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import vtrain_plugin as vtrain
+from tests.training_logs import Logged, megatron_log, write_lines
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.fitting import PlanRuns, fit_calibration
+from vtrain_plugin.hardware.calibration import CONSTANT_RANGES, calibration_for, user_calibration_dir, write_calibration
+
+DEVICE, STACK = "a100-sxm4-80gb", "megatron_deepspeed_2023"
+TRUE = {"gemm_efficiency": 0.72, "network_efficiency": 0.82, "host_overhead_ns": 8000.0}
+# Host-bound, compute-bound on one node, and two across four nodes (gradients over the network).
+SHAPES = {"small": (512, 8, 1, 1, 64, 512), "wide": (4096, 32, 1, 8, 16, 2048), "dp32": (2048, 16, 4, 1, 32, 1024),
+          "wide32": (4096, 32, 4, 8, 32, 2048)}
+
+
+def _script(folder, name, hidden, heads, nodes, tp, batch, seq):
+    path = folder / f"{name}.sh"
+    path.write_text(f"torchrun --nnodes {nodes} --nproc_per_node 8 pretrain_gpt.py --num-layers 4 --hidden-size "
+                    f"{hidden} --num-attention-heads {heads} --seq-length {seq} --max-position-embeddings {seq} "
+                    f"--micro-batch-size 1 --global-batch-size {batch} --tensor-model-parallel-size {tp} --fp16 "
+                    f"--vocab-size 32000\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Launch scripts and logs whose times are vtrain's estimates under TRUE, with 0.5% seeded noise per
+    logged interval (the log prints them to 0.1 ms, as Megatron-LM does)."""
+    folder = tmp_path_factory.mktemp("runs")
+    shipped = calibration_for(DEVICE, STACK)
+    truth = replace(shipped.constants, **TRUE, backward_host_overhead_ns=TRUE["host_overhead_ns"])
+    write_calibration(replace(shipped, constants=truth, source="known constants", command="test"))
+    rng = np.random.default_rng(21)
+    out = {}
+    try:
+        for name, shape in SHAPES.items():
+            script = _script(folder, name, *shape)
+            run = vtrain.load_megatron_script(script)
+            ms = vtrain.estimate(run).iteration_time_ms
+            entries = [Logged(i, ms * float(np.exp(0.005 * rng.standard_normal())), batch=run.training.global_batch_size)
+                       for i in range(10, 410, 10)]
+            out[name] = (script, run, write_lines(folder / f"{name}.log", megatron_log(entries, world_size=run.parallel.world_size)))
+    finally:
+        (user_calibration_dir() / DEVICE / f"{STACK}.json").unlink()
+    return out
+
+
+def test_calibrate_recovers_known_constants_within_ranges(runs):
+    fit = fit_calibration([PlanRuns(label=name, run=run, logs=(log,)) for name, (_, run, log) in runs.items()])
+    for name, value in TRUE.items():
+        fitted = getattr(fit.after, name)
+        assert abs(fitted / value - 1) < 0.02, (name, fitted, value)
+        assert fit.ranges[name][0] <= fitted <= fit.ranges[name][1] <= CONSTANT_RANGES[name][1]
+    assert fit.after.backward_host_overhead_ns == fit.after.host_overhead_ns
+    assert fit.error_after_pct < 0.5 < fit.error_before_pct
+    assert fit.leave_one_out_error_pct is not None and all(r.leave_one_out_ms is not None for r in fit.runs)
+    assert [r.informs for r in fit.runs][0] == ("host_overhead_ns",)
+
+
+def test_calibrate_cli_writes_a_calibration_that_estimates_read(runs, run_cli, tmp_path):
+    scripts = [str(runs[name][0]) for name in SHAPES]
+    logs = [str(runs[name][2]) for name in SHAPES]
+    env = {"VTRAIN_CALIBRATION_DIR": str(tmp_path / "calibrations")}
+    proc = run_cli("calibrate", "--from-runs", *logs, "--plan", *scripts, "--format", "json", env=env, check=True)
+    document = json.loads(proc.stdout)
+    written = tmp_path / "calibrations" / DEVICE / f"{STACK}.json"
+    assert document["written"] == str(written)
+    data = json.loads(written.read_text())
+    assert data["provenance"]["fitted"].keys() == TRUE.keys()
+    assert [r["logs"] for r in data["provenance"]["runs"]] == [[log] for log in logs]
+    assert data["command"].startswith("vtrain calibrate --from-runs")
+    compare = json.loads(run_cli("compare", scripts[1], logs[1], "--format", "json", env=env, check=True).stdout)
+    assert abs(compare["iteration_time_ms_error_pct"]) < 0.5
+
+
+def test_calibrate_refuses_what_the_runs_cannot_identify(runs, run_cli):
+    small, wide = runs["small"], runs["wide"]
+    with pytest.raises(ConfigError, match=r"network_efficiency is informed by no run \(small informs host_overhead_ns; "
+                                          r"wide informs gemm_efficiency, host_overhead_ns"):
+        fit_calibration([PlanRuns(label="small", run=small[1], logs=(small[2],)),
+                         PlanRuns(label="wide", run=wide[1], logs=(wide[2],)),
+                         PlanRuns(label="wide again", run=wide[1], logs=(wide[2],))])
+    proc = run_cli("calibrate", "--from-runs", str(small[2]), str(wide[2]), "--plan", str(small[0]), str(wide[0]))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("vtrain: error: refusing to fit gemm_efficiency, network_efficiency, "
+                                  "host_overhead_ns: 2 runs cannot identify 3 constants")
+    bad = run_cli("calibrate", "--from-runs", str(small[2]), "--plan", str(small[0]), "--fit", "kernel_speed")
+    assert bad.returncode == 2 and "--fit: 'kernel_speed' is not a constant calibrate fits" in bad.stderr

@@ -1,0 +1,101 @@
+"""``vtrain compare PLAN RUN... [PLAN RUN...]``: each plan's estimate against the logs of its runs.
+
+A positional argument ending in a plan suffix (``.yaml``, ``.yml``, ``.json``, ``.sh``, ``.bash``)
+starts a plan; the logs (Megatron-LM or NeMo text logs, TensorBoard folders) after it are its runs,
+pooled. With ``--megatron-args`` the logs before the first plan file are the runs of that plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from vtrain_plugin.api import with_gpu
+from vtrain_plugin.cli.common import CONFIG_HELP, db_option, emit
+from vtrain_plugin.cli.megatron_input import LAUNCH_SCRIPT_SUFFIXES, MEGATRON_ARGS_LABEL, add_megatron_options, run_inputs
+from vtrain_plugin.cli.runs_render import comparison_table, comparisons_summary
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.fitting.compare import DEFAULT_SLOW_FACTOR, DEFAULT_WARMUP_ITERATIONS, RunComparison, compare_run
+from vtrain_plugin.fitting.plot import plot_comparisons
+from vtrain_plugin.measure import estimate_with_profiles
+from vtrain_plugin.specs.reading import YAML_SUFFIXES
+from vtrain_plugin.specs.run import RunConfig
+
+PLAN_SUFFIXES = (*YAML_SUFFIXES, ".json", *LAUNCH_SCRIPT_SUFFIXES)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="compare a plan's estimate with the training logs of its runs")
+    p.add_argument("inputs", nargs="+", metavar="PLAN RUN",
+                   help=f"a plan ({CONFIG_HELP}, or a Megatron-LM launch script .sh) followed by the logs of its runs "
+                        "(Megatron-LM or NeMo training logs, Megatron-LM TensorBoard folders), pooled; more plans, "
+                        "each with its runs, give a table")
+    add_megatron_options(p)
+    p.add_argument("--gpu", help="GPU preset the runs used, overriding the plan's")
+    p.add_argument("--warmup-iterations", type=int, default=DEFAULT_WARMUP_ITERATIONS, metavar="N",
+                   help=f"leave out the logged intervals that begin in the first N iterations of each start of a "
+                        f"job (default {DEFAULT_WARMUP_ITERATIONS})")
+    p.add_argument("--slow-factor", type=float, default=DEFAULT_SLOW_FACTOR, metavar="X",
+                   help=f"flag intervals slower than X times the median (default {DEFAULT_SLOW_FACTOR})")
+    p.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the measured intervals against the predicted time")
+    db_option(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    results: list[tuple[str, RunComparison]] = []
+    for label, load, logs in plan_groups(args):
+        run_config = load()
+        if args.gpu:
+            run_config = with_gpu(run_config, args.gpu)
+        comparison = compare_run(estimate_with_profiles(run_config, db_path=args.db), logs,
+                                 warmup_iterations=args.warmup_iterations, slow_factor=args.slow_factor)
+        results.append((label, comparison))
+    if args.plot:
+        plot_comparisons(results, args.plot)
+    if args.format == "json":
+        documents = [{"plan": label, **c.to_dict()} for label, c in results]
+        emit(json.dumps(documents[0] if len(documents) == 1 else documents, indent=1, allow_nan=False), None)
+    elif args.format == "csv":
+        import pandas as pd
+
+        frames = [c.to_frame().assign(plan=label)[["plan", "quantity", "predicted", "measured", "error_pct"]]
+                  for label, c in results]
+        sys.stdout.write(pd.concat(frames).to_csv(index=False))
+    elif len(results) == 1:
+        emit(comparison_table(*results[0]), None)
+    else:
+        emit(comparisons_summary(results), None)
+    return 0
+
+
+def plan_groups(args: argparse.Namespace) -> list[tuple[str, Callable[[], RunConfig], list[str]]]:
+    """``(plan label, load, logs)`` per plan of the command line (see the module doc)."""
+    groups: list[tuple[str, list[str]]] = [(MEGATRON_ARGS_LABEL, [])] if args.megatron_args is not None else []
+    for item in args.inputs:
+        if _is_plan(item):
+            groups.append((item, []))
+        elif not groups:
+            raise ConfigError(f"{item}: a run log before any plan: give the plan first (a file ending in "
+                              f"{', '.join(PLAN_SUFFIXES)}) or --megatron-args")
+        else:
+            groups[-1][1].append(item)
+    for label, logs in groups:
+        if not logs:
+            raise ConfigError(f"{label}: a plan without a run log after it")
+    plans = dict(_plan_inputs(args))
+    return [(label, plans[label], logs) for label, logs in groups]
+
+
+def _is_plan(item: str) -> bool:
+    return Path(item).suffix.lower() in PLAN_SUFFIXES and not Path(item).is_dir()
+
+
+def _plan_inputs(args: argparse.Namespace) -> list[tuple[str, Callable[[], RunConfig]]]:
+    plans = argparse.Namespace(config=[item for item in args.inputs if _is_plan(item)],
+                               megatron_args=args.megatron_args, gpus=args.gpus)
+    return run_inputs(plans)
