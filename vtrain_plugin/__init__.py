@@ -23,13 +23,14 @@ from vtrain_plugin.fitting.compare import RunComparison, compare_run
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import TrainingSpec
 from vtrain_plugin.validate import Comparison, IterationRecorder, ValidationResult, compare, single_device_run
 
 __all__ = ["ClusterSpec", "Comparison", "ConfigError", "Estimate", "IterationRecorder", "ModelSpec", "OpGraph",
-           "ParallelPlan", "ProfileError", "RunComparison", "RunConfig", "TraceError", "TrainingSpec", "VTrainError",
-           "ValidationResult", "compare", "compare_run", "estimate", "estimates_frame", "get_cluster_preset", "load_megatron_script",
-           "load_run_config", "run_config_from_dict", "run_config_from_megatron_args", "single_device_run", "trace",
-           "with_gpu"]
+           "ParallelPlan", "ProfileError", "ReliabilitySpec", "RunComparison", "RunConfig", "TraceError",
+           "TrainingSpec", "VTrainError", "ValidationResult", "compare", "compare_run", "estimate",
+           "estimates_frame", "get_cluster_preset", "load_megatron_script", "load_run_config",
+           "run_config_from_dict", "run_config_from_megatron_args", "single_device_run", "trace", "with_gpu"]
