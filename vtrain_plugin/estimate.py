@@ -15,10 +15,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vtrain_plugin.capture.tracer import trace
+from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey, OpGraph, Phase
 from vtrain_plugin.core.units import GIB, MS_PER_S, NS_PER_MS, NS_PER_S, SECONDS_PER_DAY, SECONDS_PER_HOUR
-from vtrain_plugin.core import checks as v
 from vtrain_plugin.cost.checkpoint import CheckpointSize, checkpoint_size
 from vtrain_plugin.cost.comm import CommModel
 from vtrain_plugin.cost.context_parallel import ContextParallel
@@ -139,12 +139,10 @@ class Estimate:
             iterations = math.ceil(tokens / (self.global_batch_size * self.seq_length))
         if self.checkpoint is None:
             raise ConfigError("train_totals: this estimate has no checkpoint size")
-        device = get_device(self.gpu)
-        host_link = device.host_link_gbytes_per_s_per_direction or device.hbm_bandwidth_gbytes_per_s
         return train_totals(tokens=tokens, iterations=iterations, iteration_s=self.iteration_time_ms / MS_PER_S,
                             num_gpus=self.num_gpus, gpus_per_node=self.gpus_per_node,
                             price_per_gpu_hour_usd=self.price_per_gpu_hour_usd, checkpoint_size=self.checkpoint,
-                            host_link_gbytes_per_s=host_link,
+                            host_link_gbytes_per_s=get_device(self.gpu).host_copy_gbytes_per_s,
                             reliability=self.reliability if reliability is _RUN_RELIABILITY else reliability)
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import pytest
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.cost.checkpoint import CheckpointSize, CheckpointTimes, checkpoint_times
 from vtrain_plugin.sim.goodput import daly_interval_s, expected_run, simulate_run, young_interval_s
-from vtrain_plugin.sim.run_totals import choose_interval, stall_for_interval, train_totals
+from vtrain_plugin.sim.run_totals import choose_interval, train_totals
 from vtrain_plugin.specs.plan_file import parse_plan
 from vtrain_plugin.specs.reliability import (FAILURE_RATES_PER_GPU_HOUR, CheckpointMode, FailurePreset,
                                              ReliabilitySpec)
@@ -68,9 +68,9 @@ def test_the_interval_is_daly_s_in_whole_iterations_and_async_no_shorter_than_th
                            iterations=10**6) == 50
     assert choose_interval(times, CheckpointMode.SYNC, mtbf_s=10_000.0, iteration_s=10.0, iterations=7) == 7
     # an async save waits for the previous one's write when the interval is shorter than it
-    assert stall_for_interval(slow_write, CheckpointMode.ASYNC, 100.0) == 0.5 + 400.0
-    assert stall_for_interval(slow_write, CheckpointMode.ASYNC, 600.0) == 0.5
-    assert stall_for_interval(slow_write, CheckpointMode.SYNC, 600.0) == 500.0
+    assert slow_write.stall_at_interval_s(CheckpointMode.ASYNC, 100.0) == 0.5 + 400.0
+    assert slow_write.stall_at_interval_s(CheckpointMode.ASYNC, 600.0) == 0.5
+    assert slow_write.stall_at_interval_s(CheckpointMode.SYNC, 600.0) == 500.0
 
 
 def test_checkpoint_times_are_bound_by_the_nodes_and_the_file_system():

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vtrain_plugin.core.graph import Block, OpGraph, OpNode, Phase, StageGraph
-from vtrain_plugin.core.units import GBYTE, SECONDS_PER_HOUR
+from vtrain_plugin.core.units import GBYTE, SECONDS_PER_HOUR, SECONDS_PER_MINUTE
 from vtrain_plugin.cost.context_parallel import ContextParallel, model_flops, with_context_parallel
 from vtrain_plugin.cost.lowering import map_nodes
 from vtrain_plugin.cost.runtime_collectives import runtime_collectives
@@ -222,7 +222,7 @@ def failures_lines(totals: TrainTotals) -> list[str]:
         f"{rate.rate_per_gpu_hour:.3g} failures per GPU-hour, one every {f.mtbf_hours:.3g} h; "
         f"{run.failures:,.0f} expected)",
         f"  {mode} {interval}: write {f.checkpoint.write_s:,.1f} s, stall {f.stall_s:,.1f} s each; "
-        f"restart {f.restart_s / 60:,.1f} min (load {f.checkpoint.load_s:,.1f} s)",
+        f"restart {f.restart_s / SECONDS_PER_MINUTE:,.1f} min (load {f.checkpoint.load_s:,.1f} s)",
         "  wall time: " + ", ".join(f"{name} {seconds / SECONDS_PER_HOUR:,.1f} h ({100 * seconds / run.wall_s:.1f}%)"
                                     for name, seconds in hours.items()),
     ]

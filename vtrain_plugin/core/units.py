@@ -16,7 +16,6 @@ NS_PER_MS = 1e6
 NS_PER_S = 1e9
 MS_PER_S = 1e3
 SECONDS_PER_MINUTE = 60.0
-MINUTES_PER_HOUR = 60.0
 SECONDS_PER_HOUR = 3600.0
 GBYTE = 10**9  # decimal, as storage and link bandwidths are quoted
 SECONDS_PER_DAY = 86400.0

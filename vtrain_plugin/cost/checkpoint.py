@@ -48,6 +48,16 @@ class CheckpointTimes:
         """Training stopped per checkpoint, the next save not yet waiting for this one."""
         return self.write_s if mode is CheckpointMode.SYNC else self.host_copy_s
 
+    def stall_at_interval_s(self, mode: CheckpointMode, interval_s: float) -> float:
+        """Training stopped per checkpoint at ``interval_s`` of compute between checkpoints: an
+        asynchronous save also waits for the previous save's write when the interval is shorter."""
+        return self.stall_s(mode) + (0.0 if mode is CheckpointMode.SYNC else max(0.0, self.write_s - interval_s))
+
+    def shortest_interval_s(self, mode: CheckpointMode) -> float:
+        """The shortest interval worth choosing: asynchronous, the write, since a shorter interval
+        only waits for it (the segment grows by the wait as the compute in it shrinks)."""
+        return self.write_s if mode is CheckpointMode.ASYNC else 0.0
+
 
 def checkpoint_size(graph: OpGraph) -> CheckpointSize:
     """Of ``graph``'s model, or for a plain module of the traced stages' parameters."""

@@ -102,6 +102,11 @@ class DeviceSpec:
                               f"has none (these have: {with_fp8})")
 
     @property
+    def host_copy_gbytes_per_s(self) -> float:
+        """Copies from device to host memory: over the host link, or within memory on a CPU."""
+        return self.host_link_gbytes_per_s_per_direction or self.hbm_bandwidth_gbytes_per_s
+
+    @property
     def hbm_bytes_per_ns(self) -> float:
         return self.hbm_bandwidth_gbytes_per_s
 

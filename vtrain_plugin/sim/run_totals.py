@@ -123,7 +123,7 @@ def _failures(reliability: ReliabilitySpec, *, compute_s: float, iterations: int
     if chosen:
         interval = choose_interval(times, reliability.checkpoint, mtbf_s=mtbf_s, iteration_s=iteration_s,
                                    iterations=iterations)
-    stall_s = stall_for_interval(times, reliability.checkpoint, interval * iteration_s)
+    stall_s = times.stall_at_interval_s(reliability.checkpoint, interval * iteration_s)
     run = expected_run(compute_s=compute_s, interval_s=interval * iteration_s, stall_s=stall_s,
                        restart_s=restart_s, mtbf_s=mtbf_s)
     return Failures(reliability=reliability, mtbf_hours=mtbf_s / SECONDS_PER_HOUR,
@@ -131,21 +131,11 @@ def _failures(reliability: ReliabilitySpec, *, compute_s: float, iterations: int
                     interval_chosen=chosen, stall_s=stall_s, restart_s=restart_s, run=run)
 
 
-def stall_for_interval(times: CheckpointTimes, mode: CheckpointMode, interval_s: float) -> float:
-    """Training stopped per checkpoint at ``interval_s`` of compute between checkpoints: an
-    asynchronous save also waits for the previous save's write when the interval is shorter."""
-    if mode is CheckpointMode.SYNC:
-        return times.write_s
-    return times.host_copy_s + max(0.0, times.write_s - interval_s)
-
-
 def choose_interval(times: CheckpointTimes, mode: CheckpointMode, *, mtbf_s: float, iteration_s: float,
                     iterations: int) -> int:
-    """Daly's optimum interval in whole iterations (at least one, at most the run). Asynchronous:
-    Daly's for the host copy, and no shorter than the write, since a shorter interval only waits
-    for it (the segment grows by the wait as the compute in it shrinks)."""
-    interval = round(daly_interval_s(times.stall_s(mode), mtbf_s) / iteration_s)
-    if mode is CheckpointMode.ASYNC:
-        interval = max(interval, math.ceil(times.write_s / iteration_s))
+    """Daly's optimum interval in whole iterations, no shorter than
+    :meth:`~CheckpointTimes.shortest_interval_s` (at least one iteration, at most the run)."""
+    interval = max(round(daly_interval_s(times.stall_s(mode), mtbf_s) / iteration_s),
+                   math.ceil(times.shortest_interval_s(mode) / iteration_s))
     return min(iterations, max(1, interval))
 

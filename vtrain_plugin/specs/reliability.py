@@ -39,7 +39,7 @@ from enum import StrEnum
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.core.units import MINUTES_PER_HOUR, SECONDS_PER_MINUTE
+from vtrain_plugin.core.units import SECONDS_PER_MINUTE
 from vtrain_plugin.specs import limits
 
 
@@ -117,8 +117,3 @@ class ReliabilitySpec:
             raise ConfigError(f"reliability.checkpoint_interval_iterations ({interval:,}) is longer than the run "
                               f"({iterations:,} iterations)")
 
-
-def hours_between_failures_text(spec: ReliabilitySpec, num_gpus: int) -> str:
-    """``"one failure every 3.1 h"``: what a rate means for a job, for reports."""
-    hours = spec.mean_hours_between_failures(num_gpus)
-    return f"one failure every {hours:.3g} h" if hours >= 1 else f"one failure every {hours * MINUTES_PER_HOUR:.3g} min"

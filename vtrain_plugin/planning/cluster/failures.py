@@ -20,9 +20,8 @@ from vtrain_plugin.core.units import SECONDS_PER_HOUR
 from vtrain_plugin.cost.checkpoint import checkpoint_times, model_checkpoint_size
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.sim.goodput import daly_interval_s
-from vtrain_plugin.sim.run_totals import stall_for_interval
 from vtrain_plugin.specs.model import ModelSpec
-from vtrain_plugin.specs.reliability import CheckpointMode, ReliabilitySpec
+from vtrain_plugin.specs.reliability import ReliabilitySpec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,15 +47,10 @@ class FailureModel:
         return np.random.default_rng(self.seed)
 
     def checkpointing(self, model: ModelSpec, *, gpus: int, gpus_per_node: int, gpu: str) -> Checkpointing:
-        device = get_device(gpu)
         times = checkpoint_times(model_checkpoint_size(model, tensor_parallel=1), self.reliability, num_gpus=gpus,
                                  gpus_per_node=gpus_per_node,
-                                 host_link_gbytes_per_s=(device.host_link_gbytes_per_s_per_direction
-                                                         or device.hbm_bandwidth_gbytes_per_s))
+                                 host_link_gbytes_per_s=get_device(gpu).host_copy_gbytes_per_s)
         mode = self.reliability.checkpoint
         mtbf_s = self.reliability.mean_hours_between_failures(gpus) * SECONDS_PER_HOUR
-        interval_s = daly_interval_s(times.stall_s(mode), mtbf_s)
-        if mode is CheckpointMode.ASYNC:
-            interval_s = max(interval_s, times.write_s)
-        return Checkpointing(mtbf_s=mtbf_s, interval_s=interval_s,
-                             stall_s=stall_for_interval(times, mode, interval_s))
+        interval_s = max(daly_interval_s(times.stall_s(mode), mtbf_s), times.shortest_interval_s(mode))
+        return Checkpointing(mtbf_s=mtbf_s, interval_s=interval_s, stall_s=times.stall_at_interval_s(mode, interval_s))
