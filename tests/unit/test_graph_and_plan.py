@@ -10,6 +10,8 @@ from vtrain_plugin.core.graph import (SCHEMA_VERSION, Block, BlockKind, Collecti
                                       OpGraph, OpNode, ParallelGroup, Phase, StageGraph)
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.training import TrainingSpec
+from vtrain_plugin.core.dtypes import Dtype
 
 
 def small_graph():
@@ -102,3 +104,25 @@ def test_model_spec_defaults_and_parameter_count():
     assert llama.ffn_size == 11008 and not llama.tied
     assert round(llama.num_parameters / 1e9, 2) == 6.74  # Llama-2 7B
     assert ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=8).padded_vocab_size(2) == 50432
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(fp8_param_gather=True), "training.fp8_param_gather requires training.fp8 (FP8 weights exist only in FP8 "
+                                  "training)"),
+    (dict(grad_reduce_in_bf16="yes"), "training.grad_reduce_in_bf16 must be true or false, got 'yes'"),
+])
+def test_training_precision_options_validation(kwargs, message):
+    with pytest.raises(ConfigError) as err:
+        TrainingSpec(global_batch_size=8, **kwargs)
+    assert str(err.value) == message
+
+
+def test_gradients_reduce_in_bf16_only_for_a_bf16_model():
+    training = TrainingSpec(global_batch_size=8, grad_reduce_in_bf16=True)
+    bf16 = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, dtype="bf16")
+    assert training.grad_dtype(Dtype.BF16) is Dtype.BF16
+    assert TrainingSpec(global_batch_size=8).grad_dtype(Dtype.BF16) is Dtype.FP32
+    training.check_model(bf16)
+    with pytest.raises(ConfigError) as err:
+        training.check_model(ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32))
+    assert str(err.value) == "training.grad_reduce_in_bf16 requires model.dtype bf16 (got fp16)"

@@ -24,6 +24,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self.parallel.check_fits(self.model)
+        self.training.check_model(self.model)
         self.training.check_plan(self.parallel)
         check_schedule(self.training.schedule, self.parallel.pipeline_parallel, self.parallel.virtual_pipeline,
                        self.num_microbatches)

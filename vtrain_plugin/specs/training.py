@@ -78,6 +78,16 @@ class TrainingSpec:
     # main weights); None: GEMMs in the model dtype.
     fp8: Fp8Format | None = None
     fp8_recipe: Fp8Recipe = Fp8Recipe.DELAYED
+    # TransformerEngine keeps the weights of its FP8 linears in FP8 (Float8Tensor parameters), and the
+    # distributed optimizer all-gathers them in FP8 (Megatron-LM's --fp8-param-gather, TransformerConfig's
+    # fp8_param); needs fp8.
+    fp8_param_gather: bool = False
+    # Gradients of a bf16 model accumulated and data-parallel reduced in bf16 rather than fp32
+    # (Megatron-LM's --grad-reduce-in-bf16, megatron-core DDP's grad_reduce_in_fp32=False); see grad_dtype.
+    grad_reduce_in_bf16: bool = False
+    # Megatron-Core's fused vocabulary-parallel cross-entropy (Megatron-LM's --cross-entropy-loss-fusion,
+    # TransformerConfig's cross_entropy_loss_fusion) rather than the unfused one that keeps fp32 logits.
+    cross_entropy_fusion: bool = False
     # Tokens of the whole training run (a float: counts such as 270e9 are written that way);
     # None: the estimate covers one iteration only.
     total_tokens: float | None = None
@@ -110,6 +120,10 @@ class TrainingSpec:
             if self.software_stack not in (None, SoftwareStack.MEGATRON_CORE_TE):
                 raise ConfigError(f"training.fp8 {self.fp8.value!r} needs training.software_stack "
                                   f"megatron_core_te (got {self.software_stack.value})")
+        if v.boolean("training.fp8_param_gather", self.fp8_param_gather) and self.fp8 is None:
+            raise ConfigError("training.fp8_param_gather requires training.fp8 (FP8 weights exist only in FP8 training)")
+        v.boolean("training.grad_reduce_in_bf16", self.grad_reduce_in_bf16)
+        v.boolean("training.cross_entropy_fusion", self.cross_entropy_fusion)
         object.__setattr__(self, "fp8_recipe", Fp8Recipe(
             v.one_of("training.fp8_recipe", self.fp8_recipe, [r.value for r in Fp8Recipe])))
         if self.total_tokens is not None:
@@ -126,6 +140,16 @@ class TrainingSpec:
         if self.reliability is not None and not isinstance(self.reliability, ReliabilitySpec):
             raise ConfigError(f"training.reliability must be a ReliabilitySpec or None (in a plan file, a top-level "
                               f"reliability section), got {type(self.reliability).__name__}")
+
+    def check_model(self, model: ModelSpec) -> None:
+        """Raise ConfigError when this run's options need a model dtype ``model`` lacks."""
+        if self.grad_reduce_in_bf16 and model.dtype is not Dtype.BF16:
+            raise ConfigError(f"training.grad_reduce_in_bf16 requires model.dtype bf16 (got {model.dtype.value})")
+
+    def grad_dtype(self, dtype: Dtype) -> Dtype:
+        """The dtype this run accumulates and data-parallel reduces the gradients of a ``dtype``
+        model in: :func:`grad_dtype`, or bf16 with ``grad_reduce_in_bf16``."""
+        return Dtype.BF16 if self.grad_reduce_in_bf16 and dtype is Dtype.BF16 else grad_dtype(dtype)
 
     def check_plan(self, plan: ParallelPlan) -> None:
         """Raise ConfigError when this run's options need what ``plan`` lacks, or ``plan`` needs
