@@ -9,7 +9,8 @@ import pytest
 
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.hardware import devices
-from vtrain_plugin.hardware.calibration import Calibration, DeviceConstants, calibration_for, write_calibration
+from vtrain_plugin.hardware.calibration import (OPTIONAL_CONSTANTS, SOFTWARE_CONSTANTS, Calibration, DeviceConstants,
+                                                calibration_for, package_calibration_dir, write_calibration)
 from vtrain_plugin.hardware.clusters import cluster_preset_names, get_cluster_preset
 from vtrain_plugin.hardware.devices import DeviceSpec, get_device, known_devices
 
@@ -75,13 +76,39 @@ def test_b200_spec_sheet_numbers_and_its_node():
 
 
 @pytest.mark.parametrize("name, attention", [("a100-sxm4-40gb", 0.6), ("a100-sxm4-80gb", 0.6),
-                                             ("h200-sxm", 0.55), ("b200-sxm", 0.5)])
-def test_te_stack_defaults_state_an_attention_efficiency_and_their_source(name, attention):
+                                             ("h200-sxm", 0.354926), ("b200-sxm", 0.5)])
+def test_te_stack_files_state_an_attention_efficiency_and_their_source(name, attention):
     te = calibration_for(name, "megatron_core_te")
     assert te.software_stack == "megatron_core_te" and te.path.endswith(f"{name}/megatron_core_te.json")
     assert te.constants.attention_efficiency == attention and "attention_efficiency" in te.source
-    default = calibration_for(name, "default").constants
-    assert dataclasses.replace(te.constants, attention_efficiency=0.0) == default  # the rest: the defaults
+
+
+def test_h200_takes_the_h100_fit_the_same_die():
+    """Same GH100 compute and kernels: every constant is the H100's; HBM efficiency is a fraction of each
+    GPU's own bandwidth, so the H200's memory-bound kernels run 4800 / 3350 times faster."""
+    h100, h200 = (calibration_for(name, "megatron_core_te") for name in ("h100-sxm", "h200-sxm"))
+    assert h200.constants == h100.constants and "h100-sxm/megatron_core_te.json" in h200.source
+
+
+def _package_files() -> dict[str, dict[str, dict[str, float]]]:
+    """The constants of every package calibration file of a GPU, by software stack and device."""
+    by_stack: dict[str, dict[str, dict[str, float]]] = {}
+    for path in sorted(package_calibration_dir().glob("*/*.json")):
+        data = json.loads(path.read_text())
+        if data["device"] != "cpu":  # on a CPU the host runs the kernels: its host costs are its own
+            by_stack.setdefault(data["software_stack"], {})[data["device"]] = data["constants"]
+    return by_stack
+
+
+def test_package_files_of_one_software_stack_agree_on_the_software_constants():
+    """Host costs are CPU and framework costs: a stack's files state the same ones on every GPU."""
+    files = _package_files()
+    assert len(files["default"]) >= 5 and len(files["megatron_core_te"]) >= 5
+    for stack, by_device in files.items():
+        software = {device: {name: constants.get(name, OPTIONAL_CONSTANTS.get(name)) for name in SOFTWARE_CONSTANTS}
+                    for device, constants in by_device.items()}
+        first = next(iter(software.values()))
+        assert all(values == first for values in software.values()), (stack, software)
 
 
 def test_h100_te_stack_is_fitted_on_the_published_runs_with_the_a100_software_constants():

@@ -18,6 +18,14 @@ kernel, per module call, per transformer layer and per micro-batch, each its own
 constants fitted on one model, GPU or scale carry over to another (host costs are software costs:
 they do not change with the GPU).
 
+Software constants (:data:`SOFTWARE_CONSTANTS`: every host cost) belong to the software stack: the
+package's files of one stack state the same values on every GPU (a test holds them to it), so that
+the same plan on a faster GPU never comes out slower for the host's sake. Device constants
+(efficiencies, kernel overhead) come from the GPU's measurements or spec sheet; a GPU with no
+measurement of its own takes those of the closest measured one (H200: the H100's, the same GH100
+die), each file's ``source`` says which. The CPU device is the exception: there the host runs the
+kernels itself, and its host costs are measured on it.
+
 - ``gemm_efficiency`` in [0.5, 0.859], and never above the device's measured ceiling
   (:attr:`~vtrain_plugin.hardware.devices.DeviceSpec.gemm_ceiling`): the fraction of dense
   tensor-core peak that a large, well-shaped GEMM reaches after tile and wave quantization are
@@ -113,6 +121,9 @@ CONSTANT_RANGES: dict[str, tuple[float, float]] = {
     "attention_efficiency": (0.3, 0.9),
     "gpu_speed_spread": (0.003, 0.03),
 }
+# Host costs: properties of the CPU and the software stack, the same for a stack on every GPU.
+SOFTWARE_CONSTANTS = ("host_overhead_ns", "backward_host_overhead_ns", "module_host_overhead_ns",
+                      "layer_host_overhead_ns", "collective_host_overhead_ns", "microbatch_overhead_ns")
 # Constants a file may omit; missing ones take these neutral values ("not modelled"), exempt from the ranges.
 OPTIONAL_CONSTANTS: dict[str, float] = {
     "backward_host_overhead_ns": 1000.0,
