@@ -40,23 +40,32 @@ def megatron_layer_nbytes(ffn: int) -> float:
     return SBH * (18 + 4 * ffn / H) / TP
 
 
+def llama_layer_nbytes(s: int, b: int, h: int, heads: int, groups: int, ffn: int, t: int, *, fp8: bool = False) -> float:
+    """One Llama layer on TE: Megatron-LM's formula and the named differences (sequence parallel)."""
+    sbh, rows = s * b * h, s * b // t
+    megatron = sbh * (18 + 4 * ffn / h) / t
+    no_dropout_masks = -2 * sbh / t  # the formula's two 1-byte masks; Llama layers run without dropout
+    gqa = -4 * sbh * (1 - groups / heads) / t  # keys and values at groups of heads heads
+    swiglu = 2 * ffn * s * b / t  # the FC1 output is 2 ffn wide, the FC2 input ffn
+    softmax_statistics = 4 * b * (heads // t) * s  # fp32 per query row and head (fused attention)
+    norm_statistics = 2 * 4 * rows  # fp32 rstd of each RMSNorm row
+    rope = 4 * s * (h // heads) * 2  # cos and sin of the query and key rotations, as traced
+    # FP8: QKV, FC1 and FC2 inputs in one byte instead of two; the projection's FP8 input on top
+    in_fp8 = (-(2 * sbh + ffn * s * b) + sbh) / t if fp8 else 0
+    return megatron + no_dropout_masks + gqa + swiglu + softmax_statistics + norm_statistics + rope + in_fp8
+
+
 def test_a_llama_layer_is_megatrons_formula_with_its_named_differences():
     _, layer = _layer("llama")
-    rows = S * MB // TP  # of a sequence-parallel norm
-    no_dropout_masks = -2 * SBH // TP  # the formula's two 1-byte masks; Llama layers run without dropout
-    gqa = -4 * SBH * (1 - GROUPS / HEADS) // TP  # keys and values at GROUPS of HEADS heads
-    swiglu = 2 * FFN["llama"] * S * MB // TP  # the FC1 output is 2 ffn wide, the FC2 input ffn
-    softmax_statistics = 4 * MB * (HEADS // TP) * S  # fp32 per query row and head (fused attention)
-    norm_statistics = 2 * 4 * rows  # fp32 rstd of each RMSNorm row
-    rope = 4 * S * D * 2  # cos and sin of the query and key rotations, as traced
-    assert _te_layer_nbytes(layer) == megatron_layer_nbytes(FFN["llama"]) + no_dropout_masks + gqa + swiglu \
-        + softmax_statistics + norm_statistics + rope
+    assert _te_layer_nbytes(layer) == llama_layer_nbytes(S, MB, H, HEADS, GROUPS, FFN["llama"], TP)
+    assert megatron_layer_nbytes(FFN["llama"]) == SBH * (18 + 4 * FFN["llama"] / H) / TP
 
 
 def test_fp8_linears_keep_their_inputs_in_one_byte():
     _, layer = _layer("llama")
     qkv_fc1, fc2, proj = 2 * SBH // TP, FFN["llama"] * S * MB // TP, SBH // TP  # elements of their inputs
     assert _te_layer_nbytes(layer, fp8=True) - _te_layer_nbytes(layer) == -qkv_fc1 - fc2 + proj
+    assert _te_layer_nbytes(layer, fp8=True) == llama_layer_nbytes(S, MB, H, HEADS, GROUPS, FFN["llama"], TP, fp8=True)
 
 
 def test_a_gpt_layer_is_megatrons_formula_with_its_named_differences():
@@ -88,3 +97,33 @@ def test_the_run_sets_gradient_and_fp8_weight_bytes():
     assert fp8.weights_gib * GIB == pytest.approx(2 * params + 2 * linear)  # FP8 copy and transpose besides
     assert fp8_params.weights_gib * GIB == pytest.approx(2 * (params - linear) + 2 * linear)  # FP8 data, transpose
     assert fp8_params.activations_gib == fp8.activations_gib < bf16.activations_gib
+
+
+def test_llama3_8b_fp8_recipe_on_8_h100():
+    """Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh (tests/unit/megatron_examples.py) as a
+    plan: every term of its memory from its own rule."""
+    from vtrain_plugin.estimate import estimate
+    from vtrain_plugin.hardware.clusters import get_cluster_preset
+
+    s, h, heads, groups, ffn, vocab, layers = 8192, 4096, 32, 8, 14336, 128256, 32
+    model = ModelSpec(family="llama", num_layers=layers, hidden_size=h, num_attention_heads=heads,
+                      num_query_groups=groups, ffn_hidden_size=ffn, seq_length=s, vocab_size=vocab,
+                      tied_embeddings=False, dtype="bf16")
+    training = TrainingSpec(global_batch_size=128, grad_reduce="overlap", fp8="hybrid", fp8_param_gather=True,
+                            grad_reduce_in_bf16=True, cross_entropy_fusion=True, distributed_optimizer=True,
+                            overlap_param_gather=True)
+    from vtrain_plugin.capture.tracer import trace
+
+    graph = trace(model, ParallelPlan(data_parallel=8, micro_batch_size=1))
+    est = estimate(graph, cluster=get_cluster_preset("dgx-h100"), training=training)
+    (memory,) = est.memory_gib
+    linear = layers * (h * (h + 2 * h * groups // heads) + h * h + 3 * h * ffn)
+    params = linear + 2 * vocab * h + layers * 2 * h + h
+    assert memory.weights_gib * GIB == 2 * (params - linear) + 2 * linear  # FP8 weights: data and transpose
+    assert memory.gradients_gib * GIB == 2 * params  # bf16 gradients
+    assert memory.optimizer_gib * GIB == 12 * params / 8  # fp32 main weights and moments over DP 8
+    head = 2 * s * h + 4 * s + 2 * s * h + 4 * s * vocab  # final norm input and rstd, output-layer input, fp32 softmax
+    small = 8 * s + 4 * s + 4 + s + 8 * s  # tokens, loss mask and scalar, target mask, labels
+    assert memory.activations_gib * GIB == layers * llama_layer_nbytes(s, 1, h, heads, groups, ffn, 1, fp8=True) \
+        + head + small
+    assert memory.inflight_microbatches == 1

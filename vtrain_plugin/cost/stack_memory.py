@@ -24,7 +24,7 @@ from dataclasses import replace
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
-from vtrain_plugin.cost.lowering_fp8 import FP8_NBYTES, fp8_weight_cache_nbytes
+from vtrain_plugin.cost.lowering_fp8 import FP8_NBYTES, fp8_weight_numel
 from vtrain_plugin.cost.lowering_te import fused_attention_saved_delta
 from vtrain_plugin.cost.memory import PeakLive, RankMemory, rank_memory
 from vtrain_plugin.cost.te_saved import te_saved_delta
@@ -49,8 +49,8 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
         return memory
     # per element of a linear weight: its FP8 copy and transpose, less its model-dtype copy when the
     # FP8 copy is the parameter itself
-    per_cached = 1 - (graph.dtype.nbytes / (2 * FP8_NBYTES) if training.fp8_param_gather else 0)
-    cache = [0] * graph.parallel.pipeline_parallel
+    per_element = 2 * FP8_NBYTES - (graph.dtype.nbytes if training.fp8_param_gather else 0)
+    linear = [0] * graph.parallel.pipeline_parallel
     for stage in graph.stages:
-        cache[stage.pipeline_rank] += sum(b.count * fp8_weight_cache_nbytes(b.nodes) for b in stage.blocks)
-    return tuple(replace(m, weights_gib=m.weights_gib + per_cached * cache[rank] / GIB) for rank, m in enumerate(memory))
+        linear[stage.pipeline_rank] += sum(b.count * fp8_weight_numel(b.nodes) for b in stage.blocks)
+    return tuple(replace(m, weights_gib=m.weights_gib + per_element * linear[rank] / GIB) for rank, m in enumerate(memory))
