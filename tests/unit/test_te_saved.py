@@ -22,12 +22,13 @@ D = H // HEADS
 FFN = {"llama": 256, "gpt": 4 * H}  # Llama: 8h/3 rounded up to 256
 
 
-def _layer(family: str):
+def _layer(family: str, recompute: str = "none"):
     from vtrain_plugin.capture.tracer import trace
 
     model = ModelSpec(family=family, num_layers=2, hidden_size=H, num_attention_heads=HEADS, seq_length=S,
                       vocab_size=256, dtype="bf16", num_query_groups=GROUPS if family == "llama" else None)
-    graph = trace(model, ParallelPlan(tensor_parallel=TP, micro_batch_size=MB, sequence_parallel=True))
+    graph = trace(model, ParallelPlan(tensor_parallel=TP, micro_batch_size=MB, sequence_parallel=True,
+                                      recompute=recompute))
     return graph, graph.stages[0].layer_template()
 
 
@@ -66,6 +67,9 @@ def test_fp8_linears_keep_their_inputs_in_one_byte():
     qkv_fc1, fc2, proj = 2 * SBH // TP, FFN["llama"] * S * MB // TP, SBH // TP  # elements of their inputs
     assert _te_layer_nbytes(layer, fp8=True) - _te_layer_nbytes(layer) == -qkv_fc1 - fc2 + proj
     assert _te_layer_nbytes(layer, fp8=True) == llama_layer_nbytes(S, MB, H, HEADS, GROUPS, FFN["llama"], TP, fp8=True)
+    # selective recompute: the attention is rebuilt in backward, its output kept by the projection alone
+    _, selective = _layer("llama", recompute="selective")
+    assert _te_layer_nbytes(selective, fp8=True) - _te_layer_nbytes(selective) == -qkv_fc1 - fc2 - proj
 
 
 def test_a_gpt_layer_is_megatrons_formula_with_its_named_differences():

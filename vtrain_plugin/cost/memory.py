@@ -30,7 +30,9 @@ parameters of its chunks:
   ``memory_reserved`` over ``memory_allocated`` in steady-state training).
 
 Not counted: the transient activations of the layer being recomputed or back-propagated, logits
-freed before the peak, and the optimizer step's temporaries.
+freed before the peak (the model-dtype logits while the loss casts them to fp32, ``2 s b V / t``
+bytes, as Megatron-LM's ``theoretical_memory_usage`` leaves them out too), and the optimizer step's
+temporaries (with bf16 gradients, the fp32 copy of the rank's gradient shard).
 """
 
 from __future__ import annotations

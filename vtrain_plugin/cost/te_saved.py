@@ -17,7 +17,8 @@ elements of ``e`` bytes in rows of ``h`` and an FC1 output of ``f`` elements:
 - in FP8, TE's linears keep their input in FP8, one byte per element instead of ``e``: QKV and FC1
   (the norm writes it in FP8), FC2 (cast before its GEMM), and the output projection, whose input
   is the fused attention's output, which the attention keeps in the model dtype for its own
-  backward: for it the FP8 copy comes on top.
+  backward: for it the FP8 copy comes on top, unless the attention is recomputed (selective
+  recompute), when the projection alone keeps it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def te_saved_delta(block: Block, *, fp8: bool) -> int:
         first.setdefault(node.module, node)
         if op_name(node) == "mm":
             gemm.setdefault(node.module, node)
+    attention_keeps_its_output = next(block.ops(Phase.RECOMPUTE), None) is None
     delta = 0
     for module, nbytes in block.saved_by_module:
         leaf = module.rpartition(".")[2]
@@ -49,7 +51,8 @@ def te_saved_delta(block: Block, *, fp8: bool) -> int:
             delta += dtype_nbytes(fc1) * numel(fc1.output_shapes[0]) - nbytes
         elif fp8 and module.endswith(LINEAR_MODULES) and module in gemm:
             in_fp8 = nbytes // dtype_nbytes(gemm[module]) * FP8_NBYTES
-            delta += in_fp8 if module.endswith(KEPT_BESIDE_FP8) else in_fp8 - nbytes
+            beside = attention_keeps_its_output and module.endswith(KEPT_BESIDE_FP8)
+            delta += in_fp8 if beside else in_fp8 - nbytes
     return delta
 
 
