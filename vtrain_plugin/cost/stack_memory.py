@@ -11,7 +11,7 @@ what :func:`~vtrain_plugin.cost.te_saved.te_saved_delta` says.
 
 TransformerEngine in FP8 keeps an FP8 copy of each linear weight and its transpose (the dgrad GEMM
 reads it on Hopper) across the micro-batches of an iteration
-(:func:`~vtrain_plugin.cost.lowering_fp8.fp8_weight_cache_nbytes`), counted with the weights. With
+(:func:`~vtrain_plugin.cost.lowering_fp8.fp8_weight_numel`), counted with the weights. With
 ``fp8_param_gather`` those FP8 weights are the parameters themselves (TE's ``Float8Tensor``, one
 byte per element, its transpose kept beside it, Megatron-Core's ``post_all_gather_processing``): the
 linear weights have no model-dtype copy (their fp32 main weights are the optimizer's, as always).
