@@ -26,9 +26,10 @@ GLOBAL_BATCH = 2048  # sequences of 8192 tokens: 16M tokens per iteration, as Ll
 
 
 def llama3_70b(gpus: int) -> RunConfig:
-    """The README's Llama 3 70B plan at TP 8 (distributed optimizer) on ``gpus`` GPUs."""
+    """The README's Llama 3 70B plan at TP 8 without context parallelism (distributed optimizer) on
+    ``gpus`` GPUs."""
     run = load_run_config(REPO / "examples/configs/llama3_70b_256gpu_bf16.yaml")
-    parallel = replace(run.parallel, tensor_parallel=8, data_parallel=gpus // 32)
+    parallel = replace(run.parallel, tensor_parallel=8, context_parallel=1, data_parallel=gpus // 32)
     return replace(run, parallel=parallel, training=replace(run.training, global_batch_size=GLOBAL_BATCH,
                                                             distributed_optimizer=True, total_tokens=TOKENS))
 

@@ -109,14 +109,16 @@ def llama_parameters(model: ModelSpec, plan: ParallelPlan, *, first: bool, last:
     return layers * layer + (v * h // t if first else 0) + (h + v * h // t if last else 0)
 
 
-def layer_extras(plan: ParallelPlan, s: int, b: int, h: int, a: int) -> int:
-    """Traced bytes of one GPT layer beyond Korthikanti's Table 2 (2-byte activations)."""
+def layer_extras(plan: ParallelPlan, s: int, b: int, h: int, a: int, statistic: int = 2) -> int:
+    """Traced bytes of one GPT layer beyond Korthikanti's Table 2 (2-byte activations); norm
+    statistics of ``statistic`` bytes (2 as torch's bf16 LayerNorm keeps them; TE's fused LayerNorm
+    keeps them in fp32, :data:`TE_STATISTIC`)."""
     t = plan.tensor_parallel
     split = t if plan.sequence_parallel else 1  # what sequence parallelism divides
     if plan.recompute.value == "full":
         return 0
     masks = 2 * s * b * h // split  # two hidden dropout masks at 2 bytes instead of 1
-    statistics = 2 * 2 * (s // split) * b * 2  # two norms' mean and rstd per token
+    statistics = 2 * 2 * (s // split) * b * statistic  # two norms' mean and rstd per token
     if plan.recompute.value == "selective":
         return masks + statistics + 4  # the int32 scalar the checkpointed attention keeps
     return masks + statistics + 3 * a * s * s * b // t  # fp32 softmax (+2), 2-byte dropout mask (+1)
@@ -146,10 +148,13 @@ def chunk_extras(s: int, b: int, *, last: bool) -> int:
     return s * s + (4 * s * b + 4 if last else 0)
 
 
-def head_extras(plan: ParallelPlan, s: int, b: int) -> float:
+def head_extras(plan: ParallelPlan, s: int, b: int, statistic: int = 2) -> float:
     """Traced head bytes minus Megatron's 4 s b h (1 + V / h) / t: final-norm statistics, the
     target mask and the int64 labels."""
-    return 2 * 2 * (s // plan.tensor_parallel) * b + s * b + 8 * s * b
+    return 2 * statistic * (s // plan.tensor_parallel) * b + s * b + 8 * s * b
+
+
+TE_STATISTIC = 4  # the estimates run bf16 on TransformerEngine: fp32 norm statistics (cost/te_saved.py)
 
 
 # -- the plans --------------------------------------------------------------------------------------
@@ -188,10 +193,10 @@ def test_gpt_first_stage_is_megatrons_theoretical_memory_plus_the_traced_extras(
     # activations: Megatron's formula plus, per micro-batch in flight, the extras
     inflight = min(pp, m)
     assert memory.inflight_microbatches == inflight
-    extras = inflight * (layers * layer_extras(plan, S, B, H, A) + embedding_extras(plan, S, B, H)
+    extras = inflight * (layers * layer_extras(plan, S, B, H, A, TE_STATISTIC) + embedding_extras(plan, S, B, H)
                          + chunk_extras(S, B, last=pp == 1))
     if pp == 1:
-        extras += head_extras(plan, S, B)
+        extras += head_extras(plan, S, B, TE_STATISTIC)
     assert memory.activations_gib * GIB == pytest.approx(megatron_activation_bytes(GPT, plan, m) + extras, rel=1e-12)
 
 
@@ -204,14 +209,15 @@ def test_gpt_interleaved_holds_megatrons_in_flight_layers():
     training = TrainingSpec(global_batch_size=4 * 2 * B, schedule="interleaved_1f1b", distributed_optimizer=True)
     memory, m = first_stage(GPT, plan, training)
     assert memory.inflight_microbatches == (1 + (pp - 1) / (pp * v)) * pp * v == 5
-    per_chunk = L // (pp * v) * (korthikanti_layer(plan, S, B, H, A) + layer_extras(plan, S, B, H, A)) + S * S
+    per_chunk = L // (pp * v) * (korthikanti_layer(plan, S, B, H, A) + layer_extras(plan, S, B, H, A, TE_STATISTIC)) + S * S
     embedding = 8 * S * B + S * B + 8 * S + 2 * S * B * H // plan.tensor_parallel  # tokens, mask, positions, dropout
     # the peak (right after the fourth chunk-0 forward) holds 4 chunk-0 and 1 chunk-1 micro-batches
     assert memory.activations_gib * GIB == 5 * per_chunk + 4 * embedding
     # Megatron scales the embedding by the same penalty (pp x 1.25 = 2.5 micro-batches' worth); the
     # first chunk of the first rank holds 4 micro-batches at that peak, which the walk counts
     megatron_embedding = (8 * S * B + S * B * H) / plan.tensor_parallel
-    explained = 5 * (L // (pp * v) * layer_extras(plan, S, B, H, A) + S * S) + 4 * embedding - 2.5 * megatron_embedding
+    explained = (5 * (L // (pp * v) * layer_extras(plan, S, B, H, A, TE_STATISTIC) + S * S) + 4 * embedding
+                 - 2.5 * megatron_embedding)
     assert memory.activations_gib * GIB == pytest.approx(megatron_activation_bytes(GPT, plan, m) + explained, rel=1e-12)
 
 

@@ -47,9 +47,15 @@ def to_node(record: Record, group_of: Callable[[str], ParallelGroup]) -> Node:
 
 def split_blocks(nodes: Sequence[Node], saved_nbytes: Mapping[str, int] | None = None) -> list[Block]:
     """Group nodes by block, keeping each block's nodes in execution order; ``saved_nbytes`` (per
-    module) gives each block its activation memory (a block that only keeps activations, such as
-    the stage holding the attention mask, is a block without nodes)."""
-    activation = _activation_by_block(nodes, saved_nbytes or {})
+    module) gives each block its activation memory, summed and module by module (the recorder has
+    attributed the saves of activation checkpointing to the layers whose inputs they are; a block
+    that only keeps activations, such as the stage holding the attention mask, is a block without
+    nodes)."""
+    saved = saved_nbytes or {}
+    by_module: dict[tuple[BlockKind, str], list[tuple[str, int]]] = {}
+    for module, nbytes in saved.items():
+        by_module.setdefault(block_of(module), []).append((module, nbytes))
+    activation = {where: sum(n for _, n in pairs) for where, pairs in by_module.items()}
     order: list[tuple[BlockKind, str]] = []
     members: dict[tuple[BlockKind, str], list[Node]] = {}
     for node in nodes:
@@ -64,18 +70,8 @@ def split_blocks(nodes: Sequence[Node], saved_nbytes: Mapping[str, int] | None =
             order.append(where)
     rank = {BlockKind.EMBEDDING: 0, BlockKind.STAGE: 1, BlockKind.LAYER: 2, BlockKind.HEAD: 3}
     order.sort(key=lambda w: (rank[w[0]], layer_index(w[1]) or 0))
-    return [Block(kind=k, name=n, nodes=tuple(members[(k, n)]), activation_nbytes=activation.get((k, n), 0))
-            for k, n in order]
-
-
-def _activation_by_block(nodes: Sequence[Node], saved_nbytes: Mapping[str, int]) -> dict[tuple[BlockKind, str], int]:
-    """Sum saved activation bytes per block (the recorder has attributed the saves of activation
-    checkpointing to the layers whose inputs they are)."""
-    activation: dict[tuple[BlockKind, str], int] = {}
-    for module, nbytes in saved_nbytes.items():
-        where = block_of(module)
-        activation[where] = activation.get(where, 0) + nbytes
-    return activation
+    return [Block(kind=k, name=n, nodes=tuple(members[(k, n)]), activation_nbytes=activation.get((k, n), 0),
+                  saved_by_module=tuple(by_module.get((k, n), ()))) for k, n in order]
 
 
 def _signature(block: Block) -> tuple:

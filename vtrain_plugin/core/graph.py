@@ -24,8 +24,9 @@ if TYPE_CHECKING:  # the specs layer sits above core; the graph only holds its v
     from vtrain_plugin.specs.model import ModelSpec
     from vtrain_plugin.specs.parallel import ParallelPlan
 
-SCHEMA_VERSION = 5  # 2: model and parallel are specs, module_name names a plain module; 3: parameter_numels;
-# 4: expert_parameter_numels; 5: the causal mask the layers' core attention keeps is a stage block of its own
+SCHEMA_VERSION = 6  # 2: model and parallel are specs, module_name names a plain module; 3: parameter_numels;
+# 4: expert_parameter_numels; 5: the causal mask the layers' core attention keeps is a stage block of its own;
+# 6: saved_by_module
 
 Scalar = Union[int, float, bool, str, None]
 
@@ -199,6 +200,9 @@ class Block:
     count: int = 1
     nodes: tuple[Node, ...] = ()
     activation_nbytes: int = 0  # per instance and micro-batch: tensors forward keeps for backward
+    # activation_nbytes by the module that saved each tensor (module path, bytes), in the order of the
+    # trace: what a software stack's own modules keep is known module by module (cost/stack_memory.py).
+    saved_by_module: tuple[tuple[str, int], ...] = ()
     num_parameters: int = 0  # per instance, on this rank
     # Elements of each parameter of one instance, in the model's parameter order (what Megatron's
     # gradient buffers are laid out from); empty when not known (then one tensor of num_parameters).
@@ -235,6 +239,7 @@ class Block:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "name": self.name, "count": self.count,
                 "activation_nbytes": self.activation_nbytes, "num_parameters": self.num_parameters,
+                "saved_by_module": [list(pair) for pair in self.saved_by_module],
                 "parameter_numels": list(self.parameter_numels),
                 "expert_parameter_numels": list(self.expert_parameter_numels),
                 "nodes": [n.to_dict() for n in self.nodes]}
@@ -243,6 +248,7 @@ class Block:
     def from_dict(cls, d: dict[str, Any]) -> Block:
         return cls(kind=BlockKind(d["kind"]), name=d["name"], count=d["count"],
                    activation_nbytes=d["activation_nbytes"], num_parameters=d["num_parameters"],
+                   saved_by_module=tuple((str(m), int(n)) for m, n in d["saved_by_module"]),
                    parameter_numels=tuple(d["parameter_numels"]),
                    expert_parameter_numels=tuple(d["expert_parameter_numels"]),
                    nodes=tuple(_node_from_dict(n) for n in d["nodes"]))

@@ -92,10 +92,11 @@ def to_fp8(nodes: Sequence[Node], fp8: Fp8Settings) -> tuple[Node, ...]:
     return tuple(out[:at] + casts + out[at:])
 
 
-def fp8_weight_cache_nbytes(nodes: Sequence[Node]) -> int:
-    """Bytes TE keeps per block instance for its FP8 weights across micro-batches: each weight of
-    the four linears and its transpose, one byte per element each."""
-    return sum(2 * FP8_NBYTES * numel(n.key.input_shapes[1]) for n in nodes
+def fp8_weight_numel(nodes: Sequence[Node]) -> int:
+    """Elements of the weights of the four linears of a block instance: the weights TE keeps an FP8
+    copy and transpose of across micro-batches, one byte per element each (or, with FP8
+    parameters, holds as FP8 data and transpose; :mod:`vtrain_plugin.cost.stack_memory`)."""
+    return sum(numel(n.key.input_shapes[1]) for n in nodes
                if isinstance(n, OpNode) and n.phase is Phase.FORWARD and n.launches_kernel
                and n.module.endswith(LINEAR_MODULES) and op_name(n) == "mm")
 

@@ -4,8 +4,12 @@ the schedule, and an allowance for what the process holds besides tensors.
 Per pipeline rank (the representative one; TP, CP and DP replicas hold the same), for the ``P``
 parameters of its chunks:
 
-- weights in the model dtype and gradients in Megatron's gradient dtype
-  (:func:`vtrain_plugin.specs.training.grad_dtype`: fp32 for bf16), ``P x (2 + 4)`` bytes in bf16;
+- weights in the model dtype and gradients in the run's gradient dtype
+  (:meth:`vtrain_plugin.specs.training.TrainingSpec.grad_dtype`: fp32 for bf16 as Megatron-LM's
+  default, bf16 with ``grad_reduce_in_bf16``), ``P x (2 + 4)`` bytes in bf16 by default. Megatron's
+  DDP keeps both whole in its contiguous buffers (the weights are views of the buffer the
+  distributed optimizer all-gathers into: no copy besides); TransformerEngine's FP8 weights are
+  :mod:`vtrain_plugin.cost.stack_memory`'s;
 - optimizer state: fp32 main weights (when the model dtype is narrower) and Adam's two fp32
   moments, ``P x 12`` bytes in fp16/bf16, divided by DP with the distributed optimizer (ZeRO-1
   shards exactly these over Megatron-Core's data-parallel group, DP x CP ranks with context
@@ -26,7 +30,9 @@ parameters of its chunks:
   ``memory_reserved`` over ``memory_allocated`` in steady-state training).
 
 Not counted: the transient activations of the layer being recomputed or back-propagated, logits
-freed before the peak, and the optimizer step's temporaries.
+freed before the peak (the model-dtype logits while the loss casts them to fp32, ``2 s b V / t``
+bytes, as Megatron-LM's ``theoretical_memory_usage`` leaves them out too), and the optimizer step's
+temporaries (with bf16 gradients, the fp32 copy of the rank's gradient shard).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.optimizer_shard import optimizer_shards
@@ -70,10 +77,12 @@ class RankMemory:
                 "activations": self.activations_gib, "allowance": self.allowance_gib, "total": self.total_gib}
 
 
-def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: bool = False
-                ) -> tuple[RankMemory, ...]:
-    """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule."""
+def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: bool = False,
+                gradients: Dtype | None = None) -> tuple[RankMemory, ...]:
+    """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule;
+    ``gradients``: the run's gradient dtype (None: Megatron-LM's default for the model dtype)."""
     dtype = graph.dtype
+    gradients = gradients or grad_dtype(dtype)
     plan = graph.parallel
     shards, expert_shards = optimizer_shards(plan, distributed_optimizer)
     per_param = optimizer_bytes_per_parameter(dtype)
@@ -88,7 +97,7 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
     for rank, count in enumerate(params):
         activations, inflight = peak_live(rank, chunks[rank])
         optimizer = (count - experts[rank]) * (per_param / shards) + experts[rank] * (per_param / expert_shards)
-        tensors = RankMemory(weights_gib=count * dtype.nbytes / GIB, gradients_gib=count * grad_dtype(dtype).nbytes / GIB,
+        tensors = RankMemory(weights_gib=count * dtype.nbytes / GIB, gradients_gib=count * gradients.nbytes / GIB,
                              optimizer_gib=optimizer / GIB, activations_gib=activations / GIB,
                              inflight_microbatches=inflight)
         out.append(replace(tensors, allowance_gib=RESERVED_GIB + FRAGMENTATION * tensors.tensors_gib))

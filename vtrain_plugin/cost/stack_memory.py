@@ -6,10 +6,15 @@ one layer's activations go from quadratic to linear in the sequence length) and 
 local spec's softmax keeps the ``s x s`` mask the layers of a chunk share, traced as the stage block
 :data:`~megatron_adapters.conventions.SHARED_BY_CORE_ATTENTION`; TransformerEngine's causal kernels
 take no mask, while a checkpoint around the attention or the layer keeps it as an input and its
-bytes stay with the chunk), and TransformerEngine
-in FP8 keeps an FP8 copy of each linear weight and its transpose across the micro-batches of an
-iteration (:func:`~vtrain_plugin.cost.lowering_fp8.fp8_weight_cache_nbytes`), counted with the
-weights. Activations saved in FP8 by TE's linears are still counted in the model dtype.
+bytes stay with the chunk); its fused norms and activation functions, and in FP8 its linears, keep
+what :func:`~vtrain_plugin.cost.te_saved.te_saved_delta` says.
+
+TransformerEngine in FP8 keeps an FP8 copy of each linear weight and its transpose (the dgrad GEMM
+reads it on Hopper) across the micro-batches of an iteration
+(:func:`~vtrain_plugin.cost.lowering_fp8.fp8_weight_numel`), counted with the weights. With
+``fp8_param_gather`` those FP8 weights are the parameters themselves (TE's ``Float8Tensor``, one
+byte per element, its transpose kept beside it, Megatron-Core's ``post_all_gather_processing``): the
+linear weights have no model-dtype copy (their fp32 main weights are the optimizer's, as always).
 """
 
 from __future__ import annotations
@@ -19,26 +24,33 @@ from dataclasses import replace
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
-from vtrain_plugin.cost.lowering_fp8 import fp8_weight_cache_nbytes
+from vtrain_plugin.cost.lowering_fp8 import FP8_NBYTES, fp8_weight_numel
 from vtrain_plugin.cost.lowering_te import fused_attention_saved_delta
 from vtrain_plugin.cost.memory import PeakLive, RankMemory, rank_memory
-from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
+from vtrain_plugin.cost.te_saved import te_saved_delta
+from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
 
 
-def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack, fp8: Fp8Settings | None = None, *,
-                      distributed_optimizer: bool = False) -> tuple[RankMemory, ...]:
-    """:func:`~vtrain_plugin.cost.memory.rank_memory` of ``graph`` as ``stack`` (in FP8 with
-    ``fp8``) runs it."""
+def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
+                      training: TrainingSpec | None = None) -> tuple[RankMemory, ...]:
+    """:func:`~vtrain_plugin.cost.memory.rank_memory` of ``graph`` as ``stack`` runs it with the
+    options of ``training`` (FP8, FP8 weights, gradient dtype, distributed optimizer; None: none)."""
+    fp8 = training is not None and training.fp8 is not None
     if stack is SoftwareStack.MEGATRON_CORE_TE:
         graph = replace(graph, stages=tuple(
             replace(stage, blocks=tuple(
-                replace(block, activation_nbytes=block.activation_nbytes + fused_attention_saved_delta(block.nodes))
+                replace(block, activation_nbytes=block.activation_nbytes + fused_attention_saved_delta(block.nodes)
+                        + te_saved_delta(block, fp8=fp8))
                 for block in stage.blocks if block.name != SHARED_BY_CORE_ATTENTION))
             for stage in graph.stages))
-    memory = rank_memory(graph, peak_live, distributed_optimizer=distributed_optimizer)
-    if fp8 is None:
+    memory = rank_memory(graph, peak_live, distributed_optimizer=training is not None and training.distributed_optimizer,
+                         gradients=None if training is None else training.grad_dtype(graph.dtype))
+    if not fp8:
         return memory
-    cache = [0] * graph.parallel.pipeline_parallel
+    # per element of a linear weight: its FP8 copy and transpose, less its model-dtype copy when the
+    # FP8 copy is the parameter itself
+    per_element = 2 * FP8_NBYTES - (graph.dtype.nbytes if training.fp8_param_gather else 0)
+    linear = [0] * graph.parallel.pipeline_parallel
     for stage in graph.stages:
-        cache[stage.pipeline_rank] += sum(b.count * fp8_weight_cache_nbytes(b.nodes) for b in stage.blocks)
-    return tuple(replace(m, weights_gib=m.weights_gib + cache[rank] / GIB) for rank, m in enumerate(memory))
+        linear[stage.pipeline_rank] += sum(b.count * fp8_weight_numel(b.nodes) for b in stage.blocks)
+    return tuple(replace(m, weights_gib=m.weights_gib + per_element * linear[rank] / GIB) for rank, m in enumerate(memory))

@@ -263,12 +263,13 @@ def grad_dtype(dtype: Dtype) -> Dtype:
     return Dtype.FP32 if dtype is Dtype.BF16 else dtype
 
 
-def model_state_bytes_per_parameter(dtype: Dtype) -> int:
-    """Weights in the model dtype, gradients in :func:`grad_dtype`, fp32 main weights (mixed
-    precision) and two fp32 Adam moments: 16 bytes per parameter in fp16 and fp32, 18 in bf16
-    (Megatron-LM's ``theoretical_memory_usage``). The one formula of the package (cost/memory.py
-    and the real-training refusal check use it)."""
-    return dtype.nbytes + grad_dtype(dtype).nbytes + optimizer_bytes_per_parameter(dtype)
+def model_state_bytes_per_parameter(dtype: Dtype, gradients: Dtype | None = None) -> int:
+    """Weights in the model dtype, gradients in ``gradients`` (a run's
+    :meth:`TrainingSpec.grad_dtype`; None: :func:`grad_dtype`), fp32 main weights (mixed precision)
+    and two fp32 Adam moments: 16 bytes per parameter in fp16 and fp32, 18 in bf16 (Megatron-LM's
+    ``theoretical_memory_usage``), 16 in bf16 with ``grad_reduce_in_bf16``. The cluster curves'
+    plausibility check and the real-training refusal check use it."""
+    return dtype.nbytes + (gradients or grad_dtype(dtype)).nbytes + optimizer_bytes_per_parameter(dtype)
 
 
 def optimizer_bytes_per_parameter(dtype: Dtype) -> int:

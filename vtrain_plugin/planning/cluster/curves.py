@@ -194,10 +194,10 @@ def _plausible_counts(model: ModelSpec, global_batch_size: int, cluster: Cluster
     module doc); raises ConfigError when no plan is valid."""
     if not counts:
         return []
+    training = TrainingSpec(global_batch_size=global_batch_size)
     plans = enumerate_plans(model, space, global_batch_size=global_batch_size, budget=GpuBudget(counts=tuple(counts)),
-                            training=TrainingSpec(global_batch_size=global_batch_size),
-                            gpus_per_node=cluster.spec.gpus_per_node).candidates
-    state_bytes = model.num_parameters * model_state_bytes_per_parameter(model.dtype)
+                            training=training, gpus_per_node=cluster.spec.gpus_per_node).candidates
+    state_bytes = model.num_parameters * model_state_bytes_per_parameter(model.dtype, training.grad_dtype(model.dtype))
     capacity = get_device(cluster.spec.gpu).memory_bytes
     return sorted({c.num_gpus for c in plans
                    if state_bytes <= capacity * c.parallel.tensor_parallel * c.parallel.pipeline_parallel})
