@@ -28,7 +28,7 @@ from vtrain_plugin.specs.megatron_flags import (
     MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, UNSUPPORTED_FLAGS, UNSUPPORTED_SCRIPTS, Arity)
 from vtrain_plugin.specs.megatron_model import Given, model_fields, positive_int, recompute_mode
 from vtrain_plugin.specs.model import ModelSpec
-from vtrain_plugin.specs.model_features import REFUSED
+from vtrain_plugin.specs.model_features import REFUSED, unmodelled_warning
 from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
 from vtrain_plugin.specs.reliability import CheckpointMode, ReliabilitySpec
 from vtrain_plugin.specs.training import GradReduce, ScheduleKind, SoftwareStack, TrainingSpec
@@ -175,8 +175,7 @@ class MegatronPlan:
     def warning(self) -> str | None:
         if not self.unmodelled:
             return None
-        return ("Megatron-LM arguments vtrain does not model (they may change speed or memory): "
-                + ", ".join(self.unmodelled))
+        return unmodelled_warning("Megatron-LM arguments", self.unmodelled)
 
 
 def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> MegatronPlan:

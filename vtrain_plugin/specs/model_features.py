@@ -53,6 +53,11 @@ def not_modelled(name: str, what: str) -> ConfigError:
     return ConfigError(f"{name}: {what} is not modelled by vtrain yet")
 
 
+def unmodelled_warning(inputs: str, notes: list[str] | tuple[str, ...]) -> str:
+    """The one warning line of an input's notes (``inputs``: what they are, e.g. "Megatron-LM arguments")."""
+    return f"{inputs} vtrain does not model (they may change speed or memory): " + ", ".join(notes)
+
+
 def layer_note(name: str, family: Family, key: str, value: object) -> str | None:
     """The warning note for a layer whose ``key`` (normalization, biases, dropout) is ``value``
     where the ``family``'s layer has another; None when they agree."""
