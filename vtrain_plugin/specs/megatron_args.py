@@ -306,7 +306,8 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
     values.setdefault("global_batch_size", parallel.micro_batch_size * parallel.data_parallel)
     values["schedule"] = ScheduleKind.INTERLEAVED_1F1B if parallel.virtual_pipeline > 1 else ScheduleKind.ONE_F_ONE_B
     if values["software_stack"] is not SoftwareStack.MEGATRON_CORE_TE and "fp8" in values:
-        raise ConfigError(f"--fp8-format with {stack}: Megatron-LM runs FP8 through TransformerEngine only")
+        flag = stack.partition(":")[0]
+        raise ConfigError(f"--fp8-format with {flag}: Megatron-LM runs FP8 through TransformerEngine only")
     # Megatron-LM reduces a bf16 model's gradients in fp32 unless --grad-reduce-in-bf16; an fp16 or
     # fp32 model's stay in the model dtype either way.
     values["grad_reduce_in_bf16"] = bool(given.get("--grad-reduce-in-bf16")) and model.dtype is Dtype.BF16
