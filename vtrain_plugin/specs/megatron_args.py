@@ -4,9 +4,10 @@ Flags are parsed with argparse against the table of Megatron-LM's arguments
 (:mod:`vtrain_plugin.specs.megatron_flags`), then mapped: the flags that shape the plan set
 :class:`ModelSpec`, :class:`ParallelPlan` and :class:`TrainingSpec` fields, with Megatron-LM's own
 defaults where a flag is absent (ffn size, global batch, vocabulary padding, DDP bucket size, the MoE
-token dispatcher);
-flags vtrain does not model yet are refused unless at their inactive value; flags that change
-performance but are not modelled are listed in :attr:`MegatronPlan.unmodelled`; the rest (logging,
+token dispatcher, the TransformerEngine software stack: :func:`software_stack`);
+flags with a first-order effect that vtrain does not model yet are refused unless at their inactive
+value; the entry points and flags of other models than a GPT decoder are refused as unsupported;
+flags whose effect is second-order are listed in :attr:`MegatronPlan.unmodelled`; the rest (logging,
 checkpoints, data paths, learning rate...) are accepted and change nothing. README, "Megatron-LM
 arguments", has the table.
 """
@@ -131,6 +132,7 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--heterogeneous-layers-config-encoded-json", None, None, "heterogeneous layers", _as_given),
     FlagField("--fp8-param-gather", "training.fp8_param_gather", convert=_as_given),
     FlagField("--cross-entropy-loss-fusion", "training.cross_entropy_fusion", convert=_as_given),
+    # Checked only: their accepted values convert to the inactive one, the others are refused in convert.
     FlagField("--cross-entropy-fusion-impl", None, "native", "", _cross_entropy_impl),
     FlagField("--attention-backend", None, "auto", "", _attention_backend),
     FlagField("--spec", None, None, "a custom layer spec", _as_given),
@@ -186,8 +188,7 @@ def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> Megatro
     values: dict[str, dict[str, Any]] = {"model": {}, "parallel": {}, "training": {"software_stack": stack}}
     for flag, value in given.items():
         if flag in UNSUPPORTED_FLAGS:
-            raise ConfigError(f"{_shown(flag, value)}: {UNSUPPORTED_FLAGS[flag]} are not supported by vtrain "
-                              f"(it estimates GPT decoders, Megatron-LM's pretrain_gpt.py)")
+            raise _unsupported(_shown(flag, value), UNSUPPORTED_FLAGS[flag])
         row = _FIELD_OF.get(flag)
         if row is None:
             continue
@@ -215,8 +216,12 @@ def _refuse_entry_point(script: str) -> None:
     name = PurePosixPath(script).name
     for stem, what in UNSUPPORTED_SCRIPTS.items():
         if name.startswith(stem):
-            raise ConfigError(f"{name}: {what} are not supported by vtrain (it estimates GPT decoders, "
-                              f"Megatron-LM's pretrain_gpt.py)")
+            raise _unsupported(name, what)
+
+
+def _unsupported(name: str, what: str) -> ConfigError:
+    return ConfigError(f"{name}: {what} are not supported by vtrain (it estimates GPT decoders, Megatron-LM's "
+                       f"pretrain_gpt.py)")
 
 
 def script_plan(commands: Sequence[LaunchCommand], *, gpus: int | None = None) -> MegatronPlan:
