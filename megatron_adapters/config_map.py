@@ -5,13 +5,17 @@ graph is either honoured (dims, GQA, dtype, the GPT or Llama layer, TP, CP and i
 virtual pipeline, SP, recompute, uneven pipeline splits, MoE experts, top-k and expert FFN, expert
 parallel and expert TP sizes, the token dispatcher) or refused with a one-line :class:`ConfigError`
 naming it (shared experts, token dropping, grouped-GEMM experts, fp8 / fp4, multi-token prediction,
-custom pipeline layouts, ...): a config is never traced as something it is not. Two MoE settings are
+custom pipeline layouts, sliding-window attention, ...: the features of
+:mod:`vtrain_plugin.specs.model_features`, refused alike on every input path): a config is never
+traced as something it is not, except for the normalization, linear biases and dropout of the
+layer, which are noted in a warning when they differ from the family's. Two MoE settings are
 vtrain's own: the router's load-balancing loss is the auxiliary loss of Megatron-LM's MoE recipes
 (:data:`megatron_adapters.moe.LOAD_BALANCING`), and routing follows the balanced assumption.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +23,11 @@ from typing import Any
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.model import Family, ModelSpec
+from vtrain_plugin.specs.model_features import QKV_BIAS, REFUSED, layer_note, not_modelled, unmodelled_warning
 from vtrain_plugin.specs.parallel import CpCommType, ParallelPlan, Recompute, TokenDispatcher
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,16 +62,12 @@ UNMODELLED = (
                "the flex token dispatcher (DeepEP / HybridEP)"),
     Unmodelled("fp8", _is_none, "fp8 training"),
     Unmodelled("fp4", _is_none, "fp4 training"),
-    Unmodelled("mtp_num_layers", _is_none, "multi-token prediction layers"),
     Unmodelled("pipeline_model_parallel_layout", _is_none, "custom pipeline layouts"),
-    Unmodelled("multi_latent_attention", _is_false, "multi-latent attention"),
-    Unmodelled("window_size", _is_none, "sliding-window attention"),
-    Unmodelled("qk_layernorm", _is_false, "query/key layer norm"),
-    Unmodelled("add_qkv_bias", _is_false, "a QKV bias without the other linear biases"),
     Unmodelled("tp_comm_overlap", _is_false, "TP communication overlap"),
     Unmodelled("cpu_offloading", _is_false, "activation offloading to the CPU"),
     Unmodelled("fine_grained_activation_offloading", _is_false, "activation offloading to the CPU"),
     Unmodelled("heterogeneous_block_specs", _is_false, "heterogeneous layers"),
+    *(Unmodelled(feature.config_field, _is_false, feature.what) for feature in REFUSED),
 )
 
 
@@ -72,8 +76,9 @@ def refuse_unmodelled(config: Any) -> None:
     for rule in UNMODELLED:
         value = getattr(config, rule.field, None)
         if not rule.is_default(value):
-            raise ConfigError(f"TransformerConfig.{rule.field}={value!r}: {rule.what} is not modelled yet "
-                              f"(leave it at its default to trace the rest)")
+            raise not_modelled(f"TransformerConfig.{rule.field}={value!r}", rule.what)
+    if getattr(config, "add_qkv_bias", False) and not getattr(config, "add_bias_linear", True):
+        raise not_modelled("TransformerConfig.add_qkv_bias=True with add_bias_linear=False", QKV_BIAS)
 
 
 def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_length: int) -> ModelSpec:
@@ -102,27 +107,29 @@ def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_leng
 
 
 def _family(config: Any) -> Family:
-    """GPT (LayerNorm, GeLU, biases, dropout) or Llama (RMSNorm, SwiGLU, no biases, no dropout); a
-    mix of the two is refused, naming the field that disagrees with the normalization."""
+    """GPT (GeLU MLP) or Llama (SwiGLU MLP), as a Megatron-LM command line picks it: the MLP shapes
+    the GEMMs; another activation is refused. A normalization, linear biases or dropout other than
+    the family's are noted in one warning, as on the other input paths
+    (:mod:`vtrain_plugin.specs.model_features`)."""
     normalization = getattr(config, "normalization", "LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise ConfigError(f"TransformerConfig.normalization={normalization!r}: must be 'LayerNorm' or 'RMSNorm'")
-    llama = normalization == "RMSNorm"
+    gated = bool(getattr(config, "gated_linear_unit", False))
+    family = Family.LLAMA if gated else Family.GPT
     activation = getattr(getattr(config, "activation_func", None), "__name__", "")
-    expected = {
-        "gated_linear_unit": (bool(getattr(config, "gated_linear_unit", False)), llama),
-        "activation_func": (activation, "silu" if llama else "gelu"),
-        "add_bias_linear": (bool(getattr(config, "add_bias_linear", True)), not llama),
-        "hidden_dropout > 0": (getattr(config, "hidden_dropout", 0.1) > 0, not llama),
-        "attention_dropout > 0": (getattr(config, "attention_dropout", 0.1) > 0, not llama),
-    }
-    for field, (got, want) in expected.items():
-        if got != want:
-            layer = ("Llama layer (RMSNorm, SwiGLU, no linear biases, no dropout)" if llama
-                     else "GPT layer (LayerNorm, GeLU, linear biases, dropout)")
-            raise ConfigError(f"TransformerConfig.{field} is {got!r} with normalization={normalization!r}: "
-                              f"vtrain traces the {layer}")
-    return Family.LLAMA if llama else Family.GPT
+    if activation != ("silu" if gated else "gelu"):
+        raise ConfigError(f"TransformerConfig.activation_func is {activation!r} with gated_linear_unit={gated}: "
+                          f"vtrain traces a GeLU MLP (gpt) or a SwiGLU one (llama, gated_linear_unit=True and silu)")
+    biases = bool(getattr(config, "add_bias_linear", True))
+    notes = [layer_note(f"TransformerConfig.normalization={normalization!r}", family, "normalization", normalization),
+             layer_note(f"TransformerConfig.add_bias_linear={biases}", family, "biases", "on" if biases else "off")]
+    for field in ("hidden_dropout", "attention_dropout"):
+        value = getattr(config, field, 0.1)
+        notes.append(layer_note(f"TransformerConfig.{field}={value}", family, "dropout", value))
+    notes = [note for note in notes if note]
+    if notes:
+        log.warning("warning: %s", unmodelled_warning("TransformerConfig fields", notes))
+    return family
 
 
 def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None) -> ParallelPlan:

@@ -26,7 +26,7 @@ from vtrain_plugin.cost.context_parallel import model_flops as blocks_model_flop
 from vtrain_plugin.cost.costing import Costing, cost
 from vtrain_plugin.cost.kernel_timer import KernelTimer
 from vtrain_plugin.cost.memory import RankMemory
-from vtrain_plugin.cost.prepare import PreparedGraph, prepare
+from vtrain_plugin.cost.prepare import PreparedGraph, prepare_run
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.cost.stragglers import slowest_gpu_factor
 from vtrain_plugin.hardware.calibration import DeviceConstants, calibration_for
@@ -241,8 +241,7 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
         device.require_fp8("training.fp8", training.fp8.value)
     stack = training.stack_for(graph.model, device.architecture, graph.parallel)
     calibration = calibration_for(device.name, stack)
-    prepared = prepare(graph, stack, measured, fp8=training.fp8_settings,
-                       distributed_optimizer=training.distributed_optimizer)
+    prepared = prepare_run(graph, stack, training, measured)
     costing, result = predict(prepared, cluster=cluster, training=training, constants=calibration.constants,
                               measured_comm=measured_comm, timeline=timeline, explain=explain > 0)
     return _summarize(graph, device, cluster, training, result, costing, explain, stack)

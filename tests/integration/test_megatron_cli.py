@@ -31,10 +31,23 @@ def test_estimate_from_a_launch_script_takes_the_gpu_count_from_torchrun(tmp_pat
     result = json.loads(proc.stdout)
     assert result["config"] == str(script)
     assert result["num_gpus"] == 8 and result["num_microbatches"] == 32 // (2 * 2)
-    assert result["iteration_time_ms"] > 0 and result["software_stack"] == "megatron_deepspeed_2023"
+    # Megatron-LM's TransformerEngine layers, though an fp16 GPT on an A100 defaults to Megatron-DeepSpeed's kernels
+    assert result["iteration_time_ms"] > 0 and result["software_stack"] == "megatron_core_te"
     assert proc.stderr.splitlines() == [
         f"vtrain: warning: {script}: Megatron-LM arguments vtrain does not model (they may change speed or "
         f"memory): --use-flash-attn"]
+    script.write_text(SMALL_GPT.replace("--use-flash-attn", "--transformer-impl local"))
+    local = json.loads(run_cli("estimate", str(script), "--format", "json", check=True).stdout)
+    assert local["software_stack"] == "megatron_deepspeed_2023"
+
+
+def test_a_bert_script_is_refused_as_unsupported_in_one_line(tmp_path, run_cli):
+    script = tmp_path / "train_bert.sh"
+    script.write_text(SMALL_GPT.replace("pretrain_gpt.py", "pretrain_bert.py"))
+    proc = run_cli("estimate", str(script))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"vtrain: error: {script}: pretrain_bert.py: BERT models are not supported by "
+                                        f"vtrain (it estimates GPT decoders, Megatron-LM's pretrain_gpt.py)"]
 
 
 def test_megatron_args_errors_are_one_line_with_exit_2(tmp_path, run_cli):

@@ -9,10 +9,10 @@ from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.launch_script import read_command_line
 from vtrain_plugin.specs.megatron_args import FIELDS, MegatronPlan, megatron_plan
-from vtrain_plugin.specs.megatron_flags import MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, Arity
+from vtrain_plugin.specs.megatron_flags import MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, UNSUPPORTED_FLAGS, Arity
 from vtrain_plugin.specs.model import Family
 from vtrain_plugin.specs.parallel import Recompute, TokenDispatcher
-from vtrain_plugin.specs.training import Fp8Format, Fp8Recipe, GradReduce, ScheduleKind
+from vtrain_plugin.specs.training import Fp8Format, Fp8Recipe, GradReduce, ScheduleKind, SoftwareStack
 
 BASE = "--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 256 --micro-batch-size 2 --vocab-size 1000"
 
@@ -31,7 +31,7 @@ def test_every_flag_the_mapping_reads_is_a_megatron_flag():
     specs = Path(__file__).resolve().parents[2] / "vtrain_plugin" / "specs"
     read = {flag for name in ("megatron_args.py", "megatron_model.py")
             for flag in re.findall(r'"(--[a-z0-9-]+)"', (specs / name).read_text())}
-    mapped = read | {row.flag for row in FIELDS} | PERFORMANCE_FLAGS | set(RETIRED_FLAGS)
+    mapped = read | {row.flag for row in FIELDS} | PERFORMANCE_FLAGS | set(RETIRED_FLAGS) | set(UNSUPPORTED_FLAGS)
     assert sorted(mapped - set(MEGATRON_FLAGS)) == []
     assert MEGATRON_FLAGS["--rampup-batch-size"] is Arity.LIST and MEGATRON_FLAGS["--fp16"] is Arity.SWITCH
 
@@ -70,9 +70,9 @@ def test_layer_features_other_than_the_familys_are_noted_not_refused():
         "--position-embedding-type learned_absolute (vtrain's llama layers: rope)",
         "linear biases on (vtrain's llama layers: off)",
         "--num-query-groups 2 without --group-query-attention (Megatron-LM ignores it)",
-        "--hidden-dropout 0.1 (vtrain's llama layers: 0.0)", "--attention-dropout 0.1 (vtrain's llama layers: 0.0)",
-        "--grad-reduce-in-bf16 (Megatron-LM reduces gradients in bf16, vtrain in fp32)")
-    assert plan("--bf16").unmodelled == ()  # Megatron-LM and vtrain both reduce bf16 gradients in fp32
+        "--hidden-dropout 0.1 (vtrain's llama layers: 0.0)", "--attention-dropout 0.1 (vtrain's llama layers: 0.0)")
+    assert p.training.grad_reduce_in_bf16  # mapped (training.grad_reduce_in_bf16), not noted
+    assert plan("--bf16").unmodelled == ()
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -258,13 +258,18 @@ def test_overlapped_gradient_buckets_hold_megatrons_parameter_counts():
     assert p.training.bucket_size_mb == 256.0
     assert plan("--overlap-grad-reduce --fp16", gpus=64).training.bucket_size_mb == 128.0
     assert plan("--overlap-grad-reduce --ddp-bucket-size 10000000").training.bucket_size_mb == 40.0  # fp32
+    # --grad-reduce-in-bf16: the same parameters at 2 bytes; an fp16 model's gradients are fp16 either way
+    bf16 = plan("--overlap-grad-reduce --bf16 --grad-reduce-in-bf16", gpus=64).training
+    assert (bf16.grad_reduce_in_bf16, bf16.bucket_size_mb) == (True, 128.0)
+    fp16 = plan("--overlap-grad-reduce --fp16 --grad-reduce-in-bf16", gpus=64).training
+    assert (fp16.grad_reduce_in_bf16, fp16.bucket_size_mb) == (False, 128.0)
 
 
 def test_performance_flags_are_listed_with_their_values_in_one_warning():
     p = plan("--use-flash-attn --disable-tp-comm-bulk-dgrad --attention-backend flash --no-gradient-accumulation-fusion "
              "--max-position-embeddings 1024 --log-interval 10 --save /ckpt --lr 3e-4 --seed 7")
     assert p.warning == (
-        "Megatron-LM arguments vtrain does not model (they may change speed or memory): --attention-backend flash, "
+        "Megatron-LM arguments vtrain does not model (they may change speed or memory): "
         "--disable-tp-comm-bulk-dgrad, --use-flash-attn, --no-gradient-accumulation-fusion, "
         "--max-position-embeddings 1024 (vtrain's position table has --seq-length 256 rows)")
 
@@ -283,3 +288,79 @@ def test_distributed_optimizer_and_uneven_pipeline_splits_map_onto_their_fields(
     assert p.parallel.account_for_embedding_in_pipeline_split and p.parallel.account_for_loss_in_pipeline_split
     assert p.parallel.virtual_pipeline == 5
     assert p.parallel.chunk_layers(p.model) == ((0, 1, 1, 1, 1), (1, 1, 1, 1, 0))
+
+
+@pytest.mark.parametrize("flags, stack, reason", [
+    ("", SoftwareStack.MEGATRON_CORE_TE, "--transformer-impl transformer_engine (Megatron-LM's default)"),
+    ("--fp16", SoftwareStack.MEGATRON_CORE_TE, "--transformer-impl transformer_engine (Megatron-LM's default)"),
+    ("--transformer-impl transformer_engine", SoftwareStack.MEGATRON_CORE_TE,
+     "--transformer-impl transformer_engine (Megatron-LM's default)"),
+    ("--transformer-impl local", SoftwareStack.MEGATRON_DEEPSPEED_2023,
+     "--transformer-impl local: megatron-core's local layers run Megatron's fused kernels"),
+    ("--use-legacy-models", SoftwareStack.MEGATRON_DEEPSPEED_2023,
+     "--use-legacy-models: the legacy Megatron GPT's fused kernels"),
+])
+def test_the_software_stack_is_megatron_lms_transformer_impl(flags, stack, reason):
+    """Regression: a script was costed with the kernels of the GPU's default (Megatron-DeepSpeed on an
+    A100 for an fp16 GPT) though Megatron-LM runs TransformerEngine layers unless told otherwise."""
+    p = plan(flags)
+    assert (p.training.software_stack, p.stack_reason) == (stack, reason)
+    assert p.training.stack_for(p.model, "ampere") is stack
+    assert p.warning is None
+
+
+def test_mapped_training_flags():
+    p = plan("--bf16 --fp8-format hybrid --fp8-param-gather --cross-entropy-loss-fusion --cross-entropy-fusion-impl te "
+             "--attention-backend flash --accumulate-allreduce-grads-in-fp32")
+    assert (p.training.fp8, p.training.fp8_param_gather, p.training.cross_entropy_fusion) == (Fp8Format.HYBRID, True,
+                                                                                             True)
+    assert p.warning is None
+    assert not plan("--bf16").training.cross_entropy_fusion and not plan("--bf16").training.fp8_param_gather
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--transformer-impl local --bf16 --fp8-format hybrid",
+     "--fp8-format with --transformer-impl local: Megatron-LM runs FP8 through TransformerEngine only"),
+    ("--transformer-impl inference_optimized", "--transformer-impl inference_optimized: inference layers are not "
+                                               "supported by vtrain (it estimates training)"),
+    ("--fp8-param-gather", "training.fp8_param_gather requires training.fp8 (FP8 weights exist only in FP8 training)"),
+    ("--attention-backend unfused", "--attention-backend unfused: unfused attention under TransformerEngine is not "
+                                    "modelled by vtrain yet"),
+    ("--cross-entropy-fusion-impl triton", "--cross-entropy-fusion-impl must be native or te, got 'triton'"),
+    ("--fp16 --accumulate-allreduce-grads-in-fp32", "--accumulate-allreduce-grads-in-fp32 with --fp16: fp32 "
+                                                   "gradients of an fp16 model are not modelled by vtrain yet"),
+    ("--window-size 128,0", "--window-size 128,0: sliding-window attention is not modelled by vtrain yet"),
+    ("--qk-layernorm", "--qk-layernorm: query/key layer norm is not modelled by vtrain yet"),
+    ("--enable-cuda-graph", "--enable-cuda-graph: CUDA graphs is not modelled by vtrain yet"),
+    ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graphs is not modelled by vtrain yet"),
+    ("--main-grads-dtype bf16", "--main-grads-dtype bf16: optimizer state in another dtype than fp32 is not modelled "
+                                "by vtrain yet"),
+    ("--disable-tp-comm-overlap-ag", "--disable-tp-comm-overlap-ag: TP overlap without its all-gather overlap is not "
+                                     "modelled by vtrain yet"),
+    ("--ddp-num-buckets 4", "--ddp-num-buckets 4: a DDP bucket count (--ddp-bucket-size is modelled) is not modelled "
+                            "by vtrain yet"),
+    ("--is-hybrid-model", "--is-hybrid-model: Mamba and hybrid models are not supported by vtrain (it estimates GPT "
+                          "decoders, Megatron-LM's pretrain_gpt.py)"),
+    ("--hybrid-override-pattern M-M*", "--hybrid-override-pattern M-M*: Mamba and hybrid models are not supported by "
+                                       "vtrain (it estimates GPT decoders, Megatron-LM's pretrain_gpt.py)"),
+    ("--bert-no-binary-head", "--bert-no-binary-head: BERT models are not supported by vtrain (it estimates GPT "
+                              "decoders, Megatron-LM's pretrain_gpt.py)"),
+    ("--decoder-num-layers 4", "--decoder-num-layers 4: encoder-decoder (T5) models are not supported by vtrain (it "
+                               "estimates GPT decoders, Megatron-LM's pretrain_gpt.py)"),
+])
+def test_flags_that_change_the_estimate_unmodelled_or_unsupported_are_refused_by_name(flags, message):
+    assert error(flags) == message
+
+
+@pytest.mark.parametrize("script, what", [
+    ("pretrain_bert.py", "BERT models"), ("pretrain_t5.py", "encoder-decoder (T5) models"),
+    ("pretrain_mamba.py", "Mamba and hybrid models"), ("pretrain_vlm.py", "vision-language models"),
+    ("examples/multimodal/pretrain_vlm_llava.py", "vision-language models"),
+])
+def test_entry_points_other_than_pretrain_gpt_are_refused_as_unsupported(script, what):
+    with pytest.raises(ConfigError) as exc:
+        megatron_plan(read_command_line(f"torchrun --nproc_per_node 8 {script} {BASE}"))
+    name = Path(script).name
+    assert str(exc.value) == f"{name}: {what} are not supported by vtrain (it estimates GPT decoders, Megatron-LM's " \
+                             f"pretrain_gpt.py)"
+    assert megatron_plan(read_command_line(f"torchrun --nproc_per_node 8 pretrain_gpt.py {BASE}")).parallel.data_parallel == 8

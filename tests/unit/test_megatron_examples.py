@@ -54,10 +54,13 @@ def test_gpt3_175b_on_64_nodes_field_by_field():
     assert plan.model.padded_vocab_size(8) == 51200
     assert plan.parallel == ParallelPlan(tensor_parallel=8, pipeline_parallel=16, data_parallel=4,
                                          micro_batch_size=1, recompute=Recompute.NONE)
+    # Megatron-LM 0.16 runs TransformerEngine layers unless told otherwise, on any GPU and in fp16 too.
     assert plan.training == TrainingSpec(global_batch_size=1536, schedule=ScheduleKind.ONE_F_ONE_B,
                                          grad_reduce=GradReduce.AFTER_BACKWARD,
+                                         software_stack=SoftwareStack.MEGATRON_CORE_TE,
                                          reliability=ReliabilitySpec(checkpoint_interval_iterations=10000))
-    assert plan.unmodelled == ("--attention-backend auto", "--rampup-batch-size 16 16 5859375")
+    assert plan.stack_reason == "--transformer-impl transformer_engine (Megatron-LM's default)"
+    assert plan.unmodelled == ("--rampup-batch-size 16 16 5859375",)  # --attention-backend auto: TE's fused attention
 
 
 def test_gpt3_175b_megatron_args_are_the_plan_of_vtrains_gpt3_config():
@@ -65,7 +68,7 @@ def test_gpt3_175b_megatron_args_are_the_plan_of_vtrains_gpt3_config():
     flags = ("--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
              "--max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 1536 --fp16 "
              "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --tokenizer-type GPT2BPETokenizer "
-             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --use-legacy-models")
     ours = run_config_from_megatron_args(flags, gpus=512)
     theirs = load_run_config("examples/configs/gpt3_175b_512gpu.json")
     assert ours.parallel == theirs.parallel
@@ -88,7 +91,7 @@ def test_gpt_345m_with_string_variables_and_line_continuations(tmp_path):
                                   dtype=Dtype.FP16)
     assert run.parallel == ParallelPlan(tensor_parallel=2, pipeline_parallel=2, data_parallel=2,
                                         sequence_parallel=True, micro_batch_size=2)
-    assert run.training == TrainingSpec(global_batch_size=16,
+    assert run.training == TrainingSpec(global_batch_size=16, software_stack=SoftwareStack.MEGATRON_CORE_TE,
                                         reliability=ReliabilitySpec(checkpoint_interval_iterations=10000))
     assert run.num_microbatches == 4
 
@@ -132,13 +135,14 @@ def test_llama3_8b_bf16_field_by_field(caplog):
     assert run.parallel == ParallelPlan(tensor_parallel=1, pipeline_parallel=1, data_parallel=8,
                                         sequence_parallel=False, micro_batch_size=1)
     assert run.training == TrainingSpec(global_batch_size=128, grad_reduce=GradReduce.OVERLAP,
-                                        bucket_size_mb=160.0,  # Megatron's 4e7 parameters x 4 bytes (fp32)
+                                        bucket_size_mb=80.0,  # Megatron's 4e7 parameters x 2 bytes (bf16 grads)
+                                        software_stack=SoftwareStack.MEGATRON_CORE_TE, grad_reduce_in_bf16=True,
+                                        cross_entropy_fusion=True,
                                         reliability=ReliabilitySpec(checkpoint_interval_iterations=1000))
+    # --attention-backend fused is TE's attention as costed; --apply-layernorm-1p is the same norm kernel.
     assert [r.getMessage() for r in caplog.records] == [
         "warning: Megatron-LM arguments vtrain does not model (they may change speed or memory): "
-        "--attention-backend fused, --apply-layernorm-1p, --empty-unused-memory-level 1, "
-        "--cross-entropy-loss-fusion, --normalization LayerNorm (vtrain's llama layers: RMSNorm), "
-        "--grad-reduce-in-bf16 (Megatron-LM reduces gradients in bf16, vtrain in fp32), "
+        "--empty-unused-memory-level 1, --normalization LayerNorm (vtrain's llama layers: RMSNorm), "
         "--sequence-parallel at TP 1 (Megatron-LM turns it off)"]
 
 
@@ -170,6 +174,7 @@ def test_mixtral_8x7b_field_by_field(tmp_path, caplog):
                                         expert_parallel=8, moe_token_dispatcher="alltoall")
     assert run.training == TrainingSpec(global_batch_size=256, grad_reduce=GradReduce.OVERLAP, bucket_size_mb=160.0,
                                         distributed_optimizer=True, overlap_param_gather=True,
+                                        software_stack=SoftwareStack.MEGATRON_CORE_TE,
                                         reliability=ReliabilitySpec(checkpoint_interval_iterations=10000))
     assert [r.getMessage() for r in caplog.records] == [
         f"warning: {script}: Megatron-LM arguments vtrain does not model (they may change speed or memory): "

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import Block, OpGraph, OpNode, Phase, StageGraph
 from vtrain_plugin.core.units import GBYTE, SECONDS_PER_HOUR, SECONDS_PER_MINUTE
 from vtrain_plugin.cost.context_parallel import ContextParallel, model_flops, with_context_parallel
@@ -111,16 +112,19 @@ def _collective_summary(layer: Block) -> str:
 
 
 def trace_json(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = None, *,
-               distributed_optimizer: bool = False) -> dict[str, Any]:
+               distributed_optimizer: bool = False, grads: Dtype | None = None,
+               fp8_param_gather: bool = False) -> dict[str, Any]:
     """Per stage: the traced ``ops``, the ``stack_kernels`` ``stack`` runs for them (with each layer's
     CP attention under context parallelism), and the ``collectives`` (the traced, the CP attention's and
     the runtime's), identical entries merged with a ``count`` (the DP collectives those of the
-    distributed optimizer when ``distributed_optimizer``)."""
+    distributed optimizer when ``distributed_optimizer``; gradients in ``grads``, FP8 weights gathered
+    with ``fp8_param_gather``, as :func:`~vtrain_plugin.cost.runtime_collectives.runtime_collectives`)."""
     stages = []
     tied = graph.model is not None and graph.model.tied
     for s, costed in zip(graph.stages, with_context_parallel(graph).stages):
         runtime = runtime_collectives(s, graph.parallel, dtype=graph.dtype, tied_embeddings=tied,
-                                      distributed_optimizer=distributed_optimizer).nodes(s)
+                                      distributed_optimizer=distributed_optimizer, grads=grads,
+                                      fp8_param_gather=fp8_param_gather).nodes(s)
         ops, _ = _merged([(b.kind.value, b.count, b.nodes) for b in s.blocks])
         derived = [(b.kind.value, b.count, b.nodes) for b in costed.blocks] + [("runtime", 1, runtime)]
         _, collectives = _merged(derived)

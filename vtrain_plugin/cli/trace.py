@@ -29,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
                               run_config.parallel)
     if args.format == "json":
         emit(json.dumps(trace_json(graph, stack, training.fp8_settings,
-                                   distributed_optimizer=training.distributed_optimizer), indent=1), args.output)
+                                   distributed_optimizer=training.distributed_optimizer,
+                                   grads=training.grad_dtype(graph.dtype),
+                                   fp8_param_gather=training.fp8_param_gather), indent=1), args.output)
     else:
         emit(trace_table(graph, stack, training.fp8_settings), args.output)
     return 0

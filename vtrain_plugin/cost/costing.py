@@ -157,11 +157,13 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     backward_ns = [_busy(time(b, Phase.BACKWARD)) + _busy(time(b, Phase.RECOMPUTE)) for b in range(len(blocks))]
     forward_ns = [_busy(time(b, Phase.FORWARD)) for b in range(len(blocks))]
     gradients = [BlockGradients(backward_ns=backward_ns[b], grad_nbytes=runtime.dp_grad_nbytes[b], count=blocks[b].count,
-                                forward_ns=forward_ns[b], param_numels=blocks[b].parameter_sizes)
+                                forward_ns=forward_ns[b], param_numels=blocks[b].parameter_sizes,
+                                gather_nbytes=runtime.gather_nbytes(blocks[b], blocks[b].parameter_sizes))
                  for b in range(len(blocks))]
     expert_gradients = [BlockGradients(backward_ns=backward_ns[b], grad_nbytes=runtime.expert_dp_grad_nbytes[b],
                                        count=blocks[b].count, forward_ns=forward_ns[b],
-                                       param_numels=blocks[b].expert_parameter_numels)
+                                       param_numels=blocks[b].expert_parameter_numels,
+                                       gather_nbytes=runtime.gather_nbytes(blocks[b], blocks[b].expert_parameter_numels))
                         for b in range(len(blocks))]
     reduces, gathers = _gradient_buckets(gradients, prepared, comm, training, ParallelGroup.DP)
     expert_reduces, expert_gathers = _gradient_buckets(expert_gradients, prepared, comm, training,

@@ -7,7 +7,8 @@ last layer it holds is done, at that fraction of the chunk's backward time.
 
 With the distributed optimizer (:func:`zero_buckets`) the buckets are Megatron-Core's
 (:mod:`vtrain_plugin.cost.param_buffer`): each is reduce-scattered (gradient dtype) when ready and
-all-gathered (model dtype) after the optimizer step; the all-gather of a bucket is needed when the
+all-gathered (model dtype, FP8 weights with ``fp8_param_gather``) after the optimizer step; the
+all-gather of a bucket is needed when the
 chunk's first forward reaches the earliest of its parameters, at that fraction of the forward time.
 Buckets of one group (a model chunk after the first) are communicated together.
 """
@@ -36,6 +37,9 @@ class BlockGradients:
     count: int
     forward_ns: float = 0.0
     param_numels: tuple[int, ...] = ()
+    # Bytes per element of each parameter's all-gather (RuntimeCollectives.gather_nbytes); empty:
+    # ZeroRuntime.param_nbytes for every one.
+    gather_nbytes: tuple[int, ...] = ()
 
 
 def dp_buckets(blocks: Sequence[BlockGradients], comm: CommModel, training: TrainingSpec,
@@ -107,12 +111,15 @@ def zero_buckets(blocks: Sequence[BlockGradients], comm: CommModel, training: Tr
     """The chunk's gradient reduce-scatters (in the order they become ready) and parameter
     all-gathers (in the order the forward needs them); see the module doc."""
     numels: list[int] = []
+    gathered: list[int] = []  # bytes of each parameter's all-gather
     instance: list[int] = []  # block instance (forward order) of each parameter
     forward: list[float] = []
     backward: list[float] = []
     for block in blocks:
         for _ in range(block.count):
             numels.extend(block.param_numels)
+            gathered.extend(n * b for n, b in zip(block.param_numels, block.gather_nbytes or
+                                                  [runtime.param_nbytes] * len(block.param_numels)))
             instance.extend([len(forward)] * len(block.param_numels))
             forward.append(block.forward_ns)
             backward.append(block.backward_ns)
@@ -129,9 +136,14 @@ def zero_buckets(blocks: Sequence[BlockGradients], comm: CommModel, training: Tr
         return sum(comm.time_ns(CollectiveKind.REDUCE_SCATTER, b.numel * runtime.grad_nbytes, runtime.group,
                                 pipeline_rank=rank) for b in group)
 
+    def gather_nbytes(b: Bucket) -> int:
+        """The bucket's parameters at their all-gather widths, its padding at the model dtype's."""
+        members = range(b.first_param, b.last_param + 1)
+        return sum(gathered[i] for i in members) + (b.numel - sum(numels[i] for i in members)) * runtime.param_nbytes
+
     def gather_ns(group: list[Bucket]) -> float:
-        return sum(comm.time_ns(CollectiveKind.ALL_GATHER, b.numel * runtime.param_nbytes, runtime.group,
-                                pipeline_rank=rank) for b in group)
+        return sum(comm.time_ns(CollectiveKind.ALL_GATHER, gather_nbytes(b), runtime.group, pipeline_rank=rank)
+                   for b in group)
 
     def first(group: list[Bucket]) -> int:
         return instance[min(b.first_param for b in group)]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveKind, CollectiveNode, KernelKey, OpGraph, OpNode,
                                       ParallelGroup, Phase, StageGraph)
 from vtrain_plugin.cost.comm_overlap import overlap_partners
@@ -37,7 +38,7 @@ from vtrain_plugin.cost.lowering import map_nodes
 from vtrain_plugin.cost.moe import MOE_GROUPS
 from vtrain_plugin.cost.optimizer_shard import optimizer_shards, shard_optimizer
 from vtrain_plugin.cost.runtime_collectives import RuntimeCollectives, runtime_collectives
-from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
+from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack, TrainingSpec
 
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE, Phase.OPTIMIZER)
 _NO_KERNEL = OpNode(key=KernelKey(op="aten.empty.memory_format", input_shapes=(), dtypes=()), phase=Phase.FORWARD,
@@ -123,9 +124,12 @@ _roles: OrderedDict[tuple, PreparedRole] = OrderedDict()
 
 
 def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[KernelKey, float] | None = None, *,
-            fp8: Fp8Settings | None = None, distributed_optimizer: bool = False) -> PreparedGraph:
+            fp8: Fp8Settings | None = None, distributed_optimizer: bool = False, grads: Dtype | None = None,
+            fp8_param_gather: bool = False) -> PreparedGraph:
     """Lay ``graph`` out for costing under ``stack`` (GEMMs in FP8 with ``fp8``), with ``measured``
-    kernel durations (ns), and Megatron-Core's ``distributed_optimizer`` or not."""
+    kernel durations (ns), Megatron-Core's ``distributed_optimizer`` or not, gradients reduced in
+    ``grads`` and FP8 weights all-gathered with ``fp8_param_gather``
+    (:func:`vtrain_plugin.cost.runtime_collectives.runtime_collectives`)."""
     stack = SoftwareStack(stack)
     shards = optimizer_shards(graph.parallel, distributed_optimizer)
     cp = ContextParallel.of(graph)
@@ -148,11 +152,20 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
         if runtime is None:
             runtime = runtimes[runtime_key] = runtime_collectives(stage, graph.parallel, dtype=graph.dtype,
                                                                   tied_embeddings=tied,
-                                                                  distributed_optimizer=distributed_optimizer)
+                                                                  distributed_optimizer=distributed_optimizer,
+                                                                  grads=grads, fp8_param_gather=fp8_param_gather)
         stages.append(PreparedStage(stage=stage, role=role, runtime=runtime))
     flops = {phase: sum(s.role.flops[phase] for s in stages) for phase in PHASES}
     return PreparedGraph(graph=graph, stack=stack, distributed_optimizer=distributed_optimizer, stages=tuple(stages),
                          flops=flops)
+
+
+def prepare_run(graph: OpGraph, stack: SoftwareStack | str, training: TrainingSpec,
+                measured: Mapping[KernelKey, float] | None = None) -> PreparedGraph:
+    """:func:`prepare` with the options of ``training``: FP8, the distributed optimizer, the
+    gradient dtype and the FP8 parameter all-gather."""
+    return prepare(graph, stack, measured, fp8=training.fp8_settings, distributed_optimizer=training.distributed_optimizer,
+                   grads=training.grad_dtype(graph.dtype), fp8_param_gather=training.fp8_param_gather)
 
 
 def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],

@@ -4,14 +4,17 @@ The model's own collectives (tensor-parallel all-reduce, all-gather, reduce-scat
 while tracing. Three more run outside the model in Megatron and are derived here from what the trace
 recorded, once per stage:
 
-- the data-parallel gradient reduction: each block's gradients (its parameters in Megatron's
-  gradient dtype, :func:`vtrain_plugin.specs.training.grad_dtype`) all-reduced over the DP group,
+- the data-parallel gradient reduction: each block's gradients (its parameters in the run's
+  gradient dtype, :meth:`vtrain_plugin.specs.training.TrainingSpec.grad_dtype`: bf16 with
+  ``grad_reduce_in_bf16``) all-reduced over the DP group,
   DP x CP ranks (:attr:`ParallelPlan.grad_reduce_group_size`), when there are more than one; those
   of experts split by expert parallelism over the expert DP group instead (TP x CP x DP / (EP x
   expert TP) ranks, :attr:`ParallelPlan.expert_data_parallel`), when there are more than one; with
-  the distributed optimizer reduce-scattered instead, and the parameters (model dtype) all-gathered
-  after the optimizer step (the buckets, with Megatron-Core's padding, are laid out by
-  :mod:`vtrain_plugin.cost.param_buffer` when the stage is costed);
+  the distributed optimizer reduce-scattered instead, and the parameters (model dtype; with
+  ``fp8_param_gather`` the weights of the layers' linears in FP8, one byte each, as
+  TransformerEngine keeps them) all-gathered after the optimizer step (the buckets, with
+  Megatron-Core's padding, are laid out by :mod:`vtrain_plugin.cost.param_buffer` when the stage
+  is costed);
 - the pipeline point-to-point traffic of one micro-batch: the stage-boundary activation sent to the
   next virtual stage in forward and its gradient sent back in backward (and the matching receives);
 - the tied-embedding synchronisation: with tied embeddings and ``pipeline_parallel > 1`` the first
@@ -27,10 +30,16 @@ import math
 from dataclasses import dataclass
 
 from vtrain_plugin.core.dtypes import Dtype, element_nbytes
-from vtrain_plugin.core.graph import BlockKind, CollectiveKind, CollectiveNode, ParallelGroup, Phase, StageGraph
+from vtrain_plugin.core.graph import Block, BlockKind, CollectiveKind, CollectiveNode, ParallelGroup, Phase, StageGraph
 from megatron_adapters.conventions import OUTPUT_LAYER, WORD_EMBEDDING
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import grad_dtype
+
+# Norm weights and biases of a layer hold at most 4 x hidden elements (the GeLU MLP's first bias);
+# its linears' weights at least hidden x hidden / TP, more for any TP below hidden / 4. The larger
+# parameters of a layer are thus the weights TransformerEngine keeps in FP8 with fp8_param_gather
+# (with them the MoE router's gate, experts x hidden elements, a rounding error).
+_FP8_WEIGHT_MIN_HIDDENS = 4
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +58,15 @@ class RuntimeCollectives:
     # Forward index (over the stage's parameters) of the tied word embedding / output weight, which
     # the distributed optimizer gives a bucket of its own; None when it is not shared over a pipeline.
     shared_embedding_param: int | None = None
+    # Elements above which a layer's parameter is a linear weight all-gathered in FP8; None: every
+    # parameter is all-gathered in param_dtype.
+    fp8_weight_min_numel: int | None = None
+
+    def gather_nbytes(self, block: Block, numels: tuple[int, ...]) -> tuple[int, ...]:
+        """Bytes per element of the all-gather of each of ``numels``, parameters of ``block``."""
+        fp8 = self.fp8_weight_min_numel is not None and block.kind is BlockKind.LAYER
+        return tuple(Dtype.FP8.nbytes if fp8 and n > self.fp8_weight_min_numel else self.param_dtype.nbytes
+                     for n in numels)
 
     def nodes(self, stage: StageGraph) -> tuple[CollectiveNode, ...]:
         """All of them as graph nodes (DP and expert-DP collectives per block, by module), for reports."""
@@ -61,7 +79,8 @@ class RuntimeCollectives:
                 if self.distributed_optimizer:
                     dp.append(self._dp(CollectiveKind.REDUCE_SCATTER, nbytes, Phase.BACKWARD, block.name,
                                        self.grad_dtype, group, size))
-                    params = nbytes // self.grad_dtype.nbytes * self.param_dtype.nbytes
+                    numels = block.parameter_sizes if group is ParallelGroup.DP else block.expert_parameter_numels
+                    params = sum(n * b for n, b in zip(numels, self.gather_nbytes(block, numels)))
                     dp.append(self._dp(CollectiveKind.ALL_GATHER, params, Phase.OPTIMIZER, block.name,
                                        self.param_dtype, group, size))
                 else:
@@ -85,10 +104,12 @@ class RuntimeCollectives:
 
 
 def runtime_collectives(stage: StageGraph, plan: ParallelPlan, *, dtype: Dtype, tied_embeddings: bool,
-                        distributed_optimizer: bool = False) -> RuntimeCollectives:
-    """The runtime collectives of ``stage`` under ``plan`` for a model of ``dtype`` (see the module doc)."""
+                        distributed_optimizer: bool = False, grads: Dtype | None = None,
+                        fp8_param_gather: bool = False) -> RuntimeCollectives:
+    """The runtime collectives of ``stage`` under ``plan`` for a model of ``dtype`` whose gradients
+    are reduced in ``grads`` (None: :func:`grad_dtype`), see the module doc."""
     dp, edp = plan.grad_reduce_group_size, plan.expert_data_parallel
-    grads = grad_dtype(dtype)
+    grads = grads or grad_dtype(dtype)
     nbytes = tuple((block.num_parameters - block.num_expert_parameters) * grads.nbytes if dp > 1 else 0
                    for block in stage.blocks)
     expert = tuple(block.num_expert_parameters * grads.nbytes if edp > 1 else 0 for block in stage.blocks)
@@ -96,7 +117,9 @@ def runtime_collectives(stage: StageGraph, plan: ParallelPlan, *, dtype: Dtype, 
     return RuntimeCollectives(dp_grad_nbytes=nbytes, dp_group_size=dp, expert_dp_grad_nbytes=expert,
                               expert_dp_group_size=edp, grad_dtype=grads, param_dtype=dtype,
                               distributed_optimizer=distributed_optimizer, embedding_sync=sync, p2p=_p2p(stage, plan),
-                              shared_embedding_param=_shared_embedding_param(stage, sync))
+                              shared_embedding_param=_shared_embedding_param(stage, sync),
+                              fp8_weight_min_numel=_FP8_WEIGHT_MIN_HIDDENS * stage.activation_shape[-1]
+                              if fp8_param_gather and stage.activation_shape else None)
 
 
 def _shared_embedding_param(stage: StageGraph, sync: tuple[CollectiveNode, ...]) -> int | None:

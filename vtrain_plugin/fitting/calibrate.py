@@ -27,7 +27,7 @@ import numpy as np
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import NS_PER_MS
-from vtrain_plugin.cost.prepare import PreparedGraph, prepare
+from vtrain_plugin.cost.prepare import PreparedGraph, prepare_run
 from vtrain_plugin.estimate import estimate, predict
 from vtrain_plugin.fitting.compare import DEFAULT_WARMUP_ITERATIONS, compare_run
 from vtrain_plugin.fitting.identify import check_identifiable, informed, unidentifiable
@@ -226,8 +226,7 @@ def _prepare(plan: PlanRuns, warmup_iterations: int) -> _Prepared:
     run = plan.run
     comparison = compare_run(estimate(run), plan.logs, warmup_iterations=warmup_iterations)
     stack = run.training.stack_for(run.model, get_device(run.cluster.gpu).architecture, run.parallel)
-    graph = prepare(trace(run.model, run.parallel), stack, None, fp8=run.training.fp8_settings,
-                    distributed_optimizer=run.training.distributed_optimizer)
+    graph = prepare_run(trace(run.model, run.parallel), stack, run.training)
     return _Prepared(label=plan.label, run=run, prepared=graph, measured_ms=comparison.measured_iteration_time_ms,
                      logs=comparison.runs)
 

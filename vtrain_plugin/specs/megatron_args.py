@@ -4,9 +4,10 @@ Flags are parsed with argparse against the table of Megatron-LM's arguments
 (:mod:`vtrain_plugin.specs.megatron_flags`), then mapped: the flags that shape the plan set
 :class:`ModelSpec`, :class:`ParallelPlan` and :class:`TrainingSpec` fields, with Megatron-LM's own
 defaults where a flag is absent (ffn size, global batch, vocabulary padding, DDP bucket size, the MoE
-token dispatcher);
-flags vtrain does not model yet are refused unless at their inactive value; flags that change
-performance but are not modelled are listed in :attr:`MegatronPlan.unmodelled`; the rest (logging,
+token dispatcher, the TransformerEngine software stack: :func:`software_stack`);
+flags with a first-order effect that vtrain does not model yet are refused unless at their inactive
+value; the entry points and flags of other models than a GPT decoder are refused as unsupported;
+flags whose effect is second-order are listed in :attr:`MegatronPlan.unmodelled`; the rest (logging,
 checkpoints, data paths, learning rate...) are accepted and change nothing. README, "Megatron-LM
 arguments", has the table.
 """
@@ -18,16 +19,20 @@ import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from pathlib import PurePosixPath
 from typing import Any
 
+from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.launch_script import LaunchCommand
-from vtrain_plugin.specs.megatron_flags import MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, Arity
+from vtrain_plugin.specs.megatron_flags import (
+    MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, UNSUPPORTED_FLAGS, UNSUPPORTED_SCRIPTS, Arity)
 from vtrain_plugin.specs.megatron_model import Given, model_fields, positive_int, recompute_mode
 from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.model_features import REFUSED, unmodelled_warning
 from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
 from vtrain_plugin.specs.reliability import CheckpointMode, ReliabilitySpec
-from vtrain_plugin.specs.training import GradReduce, ScheduleKind, TrainingSpec, grad_dtype
+from vtrain_plugin.specs.training import GradReduce, ScheduleKind, SoftwareStack, TrainingSpec
 
 
 def _as_given(flag: str, value: Any) -> Any:
@@ -41,6 +46,24 @@ def _cp_comm_type(flag: str, value: Any) -> str:
     if len(kinds) != 1:
         raise ConfigError(f"{flag} {' '.join(value)}: one type for every layer is modelled")
     return kinds.pop()
+
+
+def _cross_entropy_impl(flag: str, value: Any) -> str:
+    """Megatron-Core's fused cross-entropy (native) or TransformerEngine's: the same fp32 logits
+    avoided (training.cross_entropy_fusion), kernels of a similar, memory-bound, cost."""
+    if value not in ("native", "te"):
+        raise ConfigError(f"{flag} must be native or te, got {value!r}")
+    return "native"
+
+
+def _attention_backend(flag: str, value: Any) -> str:
+    """TransformerEngine's fused (flash or cuDNN) attention is what megatron_core_te costs; auto
+    picks one of them. The unfused backends are not modelled."""
+    if value not in ("auto", "flash", "fused", "unfused", "local"):
+        raise ConfigError(f"{flag} must be one of auto, flash, fused, unfused, local, got {value!r}")
+    if value in ("unfused", "local"):
+        raise ConfigError(f"{flag} {value}: unfused attention under TransformerEngine is not modelled by vtrain yet")
+    return "auto"
 
 
 def _dispatcher(flag: str, value: Any) -> Any:
@@ -98,8 +121,6 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--fp8-format", "training.fp8", convert=_as_given),
     FlagField("--fp8-recipe", "training.fp8_recipe", convert=_as_given),
     FlagField("--fp4-format", None, None, "fp4 training", _as_given),
-    FlagField("--multi-latent-attention", None, False, "multi-latent attention", _as_given),
-    FlagField("--mtp-num-layers", None, None, "multi-token prediction"),
     FlagField("--decoder-first-pipeline-num-layers", "parallel.decoder_first_pipeline_num_layers"),
     FlagField("--decoder-last-pipeline-num-layers", "parallel.decoder_last_pipeline_num_layers"),
     FlagField("--pipeline-model-parallel-layout", None, None, "an uneven pipeline split", _as_given),
@@ -109,6 +130,35 @@ FIELDS: tuple[FlagField, ...] = (
               convert=_as_given),
     FlagField("--heterogeneous-layers-config-path", None, None, "heterogeneous layers", _as_given),
     FlagField("--heterogeneous-layers-config-encoded-json", None, None, "heterogeneous layers", _as_given),
+    FlagField("--fp8-param-gather", "training.fp8_param_gather", convert=_as_given),
+    FlagField("--cross-entropy-loss-fusion", "training.cross_entropy_fusion", convert=_as_given),
+    # Checked only: their accepted values convert to the inactive one, the others are refused in convert.
+    FlagField("--cross-entropy-fusion-impl", None, "native", "", _cross_entropy_impl),
+    FlagField("--attention-backend", None, "auto", "", _attention_backend),
+    FlagField("--spec", None, None, "a custom layer spec", _as_given),
+    FlagField("--disable-tp-comm-overlap-ag", None, None, "TP overlap without its all-gather overlap", _as_given),
+    FlagField("--disable-tp-comm-overlap-rs", None, None, "TP overlap without its reduce-scatter overlap", _as_given),
+    FlagField("--microbatch-group-size-per-virtual-pipeline-stage", None, None,
+              "an interleaved schedule with micro-batch groups other than the pipeline size"),
+    FlagField("--delay-wgrad-compute", None, None, "weight-gradient GEMMs delayed to overlap expert communication",
+              _as_given),
+    FlagField("--ddp-num-buckets", None, None, "a DDP bucket count (--ddp-bucket-size is modelled)"),
+    FlagField("--use-tp-pp-dp-mapping", None, None, "the TP-PP-DP rank order", _as_given),
+    FlagField("--use-sharp", None, None, "in-network (SHARP) reductions", _as_given),
+    FlagField("--enable-cuda-graph", None, None, "CUDA graphs", _as_given),
+    FlagField("--external-cuda-graph", None, None, "CUDA graphs", _as_given),
+    FlagField("--cuda-graph-impl", None, "none", "CUDA graphs", _as_given),
+    FlagField("--deterministic-mode", None, None, "deterministic kernels", _as_given),
+    FlagField("--distribute-saved-activations", None, None, "recompute inputs distributed over TP", _as_given),
+    FlagField("--fp16-lm-cross-entropy", None, None, "a cross-entropy on fp16 logits", _as_given),
+    FlagField("--use-precision-aware-optimizer", None, None, "the precision-aware optimizer", _as_given),
+    FlagField("--main-grads-dtype", None, "fp32", "optimizer state in another dtype than fp32", _as_given),
+    FlagField("--main-params-dtype", None, "fp32", "optimizer state in another dtype than fp32", _as_given),
+    FlagField("--exp-avg-dtype", None, "fp32", "optimizer state in another dtype than fp32", _as_given),
+    FlagField("--exp-avg-sq-dtype", None, "fp32", "optimizer state in another dtype than fp32", _as_given),
+    FlagField("--overlap-param-gather-with-optimizer-step", None, None,
+              "the parameter all-gather overlapped with the optimizer step", _as_given),
+    *(FlagField(feature.flag, None, None, feature.what, _as_given) for feature in REFUSED),
 )
 _FIELD_OF = {row.flag: row for row in FIELDS}
 
@@ -121,20 +171,24 @@ class MegatronPlan:
     parallel: ParallelPlan
     training: TrainingSpec
     unmodelled: tuple[str, ...] = ()  # flags (with values) and notes, for one warning line
+    stack_reason: str = ""  # which flag chose training.software_stack (software_stack)
 
     @property
     def warning(self) -> str | None:
         if not self.unmodelled:
             return None
-        return ("Megatron-LM arguments vtrain does not model (they may change speed or memory): "
-                + ", ".join(self.unmodelled))
+        return unmodelled_warning("Megatron-LM arguments", self.unmodelled)
 
 
 def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> MegatronPlan:
     """The specs of a Megatron-LM command line on ``command.num_gpus(gpus)`` GPUs (see the module doc)."""
+    _refuse_entry_point(command.script)
     given = parse_flags(command.megatron_args)
-    values: dict[str, dict[str, Any]] = {"model": {}, "parallel": {}, "training": {}}
+    stack, stack_reason = software_stack(given)
+    values: dict[str, dict[str, Any]] = {"model": {}, "parallel": {}, "training": {"software_stack": stack}}
     for flag, value in given.items():
+        if flag in UNSUPPORTED_FLAGS:
+            raise _unsupported(_shown(flag, value), UNSUPPORTED_FLAGS[flag])
         row = _FIELD_OF.get(flag)
         if row is None:
             continue
@@ -152,8 +206,22 @@ def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> Megatro
     values["model"].update(model_fields(given, values["model"], tensor_parallel=tp, notes=notes))
     model = ModelSpec(**values["model"])
     parallel = _parallel(given, values["parallel"], model, command.num_gpus(gpus), notes)
-    training = _training(given, values["training"], model, parallel)
-    return MegatronPlan(model=model, parallel=parallel, training=training, unmodelled=tuple(notes))
+    training = _training(given, values["training"], model, parallel, stack_reason)
+    return MegatronPlan(model=model, parallel=parallel, training=training, unmodelled=tuple(notes),
+                        stack_reason=stack_reason)
+
+
+def _refuse_entry_point(script: str) -> None:
+    """Megatron-LM's training scripts for other models than a GPT decoder are refused by name."""
+    name = PurePosixPath(script).name
+    for stem, what in UNSUPPORTED_SCRIPTS.items():
+        if name.startswith(stem):
+            raise _unsupported(name, what)
+
+
+def _unsupported(name: str, what: str) -> ConfigError:
+    return ConfigError(f"{name}: {what} are not supported by vtrain (it estimates GPT decoders, Megatron-LM's "
+                       f"pretrain_gpt.py)")
 
 
 def script_plan(commands: Sequence[LaunchCommand], *, gpus: int | None = None) -> MegatronPlan:
@@ -234,19 +302,58 @@ def _virtual_pipeline(given: Given, num_layers: int, pp: int) -> int:
     return num_layers // pp // per_chunk
 
 
-def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: ParallelPlan) -> TrainingSpec:
+def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: ParallelPlan, stack: str
+              ) -> TrainingSpec:
     """Megatron-LM's defaults: global batch = micro-batch x data parallel; DDP buckets of
-    max(4e7, 1e6 x data parallel) parameters when gradient reduction overlaps backward."""
+    max(4e7, 1e6 x data parallel) parameters (in the run's gradient dtype) when gradient reduction
+    overlaps backward. ``stack`` is why the software stack is the one in ``values``
+    (:func:`software_stack`)."""
     values.setdefault("global_batch_size", parallel.micro_batch_size * parallel.data_parallel)
     values["schedule"] = ScheduleKind.INTERLEAVED_1F1B if parallel.virtual_pipeline > 1 else ScheduleKind.ONE_F_ONE_B
+    if values["software_stack"] is not SoftwareStack.MEGATRON_CORE_TE and "fp8" in values:
+        flag = stack.partition(":")[0]
+        raise ConfigError(f"--fp8-format with {flag}: Megatron-LM runs FP8 through TransformerEngine only")
+    # Megatron-LM reduces a bf16 model's gradients in fp32 unless --grad-reduce-in-bf16; an fp16 or
+    # fp32 model's stay in the model dtype either way.
+    values["grad_reduce_in_bf16"] = bool(given.get("--grad-reduce-in-bf16")) and model.dtype is Dtype.BF16
+    if given.get("--accumulate-allreduce-grads-in-fp32") and model.dtype is Dtype.FP16:
+        raise ConfigError("--accumulate-allreduce-grads-in-fp32 with --fp16: fp32 gradients of an fp16 model are "
+                          "not modelled by vtrain yet")
+    values["reliability"] = _reliability(given)
     if given.get("--overlap-grad-reduce"):
         values["grad_reduce"] = GradReduce.OVERLAP
-        flag = "--ddp-bucket-size"
-        elements = (positive_int(flag, given[flag]) if flag in given
-                    else max(40_000_000, 1_000_000 * parallel.data_parallel))
-        values["bucket_size_mb"] = elements * grad_dtype(model.dtype).nbytes / 1e6
-    values["reliability"] = _reliability(given)
-    return TrainingSpec(**values)
+    training = TrainingSpec(**values)
+    if not given.get("--overlap-grad-reduce"):
+        return training
+    flag = "--ddp-bucket-size"
+    elements = positive_int(flag, given[flag]) if flag in given else max(40_000_000, 1_000_000 * parallel.data_parallel)
+    return replace(training, bucket_size_mb=elements * training.grad_dtype(model.dtype).nbytes / 1e6)
+
+
+def software_stack(given: Given) -> tuple[SoftwareStack, str]:
+    """The kernels a Megatron-LM (0.16) command line runs, and why:
+
+    - by default (``--transformer-impl transformer_engine``) megatron-core's TransformerEngine
+      layers, whatever the GPU and dtype: ``megatron_core_te``;
+    - ``--transformer-impl local``: megatron-core's local layer spec, which runs Megatron's own fused
+      kernels (scaled masked softmax, bias-GeLU, bias-dropout-add, apex or persistent LayerNorm,
+      fused Adam) around unfused attention: the kernels of ``megatron_deepspeed_2023``, which
+      were measured from the same Megatron kernels;
+    - ``--use-legacy-models``: the legacy Megatron GPT, the model of Megatron-DeepSpeed:
+      ``megatron_deepspeed_2023``.
+    """
+    if given.get("--use-legacy-models"):
+        return SoftwareStack.MEGATRON_DEEPSPEED_2023, "--use-legacy-models: the legacy Megatron GPT's fused kernels"
+    impl = given.get("--transformer-impl", "transformer_engine")
+    if impl == "transformer_engine":
+        return SoftwareStack.MEGATRON_CORE_TE, "--transformer-impl transformer_engine (Megatron-LM's default)"
+    if impl == "local":
+        return (SoftwareStack.MEGATRON_DEEPSPEED_2023,
+                "--transformer-impl local: megatron-core's local layers run Megatron's fused kernels")
+    if impl == "inference_optimized":
+        raise ConfigError("--transformer-impl inference_optimized: inference layers are not supported by vtrain "
+                          "(it estimates training)")
+    raise ConfigError(f"--transformer-impl must be transformer_engine, local or inference_optimized, got {impl!r}")
 
 
 def _reliability(given: Given) -> ReliabilitySpec:

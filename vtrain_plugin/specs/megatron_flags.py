@@ -6,8 +6,9 @@ without its leading ``--``: ``name`` takes one value, ``name!`` is a switch (sto
 store_false), ``name*`` takes a list of values. A flag missing here is refused as "not a Megatron-LM
 argument vtrain knows": add it to its group.
 
-:data:`PERFORMANCE_FLAGS` are the flags that change the speed or memory of training but that vtrain
-does not model; they are accepted and listed in one warning. Flags that shape the plan are mapped in
+:data:`PERFORMANCE_FLAGS` are the flags that change the speed or memory of training by a
+second-order amount that vtrain does not model; they are accepted and listed in one warning. Flags
+that shape the plan are mapped in
 :mod:`vtrain_plugin.specs.megatron_args`; every other flag (logging, checkpointing, data paths,
 learning-rate schedule...) changes nothing vtrain predicts and is accepted silently.
 """
@@ -177,28 +178,50 @@ def _read(groups: tuple[str, ...]) -> dict[str, Arity]:
 
 MEGATRON_FLAGS: dict[str, Arity] = _read(_GROUPS)
 
-# Flags that change the speed or memory of training but that vtrain does not model (listed in one warning).
-PERFORMANCE_FLAGS = frozenset("--" + word for word in """
-attention-backend transformer-impl use-flash-attn spec use-legacy-models tp-comm-overlap-cfg
-disable-tp-comm-overlap-ag disable-tp-comm-overlap-rs tp-comm-overlap-rs-dgrad disable-tp-comm-bulk-dgrad
-disable-tp-comm-bulk-wgrad disable-tp-comm-split-ag disable-tp-comm-split-rs no-masked-softmax-fusion
-no-bias-gelu-fusion no-bias-swiglu-fusion no-bias-dropout-fusion no-rope-fusion no-persist-layer-norm
-no-gradient-accumulation-fusion cross-entropy-loss-fusion cross-entropy-fusion-impl
-use-fused-weighted-squared-relu no-async-tensor-model-parallel-allreduce no-overlap-p2p-communication
-overlap-p2p-communication-warmup-flush microbatch-group-size-per-virtual-pipeline-stage
-defer-embedding-wgrad-compute delay-wgrad-compute no-align-grad-reduce no-align-param-gather ddp-num-buckets
-ddp-pad-buckets-for-high-nccl-busbw use-ring-exchange-p2p no-scatter-gather-tensors-in-pipeline
-use-tp-pp-dp-mapping use-nccl-ub use-sharp nccl-communicator-config-path enable-cuda-graph
-external-cuda-graph cuda-graph-impl cuda-graph-scope empty-unused-memory-level deterministic-mode
-distribute-saved-activations fp32-residual-connection attention-softmax-in-fp32
-accumulate-allreduce-grads-in-fp32 fp16-lm-cross-entropy apply-layernorm-1p qk-layernorm qk-l2-norm
-add-qkv-bias window-size rampup-batch-size use-precision-aware-optimizer main-grads-dtype main-params-dtype
-exp-avg-dtype exp-avg-sq-dtype overlap-param-gather-with-optimizer-step high-priority-stream-groups
-pipeline-model-parallel-comm-backend disable-bf16-reduced-precision-matmul
-moe-grouped-gemm moe-use-legacy-grouped-gemm moe-permute-fusion moe-router-fusion moe-router-dtype
-moe-router-score-function moe-z-loss-coeff moe-input-jitter-eps
-moe-shared-expert-overlap moe-router-padding-for-fp8 moe-apply-probs-on-input
-""".split())
+# Flags that change the speed or memory of training by a second-order amount, or in a way vtrain
+# already assumes: accepted, and listed in one warning. A flag with a first-order effect that vtrain
+# does not model is refused instead (megatron_args.FIELDS); one it models is mapped there.
+PERFORMANCE_FLAGS = frozenset("--" + word for word in (
+    # Tunings of TransformerEngine's TP overlap, which vtrain models as a whole (training.tp_comm_overlap)
+    """tp-comm-overlap-cfg tp-comm-overlap-rs-dgrad disable-tp-comm-bulk-dgrad disable-tp-comm-bulk-wgrad
+    disable-tp-comm-split-ag disable-tp-comm-split-rs use-nccl-ub """
+    # Elementwise fusions turned off, or reduced-precision settings of small kernels: memory-bound
+    # kernels of a few per cent of a layer's time, next to GEMMs and attention that they leave alone
+    """no-masked-softmax-fusion no-bias-gelu-fusion no-bias-swiglu-fusion no-bias-dropout-fusion no-rope-fusion
+    no-persist-layer-norm no-gradient-accumulation-fusion use-fused-weighted-squared-relu
+    disable-bf16-reduced-precision-matmul attention-softmax-in-fp32 use-flash-attn """
+    # When pipeline and data-parallel transfers are issued, not their size, which vtrain times
+    """no-overlap-p2p-communication overlap-p2p-communication-warmup-flush no-align-grad-reduce
+    no-align-param-gather ddp-pad-buckets-for-high-nccl-busbw use-ring-exchange-p2p
+    no-scatter-gather-tensors-in-pipeline nccl-communicator-config-path pipeline-model-parallel-comm-backend
+    high-priority-stream-groups defer-embedding-wgrad-compute no-async-tensor-model-parallel-allreduce """
+    # The caching allocator's reserve, and the first iterations of a batch-size ramp (vtrain predicts
+    # the steady iteration)
+    """empty-unused-memory-level rampup-batch-size """
+    # MoE router and permutation kernels (small next to the experts' GEMMs), grouped-GEMM experts (the
+    # same FLOPs in fewer launches)
+    """moe-grouped-gemm moe-use-legacy-grouped-gemm moe-permute-fusion moe-router-fusion moe-router-dtype
+    moe-router-score-function moe-z-loss-coeff moe-input-jitter-eps moe-shared-expert-overlap
+    moe-router-padding-for-fp8 moe-apply-probs-on-input"""
+).split())
+
+# Models other than a GPT decoder, which vtrain does not estimate: the flags only those take.
+UNSUPPORTED_FLAGS = {
+    **dict.fromkeys(("--is-hybrid-model", "--hybrid-attention-ratio", "--hybrid-mlp-ratio", "--hybrid-override-pattern",
+                     "--mamba-state-dim", "--mamba-head-dim", "--mamba-num-groups", "--mamba-num-heads",
+                     "--disable-mamba-mem-eff-path"), "Mamba and hybrid models"),
+    **dict.fromkeys(("--bert-no-binary-head", "--output-bert-embeddings", "--bert-embedder-type"), "BERT models"),
+    **dict.fromkeys(("--decoder-num-layers", "--decoder-seq-length", "--pipeline-model-parallel-split-rank"),
+                    "encoder-decoder (T5) models"),
+    **dict.fromkeys(("--encoder-tensor-model-parallel-size", "--encoder-pipeline-model-parallel-size"),
+                    "a separately parallelised encoder (T5, vision-language models)"),
+    "--retriever-seq-length": "retrieval (RETRO) models",
+}
+# Megatron-LM's entry points other than pretrain_gpt.py, by the model family they train.
+UNSUPPORTED_SCRIPTS = {"pretrain_bert": "BERT models", "pretrain_t5": "encoder-decoder (T5) models",
+                       "pretrain_mamba": "Mamba and hybrid models", "pretrain_vlm": "vision-language models",
+                       "pretrain_retro": "retrieval (RETRO) models", "pretrain_ict": "retrieval (ICT) models",
+                       "pretrain_vision": "vision models"}
 
 # Retired flags that Megatron-LM still parses only to refuse them, with the flag that replaced each.
 RETIRED_FLAGS = {"--batch-size": "--micro-batch-size", "--model-parallel-size": "--tensor-model-parallel-size",

@@ -5,7 +5,8 @@ vtrain's layers come in two families (:class:`Family`): ``gpt`` (LayerNorm, GeLU
 positions, linear biases, dropout 0.1) and ``llama`` (RMSNorm, SwiGLU, rotary positions, no biases, no
 dropout). The MLP picks the family (``--swiglu``: llama), as it shapes the GEMMs; a normalization,
 position embedding, bias or dropout other than the family's is accepted and noted in the warning
-(they change small kernels, not the GEMMs).
+(they change small kernels, not the GEMMs), as on the other input paths
+(:mod:`vtrain_plugin.specs.model_features`).
 """
 
 from __future__ import annotations
@@ -16,16 +17,12 @@ from typing import Any
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.model import Family
+from vtrain_plugin.specs.model_features import QKV_BIAS, layer_note, not_modelled
 from vtrain_plugin.specs.parallel import Recompute
 
 Given = Mapping[str, Any]  # the flags a command line gives, each to its value, list of values, or True
 
-_FAMILIES = {
-    Family.GPT: {"normalization": "LayerNorm", "activation": "gelu", "positions": "learned_absolute",
-                 "biases": "on", "dropout": 0.1},
-    Family.LLAMA: {"normalization": "RMSNorm", "activation": "swiglu", "positions": "rope",
-                   "biases": "off", "dropout": 0.0},
-}
+_POSITIONS = {Family.GPT: "learned_absolute", Family.LLAMA: "rope"}
 # Tokenizers whose vocabulary size is fixed by the tokenizer itself (Megatron-LM's GPT-2 BPE files).
 TOKENIZER_VOCAB_SIZES = {"GPT2BPETokenizer": 50257}
 MOE_LOAD_BALANCING = "aux_loss"  # the router's loss vtrain traces (megatron_adapters.moe.LOAD_BALANCING)
@@ -86,11 +83,8 @@ def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: in
                      f"(Megatron-LM ignores it)")
     _position_table(given, family, out["seq_length"], notes)
     for flag in ("--hidden-dropout", "--attention-dropout"):
-        expected = _FAMILIES[family]["dropout"]
-        if _fraction(flag, given.get(flag, 0.1)) != expected:
-            notes.append(f"{flag} {given.get(flag, 0.1)} (vtrain's {family.value} layers: {expected})")
-    if out["dtype"] is Dtype.BF16 and given.get("--grad-reduce-in-bf16"):
-        notes.append("--grad-reduce-in-bf16 (Megatron-LM reduces gradients in bf16, vtrain in fp32)")
+        note = layer_note(f"{flag} {given.get(flag, 0.1)}", family, "dropout", _fraction(flag, given.get(flag, 0.1)))
+        notes.extend([note] if note else [])
     balancing = given.get("--moe-router-load-balancing-type", MOE_LOAD_BALANCING)
     if balancing != MOE_LOAD_BALANCING:
         notes.append(f"--moe-router-load-balancing-type {balancing} (vtrain's router: {MOE_LOAD_BALANCING})")
@@ -111,17 +105,19 @@ def _family(given: Given, notes: list[str]) -> Family:
     if given.get("--squared-relu"):
         raise ConfigError("--squared-relu: a squared-ReLU MLP is not modelled by vtrain yet")
     family = Family.LLAMA if given.get("--swiglu") else Family.GPT
-    expected = _FAMILIES[family]
     positions = "rope" if given.get("--use-rotary-position-embeddings") else \
         given.get("--position-embedding-type", "learned_absolute")
     if given.get("--no-position-embedding") and positions != "rope":  # with rope it changes nothing
         raise ConfigError("--no-position-embedding is deprecated in Megatron-LM; use --position-embedding-type")
-    features = {"--normalization": given.get("--normalization", "LayerNorm"),
-                "--position-embedding-type": positions,
-                "linear biases": "off" if given.get("--disable-bias-linear") else "on"}
-    for (name, value), key in zip(features.items(), ("normalization", "positions", "biases")):
-        if value != expected[key]:
-            notes.append(f"{name} {value} (vtrain's {family.value} layers: {expected[key]})")
+    biases = "off" if given.get("--disable-bias-linear") else "on"
+    if given.get("--add-qkv-bias") and biases == "off":
+        raise not_modelled("--add-qkv-bias with --disable-bias-linear", QKV_BIAS)
+    normalization = given.get("--normalization", "LayerNorm")
+    position_note = None if positions == _POSITIONS[family] else \
+        f"--position-embedding-type {positions} (vtrain's {family.value} layers: {_POSITIONS[family]})"
+    for note in (layer_note(f"--normalization {normalization}", family, "normalization", normalization),
+                 position_note, layer_note(f"linear biases {biases}", family, "biases", biases)):
+        notes.extend([note] if note else [])
     return family
 
 

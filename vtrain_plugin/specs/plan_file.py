@@ -21,6 +21,7 @@ from typing import Any
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.model_features import REFUSED, not_modelled
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.training import TrainingSpec
@@ -53,7 +54,7 @@ def parse_plan(data: Mapping[str, Any]) -> PlanSections:
     for section in ("model", "parallel", "training"):
         if section not in data:
             raise ConfigError(f"plan: missing section {section!r}")
-    return PlanSections(model=build_spec(ModelSpec, "model", data["model"]),
+    return PlanSections(model=_model(data["model"]),
                         parallel=build_spec(ParallelPlan, "parallel", data["parallel"]),
                         training=_training(data, data["training"]),
                         cluster=v.mapping("cluster", data.get("cluster", {})))
@@ -66,8 +67,19 @@ def parse_model_sections(data: Mapping[str, Any]) -> ModelSections:
     if "model" not in data:
         raise ConfigError("plan: missing section 'model'")
     training = _training(data, data["training"]) if "training" in data else None
-    return ModelSections(model=build_spec(ModelSpec, "model", data["model"]), training=training,
+    return ModelSections(model=_model(data["model"]), training=training,
                          cluster=v.mapping("cluster", data.get("cluster", {})))
+
+
+def _model(section: Any) -> ModelSpec:
+    """The model section; a key naming a layer feature vtrain refuses on every input path
+    (:data:`vtrain_plugin.specs.model_features.REFUSED`) is refused as on the others when it turns
+    the feature on, and changes nothing when it leaves it off."""
+    values = dict(v.mapping("model", section))
+    for feature in REFUSED:
+        if values.pop(feature.plan_key, None):
+            raise not_modelled(f"model.{feature.plan_key}", feature.what)
+    return build_spec(ModelSpec, "model", values)
 
 
 def _training(data: Mapping[str, Any], section: Any) -> TrainingSpec:
