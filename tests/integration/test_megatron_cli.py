@@ -2,6 +2,8 @@
 
 import json
 
+from tests.unit.megatron_examples import GPT3_175B, LLAMA3_8B_FP8
+
 SMALL_GPT = """#!/bin/bash
 # A small GPT launched on 2 nodes of 4 GPUs
 NNODES=2
@@ -57,3 +59,23 @@ def test_megatron_args_errors_are_one_line_with_exit_2(tmp_path, run_cli):
     assert misplaced.returncode == 2
     assert misplaced.stderr.splitlines() == ["vtrain: error: --gpus applies to Megatron-LM arguments only "
                                              "(--megatron-args or a .sh launch script)"]
+
+
+def test_megatron_lms_example_scripts_with_gpus_overriding_their_one_node(tmp_path, run_cli):
+    # GPT-3 175B as published (GPT-2 vocabulary files, no --tokenizer-type) and Llama-3 8B fp8 (its
+    # if blocks decided on DTYPE="fp8" and the mock-data default), both written for one node of 8 GPUs.
+    scripts = {"train_gpt3_175b_distributed.sh": GPT3_175B, "train_llama3_8b_h100_fp8.sh": LLAMA3_8B_FP8}
+    paths = []
+    for name, text in scripts.items():
+        paths.append(tmp_path / name)
+        paths[-1].write_text(text)
+    proc = run_cli("estimate", *map(str, paths), "--gpus", "128", "--gpu", "H100", "--format", "jsonl", check=True)
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(r["config"], r["num_gpus"], r["global_batch_size"], r["num_microbatches"], r["fp8"],
+             r["distributed_optimizer"], r["gpu"]) for r in results] == [
+        (str(paths[0]), 128, 1536, 1536 // (1 * 1), None, False, "h100-sxm"),  # TP 8 x PP 16: DP 1
+        (str(paths[1]), 128, 128, 128 // (1 * 128), "hybrid", True, "h100-sxm")]  # TP 1: DP 128
+    assert [line for line in proc.stderr.splitlines() if line.startswith("vtrain: note:")] == [
+        f"vtrain: note: {paths[0]}: --gpus 128 overrides the script's 1 node x 8 GPUs = 8; --vocab-file and "
+        f"--merge-file (no --tokenizer-type) taken as GPT-2's BPE files (50257 tokens; add --vocab-size N if not)",
+        f"vtrain: note: {paths[1]}: --gpus 128 overrides the script's 1 node x 8 GPUs = 8"]

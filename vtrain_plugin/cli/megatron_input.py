@@ -22,8 +22,8 @@ def add_megatron_options(p: argparse.ArgumentParser) -> None:
                    help="Megatron-LM arguments of pretrain_gpt.py as one string (a torchrun launcher in front "
                         "is allowed); a CONFIG ending in .sh is read as a launch script holding such a command")
     p.add_argument("--gpus", type=positive_int, metavar="N",
-                   help="GPUs of a Megatron-LM run: data parallel = N / (TP x PP x CP); a launch script's "
-                        "torchrun --nnodes x --nproc-per-node must agree")
+                   help="GPUs of a Megatron-LM run: data parallel = N / (TP x PP x CP); overrides a launch "
+                        "script's torchrun --nnodes x --nproc-per-node (with a note)")
 
 
 def run_inputs(args: argparse.Namespace) -> list[tuple[str, Callable[[], RunConfig]]]:

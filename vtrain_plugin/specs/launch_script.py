@@ -24,7 +24,8 @@ from pathlib import Path, PurePosixPath
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.shell_expand import Environment
-from vtrain_plugin.specs.shell_words import Statement, assignment, read_statements
+from vtrain_plugin.specs.shell_test import condition_holds
+from vtrain_plugin.specs.shell_words import Statement, Word, assignment, read_statements
 
 _OPENERS = {"if", "for", "while", "until", "case", "select"}
 _BRANCHES = {"elif", "else"}
@@ -46,38 +47,39 @@ class LaunchCommand:
     line: int = 0  # where the command starts in its script (0: not from a script)
     blocks: tuple[int, ...] = ()  # lines of the blocks whose assignments the command reads
 
-    def num_gpus(self, gpus: int | None) -> int:
-        """The GPU count: torchrun's ``--nnodes`` x ``--nproc-per-node``, or ``gpus`` (``--gpus``); both
-        given, they must agree."""
+    def num_gpus(self, gpus: int | None) -> tuple[int, str | None]:
+        """The GPU count, and a note when ``gpus`` (``--gpus``) overrides the script's: torchrun's
+        ``--nnodes`` x ``--nproc-per-node`` as written, else ``gpus``. A ``--gpus`` other than the
+        script's count is taken (a script is often written for one node and run on many) and noted; a
+        count inside an elastic ``--nnodes MIN:MAX`` range is one the script allows."""
         if gpus is not None:
             v.positive_int("--gpus", gpus)
         if self.nnodes is None and self.nproc_per_node is None:
             if gpus is None:
                 raise ConfigError("the GPU count is unknown: give --gpus N (or torchrun --nnodes and "
                                   "--nproc-per-node in the script)")
-            return gpus
-        nproc = self.nproc_per_node or "1"
-        where = f"torchrun --nnodes {self.nnodes or 1} x --nproc-per-node {nproc}"
-        counts = [_count(n) for n in (self.nnodes or "1").split(":")]
+            return gpus, None
+        nproc = "1" if self.nproc_per_node is None else self.nproc_per_node
+        nnodes = "1" if self.nnodes is None else self.nnodes
+        where = f"torchrun --nnodes {nnodes or '(empty)'} x --nproc-per-node {nproc or '(empty)'}"
+        counts = [_count(n) for n in nnodes.split(":")]
         per_node = _count(nproc)
         if per_node is None or len(counts) > 2 or None in counts:
             if gpus is None:
                 raise ConfigError(f"the GPU count is unknown: {where} is not a product of whole numbers; give --gpus N")
-            return gpus
+            return gpus, None
         low, high = counts[0], counts[-1]
         if per_node == 0 or low == 0:
             raise ConfigError(f"the GPU count must be positive: {where}")
-        if low == high:
-            written = low * per_node
-            if gpus is not None and gpus != written:
-                raise ConfigError(f"--gpus ({gpus}) disagrees with the script: {where} = {written} GPUs")
-            return written
+        if low == high and gpus is None:
+            return low * per_node, None
         if gpus is None:
             raise ConfigError(f"the GPU count is unknown: {where} is a range of nodes; give --gpus N")
-        if gpus % per_node or not low <= gpus // per_node <= high:
-            raise ConfigError(f"--gpus ({gpus}) disagrees with the script: {where} gives {low * per_node} to "
-                              f"{high * per_node} GPUs in steps of {per_node}")
-        return gpus
+        if gpus % per_node == 0 and low <= gpus // per_node <= high:
+            return gpus, None
+        nodes = f"{low} node{'s' if low > 1 else ''}" if low == high else f"{low} to {high} nodes"
+        total = f" = {low * per_node}" if low == high else ""
+        return gpus, f"--gpus {gpus} overrides the script's {nodes} x {per_node} GPUs{total}"
 
 
 def _count(text: str) -> int | None:
@@ -146,26 +148,59 @@ def _training_command(statements: list[Statement], skip: frozenset[int]) -> tupl
     return replace(command, blocks=tuple(sorted({lines[b] for b in blocks}))), blocks
 
 
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """An open block: its id, whether it runs (None: not known without running the script), and
+    whether it is an ``if`` branch (loops and ``case`` are never decided)."""
+
+    id: int
+    runs: bool | None
+    branch: bool
+
+
+def _and(left: bool | None, right: bool | None) -> bool | None:
+    return False if False in (left, right) else None if None in (left, right) else True
+
+
 def _commands(statements: list[Statement], skip: frozenset[int], block_lines: dict[int, int]
               ) -> Iterator[tuple[int, list[str], frozenset[int]]]:
-    """Walk a script's statements: run its assignments, skip the blocks in ``skip`` (blocks are
-    numbered in order: each if/elif/else branch, loop and case; ``block_lines`` gets their lines),
-    and yield each other command expanded, with its line and the blocks behind the variables it read."""
+    """Walk a script's statements: run its assignments, skip the blocks in ``skip`` and the ``if``
+    branches whose condition is known to fail (blocks are numbered in order: each if/elif/else branch,
+    loop and case; ``block_lines`` gets their lines), and yield each other command expanded, with its
+    line and the undecided blocks behind the variables it read."""
     env = Environment()
-    stack: list[int] = []
+    stack: list[_Block] = []
+    chains: list[bool | None] = []  # per open if: whether every branch so far is known not to run
+    condition: list[tuple[Statement, list[Word]]] | None = None  # the if/elif condition being read
     for statement in statements:
         words = list(statement.words)
         indices = list(range(len(words)))
+        if condition is not None and words[0].literal() != "then":
+            condition.append((statement, words))
+            continue
         while words and words[0].literal() in _KEYWORDS:
             keyword = words.pop(0).literal()
             indices.pop(0)
+            if keyword == "then" and condition is not None:
+                stack[-1] = _branch(env, stack, chains, condition)
+                condition = None
             if keyword in _CLOSERS or (keyword in _BRANCHES and stack):
                 stack = stack[:-1]
+            if keyword == "fi" and chains:
+                chains.pop()
             if keyword in _OPENERS or keyword in _BRANCHES:
                 block_lines[len(block_lines) + 1] = statement.line
-                stack.append(len(block_lines))
-        if any(block in skip for block in stack):
+                stack.append(_Block(len(block_lines), None, keyword in ("if", "elif", "else")))
+                if keyword == "if":
+                    chains.append(True)
+                if keyword in ("if", "elif"):
+                    condition = [(statement, words)] if words else []
+                    break
+                if keyword == "else" and chains:
+                    stack[-1] = _Block(stack[-1].id, chains[-1] if _decidable(stack) else None, True)
+        if condition is not None or any(b.id in skip or b.runs is False for b in stack):
             continue
+        undecided = frozenset(b.id for b in stack if b.runs is None)
         if words and words[0].literal() in _DECLARATIONS:
             keep = [k for k, w in enumerate(words) if k > 0 and not (w.literal() or "").startswith("-")]
             words, indices = [words[k] for k in keep], [indices[k] for k in keep]
@@ -175,14 +210,30 @@ def _commands(statements: list[Statement], skip: frozenset[int], block_lines: di
             if parsed is None:
                 break
             count += 1
-            env.assign(*parsed, statement.arrays.get(index), block=stack[-1] if stack else None)
+            env.assign(*parsed, statement.arrays.get(index), blocks=undecided)
         if count < len(words):
             expanded, blocks = env.expand_command(words[count:])
-            if stack and _has_launcher(expanded):
+            if undecided and _has_launcher(expanded):
                 raise ConfigError(f"line {statement.line}: the training command is inside an if/for/while/case "
-                                  f"block (line {block_lines[stack[-1]]}); vtrain reads the script without "
-                                  f"running it, so write the command outside the block")
+                                  f"block (line {block_lines[max(undecided)]}) that vtrain cannot decide without running "
+                                  f"the script; write the command outside the block")
             yield statement.line, expanded, blocks
+
+
+def _decidable(stack: list[_Block]) -> bool:
+    """Whether the innermost branch's condition may be decided: no loop or case around it."""
+    return all(b.branch for b in stack)
+
+
+def _branch(env: Environment, stack: list[_Block], chains: list[bool | None],
+            condition: list[tuple[Statement, list[Word]]]) -> _Block:
+    """The innermost if/elif branch once its condition is read: it runs when every earlier branch of
+    its ``if`` is known not to run and its condition holds; the ``if`` remembers whether this one
+    is known not to run."""
+    holds = condition_holds(env, condition) if condition and _decidable(stack) else None
+    earlier = chains[-1] if chains else None
+    chains[-1:] = [_and(earlier, None if holds is None else not holds)]
+    return _Block(stack[-1].id, _and(earlier, holds), True)
 
 
 def _has_launcher(words: Sequence[str]) -> bool:
@@ -198,7 +249,8 @@ def _launcher(words: Sequence[str], i: int) -> bool:
 
 
 def _torchrun_options(words: Sequence[str]) -> dict[str, str]:
-    """``--nnodes`` and ``--nproc-per-node`` (either spelling, ``--opt value`` or ``--opt=value``)."""
+    """``--nnodes`` and ``--nproc-per-node`` (either spelling, ``--opt value`` or ``--opt=value``); ""
+    when the value is missing (``--nnodes $SLURM_NNODES`` with the variable unset)."""
     options: dict[str, str] = {}
     for i, word in enumerate(words):
         name, eq, value = word.partition("=")
@@ -206,8 +258,9 @@ def _torchrun_options(words: Sequence[str]) -> dict[str, str]:
         if key in ("nnodes", "nproc_per_node") and name.startswith("--"):
             if eq:
                 options[key] = value
-            elif i + 1 < len(words):
-                options[key] = words[i + 1]
+            else:
+                following = words[i + 1] if i + 1 < len(words) else ""
+                options[key] = "" if following.startswith("-") else following
     return options
 
 
