@@ -71,13 +71,14 @@ def run_config_from_megatron_args(argv: str | Sequence[str], *, gpus: int | None
         return _megatron_run(command, gpus=gpus, cluster=cluster, source=source)
 
 
-def load_megatron_script(path: str | Path, *, gpus: int | None = None, cluster: ClusterSpec | None = None
-                         ) -> RunConfig:
+def load_megatron_script(path: str | Path, *, gpus: int | None = None, cluster: ClusterSpec | None = None,
+                         env: Mapping[str, str] | None = None) -> RunConfig:
     """The run of a launch script (``train.sh``) that holds the training command: it is read, never
-    run (see :mod:`vtrain_plugin.specs.launch_script`); otherwise as :func:`run_config_from_megatron_args`."""
+    run (see :mod:`vtrain_plugin.specs.launch_script`), with the environment variables ``env`` (none
+    by default: ``$SLURM_NNODES`` is unset unless given); otherwise as :func:`run_config_from_megatron_args`."""
     path = Path(path)
     with _errors_name(path):
-        return _megatron_run(read_launch_file(path), gpus=gpus, cluster=cluster, source=str(path))
+        return _megatron_run(read_launch_file(path, env), gpus=gpus, cluster=cluster, source=str(path))
 
 
 def _megatron_run(commands: LaunchCommand | tuple[LaunchCommand, ...], *, gpus: int | None,

@@ -25,6 +25,15 @@ torchrun --nnodes $NNODES --nproc_per_node $GPUS_PER_NODE pretrain_gpt.py \\
     --save /checkpoints/small --log-interval 10 2>&1 | tee train.log
 """
 
+SLURM_GPT = """#!/bin/bash
+NNODES=${SLURM_NNODES:-1}
+MODEL_SIZE=${MODEL_SIZE:-"small"}
+if [ "$MODEL_SIZE" = big ]; then LAYERS=8; else LAYERS=4; fi
+torchrun --nnodes $NNODES --nproc-per-node 4 pretrain_gpt.py --num-layers $LAYERS --hidden-size 256 \\
+    --num-attention-heads 8 --seq-length 128 --micro-batch-size 1 --global-batch-size 32 --vocab-size 1000 \\
+    --tensor-model-parallel-size 2
+"""
+
 
 def test_estimate_from_a_launch_script_takes_the_gpu_count_from_torchrun(tmp_path, run_cli):
     script = tmp_path / "train_small.sh"
@@ -79,3 +88,17 @@ def test_megatron_lms_example_scripts_with_gpus_overriding_their_one_node(tmp_pa
         f"vtrain: note: {paths[0]}: --gpus 128 overrides the script's 1 node x 8 GPUs = 8; --vocab-file and "
         f"--merge-file (no --tokenizer-type) taken as GPT-2's BPE files (50257 tokens; add --vocab-size N if not)",
         f"vtrain: note: {paths[1]}: --gpus 128 overrides the script's 1 node x 8 GPUs = 8"]
+
+
+def test_env_gives_the_variables_a_launch_script_reads(tmp_path, run_cli):
+    script = tmp_path / "train_slurm.sh"
+    script.write_text(SLURM_GPT)
+    plain = run_cli("estimate", str(script), "--format", "json", check=True)
+    assert json.loads(plain.stdout)["num_gpus"] == 4  # SLURM_NNODES unset: ${SLURM_NNODES:-1}
+    given = run_cli("estimate", str(script), "--env", "SLURM_NNODES=4", "--env", "MODEL_SIZE=big", "--format", "json",
+                    check=True)
+    assert json.loads(given.stdout)["num_gpus"] == 16
+    assert json.loads(given.stdout)["num_microbatches"] == 32 // (8 * 1)  # DP 16 / TP 2 = 8
+    bad = run_cli("estimate", str(script), "--env", "1X=2")
+    assert (bad.returncode, bad.stderr.splitlines()) == (
+        2, ["vtrain: error: --env 1X=2: expected NAME=VALUE with NAME a shell variable name"])

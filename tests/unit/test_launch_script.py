@@ -258,3 +258,12 @@ def test_a_node_count_from_an_unset_variable_is_unknown():
     (command,) = read_launch_script("torchrun --nnodes ${SLURM_JOB_NUM_NODES:-2} --nproc-per-node "
                                     "$(( ${SLURM_GPUS_PER_NODE:-8} / 2 )) pretrain_gpt.py\n")
     assert command.num_gpus(None) == (8, None)
+
+
+def test_environment_variables_given_to_the_reader():
+    script = ('NNODES=${SLURM_NNODES:-1}\nif [ "$MODEL_SIZE" = 70B ]; then L=80; else L=32; fi\n'
+              'torchrun --nnodes $NNODES --nproc-per-node 8 pretrain_gpt.py --num-layers $L --data-path "$HOME/d"\n')
+    (plain,) = read_launch_script(script)
+    assert (plain.nnodes, plain.megatron_args) == ("1", ("--num-layers", "32", "--data-path", "/d"))
+    (given,) = read_launch_script(script, {"SLURM_NNODES": "64", "MODEL_SIZE": "70B", "HOME": "/home/me"})
+    assert (given.nnodes, given.megatron_args) == ("64", ("--num-layers", "80", "--data-path", "/home/me/d"))

@@ -17,7 +17,7 @@ each way those blocks may run or not, and the caller checks that every reading g
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
@@ -99,12 +99,13 @@ def launch_command(words: Sequence[str], *, line: int = 0) -> LaunchCommand:
                          nnodes=options.get("nnodes"), nproc_per_node=options.get("nproc_per_node"), line=line)
 
 
-def read_launch_script(text: str) -> tuple[LaunchCommand, ...]:
-    """The training command of a bash launch script (see the module doc): one command, or, when the
-    command reads variables that ``if``/``for``/``while``/``case`` blocks set, one for each way those
-    blocks may run or not that gives a different command line."""
+def read_launch_script(text: str, env: Mapping[str, str] | None = None) -> tuple[LaunchCommand, ...]:
+    """The training command of a bash launch script (see the module doc) run with the environment
+    variables ``env`` (none by default): one command, or, when the command reads variables that
+    ``if``/``for``/``while``/``case`` blocks set, one for each way those blocks may run or not that
+    gives a different command line."""
     statements = read_statements(text)
-    command, blocks = _training_command(statements, frozenset())
+    command, blocks = _training_command(statements, frozenset(), env)
     if len(blocks) > MAX_BLOCKS:
         raise ConfigError(f"line {command.line}: the training command depends on {len(blocks)} if/for/while/case "
                           f"blocks (lines {', '.join(map(str, command.blocks))}); vtrain reads at most {MAX_BLOCKS}")
@@ -112,7 +113,7 @@ def read_launch_script(text: str) -> tuple[LaunchCommand, ...]:
     variants: dict[tuple, LaunchCommand] = {}
     for mask in range(2 ** len(ids)):
         skip = frozenset(block for k, block in enumerate(ids) if mask >> k & 1)
-        variant = _training_command(statements, skip)[0] if skip else command
+        variant = _training_command(statements, skip, env)[0] if skip else command
         variants.setdefault((variant.megatron_args, variant.nnodes, variant.nproc_per_node),
                             replace(variant, blocks=command.blocks))
     return tuple(variants.values())
@@ -122,7 +123,7 @@ def read_command_line(text: str) -> LaunchCommand:
     """A command line as one string (``--megatron-args``): Megatron-LM arguments, with or without a
     launcher in front; line continuations and quotes as bash reads them, no variables set. Without a
     launcher, lines are joined (flags pasted over several lines)."""
-    commands = [(line, words) for line, words, _ in _commands(read_statements(text), frozenset(), {})]
+    commands = [(line, words) for line, words, _ in _commands(read_statements(text), frozenset(), {}, None)]
     launches = [launch_command(words, line=line) for line, words in commands if _has_launcher(words)]
     if len(launches) > 1:
         raise ConfigError(f"expected one command line, got {len(launches)} training commands")
@@ -131,11 +132,12 @@ def read_command_line(text: str) -> LaunchCommand:
     return launch_command([word for _, words in commands for word in words])
 
 
-def _training_command(statements: list[Statement], skip: frozenset[int]) -> tuple[LaunchCommand, frozenset[int]]:
+def _training_command(statements: list[Statement], skip: frozenset[int], env: Mapping[str, str] | None
+                      ) -> tuple[LaunchCommand, frozenset[int]]:
     """The training command when the blocks in ``skip`` do not run, and the blocks it depends on."""
     lines: dict[int, int] = {}
-    found = [(launch_command(words, line=line), blocks) for line, words, blocks in _commands(statements, skip, lines)
-             if _has_launcher(words)]
+    found = [(launch_command(words, line=line), blocks)
+             for line, words, blocks in _commands(statements, skip, lines, env) if _has_launcher(words)]
     if not found:
         raise ConfigError("no training command found: expected torchrun, python -m torch.distributed.run "
                           "or python running a .py script (such as pretrain_gpt.py)")
@@ -162,13 +164,13 @@ def _and(left: bool | None, right: bool | None) -> bool | None:
     return False if False in (left, right) else None if None in (left, right) else True
 
 
-def _commands(statements: list[Statement], skip: frozenset[int], block_lines: dict[int, int]
-              ) -> Iterator[tuple[int, list[str], frozenset[int]]]:
+def _commands(statements: list[Statement], skip: frozenset[int], block_lines: dict[int, int],
+              variables: Mapping[str, str] | None) -> Iterator[tuple[int, list[str], frozenset[int]]]:
     """Walk a script's statements: run its assignments, skip the blocks in ``skip`` and the ``if``
     branches whose condition is known to fail (blocks are numbered in order: each if/elif/else branch,
     loop and case; ``block_lines`` gets their lines), and yield each other command expanded, with its
-    line and the undecided blocks behind the variables it read."""
-    env = Environment()
+    line and the undecided blocks behind the variables it read. ``variables``: the environment."""
+    env = Environment(variables)
     stack: list[_Block] = []
     chains: list[bool | None] = []  # per open if: whether every branch so far is known not to run
     condition: list[tuple[Statement, list[Word]]] | None = None  # the if/elif condition being read
@@ -267,8 +269,9 @@ def _torchrun_options(words: Sequence[str]) -> dict[str, str]:
 MAX_SCRIPT_BYTES = 1 << 20  # a launch script is a page of shell, not a megabyte
 
 
-def read_launch_file(path: Path) -> tuple[LaunchCommand, ...]:
-    """The training command of the launch script at ``path`` (at most 1 MiB of UTF-8 text)."""
+def read_launch_file(path: Path, env: Mapping[str, str] | None = None) -> tuple[LaunchCommand, ...]:
+    """The training command of the launch script at ``path`` (at most 1 MiB of UTF-8 text) run with
+    the environment variables ``env``."""
     try:
         with path.open("rb") as f:
             data = f.read(MAX_SCRIPT_BYTES + 1)
@@ -280,4 +283,4 @@ def read_launch_file(path: Path) -> tuple[LaunchCommand, ...]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"not UTF-8 text (byte {exc.start})") from None
-    return read_launch_script(text)
+    return read_launch_script(text, env)

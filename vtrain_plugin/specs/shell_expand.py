@@ -7,7 +7,7 @@ variables the script set before; unquoted expansions are split into words on whi
 ``"${ARRAY[@]}"`` gives one word per element.
 
 A variable the script does not set is unset, as when bash runs the script in an empty environment
-(``$SLURM_NNODES``, ``$PWD``, ``$HOME``): it expands to nothing, so ``"${PWD}/x"`` is ``/x`` and an
+(``$SLURM_NNODES``, ``$PWD``, ``$HOME``), unless the reader is given it: it expands to nothing, so ``"${PWD}/x"`` is ``/x`` and an
 unquoted ``$UNSET`` alone drops its word. The script's arguments are not given either: ``${1:-default}``
 gives its default and ``"$@"`` nothing, but a bare ``$1`` (a path the script is run with, in
 Megatron-LM's examples) stays as its own text, as does what cannot be known without running the script
@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from vtrain_plugin.specs.shell_words import Part, Word
 
@@ -158,8 +158,8 @@ class Environment:
     """The variables of a script as it is read. Each variable also remembers the blocks (``if``
     branches, loops: ids given by the reader) whose assignments its value depends on."""
 
-    def __init__(self) -> None:
-        self.values: dict[str, list[Text]] = {}
+    def __init__(self, variables: Mapping[str, str] | None = None) -> None:
+        self.values: dict[str, list[Text]] = {name: [Text(value)] for name, value in (variables or {}).items()}
         self.blocks: dict[str, frozenset[int]] = {}
         self._read: set[int] = set()  # blocks behind the variables the current expansion read
 
