@@ -143,7 +143,8 @@ _PIECES = ["torchrun ", "python ", "pretrain_gpt.py ", "$A", "${A[@]}", '"$A"', 
            "\\\n", "\n", "; ", "&& ", "| ", "2>&1 ", "<<EOF\n", "EOF\n", "if ", "then ", "else ", "fi\n", "$((", "))",
            "$(", "`", "#", "${1:-8}", " ", "--nnodes ", "--nproc_per_node ", "8 ", "{", "}", '"', "'", "\\",
            "--num-layers 2 ", "--hidden-size 64 ", "--num-attention-heads 4 ", "--seq-length 32 ",
-           "--micro-batch-size 1 ", "--vocab-size 100 "]
+           "--micro-batch-size 1 ", "--vocab-size 100 ", '${U:-"a b"}', "${U:=x}", "${A[@]:-$B}", "[ ", " ]", "[[ ",
+           " ]]", "= ", "-n ", "-eq ", "! ", "elif ", "|| ", "test ", "$((${N:-8} * 2))", "$SLURM_NNODES "]
 
 
 @settings(max_examples=200, deadline=None)

@@ -2,6 +2,9 @@
 field by field."""
 
 import logging
+import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -16,6 +19,7 @@ from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
 from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.training import Fp8Format, Fp8Recipe, GradReduce, ScheduleKind, SoftwareStack, TrainingSpec
 
+from tests.unit import megatron_examples
 from tests.unit.megatron_examples import (GPT3_175B, GPT_345M_WITH_MP, LLAMA2_SLURM, LLAMA3_8B_BF16_FLAGS,
                                          LLAMA3_8B_FP8, MIXTRAL_8X7B)
 
@@ -237,3 +241,27 @@ def test_llama2_slurm_script_field_by_field(size, layers, hidden, ffn, heads, gr
         1024, None, True)
     assert plan.assumed == ("--gpus 64 overrides the script's 1 node x 8 GPUs = 8",
                             f"--tokenizer-model {tokenizer} (32000 tokens; add --vocab-size N if not)")
+
+
+@pytest.mark.parametrize("name", ["GPT3_175B", "GPT_345M_WITH_MP", "LLAMA3_8B_FP8", "MIXTRAL_8X7B"])
+def test_example_scripts_read_as_bash_runs_them(name, tmp_path):
+    """bash runs each script (torchrun a function that prints its words) in an environment of PATH and
+    PWD, the same PWD given to vtrain. Scripts whose paths are arguments ($1 ...) get their own names as
+    arguments, which is how vtrain keeps a bare $1; the Llama-3 script has defaults for its arguments
+    and gets none."""
+    script = getattr(megatron_examples, name)
+    arguments = [] if "${1:-" in script else [f"${k}" for k in range(1, 6)]
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    bash = shutil.which("bash")
+    assert bash is not None, "bash is the oracle of this test"
+    proc = subprocess.run([bash, "--norc", "--noprofile", "-c",
+                           "torchrun() { for w in \"$@\"; do printf '[%s]\\n' \"$w\"; done; }\n" + script, "train.sh",
+                           *arguments], capture_output=True, text=True, env={"PATH": os.defpath, "PWD": str(tmp_path)},
+                          cwd=tmp_path,
+                          check=True, timeout=30)
+    words = [line[1:-1] for line in proc.stdout.splitlines() if line.startswith("[")]
+    at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+    (command,) = read_launch_script(script, {"PWD": str(tmp_path)})
+    assert command.megatron_args == tuple(words[at + 1:])
+    assert (command.nnodes, command.nproc_per_node) == (words[words.index("--nnodes") + 1],
+                                                        words[words.index("--nproc_per_node") + 1])

@@ -47,8 +47,9 @@ class Text(str):
         return Text(self, tuple(s for s in self.spans if s[2]))
 
 
-def _kept(text: str, *, unknown: bool) -> Text:
-    return Text(text, ((0, len(text), unknown),) if text or unknown else ())
+def _unknown(token: str) -> Text:
+    """An expansion not known without running the script: its own text, never split."""
+    return Text(token, ((0, len(token), True),))
 
 
 def _protected(text: str) -> Text:
@@ -252,13 +253,13 @@ class Environment:
     def _expansion(self, token: str, *, quoted: bool) -> list[Text]:
         if token.startswith("$((") and token.endswith("))"):
             value = self._arithmetic(token[3:-2])
-            return [_kept(token, unknown=True) if value is None else Text(value)]
+            return [_unknown(token) if value is None else Text(value)]
         if token.startswith(("$(", "`")):
-            return [_kept(token, unknown=True)]  # a command substitution: never run
+            return [_unknown(token)]  # a command substitution: never run
         inner = token[2:-1] if token.startswith("${") else token[1:]
         match = _PARAMETER.fullmatch(inner)
         if match is None:
-            return [_kept(token, unknown=True)]
+            return [_unknown(token)]
         name, index, op, default = match.groups()
         value = self._lookup(name)
         if op is not None:
@@ -266,7 +267,7 @@ class Environment:
             if op.endswith("+"):
                 return [] if unset else [self._word(default, quoted=quoted)]
             if unset and op.endswith("?"):
-                return [_kept(token, unknown=True)]  # bash stops the script here
+                return [_unknown(token)]  # bash stops the script here
             if unset:
                 text = self._word(default, quoted=quoted)
                 if op.endswith("=") and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
@@ -275,7 +276,7 @@ class Environment:
                 return [text]
         if value is None:
             if _POSITIONAL.fullmatch(name) or name in ("0", "$", "!", "?", "-"):
-                return [_kept(token, unknown=True)]  # the script's arguments, process ids: kept as text
+                return [_unknown(token)]  # the script's arguments, process ids: kept as text
             return [] if index or name in ("@", "*") else [Text("0" if name == "#" else "")]
         if index == "[*]":
             return [_joined(value)]
@@ -302,7 +303,7 @@ class Environment:
                 pieces.append(_protected(text[i + 1]))
                 i += 2
             elif c == "$" or c == "`":
-                literal, token = next(_tokens(text[i:]))
+                token = next(_tokens(text[i:]))[1]
                 pieces.append(_joined(self._expansion(token, quoted=quoted)) if token else Text(c))
                 i += max(len(token), 1)
             else:
