@@ -4,14 +4,18 @@ A launch script is read, never run. Its statements (:mod:`vtrain_plugin.specs.sh
 walked in order: assignments (``NAME=value``, ``NAME+=value``, arrays ``NAME=( ... )``, ``export``)
 set variables, and the training command is the one that runs a ``.py`` file through ``torchrun``,
 ``python -m torch.distributed.run`` (or ``.launch``) or ``python``. Its words are expanded as bash
-does (:mod:`vtrain_plugin.specs.shell_expand`). What cannot be known without running the script
-(command substitutions ``$(...)``, variables the script does not set, positional parameters without
-a default) stays as its own text, so a flag that needs it reports that text.
+does (:mod:`vtrain_plugin.specs.shell_expand`), in an environment that holds only the variables the
+caller gives: ``$SLURM_NNODES`` is unset unless given. What cannot be known without running the
+script (command substitutions ``$(...)``, the script's arguments ``$1``...) stays as its own text, so
+a flag that needs it reports that text.
 
-Whether an ``if``/``for``/``while``/``case`` block runs is not known without running the script. A
-training command inside one is refused; one that reads variables set inside blocks is read once for
-each way those blocks may run or not, and the caller checks that every reading gives the same plan
-(a block that only adds logging flags is harmless; one that adds ``--fp8-format`` is not).
+An ``if`` branch whose condition is decided by the script's own settings
+(:mod:`vtrain_plugin.specs.shell_test`: ``USE_FP8=1; if [ "$USE_FP8" = 1 ]``) runs or not as in bash.
+Whether any other block (``if`` on files or commands, ``for``, ``while``, ``case``) runs is not known
+without running the script: a training command inside one is refused; one that reads variables set
+inside such blocks is read once for each way those blocks may run or not, and the caller checks that
+every reading gives the same plan (a block that only adds logging flags is harmless; one that adds
+``--fp8-format`` is not).
 """
 
 from __future__ import annotations
