@@ -200,7 +200,8 @@ def test_words_expand_as_bash_expands_them(setup, words):
     ' ARGS+=(--data-path x)\nfi',
     'N=4\nARGS=()\nif [ $N -gt 8 ]; then ARGS+=(a)\nelif [ $N -ge 4 ] && ! [ -n "$WANDB_API_KEY" ]; then ARGS+=(b)\n'
     'else ARGS+=(c)\nfi',
-    'ARGS=()\nif [ -n "${WANDB_API_KEY}" ]; then\n ARGS+=(--wandb-project p)\nfi\nif test -z $UNSET; then ARGS+=(--z); fi\n'
+    'ARGS=()\nif [ -n "${WANDB_API_KEY}" ]; then\n ARGS+=(--wandb-project p)\nfi\n'
+    'if test -z $UNSET; then ARGS+=(--z); fi\n'
     'if [ ! "$X" ]; then ARGS+=(--notx); fi',
     'ARGS=()\nif false || true; then ARGS+=(t); fi\nif [ -n $UNSET ]; then ARGS+=(quirk); fi\n'
     'if [[ -n $UNSET ]]; then ARGS+=(no); fi',
@@ -214,7 +215,8 @@ def test_if_blocks_on_literal_settings_are_decided_as_bash_decides_them(script):
 
 
 def test_a_training_command_inside_a_decided_if_is_read():
-    script = 'FP8=1\nif [ "$FP8" = 1 ]; then\n  torchrun pretrain_gpt.py --fp8-format hybrid\nelse\n  torchrun x.py\nfi\n'
+    script = ('FP8=1\nif [ "$FP8" = 1 ]; then\n  torchrun pretrain_gpt.py --fp8-format hybrid\n'
+              'else\n  torchrun x.py\nfi\n')
     (command,) = read_launch_script(script)
     assert command.megatron_args == tuple(bash_words(script)) == ("--fp8-format", "hybrid")
 
@@ -249,7 +251,8 @@ def test_the_scripts_arguments_are_not_given():
 
 
 def test_a_node_count_from_an_unset_variable_is_unknown():
-    (command,) = read_launch_script("torchrun --nnodes $SLURM_NNODES --nproc-per-node 8 --node_rank 0 pretrain_gpt.py\n")
+    (command,) = read_launch_script("torchrun --nnodes $SLURM_NNODES --nproc-per-node 8 --node_rank 0 "
+                                    "pretrain_gpt.py\n")
     assert (command.nnodes, command.nproc_per_node) == ("", "8")
     with pytest.raises(ConfigError) as exc:
         command.num_gpus(None)

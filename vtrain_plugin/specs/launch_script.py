@@ -221,8 +221,8 @@ def _commands(statements: list[Statement], skip: frozenset[int], block_lines: di
             expanded, blocks = env.expand_command(words[count:])
             if undecided and _has_launcher(expanded):
                 raise ConfigError(f"line {statement.line}: the training command is inside an if/for/while/case "
-                                  f"block (line {block_lines[max(undecided)]}) that vtrain cannot decide without running "
-                                  f"the script; write the command outside the block")
+                                  f"block (line {block_lines[max(undecided)]}) that vtrain cannot decide without "
+                                  f"running the script; write the command outside the block")
             yield statement.line, expanded, blocks
 
 

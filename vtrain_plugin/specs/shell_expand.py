@@ -7,13 +7,13 @@ variables the script set before; unquoted expansions are split into words on whi
 ``"${ARRAY[@]}"`` gives one word per element.
 
 A variable the script does not set is unset, as when bash runs the script in an empty environment
-(``$SLURM_NNODES``, ``$PWD``, ``$HOME``), unless the reader is given it: it expands to nothing, so ``"${PWD}/x"`` is ``/x`` and an
-unquoted ``$UNSET`` alone drops its word. The script's arguments are not given either: ``${1:-default}``
-gives its default and ``"$@"`` nothing, but a bare ``$1`` (a path the script is run with, in
-Megatron-LM's examples) stays as its own text, as does what cannot be known without running the script
-(command substitutions ``$(...)``, arithmetic on such values): kept as one word, never split. Each
-variable remembers the blocks (``if`` branches, loops) that set it, so the reader can tell which
-blocks a command depends on.
+(``$SLURM_NNODES``, ``$PWD``, ``$HOME``), unless the reader is given it: it expands to nothing, so
+``"${PWD}/x"`` is ``/x`` and an unquoted ``$UNSET`` alone drops its word. The script's arguments are
+not given either: ``${1:-default}`` gives its default and ``"$@"`` nothing, but a bare ``$1`` (a path
+the script is run with, in Megatron-LM's examples) stays as its own text, as does what cannot be
+known without running the script (command substitutions ``$(...)``, arithmetic on such values): kept
+as one word, never split. Each variable remembers the blocks (``if`` branches, loops) that set it, so
+the reader can tell which blocks a command depends on.
 """
 
 from __future__ import annotations
