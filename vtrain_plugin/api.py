@@ -61,22 +61,24 @@ def run_config_from_megatron_args(argv: str | Sequence[str], *, gpus: int | None
                                   cluster: ClusterSpec | None = None, source: str = "") -> RunConfig:
     """The run that Megatron-LM arguments describe: ``argv`` is ``pretrain_gpt.py``'s flags as a list of
     words or as one command line (quotes and line continuations as bash reads them), with or without
-    a ``torchrun`` / ``python -m torch.distributed.run`` launcher in front. The GPU count is ``gpus`` or
-    the launcher's ``--nnodes`` x ``--nproc-per-node`` (both given, they must agree); the cluster is
-    ``cluster``, else the default GPU's usual node. Flags vtrain does not model but that change
-    performance are logged in one warning; errors are prefixed with ``source`` when given."""
+    a ``torchrun`` / ``python -m torch.distributed.run`` launcher in front. The GPU count is ``gpus``, else
+    the launcher's ``--nnodes`` x ``--nproc-per-node``; the cluster is ``cluster``, else the default
+    GPU's usual node. What vtrain assumed (a ``gpus`` overriding the launcher's count, a vocabulary
+    size the tokenizer implies) is logged in one note; flags vtrain does not model but that change
+    performance in one warning; errors are prefixed with ``source`` when given."""
     with _errors_name(source):
         command = read_command_line(argv) if isinstance(argv, str) else launch_command(argv)
         return _megatron_run(command, gpus=gpus, cluster=cluster, source=source)
 
 
-def load_megatron_script(path: str | Path, *, gpus: int | None = None, cluster: ClusterSpec | None = None
-                         ) -> RunConfig:
+def load_megatron_script(path: str | Path, *, gpus: int | None = None, cluster: ClusterSpec | None = None,
+                         env: Mapping[str, str] | None = None) -> RunConfig:
     """The run of a launch script (``train.sh``) that holds the training command: it is read, never
-    run (see :mod:`vtrain_plugin.specs.launch_script`); otherwise as :func:`run_config_from_megatron_args`."""
+    run (see :mod:`vtrain_plugin.specs.launch_script`), with the environment variables ``env`` (none
+    by default: ``$SLURM_NNODES`` is unset unless given); otherwise as :func:`run_config_from_megatron_args`."""
     path = Path(path)
     with _errors_name(path):
-        return _megatron_run(read_launch_file(path), gpus=gpus, cluster=cluster, source=str(path))
+        return _megatron_run(read_launch_file(path, env), gpus=gpus, cluster=cluster, source=str(path))
 
 
 def _megatron_run(commands: LaunchCommand | tuple[LaunchCommand, ...], *, gpus: int | None,
@@ -84,8 +86,11 @@ def _megatron_run(commands: LaunchCommand | tuple[LaunchCommand, ...], *, gpus: 
     plan = script_plan(commands if isinstance(commands, tuple) else (commands,), gpus=gpus)
     run = RunConfig(model=plan.model, parallel=plan.parallel, training=plan.training,
                     cluster=cluster or resolve_cluster({}), source=source)
+    where = f"{source}: " if source else ""
+    if plan.note:
+        logger.warning("note: %s%s", where, plan.note)
     if plan.warning:
-        logger.warning("warning: %s%s", f"{source}: " if source else "", plan.warning)
+        logger.warning("warning: %s%s", where, plan.warning)
     return run
 
 

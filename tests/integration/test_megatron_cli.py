@@ -2,6 +2,8 @@
 
 import json
 
+from tests.unit.megatron_examples import GPT3_175B, LLAMA3_8B_FP8
+
 SMALL_GPT = """#!/bin/bash
 # A small GPT launched on 2 nodes of 4 GPUs
 NNODES=2
@@ -21,6 +23,15 @@ torchrun --nnodes $NNODES --nproc_per_node $GPUS_PER_NODE pretrain_gpt.py \\
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \\
     --tokenizer-type GPT2BPETokenizer --use-flash-attn \\
     --save /checkpoints/small --log-interval 10 2>&1 | tee train.log
+"""
+
+SLURM_GPT = """#!/bin/bash
+NNODES=${SLURM_NNODES:-1}
+MODEL_SIZE=${MODEL_SIZE:-"small"}
+if [ "$MODEL_SIZE" = big ]; then LAYERS=8; else LAYERS=4; fi
+torchrun --nnodes $NNODES --nproc-per-node 4 pretrain_gpt.py --num-layers $LAYERS --hidden-size 256 \\
+    --num-attention-heads 8 --seq-length 128 --micro-batch-size 1 --global-batch-size 32 --vocab-size 1000 \\
+    --tensor-model-parallel-size 2
 """
 
 
@@ -70,3 +81,37 @@ def test_megatron_args_errors_are_one_line_with_exit_2(tmp_path, run_cli):
     assert misplaced.returncode == 2
     assert misplaced.stderr.splitlines() == ["vtrain: error: --gpus applies to Megatron-LM arguments only "
                                              "(--megatron-args or a .sh launch script)"]
+
+
+def test_megatron_lms_example_scripts_with_gpus_overriding_their_one_node(tmp_path, run_cli):
+    # GPT-3 175B as published (GPT-2 vocabulary files, no --tokenizer-type) and Llama-3 8B fp8 (its
+    # if blocks decided on DTYPE="fp8" and the mock-data default), both written for one node of 8 GPUs.
+    scripts = {"train_gpt3_175b_distributed.sh": GPT3_175B, "train_llama3_8b_h100_fp8.sh": LLAMA3_8B_FP8}
+    paths = []
+    for name, text in scripts.items():
+        paths.append(tmp_path / name)
+        paths[-1].write_text(text)
+    proc = run_cli("estimate", *map(str, paths), "--gpus", "128", "--gpu", "H100", "--format", "jsonl", check=True)
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(r["config"], r["num_gpus"], r["global_batch_size"], r["num_microbatches"], r["fp8"],
+             r["distributed_optimizer"], r["gpu"]) for r in results] == [
+        (str(paths[0]), 128, 1536, 1536 // (1 * 1), None, False, "h100-sxm"),  # TP 8 x PP 16: DP 1
+        (str(paths[1]), 128, 128, 128 // (1 * 128), "hybrid", True, "h100-sxm")]  # TP 1: DP 128
+    assert [line for line in proc.stderr.splitlines() if line.startswith("vtrain: note:")] == [
+        f"vtrain: note: {paths[0]}: --gpus 128 overrides the script's 1 node x 8 GPUs = 8; --vocab-file and "
+        f"--merge-file (no --tokenizer-type) taken as GPT-2's BPE files (50257 tokens; add --vocab-size N if not)",
+        f"vtrain: note: {paths[1]}: --gpus 128 overrides the script's 1 node x 8 GPUs = 8"]
+
+
+def test_env_gives_the_variables_a_launch_script_reads(tmp_path, run_cli):
+    script = tmp_path / "train_slurm.sh"
+    script.write_text(SLURM_GPT)
+    plain = run_cli("estimate", str(script), "--format", "json", check=True)
+    assert json.loads(plain.stdout)["num_gpus"] == 4  # SLURM_NNODES unset: ${SLURM_NNODES:-1}
+    given = run_cli("estimate", str(script), "--env", "SLURM_NNODES=4", "--env", "MODEL_SIZE=big", "--format", "json",
+                    check=True)
+    assert json.loads(given.stdout)["num_gpus"] == 16
+    assert json.loads(given.stdout)["num_microbatches"] == 32 // (8 * 1)  # DP 16 / TP 2 = 8
+    bad = run_cli("estimate", str(script), "--env", "1X=2")
+    assert (bad.returncode, bad.stderr.splitlines()) == (
+        2, ["vtrain: error: --env 1X=2: expected NAME=VALUE with NAME a shell variable name"])

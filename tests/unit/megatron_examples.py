@@ -3,6 +3,8 @@
 Sources: ``examples/gpt3/train_gpt3_175b_distributed.sh``, ``examples/pretrain_gpt_distributed_with_mp.sh``
 (before the examples were reorganised; the ``<Specify path>`` placeholders filled in),
 ``examples/llama/train_llama3_8b_h100_fp8.sh`` and ``examples/mixtral/train_mixtral_8x7b_distributed.sh``.
+``LLAMA2_SLURM`` is not one of Megatron-LM's files: it is a Llama-2 7B / 70B script as they are written
+for SLURM clusters (the sizes of Meta's Llama-2 paper, the idioms of the examples above).
 """
 
 GPT3_175B = r"""#!/bin/bash
@@ -494,4 +496,107 @@ LLAMA3_8B_BF16_FLAGS = """
     --log-interval 1 --eval-iters 32 --eval-interval 100 --save-interval 1000 --log-throughput --profile
     --profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist --distributed-timeout-minutes 60
     --save checkpoints/llama3_8b --load checkpoints/llama3_8b --tensorboard-dir tensorboard_logs/llama3_8b
+"""
+
+LLAMA2_SLURM = r"""#!/bin/bash
+#SBATCH --job-name=llama2
+#SBATCH --nodes=8
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+
+set -euo pipefail
+
+MODEL_SIZE=${MODEL_SIZE:-"7B"}
+NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+GPUS_PER_NODE=${SLURM_GPUS_PER_NODE:-8}
+WORLD_SIZE=$(( NNODES * GPUS_PER_NODE ))
+MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+MASTER_PORT=${MASTER_PORT:-6000}
+
+DATA_PATH=${DATA_PATH:-"/lustre/data/redpajama_text_document"}
+CHECKPOINT_DIR="${PWD}/checkpoints/llama2_${MODEL_SIZE}"
+TOKENIZER=meta-llama/Llama-2-7b-hf
+
+if [ "$MODEL_SIZE" = "7B" ]; then
+    NUM_LAYERS=32; HIDDEN=4096; FFN=11008; HEADS=32
+    TP=1; PP=1
+    GQA_ARGS=()
+elif [ "$MODEL_SIZE" = "70B" ]; then
+    NUM_LAYERS=80; HIDDEN=8192; FFN=28672; HEADS=64
+    TP=8; PP=4
+    GQA_ARGS=(--group-query-attention --num-query-groups 8)
+    TOKENIZER=meta-llama/Llama-2-70b-hf
+else
+    echo "unknown MODEL_SIZE $MODEL_SIZE"; exit 1
+fi
+
+DISTRIBUTED_ARGS=(
+    --nproc_per_node $GPUS_PER_NODE
+    --nnodes $NNODES
+    --node_rank ${SLURM_NODEID:-0}
+    --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT"
+)
+
+MODEL_ARGS=(
+    --num-layers $NUM_LAYERS
+    --hidden-size $HIDDEN
+    --ffn-hidden-size $FFN
+    --num-attention-heads $HEADS
+    "${GQA_ARGS[@]}"
+    --seq-length 4096
+    --max-position-embeddings 4096
+    --position-embedding-type rope
+    --normalization RMSNorm
+    --swiglu
+    --untie-embeddings-and-output-weights
+    --disable-bias-linear
+    --attention-dropout 0.0
+    --hidden-dropout 0.0
+)
+
+TRAINING_ARGS=(
+    --micro-batch-size ${MICRO_BATCH:-1}
+    --global-batch-size ${GLOBAL_BATCH:-1024}
+    --train-iters 250000
+    --lr 3.0e-4
+    --min-lr 3.0e-5
+    --lr-decay-style cosine
+    --lr-warmup-iters 2000
+    --weight-decay 0.1
+    --clip-grad 1.0
+    --bf16
+    --use-distributed-optimizer
+    --overlap-grad-reduce
+)
+
+PARALLEL_ARGS=(
+    --tensor-model-parallel-size $TP
+    --pipeline-model-parallel-size $PP
+)
+if [ $TP -gt 1 ]; then
+    PARALLEL_ARGS+=(--sequence-parallel)
+fi
+
+DATA_ARGS=(
+    "--data-path $DATA_PATH"
+    "--data-cache-path ${PWD}/data_cache"
+    "--tokenizer-type HuggingFaceTokenizer"
+    "--tokenizer-model ${TOKENIZER}"
+    "--split 99,1,0"
+)
+
+if [ -n "${WANDB_API_KEY:-}" ]; then
+    LOGGING_ARGS=(--wandb-project ${WANDB_PROJECT:-"llama2"} --wandb-exp-name "llama2-${MODEL_SIZE}")
+else
+    LOGGING_ARGS=(--log-interval 10)
+fi
+
+srun --kill-on-bad-exit=1 torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
+    "${MODEL_ARGS[@]}" \
+    "${TRAINING_ARGS[@]}" \
+    "${PARALLEL_ARGS[@]}" \
+    ${DATA_ARGS[@]} \
+    "${LOGGING_ARGS[@]}" \
+    --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" \
+    --save-interval 1000 2>&1 | tee "llama2_${MODEL_SIZE}_${SLURM_JOB_ID:-local}.log"
 """

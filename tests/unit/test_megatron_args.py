@@ -160,40 +160,65 @@ def test_data_parallel_size_shows_its_arithmetic():
                                 "--nproc-per-node in the script)")
 
 
-def test_torchrun_gives_the_gpu_count_and_gpus_must_agree():
+def test_torchrun_gives_the_gpu_count_and_gpus_overrides_it_with_a_note():
     command = read_command_line(f"torchrun --nnodes=2 --nproc-per-node 4 pretrain_gpt.py {BASE}")
     assert megatron_plan(command).parallel.data_parallel == 8
-    assert megatron_plan(command, gpus=8).parallel.data_parallel == 8
-    with pytest.raises(ConfigError, match=r"^--gpus \(16\) disagrees with the script: torchrun --nnodes 2 x "
-                                          r"--nproc-per-node 4 = 8 GPUs$"):
-        megatron_plan(command, gpus=16)
+    assert megatron_plan(command, gpus=8).assumed == ()
+    overridden = megatron_plan(command, gpus=512)
+    assert overridden.parallel.data_parallel == 512
+    assert overridden.assumed == ("--gpus 512 overrides the script's 2 nodes x 4 GPUs = 8",)
+    assert overridden.note == "--gpus 512 overrides the script's 2 nodes x 4 GPUs = 8"
     elastic = read_command_line(f"torchrun --nnodes 1:4 --nproc_per_node 8 pretrain_gpt.py {BASE}")
-    assert megatron_plan(elastic, gpus=24).parallel.data_parallel == 24
-    with pytest.raises(ConfigError, match=r"gives 8 to 32 GPUs in steps of 8$"):
-        megatron_plan(elastic, gpus=12)
+    assert megatron_plan(elastic, gpus=24).assumed == ()  # inside the elastic range
+    assert megatron_plan(elastic, gpus=12).assumed == ("--gpus 12 overrides the script's 1 to 4 nodes x 8 GPUs",)
+    with pytest.raises(ConfigError, match=r"^the GPU count is unknown: torchrun --nnodes 1:4 x --nproc-per-node 8 is "
+                                          r"a range of nodes; give --gpus N$"):
+        megatron_plan(elastic)
     auto = read_command_line(f"python -m torch.distributed.run --nproc-per-node gpu pretrain_gpt.py {BASE}")
     with pytest.raises(ConfigError, match=r"--nproc-per-node gpu is not a product of whole numbers; give "
                                           r"--gpus N$"):
         megatron_plan(auto)
     assert megatron_plan(auto, gpus=4).parallel.data_parallel == 4
+    assert megatron_plan(auto, gpus=4).assumed == ()
 
 
-@pytest.mark.parametrize("flags, vocab_size", [
-    ("--tokenizer-type GPT2BPETokenizer", 50257),
-    ("--tokenizer-type NullTokenizer --vocab-size 128256", 128257),  # NullTokenizer adds its end-of-document token
-    ("--tokenizer-type HuggingFaceTokenizer --vocab-size 32000", 32000),
-    ("--vocab-size 50257 --make-vocab-size-divisible-by 64", 50304),  # Megatron-LM's padding, a multiple of 128 too
-    ("--vocab-size 50257 --make-vocab-size-divisible-by 256 --tensor-model-parallel-size 2", 50688),
+@pytest.mark.parametrize("flags, vocab_size, assumed", [
+    ("--tokenizer-type GPT2BPETokenizer", 50257, ()),
+    ("--tokenizer-type NullTokenizer --vocab-size 128256", 128257, ()),  # NullTokenizer adds its end-of-document token
+    ("--tokenizer-type HuggingFaceTokenizer --vocab-size 32000", 32000, ()),
+    ("--vocab-size 50257 --make-vocab-size-divisible-by 64", 50304, ()),  # Megatron-LM's padding, a multiple of 128
+    ("--vocab-size 50257 --make-vocab-size-divisible-by 256 --tensor-model-parallel-size 2", 50688, ()),
+    ("--vocab-file $3 --merge-file $4", 50257,
+     ("--vocab-file and --merge-file (no --tokenizer-type) taken as GPT-2's BPE files (50257 tokens; add "
+      "--vocab-size N if not)",)),
+    ("--tokenizer-type Llama2Tokenizer --tokenizer-model /data/tokenizer.model", 32000,
+     ("--tokenizer-type Llama2Tokenizer taken as Llama-2's SentencePiece model (32000 tokens; add --vocab-size N if "
+      "not)",)),
+    ("--tokenizer-type Llama2Tokenizer --vocab-size 32768", 32768, ()),  # the flag wins over the assumption
+    ("--tokenizer-type HuggingFaceTokenizer --tokenizer-model meta-llama/Meta-Llama-3-8B", 128256,
+     ("--tokenizer-model meta-llama/Meta-Llama-3-8B (128256 tokens; add --vocab-size N if not)",)),
+    ("--tokenizer-type HuggingFaceTokenizer --tokenizer-model /models/Llama-2-70b-hf/", 32000,
+     ("--tokenizer-model /models/Llama-2-70b-hf/ taken as meta-llama/Llama-2-70b-hf (32000 tokens; add --vocab-size "
+      "N if not)",)),
 ])
-def test_vocabulary_sizes(flags, vocab_size):
+def test_vocabulary_sizes(flags, vocab_size, assumed):
     base = BASE.replace(" --vocab-size 1000", "")
     p = megatron_plan(read_command_line(f"{base} {flags}"), gpus=8)
     assert p.model.vocab_size == vocab_size
+    assert p.assumed == assumed
 
 
 @pytest.mark.parametrize("flags, message", [
-    ("--tokenizer-type Llama2Tokenizer", "the vocabulary size is unknown (--tokenizer-type Llama2Tokenizer): give "
-                                         "--vocab-size N, the tokenizer's size before Megatron-LM pads it"),
+    ("", "the vocabulary size is unknown (no --tokenizer-type): add --vocab-size N, the tokenizer's size before "
+         "Megatron-LM pads it"),
+    ("--tokenizer-type SentencePieceTokenizer --tokenizer-model $2",
+     "the vocabulary size is unknown (--tokenizer-type SentencePieceTokenizer --tokenizer-model $2): add --vocab-size "
+     "N, the tokenizer's size before Megatron-LM pads it"),
+    ("--tokenizer-type HuggingFaceTokenizer --tokenizer-model my-org/my-tokenizer",
+     "the vocabulary size is unknown (--tokenizer-type HuggingFaceTokenizer --tokenizer-model my-org/my-tokenizer): "
+     "add --vocab-size N, the tokenizer's size before Megatron-LM pads it"),
+    ("--tokenizer-type NullTokenizer", "the vocabulary size is unknown (--tokenizer-type NullTokenizer): add "
+                                       "--vocab-size N, the tokenizer's size before Megatron-LM pads it"),
     ("--tokenizer-type GPT2BPETokenizer --vocab-size 50000",
      "--vocab-size (50000) contradicts --tokenizer-type GPT2BPETokenizer (50257 tokens, which Megatron-LM uses)"),
     ("--vocab-size 50257 --make-vocab-size-divisible-by 100",

@@ -9,7 +9,7 @@ import shlex
 import sys
 
 from vtrain_plugin.cli.common import CONFIG_HELP, emit, positive_int
-from vtrain_plugin.cli.megatron_input import run_inputs
+from vtrain_plugin.cli.megatron_input import add_env_option, run_inputs
 from vtrain_plugin.cli.runs_render import calibration_table
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.fitting.calibrate import DEFAULT_FIT, PlanRuns, fit_calibration
@@ -32,6 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the fit, write no file")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--gpus", type=positive_int, metavar="N", help="GPUs of the launch scripts' runs (as in vtrain estimate)")
+    add_env_option(p)
     p.set_defaults(func=run)
 
 
@@ -62,5 +63,6 @@ def _plan_runs(args: argparse.Namespace) -> list[PlanRuns]:
     grouped: dict[str, list[str]] = {}
     for plan, log in zip(plans, logs):
         grouped.setdefault(plan, []).append(log)
-    loaded = dict(run_inputs(argparse.Namespace(config=list(grouped), megatron_args=None, gpus=args.gpus)))
+    plans = argparse.Namespace(config=list(grouped), megatron_args=None, gpus=args.gpus, env=args.env)
+    loaded = dict(run_inputs(plans))
     return [PlanRuns(label=plan, run=loaded[plan](), logs=tuple(group)) for plan, group in grouped.items()]

@@ -97,5 +97,5 @@ def _is_plan(item: str) -> bool:
 
 def _plan_inputs(args: argparse.Namespace) -> list[tuple[str, Callable[[], RunConfig]]]:
     plans = argparse.Namespace(config=[item for item in args.inputs if _is_plan(item)],
-                               megatron_args=args.megatron_args, gpus=args.gpus)
+                               megatron_args=args.megatron_args, gpus=args.gpus, env=args.env)
     return run_inputs(plans)

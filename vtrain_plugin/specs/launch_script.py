@@ -4,27 +4,32 @@ A launch script is read, never run. Its statements (:mod:`vtrain_plugin.specs.sh
 walked in order: assignments (``NAME=value``, ``NAME+=value``, arrays ``NAME=( ... )``, ``export``)
 set variables, and the training command is the one that runs a ``.py`` file through ``torchrun``,
 ``python -m torch.distributed.run`` (or ``.launch``) or ``python``. Its words are expanded as bash
-does (:mod:`vtrain_plugin.specs.shell_expand`). What cannot be known without running the script
-(command substitutions ``$(...)``, variables the script does not set, positional parameters without
-a default) stays as its own text, so a flag that needs it reports that text.
+does (:mod:`vtrain_plugin.specs.shell_expand`), in an environment that holds only the variables the
+caller gives: ``$SLURM_NNODES`` is unset unless given. What cannot be known without running the
+script (command substitutions ``$(...)``, the script's arguments ``$1``...) stays as its own text, so
+a flag that needs it reports that text.
 
-Whether an ``if``/``for``/``while``/``case`` block runs is not known without running the script. A
-training command inside one is refused; one that reads variables set inside blocks is read once for
-each way those blocks may run or not, and the caller checks that every reading gives the same plan
-(a block that only adds logging flags is harmless; one that adds ``--fp8-format`` is not).
+An ``if`` branch whose condition is decided by the script's own settings
+(:mod:`vtrain_plugin.specs.shell_test`: ``USE_FP8=1; if [ "$USE_FP8" = 1 ]``) runs or not as in bash.
+Whether any other block (``if`` on files or commands, ``for``, ``while``, ``case``) runs is not known
+without running the script: a training command inside one is refused; one that reads variables set
+inside such blocks is read once for each way those blocks may run or not, and the caller checks that
+every reading gives the same plan (a block that only adds logging flags is harmless; one that adds
+``--fp8-format`` is not).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.shell_expand import Environment
-from vtrain_plugin.specs.shell_words import Statement, assignment, read_statements
+from vtrain_plugin.specs.shell_test import condition_holds
+from vtrain_plugin.specs.shell_words import Statement, Word, assignment, read_statements
 
 _OPENERS = {"if", "for", "while", "until", "case", "select"}
 _BRANCHES = {"elif", "else"}
@@ -46,38 +51,39 @@ class LaunchCommand:
     line: int = 0  # where the command starts in its script (0: not from a script)
     blocks: tuple[int, ...] = ()  # lines of the blocks whose assignments the command reads
 
-    def num_gpus(self, gpus: int | None) -> int:
-        """The GPU count: torchrun's ``--nnodes`` x ``--nproc-per-node``, or ``gpus`` (``--gpus``); both
-        given, they must agree."""
+    def num_gpus(self, gpus: int | None) -> tuple[int, str | None]:
+        """The GPU count, and a note when ``gpus`` (``--gpus``) overrides the script's: torchrun's
+        ``--nnodes`` x ``--nproc-per-node`` as written, else ``gpus``. A ``--gpus`` other than the
+        script's count is taken (a script is often written for one node and run on many) and noted; a
+        count inside an elastic ``--nnodes MIN:MAX`` range is one the script allows."""
         if gpus is not None:
             v.positive_int("--gpus", gpus)
         if self.nnodes is None and self.nproc_per_node is None:
             if gpus is None:
                 raise ConfigError("the GPU count is unknown: give --gpus N (or torchrun --nnodes and "
                                   "--nproc-per-node in the script)")
-            return gpus
-        nproc = self.nproc_per_node or "1"
-        where = f"torchrun --nnodes {self.nnodes or 1} x --nproc-per-node {nproc}"
-        counts = [_count(n) for n in (self.nnodes or "1").split(":")]
+            return gpus, None
+        nproc = "1" if self.nproc_per_node is None else self.nproc_per_node
+        nnodes = "1" if self.nnodes is None else self.nnodes
+        where = f"torchrun --nnodes {nnodes or '(empty)'} x --nproc-per-node {nproc or '(empty)'}"
+        counts = [_count(n) for n in nnodes.split(":")]
         per_node = _count(nproc)
         if per_node is None or len(counts) > 2 or None in counts:
             if gpus is None:
                 raise ConfigError(f"the GPU count is unknown: {where} is not a product of whole numbers; give --gpus N")
-            return gpus
+            return gpus, None
         low, high = counts[0], counts[-1]
         if per_node == 0 or low == 0:
             raise ConfigError(f"the GPU count must be positive: {where}")
-        if low == high:
-            written = low * per_node
-            if gpus is not None and gpus != written:
-                raise ConfigError(f"--gpus ({gpus}) disagrees with the script: {where} = {written} GPUs")
-            return written
+        if low == high and gpus is None:
+            return low * per_node, None
         if gpus is None:
             raise ConfigError(f"the GPU count is unknown: {where} is a range of nodes; give --gpus N")
-        if gpus % per_node or not low <= gpus // per_node <= high:
-            raise ConfigError(f"--gpus ({gpus}) disagrees with the script: {where} gives {low * per_node} to "
-                              f"{high * per_node} GPUs in steps of {per_node}")
-        return gpus
+        if gpus % per_node == 0 and low <= gpus // per_node <= high:
+            return gpus, None
+        nodes = f"{low} node{'s' if low > 1 else ''}" if low == high else f"{low} to {high} nodes"
+        total = f" = {low * per_node}" if low == high else ""
+        return gpus, f"--gpus {gpus} overrides the script's {nodes} x {per_node} GPUs{total}"
 
 
 def _count(text: str) -> int | None:
@@ -97,12 +103,13 @@ def launch_command(words: Sequence[str], *, line: int = 0) -> LaunchCommand:
                          nnodes=options.get("nnodes"), nproc_per_node=options.get("nproc_per_node"), line=line)
 
 
-def read_launch_script(text: str) -> tuple[LaunchCommand, ...]:
-    """The training command of a bash launch script (see the module doc): one command, or, when the
-    command reads variables that ``if``/``for``/``while``/``case`` blocks set, one for each way those
-    blocks may run or not that gives a different command line."""
+def read_launch_script(text: str, env: Mapping[str, str] | None = None) -> tuple[LaunchCommand, ...]:
+    """The training command of a bash launch script (see the module doc) run with the environment
+    variables ``env`` (none by default): one command, or, when the command reads variables that
+    ``if``/``for``/``while``/``case`` blocks set, one for each way those blocks may run or not that
+    gives a different command line."""
     statements = read_statements(text)
-    command, blocks = _training_command(statements, frozenset())
+    command, blocks = _training_command(statements, frozenset(), env)
     if len(blocks) > MAX_BLOCKS:
         raise ConfigError(f"line {command.line}: the training command depends on {len(blocks)} if/for/while/case "
                           f"blocks (lines {', '.join(map(str, command.blocks))}); vtrain reads at most {MAX_BLOCKS}")
@@ -110,7 +117,7 @@ def read_launch_script(text: str) -> tuple[LaunchCommand, ...]:
     variants: dict[tuple, LaunchCommand] = {}
     for mask in range(2 ** len(ids)):
         skip = frozenset(block for k, block in enumerate(ids) if mask >> k & 1)
-        variant = _training_command(statements, skip)[0] if skip else command
+        variant = _training_command(statements, skip, env)[0] if skip else command
         variants.setdefault((variant.megatron_args, variant.nnodes, variant.nproc_per_node),
                             replace(variant, blocks=command.blocks))
     return tuple(variants.values())
@@ -120,7 +127,7 @@ def read_command_line(text: str) -> LaunchCommand:
     """A command line as one string (``--megatron-args``): Megatron-LM arguments, with or without a
     launcher in front; line continuations and quotes as bash reads them, no variables set. Without a
     launcher, lines are joined (flags pasted over several lines)."""
-    commands = [(line, words) for line, words, _ in _commands(read_statements(text), frozenset(), {})]
+    commands = [(line, words) for line, words, _ in _commands(read_statements(text), frozenset(), {}, None)]
     launches = [launch_command(words, line=line) for line, words in commands if _has_launcher(words)]
     if len(launches) > 1:
         raise ConfigError(f"expected one command line, got {len(launches)} training commands")
@@ -129,11 +136,12 @@ def read_command_line(text: str) -> LaunchCommand:
     return launch_command([word for _, words in commands for word in words])
 
 
-def _training_command(statements: list[Statement], skip: frozenset[int]) -> tuple[LaunchCommand, frozenset[int]]:
+def _training_command(statements: list[Statement], skip: frozenset[int], env: Mapping[str, str] | None
+                      ) -> tuple[LaunchCommand, frozenset[int]]:
     """The training command when the blocks in ``skip`` do not run, and the blocks it depends on."""
     lines: dict[int, int] = {}
-    found = [(launch_command(words, line=line), blocks) for line, words, blocks in _commands(statements, skip, lines)
-             if _has_launcher(words)]
+    found = [(launch_command(words, line=line), blocks)
+             for line, words, blocks in _commands(statements, skip, lines, env) if _has_launcher(words)]
     if not found:
         raise ConfigError("no training command found: expected torchrun, python -m torch.distributed.run "
                           "or python running a .py script (such as pretrain_gpt.py)")
@@ -146,26 +154,59 @@ def _training_command(statements: list[Statement], skip: frozenset[int]) -> tupl
     return replace(command, blocks=tuple(sorted({lines[b] for b in blocks}))), blocks
 
 
-def _commands(statements: list[Statement], skip: frozenset[int], block_lines: dict[int, int]
-              ) -> Iterator[tuple[int, list[str], frozenset[int]]]:
-    """Walk a script's statements: run its assignments, skip the blocks in ``skip`` (blocks are
-    numbered in order: each if/elif/else branch, loop and case; ``block_lines`` gets their lines),
-    and yield each other command expanded, with its line and the blocks behind the variables it read."""
-    env = Environment()
-    stack: list[int] = []
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """An open block: its id, whether it runs (None: not known without running the script), and
+    whether it is an ``if`` branch (loops and ``case`` are never decided)."""
+
+    id: int
+    runs: bool | None
+    branch: bool
+
+
+def _and(left: bool | None, right: bool | None) -> bool | None:
+    return False if False in (left, right) else None if None in (left, right) else True
+
+
+def _commands(statements: list[Statement], skip: frozenset[int], block_lines: dict[int, int],
+              variables: Mapping[str, str] | None) -> Iterator[tuple[int, list[str], frozenset[int]]]:
+    """Walk a script's statements: run its assignments, skip the blocks in ``skip`` and the ``if``
+    branches whose condition is known to fail (blocks are numbered in order: each if/elif/else branch,
+    loop and case; ``block_lines`` gets their lines), and yield each other command expanded, with its
+    line and the undecided blocks behind the variables it read. ``variables``: the environment."""
+    env = Environment(variables)
+    stack: list[_Block] = []
+    chains: list[bool | None] = []  # per open if: whether every branch so far is known not to run
+    condition: list[tuple[Statement, list[Word]]] | None = None  # the if/elif condition being read
     for statement in statements:
         words = list(statement.words)
         indices = list(range(len(words)))
+        if condition is not None and words[0].literal() != "then":
+            condition.append((statement, words))
+            continue
         while words and words[0].literal() in _KEYWORDS:
             keyword = words.pop(0).literal()
             indices.pop(0)
+            if keyword == "then" and condition is not None:
+                stack[-1] = _branch(env, stack, chains, condition)
+                condition = None
             if keyword in _CLOSERS or (keyword in _BRANCHES and stack):
                 stack = stack[:-1]
+            if keyword == "fi" and chains:
+                chains.pop()
             if keyword in _OPENERS or keyword in _BRANCHES:
                 block_lines[len(block_lines) + 1] = statement.line
-                stack.append(len(block_lines))
-        if any(block in skip for block in stack):
+                stack.append(_Block(len(block_lines), None, keyword in ("if", "elif", "else")))
+                if keyword == "if":
+                    chains.append(True)
+                if keyword in ("if", "elif"):
+                    condition = [(statement, words)] if words else []
+                    break
+                if keyword == "else" and chains:
+                    stack[-1] = _Block(stack[-1].id, chains[-1] if _decidable(stack) else None, True)
+        if condition is not None or any(b.id in skip or b.runs is False for b in stack):
             continue
+        undecided = frozenset(b.id for b in stack if b.runs is None)
         if words and words[0].literal() in _DECLARATIONS:
             keep = [k for k, w in enumerate(words) if k > 0 and not (w.literal() or "").startswith("-")]
             words, indices = [words[k] for k in keep], [indices[k] for k in keep]
@@ -175,14 +216,30 @@ def _commands(statements: list[Statement], skip: frozenset[int], block_lines: di
             if parsed is None:
                 break
             count += 1
-            env.assign(*parsed, statement.arrays.get(index), block=stack[-1] if stack else None)
+            env.assign(*parsed, statement.arrays.get(index), blocks=undecided)
         if count < len(words):
             expanded, blocks = env.expand_command(words[count:])
-            if stack and _has_launcher(expanded):
+            if undecided and _has_launcher(expanded):
                 raise ConfigError(f"line {statement.line}: the training command is inside an if/for/while/case "
-                                  f"block (line {block_lines[stack[-1]]}); vtrain reads the script without "
-                                  f"running it, so write the command outside the block")
+                                  f"block (line {block_lines[max(undecided)]}) that vtrain cannot decide without "
+                                  f"running the script; write the command outside the block")
             yield statement.line, expanded, blocks
+
+
+def _decidable(stack: list[_Block]) -> bool:
+    """Whether the innermost branch's condition may be decided: no loop or case around it."""
+    return all(b.branch for b in stack)
+
+
+def _branch(env: Environment, stack: list[_Block], chains: list[bool | None],
+            condition: list[tuple[Statement, list[Word]]]) -> _Block:
+    """The innermost if/elif branch once its condition is read: it runs when every earlier branch of
+    its ``if`` is known not to run and its condition holds; the ``if`` remembers whether this one
+    is known not to run."""
+    holds = condition_holds(env, condition) if condition and _decidable(stack) else None
+    earlier = chains[-1] if chains else None
+    chains[-1:] = [_and(earlier, None if holds is None else not holds)]
+    return _Block(stack[-1].id, _and(earlier, holds), True)
 
 
 def _has_launcher(words: Sequence[str]) -> bool:
@@ -198,7 +255,8 @@ def _launcher(words: Sequence[str], i: int) -> bool:
 
 
 def _torchrun_options(words: Sequence[str]) -> dict[str, str]:
-    """``--nnodes`` and ``--nproc-per-node`` (either spelling, ``--opt value`` or ``--opt=value``)."""
+    """``--nnodes`` and ``--nproc-per-node`` (either spelling, ``--opt value`` or ``--opt=value``); ""
+    when the value is missing (``--nnodes $SLURM_NNODES`` with the variable unset)."""
     options: dict[str, str] = {}
     for i, word in enumerate(words):
         name, eq, value = word.partition("=")
@@ -206,16 +264,18 @@ def _torchrun_options(words: Sequence[str]) -> dict[str, str]:
         if key in ("nnodes", "nproc_per_node") and name.startswith("--"):
             if eq:
                 options[key] = value
-            elif i + 1 < len(words):
-                options[key] = words[i + 1]
+            else:
+                following = words[i + 1] if i + 1 < len(words) else ""
+                options[key] = "" if following.startswith("-") else following
     return options
 
 
 MAX_SCRIPT_BYTES = 1 << 20  # a launch script is a page of shell, not a megabyte
 
 
-def read_launch_file(path: Path) -> tuple[LaunchCommand, ...]:
-    """The training command of the launch script at ``path`` (at most 1 MiB of UTF-8 text)."""
+def read_launch_file(path: Path, env: Mapping[str, str] | None = None) -> tuple[LaunchCommand, ...]:
+    """The training command of the launch script at ``path`` (at most 1 MiB of UTF-8 text) run with
+    the environment variables ``env``."""
     try:
         with path.open("rb") as f:
             data = f.read(MAX_SCRIPT_BYTES + 1)
@@ -227,4 +287,4 @@ def read_launch_file(path: Path) -> tuple[LaunchCommand, ...]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"not UTF-8 text (byte {exc.start})") from None
-    return read_launch_script(text)
+    return read_launch_script(text, env)

@@ -172,6 +172,7 @@ class MegatronPlan:
     training: TrainingSpec
     unmodelled: tuple[str, ...] = ()  # flags (with values) and notes, for one warning line
     stack_reason: str = ""  # which flag chose training.software_stack (software_stack)
+    assumed: tuple[str, ...] = ()  # what vtrain chose where the command line is silent or overridden
 
     @property
     def warning(self) -> str | None:
@@ -179,9 +180,14 @@ class MegatronPlan:
             return None
         return unmodelled_warning("Megatron-LM arguments", self.unmodelled)
 
+    @property
+    def note(self) -> str | None:
+        return "; ".join(self.assumed) or None
+
 
 def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> MegatronPlan:
-    """The specs of a Megatron-LM command line on ``command.num_gpus(gpus)`` GPUs (see the module doc)."""
+    """The specs of a Megatron-LM command line on ``command.num_gpus(gpus)`` GPUs (see the module doc);
+    a ``gpus`` that overrides the script's count, and sizes vtrain assumed, are in ``assumed``."""
     _refuse_entry_point(command.script)
     given = parse_flags(command.megatron_args)
     stack, stack_reason = software_stack(given)
@@ -201,14 +207,16 @@ def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> Megatro
     if "micro_batch_size" not in values["parallel"]:
         raise ConfigError("--micro-batch-size is required")
     notes = [_shown(flag, given[flag]) for flag in given if flag in PERFORMANCE_FLAGS]
+    num_gpus, override = command.num_gpus(gpus)
+    assumed = [override] if override else []
     tp = values["parallel"].setdefault("tensor_parallel", 1)
     values["parallel"].setdefault("pipeline_parallel", 1)
-    values["model"].update(model_fields(given, values["model"], tensor_parallel=tp, notes=notes))
+    values["model"].update(model_fields(given, values["model"], tensor_parallel=tp, notes=notes, assumed=assumed))
     model = ModelSpec(**values["model"])
-    parallel = _parallel(given, values["parallel"], model, command.num_gpus(gpus), notes)
+    parallel = _parallel(given, values["parallel"], model, num_gpus, notes)
     training = _training(given, values["training"], model, parallel, stack_reason)
     return MegatronPlan(model=model, parallel=parallel, training=training, unmodelled=tuple(notes),
-                        stack_reason=stack_reason)
+                        stack_reason=stack_reason, assumed=tuple(assumed))
 
 
 def _refuse_entry_point(script: str) -> None:
@@ -240,8 +248,9 @@ def script_plan(commands: Sequence[LaunchCommand], *, gpus: int | None = None) -
             raise first
     elif all(isinstance(o, MegatronPlan) and (o.model, o.parallel, o.training) ==
              (first.model, first.parallel, first.training) for o in outcomes):
-        notes = dict.fromkeys(note for o in outcomes if isinstance(o, MegatronPlan) for note in o.unmodelled)
-        return replace(first, unmodelled=tuple(notes))
+        plans = [o for o in outcomes if isinstance(o, MegatronPlan)]
+        return replace(first, unmodelled=tuple(dict.fromkeys(n for o in plans for n in o.unmodelled)),
+                       assumed=tuple(dict.fromkeys(n for o in plans for n in o.assumed)))
     command = commands[0]
     raise ConfigError(
         f"line {command.line}: the plan depends on whether the if/for/while/case blocks at line"

@@ -25,6 +25,19 @@ Given = Mapping[str, Any]  # the flags a command line gives, each to its value, 
 _POSITIONS = {Family.GPT: "learned_absolute", Family.LLAMA: "rope"}
 # Tokenizers whose vocabulary size is fixed by the tokenizer itself (Megatron-LM's GPT-2 BPE files).
 TOKENIZER_VOCAB_SIZES = {"GPT2BPETokenizer": 50257}
+# The size of the tokenizer file a tokenizer type is written for, taken (with a note) when no
+# --vocab-size is given: Llama2Tokenizer loads Llama-2's SentencePiece model (32000 tokens; Mistral's
+# and Mixtral 8x7B's are 32000 too).
+TOKENIZER_FILE_SIZES = {"Llama2Tokenizer": ("Llama-2's SentencePiece model", 32000)}
+# HuggingFaceTokenizer's --tokenizer-model names whose size is public (len(tokenizer), what
+# Megatron-LM's HuggingFaceTokenizer gives: the model cards' vocab_size, special tokens included).
+HF_TOKENIZER_SIZES = {
+    "gpt2": 50257,
+    "meta-llama/Llama-2-7b-hf": 32000, "meta-llama/Llama-2-13b-hf": 32000, "meta-llama/Llama-2-70b-hf": 32000,
+    "meta-llama/Meta-Llama-3-8B": 128256, "meta-llama/Meta-Llama-3-70B": 128256,
+    "meta-llama/Llama-3.1-8B": 128256, "meta-llama/Llama-3.1-70B": 128256, "meta-llama/Llama-3.1-405B": 128256,
+    "mistralai/Mistral-7B-v0.1": 32000, "mistralai/Mixtral-8x7B-v0.1": 32000,
+}
 MOE_LOAD_BALANCING = "aux_loss"  # the router's loss vtrain traces (megatron_adapters.moe.LOAD_BALANCING)
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's default --make-vocab-size-divisible-by, which ModelSpec pads to
 
@@ -52,10 +65,10 @@ def data_type(given: Given) -> Dtype:
     return Dtype.FP16 if given.get("--fp16") else Dtype.BF16 if given.get("--bf16") else Dtype.FP32
 
 
-def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: int, notes: list[str]
-                 ) -> dict[str, Any]:
+def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: int, notes: list[str],
+                 assumed: list[str]) -> dict[str, Any]:
     """The ModelSpec fields the flags give besides the directly mapped ``fields``; what is not
-    modelled but accepted is appended to ``notes``."""
+    modelled but accepted is appended to ``notes``, sizes taken where the flags are silent to ``assumed``."""
     for name, flag in (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
                        ("num_attention_heads", "--num-attention-heads")):
         if name not in fields:
@@ -64,7 +77,7 @@ def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: in
     family = _family(given, notes)
     out: dict[str, Any] = {"family": family, "dtype": data_type(given), "seq_length": _seq_length(given, fields),
                            "tied_embeddings": not given.get("--untie-embeddings-and-output-weights"),
-                           "vocab_size": vocab_size(given, tensor_parallel)}
+                           "vocab_size": vocab_size(given, tensor_parallel, assumed)}
     if "--ffn-hidden-size" in given:
         out["ffn_hidden_size"] = positive_int("--ffn-hidden-size", given["--ffn-hidden-size"])
     elif family is Family.LLAMA:  # Megatron-LM's default for --swiglu: 2/3 of 4h, down to a multiple of 64
@@ -133,11 +146,13 @@ def _position_table(given: Given, family: Family, seq_length: int, notes: list[s
         notes.append(f"--max-position-embeddings {rows} (vtrain's position table has --seq-length {seq_length} rows)")
 
 
-def vocab_size(given: Given, tensor_parallel: int) -> int:
+def vocab_size(given: Given, tensor_parallel: int, assumed: list[str]) -> int:
     """The vocabulary before ModelSpec pads it to a multiple of 128 x TP: the tokenizer's size
     (``--vocab-size``, plus the end-of-document token NullTokenizer adds; or the fixed size of a
-    known tokenizer). With another ``--make-vocab-size-divisible-by`` Megatron-LM's padded size is
-    given, when ModelSpec's padding keeps it."""
+    known tokenizer). Without either, the size the tokenizer's files imply (GPT-2's BPE files, a
+    known tokenizer model) is taken and noted in ``assumed``; the vocabulary shapes the embedding and
+    the output layer, so it is never guessed beyond that. With another ``--make-vocab-size-divisible-by``
+    Megatron-LM's padded size is given, when ModelSpec's padding keeps it."""
     tokenizer = given.get("--tokenizer-type")
     if tokenizer in TOKENIZER_VOCAB_SIZES:
         size = TOKENIZER_VOCAB_SIZES[tokenizer]
@@ -147,9 +162,53 @@ def vocab_size(given: Given, tensor_parallel: int) -> int:
     elif "--vocab-size" in given:
         size = positive_int("--vocab-size", given["--vocab-size"]) + (tokenizer == "NullTokenizer")
     else:
-        what = f"--tokenizer-type {tokenizer}" if tokenizer else "no --tokenizer-type"
-        raise ConfigError(f"the vocabulary size is unknown ({what}): give --vocab-size N, the tokenizer's size "
-                          f"before Megatron-LM pads it")
+        size = _implied_vocab_size(given, assumed)
+    divisor = positive_int("--make-vocab-size-divisible-by",
+                           given.get("--make-vocab-size-divisible-by", VOCAB_DIVISIBLE_BY))
+    if divisor == VOCAB_DIVISIBLE_BY:
+        return size
+    multiple = divisor * tensor_parallel
+    padded = -(-size // multiple) * multiple
+    if padded % (VOCAB_DIVISIBLE_BY * tensor_parallel):
+        raise ConfigError(
+            f"--make-vocab-size-divisible-by {divisor}: Megatron-LM pads the vocabulary ({size}) to {padded}, a "
+            f"multiple of {divisor} x TP {tensor_parallel}; vtrain pads to multiples of {VOCAB_DIVISIBLE_BY} x TP "
+            f"and {padded} is not one: not modelled by vtrain yet")
+    return padded
+
+
+def _implied_vocab_size(given: Given, assumed: list[str]) -> int:
+    """The vocabulary size a tokenizer without ``--vocab-size`` implies, noted in ``assumed``; else the
+    refusal names the flag to add."""
+    tokenizer, model = given.get("--tokenizer-type"), given.get("--tokenizer-model")
+    if tokenizer is None and "--vocab-file" in given and "--merge-file" in given:
+        what, size = "--vocab-file and --merge-file (no --tokenizer-type) taken as GPT-2's BPE files", 50257
+    elif tokenizer in TOKENIZER_FILE_SIZES:
+        name, size = TOKENIZER_FILE_SIZES[tokenizer]
+        what = f"--tokenizer-type {tokenizer} taken as {name}"
+    elif tokenizer == "HuggingFaceTokenizer" and _hf_name(model):
+        name = _hf_name(model)
+        size = HF_TOKENIZER_SIZES[name]
+        what = f"--tokenizer-model {model}" + (f" taken as {name}" if name != model else "")
+    else:
+        shown = " ".join(f"{flag} {given[flag]}" for flag in ("--tokenizer-type", "--tokenizer-model") if flag in given)
+        raise ConfigError(f"the vocabulary size is unknown ({shown or 'no --tokenizer-type'}): add --vocab-size N, "
+                          f"the tokenizer's size before Megatron-LM pads it")
+    assumed.append(f"{what} ({size} tokens; add --vocab-size N if not)")
+    return size
+
+
+def _hf_name(model: Any) -> str | None:
+    """The known Hugging Face tokenizer ``--tokenizer-model`` names: the name itself, or a local copy
+    in a folder of the same name (``/models/Meta-Llama-3-8B``)."""
+    if not isinstance(model, str):
+        return None
+    if model in HF_TOKENIZER_SIZES:
+        return model
+    folder = model.rstrip("/").rsplit("/", 1)[-1]
+    return next((name for name in HF_TOKENIZER_SIZES if name.rsplit("/", 1)[-1] == folder), None)
+
+
     divisor = positive_int("--make-vocab-size-divisible-by",
                            given.get("--make-vocab-size-divisible-by", VOCAB_DIVISIBLE_BY))
     if divisor == VOCAB_DIVISIBLE_BY:

@@ -44,6 +44,8 @@ class Statement:
     line: int
     words: list[Word] = field(default_factory=list)
     arrays: dict[int, list[Word]] = field(default_factory=dict)  # word index of ``NAME=`` -> elements
+    separator: str = ""  # the operator that ends it (``&&``, ``||``, ``;``, newline...; "" at the end)
+    redirected: bool = False  # a redirection was dropped from it
 
 
 class _Lexer:
@@ -97,8 +99,10 @@ class _Lexer:
                 if op in REDIRECTIONS:
                     self.i += len(op)
                     self._redirection(op)
+                    statement.redirected = True
                     continue
                 if statement.words:
+                    statement.separator = op
                     self.statements.append(statement)
                 self._newline(op)
                 statement = Statement(self.line)
