@@ -62,6 +62,14 @@ def test_sample_batch_is_one_micro_batch_and_tokens_per_second_is_reported():
     assert estimate(stated, cluster=cluster, training=TrainingSpec(global_batch_size=8)).tokens_per_second > 0
 
 
+def test_what_trace_cannot_take_is_refused_in_one_line():
+    from vtrain_plugin.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model must be a ModelSpec, a megatron-core TransformerConfig or "
+                                          r"GPTModel, or a torch.nn.Module; got str$"):
+        trace("gpt3-175b", vocab_size=51200, seq_length=2048)
+
+
 def test_the_traced_module_is_run_with_meta_stand_ins_and_left_as_it_was():
     """Regression: the module was deep-copied first, which fails on one that holds what cannot be
     copied (megatron-core layers hold their process groups)."""
