@@ -105,7 +105,8 @@ def test_a_built_gpt_model_is_traced_and_estimated_for_another_plan_inside_a_tra
     assert own.stages[0].num_parameters == sum(p.numel() for p in model.parameters())
 
     plan = vtrain.ParallelPlan(tensor_parallel=2, pipeline_parallel=2, data_parallel=2)
-    graph = _traced_in_script(process_groups, [model], plan, sample_input=_tokens())  # Megatron-LM's chunk list
+    wrapped = [torch.nn.parallel.DistributedDataParallel(model)]  # a script's wrapped list of model chunks
+    graph = _traced_in_script(process_groups, wrapped, plan, sample_input=_tokens())
     assert graph.parallel == vtrain.ParallelPlan(tensor_parallel=2, pipeline_parallel=2, data_parallel=2,
                                                  micro_batch_size=BATCH)
     layer = graph.stages[0].layer_template()

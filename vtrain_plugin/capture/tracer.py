@@ -8,9 +8,13 @@ traced with ``traced_layers`` layers, which must come out identical, and the fol
 for all of the chunk's layers. Chunk traces are cached by their shape key
 (:func:`~vtrain_plugin.capture.chunk.shape_key`) in this process and on disk
 (:mod:`~vtrain_plugin.capture.disk_cache`); torch and megatron-core are imported only when a chunk
-is in neither, so re-estimating a plan traced before loads neither.
+is in neither, so re-estimating a plan traced before loads neither. While this process's
+``torch.distributed`` is initialised (a training script), chunks are traced in a child process
+(:mod:`~vtrain_plugin.capture.child_trace`), leaving the script's process groups alone.
 
-A plain ``torch.nn.Module`` with a sample input is traced on the meta device as a single stage.
+A built megatron-core ``GPTModel`` is traced as the ModelSpec it was built from
+(:mod:`megatron_adapters.gpt_model`). Any other ``torch.nn.Module`` with a sample input is traced on
+the meta device as a single stage.
 """
 
 from __future__ import annotations
