@@ -168,7 +168,7 @@ def test_a_plain_module_that_holds_a_process_group_is_traced(process_groups):
 
 
 @pytest.mark.parametrize("build, kwargs, message", [
-    (lambda: _gpt_model(_config(), position_embedding_type="rope"), dict(sample_input=torch.zeros(2, SEQ, dtype=torch.long)),
+    (lambda: _gpt_model(_config(), position_embedding_type="rope"), dict(seq_length=SEQ),
      "GPTModel.position_embedding_type='rope' with normalization='LayerNorm': vtrain traces the gpt layer "
      "with position_embedding_type='learned_absolute'"),
     (lambda: _gpt_model(_config()), dict(sample_input=torch.randn(2, SEQ)),

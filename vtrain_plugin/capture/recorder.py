@@ -77,7 +77,8 @@ class OpRecorder:
         self.saved_nbytes: dict[str, int] = {}  # activation bytes kept for backward, per module
         self._saved: list[weakref.ref[_SavedTensor]] = []  # in the order forward saved them
         self._last_layer = ""  # the transformer layer whose forward started last
-        self._param_storages: set[int] = {stand_ins.get(id(p), p).untyped_storage()._cdata for p in root.parameters()}
+        self._param_storages: set[int] = {stand_ins.get(id(p), p).untyped_storage()._cdata
+                                          for p in root.parameters()}
         self._module_override: str | None = None
         self._default_module = ""
         for name, module in root.named_modules(prefix=prefix):

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_adapters.conventions import chunk_role
 from vtrain_plugin.capture import disk_cache, folding
 from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
-from vtrain_plugin.capture.child_trace import trace_chunks
+from vtrain_plugin.capture.child_trace import Role, trace_chunks
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import OpGraph, StageGraph
 from vtrain_plugin.specs.model import ModelSpec
@@ -64,11 +64,11 @@ def trace(model: Any, parallel: ParallelPlan | None = None, *, micro_batch_size:
     ``GPTModel`` (or a training script's wrapped list of them: read as its config, vocabulary,
     position embedding and embedding tying, see :mod:`megatron_adapters.gpt_model`; the micro-batch
     and tokens per sample are ``sample_input``'s, its input_ids, else ``micro_batch_size`` and
-    ``seq_length``), or any other built ``torch.nn.Module`` (then ``sample_input`` is required: its first dimension is the
-    micro-batch size; ``seq_length`` is the tokens per sample, read from the input when it is a
-    2-D integer tensor of token ids, else unknown and tokens/s is not reported). ``parallel`` defaults to one GPU;
-    ``micro_batch_size`` overrides the plan's. ``traced_layers`` is how many layers of each chunk
-    are actually built and run (``None``: all of them).
+    ``seq_length``), or any other built ``torch.nn.Module`` (then ``sample_input`` is required: its
+    first dimension is the micro-batch size; ``seq_length`` is the tokens per sample, read from the
+    input when it is a 2-D integer tensor of token ids, else unknown and tokens/s is not reported).
+    ``parallel`` defaults to one GPU; ``micro_batch_size`` overrides the plan's. ``traced_layers`` is
+    how many layers of each chunk are actually built and run (``None``: all of them).
     """
     if not isinstance(model, ModelSpec):
         import torch  # here, not at module level: a ModelSpec traced before needs no torch at all
@@ -131,12 +131,11 @@ def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, i
                  for role, (rank, chunk, num_layers) in zip(roles, chunks, strict=True))
 
 
-def _chunk_traces(model: ModelSpec, plan: ParallelPlan, roles: list[tuple[bool, bool, int]]
-                  ) -> dict[tuple[bool, bool, int], ChunkTrace]:
+def _chunk_traces(model: ModelSpec, plan: ParallelPlan, roles: list[Role]) -> dict[Role, ChunkTrace]:
     """Each role's trace from this process's cache, else the disk cache, else traced (and stored in
     both); the roles in neither are traced together (in a child process when this one's
     torch.distributed is in use: :mod:`~vtrain_plugin.capture.child_trace`)."""
-    found: dict[tuple[bool, bool, int], ChunkTrace] = {}
+    found: dict[Role, ChunkTrace] = {}
     missing = []
     for role in dict.fromkeys(roles):
         key = shape_key(model, plan, *role)
