@@ -16,6 +16,7 @@ vtrain's own: the router's load-balancing loss is the auxiliary loss of Megatron
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,13 @@ UNMODELLED = (
     Unmodelled("heterogeneous_block_specs", _is_false, "heterogeneous layers"),
     *(Unmodelled(feature.config_field, _is_false, feature.what) for feature in REFUSED),
 )
+
+
+def is_transformer_config(value: Any) -> bool:
+    """Whether ``value`` is a megatron-core TransformerConfig (or a subclass); megatron-core is not
+    imported to answer: a process that built one has it loaded."""
+    module = sys.modules.get("megatron.core.transformer.transformer_config")
+    return module is not None and isinstance(value, module.TransformerConfig)
 
 
 def refuse_unmodelled(config: Any) -> None:

@@ -106,6 +106,10 @@ def train(model: ModelSpec, plan: ParallelPlan, *, num_microbatches: int, iterat
 
     if plan.world_size != 1:
         raise ConfigError(f"real training runs on one device; parallel world size is {plan.world_size}")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise ConfigError("validate trains on a fake process group of its own and cannot while this process's "
+                          "torch.distributed is initialized: run `vtrain validate` apart from the training script "
+                          "(inside it, time the script's own iterations with vtrain.IterationRecorder)")
     if model.is_moe:
         raise ConfigError(f"model.num_experts ({model.num_experts}): real training of MoE models is not supported "
                           f"yet (their estimates route tokens by an assumption, real training by the data)")

@@ -60,3 +60,39 @@ def test_sample_batch_is_one_micro_batch_and_tokens_per_second_is_reported():
     assert estimate(dense, cluster=cluster, training=TrainingSpec(global_batch_size=8)).tokens_per_second is None
     stated = trace(TwoLayer(), sample_input=torch.randn(8, 32), seq_length=4)
     assert estimate(stated, cluster=cluster, training=TrainingSpec(global_batch_size=8)).tokens_per_second > 0
+
+
+def test_what_trace_cannot_take_is_refused_in_one_line():
+    from vtrain_plugin.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model must be a ModelSpec, a megatron-core TransformerConfig or "
+                                          r"GPTModel, or a torch.nn.Module; got str$"):
+        trace("gpt3-175b", vocab_size=51200, seq_length=2048)
+
+
+def test_the_traced_module_is_run_with_meta_stand_ins_and_left_as_it_was():
+    """Regression: the module was deep-copied first, which fails on one that holds what cannot be
+    copied (megatron-core layers hold their process groups)."""
+    import threading
+
+    class HoldsALock(TwoLayer):
+        def __init__(self):
+            super().__init__()
+            self.lock = threading.Lock()  # copy.deepcopy: "cannot pickle '_thread.lock' object"
+
+    module = HoldsALock()
+    before = {name: t.clone() for name, t in module.state_dict().items()}
+    graph = trace(module, sample_input=torch.randn(8, 32))
+    assert graph.stages[0].num_parameters == 32 * 64 + 64 + 64 * 16 + 16
+    assert all(torch.equal(t, before[name]) for name, t in module.state_dict().items())
+    assert all(p.device.type == "cpu" and p.grad is None for p in module.parameters())
+    assert not module._forward_hooks and not module.fc1._forward_pre_hooks
+
+
+def test_tied_weights_stay_tied_and_are_counted_once():
+    module = TinyLM()
+    module.head.weight = module.embed.weight
+    graph = trace(module, sample_input=torch.zeros(2, 16, dtype=torch.long))
+    assert graph.stages[0].num_parameters == 100 * 32 + 100
+    optimizer = [op for op in graph.stages[0].blocks[0].ops() if op.phase is Phase.OPTIMIZER]
+    assert sorted(op.output_shapes for op in optimizer if op.op == "aten.sqrt.default") == [((100,),), ((100, 32),)]

@@ -1,8 +1,12 @@
-"""Tracing a plain ``torch.nn.Module`` on the meta device, as one stage: ``trace(module, sample_input=...)``."""
+"""Tracing a plain ``torch.nn.Module`` on the meta device, as one stage: ``trace(module, sample_input=...)``.
+
+The module is run with meta stand-ins for its parameters and buffers
+(``torch.func.functional_call``), never copied: a module that holds what cannot be copied or
+pickled (process groups, file handles, locks) traces too, and its own tensors are left as they are.
+"""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +14,7 @@ import torch
 
 from vtrain_plugin.capture import folding
 from vtrain_plugin.capture.recorder import OpRecorder
+from vtrain_plugin.capture.sample_input import as_arguments, sample_shape
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import Block, BlockKind, OpGraph, ParallelGroup, Phase, StageGraph
 from vtrain_plugin.specs.parallel import ParallelPlan
@@ -19,13 +24,14 @@ def trace_module(module: torch.nn.Module, sample_input: Any, loss_fn: Callable |
                  seq_length: int | None) -> OpGraph:
     """Trace a plain module on the meta device: forward, loss, backward, Adam step, one stage. The
     sample input is one micro-batch."""
-    meta = copy.deepcopy(module).to("meta")
-    inputs = _to_meta(sample_input if isinstance(sample_input, (tuple, list)) else (sample_input,))
-    recorder = OpRecorder(meta)
-    params = [p for p in meta.parameters() if p.requires_grad]
+    originals = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    stand_ins = {name: _meta_like(t) for name, t in originals.items()}
+    inputs = _to_meta(as_arguments(sample_input))
+    recorder = OpRecorder(module, stand_ins={id(originals[name]): t for name, t in stand_ins.items()})
+    params = [stand_ins[name] for name, p in module.named_parameters() if p.requires_grad]
     with recorder.recording():
         with recorder.phase(Phase.FORWARD):
-            output = meta(*inputs)
+            output = torch.func.functional_call(module, stand_ins, inputs)
             with recorder.module("loss"):
                 loss = loss_fn(output) if loss_fn is not None else output.float().mean()
         with recorder.phase(Phase.BACKWARD):
@@ -38,15 +44,19 @@ def trace_module(module: torch.nn.Module, sample_input: Any, loss_fn: Callable |
     block = Block(kind=BlockKind.STAGE, name="model", nodes=tuple(nodes),
                   num_parameters=sum(p.numel() for p in params), parameter_numels=tuple(p.numel() for p in params))
     stage = StageGraph(pipeline_rank=0, blocks=(block,))
-    first = inputs[0] if inputs else None
-    batch = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
+    shape = sample_shape(sample_input)
+    batch = shape.micro_batch_size
     if seq_length is None:
-        token_ids = isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point()
-        seq_length = int(first.shape[1]) if token_ids else 0
+        seq_length = shape.seq_length or 0
     elif not (isinstance(seq_length, int) and seq_length > 0):
         raise ConfigError(f"seq_length must be a positive integer, got {seq_length!r}")
     return OpGraph(model=None, module_name=type(module).__name__, parallel=ParallelPlan(micro_batch_size=batch),
                    micro_batch_size=batch, seq_length=seq_length, stages=(stage,))
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A leaf on the meta device with ``tensor``'s shape, dtype and ``requires_grad``."""
+    return tensor.detach().to("meta").requires_grad_(tensor.requires_grad)
 
 
 def _to_meta(value: Any) -> Any:

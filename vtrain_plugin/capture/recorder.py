@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -63,7 +63,11 @@ class _DispatchRecorder(TorchDispatchMode):
 class OpRecorder:
     """Attach to a module tree, then run a step inside :meth:`recording` and read :attr:`records`."""
 
-    def __init__(self, root: torch.nn.Module, *, prefix: str = "") -> None:
+    def __init__(self, root: torch.nn.Module, *, prefix: str = "",
+                 stand_ins: Mapping[int, torch.Tensor] | None = None) -> None:
+        """``stand_ins``: the tensors that run in place of ``root``'s parameters, by the ``id`` of
+        the parameter each stands for (``torch.func.functional_call``); none: the parameters run."""
+        stand_ins = stand_ins or {}
         self.records: list[Record] = []
         self.enabled = True
         self._phase = Phase.FORWARD
@@ -73,14 +77,15 @@ class OpRecorder:
         self.saved_nbytes: dict[str, int] = {}  # activation bytes kept for backward, per module
         self._saved: list[weakref.ref[_SavedTensor]] = []  # in the order forward saved them
         self._last_layer = ""  # the transformer layer whose forward started last
-        self._param_storages: set[int] = {p.untyped_storage()._cdata for p in root.parameters()}
+        self._param_storages: set[int] = {stand_ins.get(id(p), p).untyped_storage()._cdata
+                                          for p in root.parameters()}
         self._module_override: str | None = None
         self._default_module = ""
         for name, module in root.named_modules(prefix=prefix):
             self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(name)))
             self._handles.append(module.register_forward_hook(self._make_post_hook(name)))
             for p in module.parameters(recurse=False):
-                self._param_owner[id(p)] = name
+                self._param_owner[id(stand_ins.get(id(p), p))] = name
 
     # -- public -----------------------------------------------------------------------------
     def param_owner(self, param: torch.Tensor) -> str:

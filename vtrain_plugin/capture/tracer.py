@@ -8,9 +8,13 @@ traced with ``traced_layers`` layers, which must come out identical, and the fol
 for all of the chunk's layers. Chunk traces are cached by their shape key
 (:func:`~vtrain_plugin.capture.chunk.shape_key`) in this process and on disk
 (:mod:`~vtrain_plugin.capture.disk_cache`); torch and megatron-core are imported only when a chunk
-is in neither, so re-estimating a plan traced before loads neither.
+is in neither, so re-estimating a plan traced before loads neither. While this process's
+``torch.distributed`` is initialised (a training script), chunks are traced in a child process
+(:mod:`~vtrain_plugin.capture.child_trace`), leaving the script's process groups alone.
 
-A plain ``torch.nn.Module`` with a sample input is traced on the meta device as a single stage.
+A built megatron-core ``GPTModel`` is traced as the ModelSpec it was built from
+(:mod:`megatron_adapters.gpt_model`). Any other ``torch.nn.Module`` with a sample input is traced on
+the meta device as a single stage.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_adapters.conventions import chunk_role
 from vtrain_plugin.capture import disk_cache, folding
 from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
+from vtrain_plugin.capture.child_trace import Role, trace_chunks
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import OpGraph, StageGraph
 from vtrain_plugin.specs.model import ModelSpec
@@ -55,23 +60,33 @@ def trace(model: Any, parallel: ParallelPlan | None = None, *, micro_batch_size:
     ``model`` is a :class:`ModelSpec`, a megatron-core ``TransformerConfig`` (then ``vocab_size``
     and ``seq_length`` are required; the GPT or Llama layer is read from its fields, its TP / PP /
     virtual pipeline / SP / recompute are the plan when ``parallel`` is None and must agree with
-    ``parallel`` otherwise, and fields vtrain does not model yet are refused), or a
-    built ``torch.nn.Module`` (then ``sample_input`` is required: its first dimension is the
-    micro-batch size; ``seq_length`` is the tokens per sample, read from the input when it is a
-    2-D integer tensor of token ids, else unknown and tokens/s is not reported). ``parallel`` defaults to one GPU;
-    ``micro_batch_size`` overrides the plan's. ``traced_layers`` is how many layers of each chunk
-    are actually built and run (``None``: all of them).
+    ``parallel`` otherwise, and fields vtrain does not model yet are refused), a built megatron-core
+    ``GPTModel`` (or a training script's wrapped list of them: read as its config, vocabulary,
+    position embedding and embedding tying, see :mod:`megatron_adapters.gpt_model`; the micro-batch
+    and tokens per sample are ``sample_input``'s, its input_ids, else ``micro_batch_size`` and
+    ``seq_length``), or any other built ``torch.nn.Module`` (then ``sample_input`` is required: its
+    first dimension is the micro-batch size; ``seq_length`` is the tokens per sample, read from the
+    input when it is a 2-D integer tensor of token ids, else unknown and tokens/s is not reported).
+    ``parallel`` defaults to one GPU; ``micro_batch_size`` overrides the plan's. ``traced_layers`` is
+    how many layers of each chunk are actually built and run (``None``: all of them).
     """
     if not isinstance(model, ModelSpec):
         import torch  # here, not at module level: a ModelSpec traced before needs no torch at all
 
-        if isinstance(model, torch.nn.Module):
+        from megatron_adapters.gpt_model import find_gpt_model
+
+        gpt = find_gpt_model(model)
+        if gpt is not None:
+            model, parallel = _from_gpt_model(gpt, parallel, sample_input=sample_input, seq_length=seq_length,
+                                              micro_batch_size=micro_batch_size)
+        elif isinstance(model, torch.nn.Module):
             if sample_input is None:
                 raise ConfigError("sample_input is required to trace a plain torch.nn.Module")
             from vtrain_plugin.capture.module_trace import trace_module
 
             return trace_module(model, sample_input, loss_fn, seq_length=seq_length)
-        model, parallel = _from_transformer_config(model, parallel, vocab_size=vocab_size, seq_length=seq_length)
+        else:
+            model, parallel = _from_transformer_config(model, parallel, vocab_size=vocab_size, seq_length=seq_length)
     plan = parallel or ParallelPlan()
     if micro_batch_size is not None:
         plan = replace(plan, micro_batch_size=micro_batch_size)
@@ -83,12 +98,10 @@ def trace(model: Any, parallel: ParallelPlan | None = None, *, micro_batch_size:
 def trace_gpt(model: ModelSpec, plan: ParallelPlan, *, traced_layers: int | None = DEFAULT_TRACED_LAYERS) -> OpGraph:
     plan.check_fits(model)
     layers = plan.chunk_layers(model)
-    stages = []
-    for chunk in range(plan.virtual_pipeline):
-        for rank in range(plan.pipeline_parallel):
-            stages.append(_stage(model, plan, rank, chunk, layers[rank][chunk], traced_layers))
+    chunks = [(rank, chunk, layers[rank][chunk]) for chunk in range(plan.virtual_pipeline)
+              for rank in range(plan.pipeline_parallel)]
     return OpGraph(model=model, parallel=plan, micro_batch_size=plan.micro_batch_size,
-                   seq_length=model.seq_length, stages=tuple(stages))
+                   seq_length=model.seq_length, stages=_stages(model, plan, chunks, traced_layers))
 
 
 def trace_stage(model: ModelSpec, plan: ParallelPlan, *, pipeline_rank: int, chunk: int = 0,
@@ -97,43 +110,60 @@ def trace_stage(model: ModelSpec, plan: ParallelPlan, *, pipeline_rank: int, chu
     plan.check_fits(model)
     if not 0 <= pipeline_rank < plan.pipeline_parallel:
         raise ConfigError(f"pipeline_rank must be in [0, {plan.pipeline_parallel}), got {pipeline_rank}")
-    return _stage(model, plan, pipeline_rank, chunk, plan.chunk_layers(model)[pipeline_rank][chunk], traced_layers)
+    num_layers = plan.chunk_layers(model)[pipeline_rank][chunk]
+    (stage,) = _stages(model, plan, [(pipeline_rank, chunk, num_layers)], traced_layers)
+    return stage
 
 
-def _stage(model: ModelSpec, plan: ParallelPlan, rank: int, chunk: int, num_layers: int,
-           traced_layers: int | None) -> StageGraph:
-    """One chunk of ``num_layers`` layers, traced with at most ``traced_layers`` of them built (and
-    at least one: a chunk that holds only the embedding or the loss, as an uneven split may leave
-    one, is traced with a layer and folded to none)."""
-    built = max(1, num_layers if traced_layers is None else min(num_layers, traced_layers))
-    role = chunk_role(plan, rank, chunk)
-    traced = _trace_chunk_cached(model, plan, role.pre_process, role.post_process, built)
-    return _assemble_stage(traced, rank, chunk, num_layers)
+def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, int]],
+            traced_layers: int | None) -> tuple[StageGraph, ...]:
+    """The stages of ``chunks`` (pipeline rank, chunk, layers). A chunk of ``num_layers`` layers is
+    traced with at most ``traced_layers`` of them built (and at least one: a chunk that holds only the
+    embedding or the loss, as an uneven split may leave one, is traced with a layer and folded to
+    none); chunks of one role share a trace."""
+    roles = []
+    for rank, chunk, num_layers in chunks:
+        role = chunk_role(plan, rank, chunk)
+        built = max(1, num_layers if traced_layers is None else min(num_layers, traced_layers))
+        roles.append((role.pre_process, role.post_process, built))
+    traces = _chunk_traces(model, plan, roles)
+    return tuple(_assemble_stage(traces[role], rank, chunk, num_layers)
+                 for role, (rank, chunk, num_layers) in zip(roles, chunks, strict=True))
 
 
-def _trace_chunk_cached(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> ChunkTrace:
-    """The chunk's trace from this process's cache, else the disk cache, else traced (and stored in both)."""
-    key = shape_key(model, plan, pre, post, built)
-    hit = _cache.get(key)
-    if hit is not None:
-        _cache.move_to_end(key)
-        return hit
-    traced = disk_cache.load(key)
-    if traced is not None:
-        log.info("read chunk (pre=%s post=%s, %d layers) from the trace cache", pre, post, built)
-    else:
-        # torch and megatron-core are loaded here, when a chunk must really be traced, and only then.
-        from vtrain_plugin.capture.megatron_chunk import trace_chunk
-
+def _chunk_traces(model: ModelSpec, plan: ParallelPlan, roles: list[Role]) -> dict[Role, ChunkTrace]:
+    """Each role's trace from this process's cache, else the disk cache, else traced (and stored in
+    both); the roles in neither are traced together (in a child process when this one's
+    torch.distributed is in use: :mod:`~vtrain_plugin.capture.child_trace`)."""
+    found: dict[Role, ChunkTrace] = {}
+    missing = []
+    for role in dict.fromkeys(roles):
+        key = shape_key(model, plan, *role)
+        traced = _cache.get(key)
+        if traced is not None:
+            _cache.move_to_end(key)
+        elif (traced := disk_cache.load(key)) is not None:
+            log.info("read chunk (pre=%s post=%s, %d layers) from the trace cache", *role)
+            _remember(key, traced)
+        else:
+            missing.append(role)
+            continue
+        found[role] = traced
+    if missing:
         start = time.perf_counter()
-        traced = trace_chunk(model, plan, pre, post, built)
-        log.info("traced chunk (pre=%s post=%s, %d layers) in %.2f s", pre, post, built,
-                 time.perf_counter() - start)
-        disk_cache.store(key, traced)
+        for role, traced in zip(missing, trace_chunks(model, plan, missing), strict=True):
+            key = shape_key(model, plan, *role)
+            disk_cache.store(key, traced)
+            _remember(key, traced)
+            found[role] = traced
+        log.info("traced %d chunk role(s) in %.2f s", len(missing), time.perf_counter() - start)
+    return found
+
+
+def _remember(key: tuple, traced: ChunkTrace) -> None:
     _cache[key] = traced
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
-    return traced
 
 
 def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int) -> StageGraph:
@@ -155,9 +185,44 @@ def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int) -
 def _from_transformer_config(config: Any, parallel: ParallelPlan | None, *, vocab_size: int | None,
                              seq_length: int | None) -> tuple[ModelSpec, ParallelPlan]:
     """The model and plan of a TransformerConfig: its fields honoured, or refused when not modelled."""
-    from megatron_adapters.config_map import model_spec_from_transformer_config, parallel_plan_from_transformer_config
+    from megatron_adapters.config_map import (is_transformer_config, model_spec_from_transformer_config,
+                                              parallel_plan_from_transformer_config)
 
+    if not is_transformer_config(config):
+        raise ConfigError(f"model must be a ModelSpec, a megatron-core TransformerConfig or GPTModel, or a "
+                          f"torch.nn.Module; got {type(config).__name__}")
     if vocab_size is None or seq_length is None:
         raise ConfigError("vocab_size and seq_length are required when tracing from a TransformerConfig")
     model = model_spec_from_transformer_config(config, vocab_size=vocab_size, seq_length=seq_length)
     return model, parallel_plan_from_transformer_config(config, parallel)
+
+
+def _from_gpt_model(gpt: Any, parallel: ParallelPlan | None, *, sample_input: Any, seq_length: int | None,
+                    micro_batch_size: int | None) -> tuple[ModelSpec, ParallelPlan]:
+    """The model and plan of a built GPTModel: as its TransformerConfig's, with the micro-batch and
+    the tokens per sample of ``sample_input`` (one micro-batch of input_ids) or of the arguments."""
+    from megatron_adapters.config_map import parallel_plan_from_transformer_config
+    from megatron_adapters.gpt_model import model_spec_of_gpt_model
+    from vtrain_plugin.capture.sample_input import sample_shape
+
+    shape = None if sample_input is None else sample_shape(sample_input)
+    if shape is not None and shape.seq_length is None:
+        raise ConfigError("sample_input of a megatron-core GPTModel must be its input_ids (or a tuple that "
+                          "starts with them): a 2-D integer tensor [micro_batch, seq_length]")
+    seq_length = _agreed("seq_length", seq_length, shape and shape.seq_length)
+    micro_batch_size = _agreed("micro_batch_size", micro_batch_size, shape and shape.micro_batch_size)
+    if seq_length is None:
+        raise ConfigError("tracing a megatron-core GPTModel needs sample_input= (one micro-batch of input_ids) "
+                          "or seq_length=")
+    plan = parallel_plan_from_transformer_config(gpt.config, parallel)
+    if shape is not None and plan.micro_batch_size != 1:  # 1: the plan's default, not a choice
+        _agreed("parallel.micro_batch_size", plan.micro_batch_size, shape.micro_batch_size)
+    if micro_batch_size is not None:
+        plan = replace(plan, micro_batch_size=micro_batch_size)
+    return model_spec_of_gpt_model(gpt, seq_length=seq_length), plan
+
+
+def _agreed(name: str, given: int | None, sampled: int | None) -> int | None:
+    if given is not None and sampled is not None and given != sampled:
+        raise ConfigError(f"{name} ({given}) != the sample input's ({sampled})")
+    return given if given is not None else sampled

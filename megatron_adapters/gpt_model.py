@@ -1,0 +1,57 @@
+"""A megatron-core ``GPTModel`` a training script built, read as the ModelSpec vtrain traces.
+
+The script's model is one rank's shard for the layout its process groups have; vtrain estimates
+any plan, so it rebuilds the model from what the GPTModel was built with (its TransformerConfig,
+vocabulary, position embedding and embedding tying) for the plan asked, on a fake process group,
+and never runs, copies or pickles the script's model (megatron-core modules hold its process
+groups). The wrappers a training script puts around the model (megatron-core's and torch's
+DistributedDataParallel, Float16Module, Megatron-LM's list of model chunks) are looked through.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from typing import Any
+
+from megatron_adapters.config_map import model_spec_from_transformer_config
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.model import Family, ModelSpec
+
+_POSITION_EMBEDDING = {Family.GPT: "learned_absolute", Family.LLAMA: "rope"}
+
+
+def find_gpt_model(model: Any) -> Any | None:
+    """The megatron-core GPTModel ``model`` is or wraps (the first chunk of a list of chunks), else None."""
+    if "megatron.core.models.gpt" not in sys.modules:
+        return None  # no GPTModel was ever built in this process
+    from megatron.core.models.gpt import GPTModel
+
+    if isinstance(model, (list, tuple)) and model:
+        chunks = [find_gpt_model(chunk) for chunk in model]
+        return chunks[0] if all(chunk is not None for chunk in chunks) else None
+    wrappers = _wrapper_types()
+    while isinstance(model, wrappers):
+        model = model.module
+    return model if isinstance(model, GPTModel) else None
+
+
+def _wrapper_types() -> tuple[type, ...]:
+    import torch
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    return (DistributedDataParallel, Float16Module, torch.nn.parallel.DistributedDataParallel)
+
+
+def model_spec_of_gpt_model(gpt: Any, *, seq_length: int) -> ModelSpec:
+    """The ModelSpec of a built GPTModel: its config's fields (as for a bare TransformerConfig, with
+    the same refusals), its vocabulary and its embedding tying; the position embedding must be the
+    one vtrain's layer of that family has."""
+    model = model_spec_from_transformer_config(gpt.config, vocab_size=gpt.vocab_size, seq_length=seq_length)
+    want = _POSITION_EMBEDDING[model.family]
+    if gpt.position_embedding_type != want:
+        raise ConfigError(f"GPTModel.position_embedding_type={gpt.position_embedding_type!r} with "
+                          f"normalization={gpt.config.normalization!r}: vtrain traces the "
+                          f"{model.family.value} layer with position_embedding_type={want!r}")
+    return replace(model, tied_embeddings=bool(gpt.share_embeddings_and_output_weights))
