@@ -19,6 +19,8 @@ MODEL_SECTION = {"num_layers": 48, "hidden_size": 1024, "num_attention_heads": 1
                  "vocab_size": 4096}
 LONG_SEARCH = ["--gpus", "8:256", "--global-batch", "512", "--workers", "2", "--no-cache"]
 LONG_SIZE = ["size", "--gpu", "A100", "--gpus", "8:256", "--days", "30", "--workers", "2", "--no-cache"]
+# Two gloo ranks on the CPU: interrupted a second after they start, while they import torch.
+PROFILE_COMM = ["profile-comm", "--device", "cpu", "--world-size", "2"]
 TIMEOUT_S = 300  # generous: a process still running this long after SIGINT has ignored it
 
 
@@ -52,7 +54,9 @@ def _interrupt(argv: list[str], *, whole_group: bool, workers: int = 2) -> tuple
             assert time.monotonic() < deadline, "the workers never started"
             time.sleep(0.1)
         time.sleep(1)  # the workers are importing torch or evaluating: either way, they are running
-        workers_seen = {pid: _cmdline(pid) for pid in _children(proc.pid)}
+        # multiprocessing's resource tracker (of profile-comm's ranks) is no worker: it leaves after its parent
+        workers_seen = {pid: cmdline for pid in _children(proc.pid)
+                        if b"resource_tracker" not in (cmdline := _cmdline(pid) or b"")}
         (os.killpg if whole_group else os.kill)(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     finally:
@@ -70,9 +74,10 @@ def model_file(tmp_path):
 
 
 @pytest.mark.parametrize("whole_group", [True, False], ids=["ctrl-c", "kill-int"])
-@pytest.mark.parametrize("command", ["search", "size"])
-def test_sigint_is_one_line_exit_130_and_no_worker_left(model_file, command, whole_group):
-    argv = ["search", model_file, *LONG_SEARCH] if command == "search" else LONG_SIZE
+@pytest.mark.parametrize("command", ["search", "size", "profile-comm"])
+def test_sigint_is_one_line_exit_130_and_no_worker_left(tmp_path, model_file, command, whole_group):
+    argv = {"search": ["search", model_file, *LONG_SEARCH], "size": LONG_SIZE,
+            "profile-comm": [*PROFILE_COMM, "--db", str(tmp_path / "profiles.sqlite")]}[command]
     done, workers = _interrupt(argv, whole_group=whole_group)
     assert done.returncode == 130, done.stderr
     assert done.stderr == "vtrain: interrupted\n"
