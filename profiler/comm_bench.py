@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import socket
 import statistics
 import tempfile
@@ -135,7 +136,7 @@ def benchmark_collectives(device: str = "cuda", *, kinds: Sequence[str] = BENCHM
                 "kinds": [k.value for k in bench_kinds], "sizes": sizes, "timeout_s": timeout_s,
                 "result_path": str(result_path)}
         try:
-            mp.spawn(_worker, args=(plan,), nprocs=world_size, join=True)
+            _run_ranks(plan, world_size)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             raise ProfileError(f"collective benchmark ({backend}, {world_size} ranks) failed: {last}") from None
@@ -148,6 +149,27 @@ def benchmark_collectives(device: str = "cuda", *, kinds: Sequence[str] = BENCHM
         for row in rows:
             db.put_comm(fp, row.kind, row.group_size, row.backend, row.nbytes, row.duration_ns)
     return CommBenchResult(rows=rows, unsupported=unsupported)
+
+
+def _run_ranks(plan: dict[str, Any], world_size: int) -> None:
+    """``mp.spawn`` of the ranks, none of which outlives this call or sees Ctrl-C: they start with
+    SIGINT blocked (a terminal sends it to the whole process group; a rank interrupted while it
+    imports torch would print a traceback), are killed when the parent is interrupted, and are
+    daemons, so that even an interruption while they start leaves none behind at exit."""
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        ranks = mp.start_processes(_worker, args=(plan,), nprocs=world_size, join=False, daemon=True,
+                                   start_method="spawn")
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+    try:
+        while not ranks.join():
+            pass
+    except KeyboardInterrupt:
+        for rank in ranks.processes:
+            rank.kill()
+            rank.join()
+        raise
 
 
 # ---- inside each spawned rank -----------------------------------------------------------------------

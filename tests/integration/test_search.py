@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -12,10 +13,11 @@ from vtrain_plugin.cli import main
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.hardware.clusters import get_cluster_preset
-from vtrain_plugin.planning.evaluate import ESTIMATE_COLUMNS, PLAN_COLUMNS
+from vtrain_plugin.planning.evaluate import ESTIMATE_COLUMNS, PLAN_COLUMNS, evaluate_batch, make_batches
 from vtrain_plugin.planning.pareto import pareto_front
 from vtrain_plugin.planning.search import search
 from vtrain_plugin.planning.space import GpuBudget, SearchSpace, enumerate_plans
+from vtrain_plugin.planning.workers import WorkerTraceback, evaluate_in_workers
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.training import TrainingSpec
 
@@ -70,7 +72,7 @@ def test_search_rows_are_the_estimates_of_the_same_plans_one_by_one(result):
     assert 1 <= len(result.front) < 30
 
 
-def test_spawned_worker_processes_give_the_same_table(result):
+def test_worker_processes_give_the_same_table(result):
     spawned = search(MODEL, cluster=CLUSTER, global_batch_size=GLOBAL_BATCH, gpus=GPUS, space=SPACE, workers=2)
     pd.testing.assert_frame_equal(spawned.table, result.table, check_exact=True)
 
@@ -165,3 +167,17 @@ def test_a_model_file_without_training_needs_the_global_batch(tmp_path, capsys):
     path.write_text(yaml.safe_dump({"model": MODEL_SECTION}))
     assert main(["search", str(path), "--gpus", "8"]) == 2
     assert capsys.readouterr().err == f"vtrain: error: --global-batch is required: {path} has no training section\n"
+
+
+def test_a_workers_error_is_raised_in_the_caller_with_the_workers_traceback():
+    cluster = replace(CLUSTER, gpu="no-such-gpu")
+    enumeration = enumerate_plans(MODEL, SPACE, global_batch_size=GLOBAL_BATCH, budget=GpuBudget.of(GPUS),
+                                  training=TrainingSpec(global_batch_size=GLOBAL_BATCH), gpus_per_node=8)
+    batches = make_batches(MODEL, cluster, enumeration.candidates)
+    with pytest.raises(ConfigError) as in_process:
+        evaluate_batch(batches[0])
+    with pytest.raises(ConfigError) as in_workers:
+        evaluate_in_workers(batches, 2, on_plans=lambda n: None)
+    assert str(in_workers.value) == str(in_process.value)
+    assert isinstance(in_workers.value.__cause__, WorkerTraceback)
+    assert "in evaluate_batch" in str(in_workers.value.__cause__)

@@ -1,25 +1,23 @@
 """Where batches of plans are evaluated: this process, local worker processes, or a Ray cluster.
 
 Every backend returns the rows of :func:`~vtrain_plugin.planning.evaluate.evaluate_batch`, so a
-search gives the same numbers whichever runs it. Local workers are spawned (not forked: the parent
-holds torch's thread pools), so each pays one import of torch and megatron-core; one worker per
-batch at most. Ray runs each batch as a task, on a local Ray started with ``workers`` CPUs, or on
+search gives the same numbers whichever runs it. Local workers are fresh interpreters
+(:mod:`~vtrain_plugin.planning.workers`), so each pays one import of torch and megatron-core; one
+worker per batch at most. Ray runs each batch as a task, on a local Ray started with ``workers`` CPUs, or on
 the cluster that ``ray.init`` connects to (``RAY_ADDRESS``) or that the caller already initialised.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.planning.evaluate import Batch, Row, evaluate_batch
+from vtrain_plugin.planning.evaluate import Batch, evaluate_batch
+from vtrain_plugin.planning.workers import Results, evaluate_in_workers
 
 BACKENDS = ("local", "ray")
-Results = list[tuple[int, Row]]
 
 
 def run_batches(batches: Sequence[Batch], *, workers: int, backend: str,
@@ -29,18 +27,7 @@ def run_batches(batches: Sequence[Batch], *, workers: int, backend: str,
         return _run_ray(batches, workers, on_plans)
     if workers == 1 or len(batches) == 1:
         return [row for batch in batches for row in evaluate_batch(batch, lambda: on_plans(1))]
-    return _run_processes(batches, workers, on_plans)
-
-
-def _run_processes(batches: Sequence[Batch], workers: int, on_plans: Callable[[int], None]) -> Results:
-    results: Results = []
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(batches)), mp_context=context) as pool:
-        futures = {pool.submit(evaluate_batch, batch): len(batch.candidates) for batch in batches}
-        for future in as_completed(futures):
-            results.extend(future.result())
-            on_plans(futures[future])
-    return results
+    return evaluate_in_workers(batches, workers, on_plans)
 
 
 def _run_ray(batches: Sequence[Batch], workers: int, on_plans: Callable[[int], None]) -> Results:

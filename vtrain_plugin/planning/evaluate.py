@@ -4,7 +4,7 @@ Plans are grouped into batches by the shape their chunk traces depend on
 (:func:`~vtrain_plugin.capture.chunk.plan_shape_key`): batches share no trace, so a process that
 evaluates a whole batch traces each of its shapes once, and no two processes trace the same one.
 A batch is plain data and :func:`evaluate_batch` a module-level function, so both travel to
-spawned processes and Ray workers.
+worker processes and Ray workers.
 """
 
 from __future__ import annotations

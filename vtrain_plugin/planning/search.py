@@ -79,8 +79,9 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     train; ``"days"`` says the latter and needs ``tokens``) or ``"cost"`` (per iteration, or to
     train; needs a price on the cluster). With ``tokens`` and ``training.reliability`` (the default)
     the days and cost to train are the expected ones, failures, restarts and checkpoints counted. ``workers`` processes (default: the CPU count; 1
-    evaluates in this process) or, with ``backend="ray"``, Ray tasks; the processes are spawned, so
-    a script that calls this with several workers does so under ``if __name__ == "__main__":``.
+    evaluates in this process) or, with ``backend="ray"``, Ray tasks; the processes are fresh
+    interpreters that import vtrain alone (:mod:`~vtrain_plugin.planning.workers`), so a script may
+    call this at its top level, without an ``if __name__ == "__main__":`` guard.
     ``progress`` draws a bar on stderr. ``tokens`` adds ``train_days`` and ``train_cost_usd`` for
     training on that many tokens.
 
