@@ -177,7 +177,7 @@ def test_a_plain_module_that_holds_a_process_group_is_traced(process_groups):
      "seq_length (64) != the sample input's (32)"),
     (lambda: _gpt_model(_config()), {}, "tracing a megatron-core GPTModel needs sample_input="),
     (lambda: _gpt_model(_config(qk_layernorm=True)), dict(seq_length=SEQ),
-     "TransformerConfig.qk_layernorm=True: query/key layer norm is not modelled yet"),
+     "TransformerConfig.qk_layernorm=True: query/key layer norm is not modelled by vtrain yet"),
 ])
 def test_a_gpt_model_vtrain_cannot_trace_is_refused_in_one_line(process_groups, build, kwargs, message):
     with pytest.raises(vtrain.ConfigError) as err:
