@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for axis in AXES:
         p.add_argument(f"--{axis.flag.replace('_', '-')}", dest=axis.name, metavar="LIST",
                        help=f"{axis.label}; comma-separated (default: {axis.default_label})")
-    p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node)")
+    p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node, or the largest --tp given)")
     p.add_argument("--objective", default="time",
                    help="rank the plans that fit by time, days (to train --tokens) or cost (default time); with "
                         "--tokens, time and days rank by the days to train and cost by the cost to train, both "

@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for axis in AXES:
         p.add_argument(f"--{axis.flag.replace('_', '-')}", dest=axis.name, metavar="LIST",
                        help=f"{axis.label} of each shape's search; comma-separated (default: {axis.default_label})")
-    p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node)")
+    p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node, or the largest --tp given)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--output", "-o", help="write to this file instead of stdout")
     p.add_argument("--plot", metavar="FILE.png", help="draw parameters against days to train, with the budget")
