@@ -92,7 +92,8 @@ def validate_plan(name: str, mapping: dict[str, Any], device: str, db_path: Path
     from profiler.replay import profile_kernels
     from vtrain_plugin.api import run_config_from_dict
     from vtrain_plugin.capture.tracer import trace
-    from vtrain_plugin.measure import estimate_with_profiles, validate
+    from vtrain_plugin.estimate import estimate
+    from vtrain_plugin.measure import validate
     from vtrain_plugin.validate import single_device_run
 
     run = run_config_from_dict(mapping, source=name)
@@ -102,7 +103,7 @@ def validate_plan(name: str, mapping: dict[str, Any], device: str, db_path: Path
     _say(f"{name}: profiled {summary.measured} kernels ({summary.skipped} already there, "
          f"{len(summary.failed)} failed)")
     result = validate(run, device=device, db_path=db_path, iterations=iterations, warmup=warmup)
-    predicted = estimate_with_profiles(single, db_path=db_path)
+    predicted = estimate(single, profile_db=db_path)
     c = result.comparison
     return {"plan": name, "predicted_ms": c.predicted_ms, "measured_ms": c.measured_ms, "error_pct": c.error_pct,
             "predicted_peak_gib": predicted.memory_gib[0].tensors_gib,

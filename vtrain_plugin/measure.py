@@ -13,22 +13,11 @@ from __future__ import annotations
 import os
 
 from profiler.fingerprint import current_fingerprint
-from profiler.lookup import measured_comm_tables, measured_durations
-from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import GIB
-from vtrain_plugin.estimate import Estimate, estimate
+from vtrain_plugin.estimate import estimate
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.validate import ValidationResult, compare, single_device_run
-
-
-def estimate_with_profiles(run: RunConfig, *, db_path: str | os.PathLike | None = None, timeline: bool = False,
-                           explain: int = 0) -> Estimate:
-    """``estimate(run)`` with the kernels and collectives the profile database has measured on its GPU."""
-    keys = trace(run.model, run.parallel).unique_kernels()
-    return estimate(run, measured=measured_durations(keys, run.cluster.gpu, db_path=db_path),
-                    measured_comm=measured_comm_tables(run.cluster, db_path=db_path), timeline=timeline,
-                    explain=explain)
 
 
 def validate(run: RunConfig, *, device: str = "cpu", db_path: str | os.PathLike | None = None,
@@ -41,7 +30,7 @@ def validate(run: RunConfig, *, device: str = "cpu", db_path: str | os.PathLike 
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ConfigError(f"warmup must be a non-negative integer, got {warmup!r}")
     single, overridden = single_device_run(run, device)
-    predicted = estimate_with_profiles(single, db_path=db_path)
+    predicted = estimate(single, profile_db=db_path)
     measured = train(single.model, single.parallel, num_microbatches=single.num_microbatches,
                      iterations=iterations, warmup=warmup, device=device)
     return ValidationResult(

@@ -10,14 +10,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from vtrain_plugin.api import with_gpu
-from vtrain_plugin.cli.common import (CONFIG_HELP, EXIT_USER_ERROR, db_option, positive_int, reliability_options,
+from vtrain_plugin.cli.common import (CONFIG_HELP, EXIT_USER_ERROR, db_option, positive_int, profile_db, reliability_options,
                                      with_reliability)
 from vtrain_plugin.cli.megatron_input import add_megatron_options, run_inputs
 from vtrain_plugin.cli.render import estimate_table
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError, VTrainError
-from vtrain_plugin.estimate import Estimate, estimates_frame
-from vtrain_plugin.measure import estimate_with_profiles
+from vtrain_plugin.estimate import Estimate, estimate, estimates_frame
 
 
 FORMATS = ("table", "json", "jsonl", "csv")
@@ -36,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=FORMATS, default="table",
                    help="table (default); json: one object, an array of them for several configs; jsonl: one "
                         "line per config, errors inline; csv: one row per config (pandas columns of to_row)")
-    db_option(p)
+    db_option(p, can_disable=True)
     p.add_argument("--explain", type=int, nargs="?", const=10, default=0, metavar="N",
                    help="list the N largest unmeasured kernels (default 10)")
     p.add_argument("--timeline", metavar="FILE", help="write a Chrome trace / Perfetto timeline")
@@ -64,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 run_config = replace(run_config, training=replace(run_config.training, total_tokens=tokens))
             run_config = replace(run_config, training=replace(
                 run_config.training, reliability=with_reliability(args, run_config.training.reliability)))
-            result = estimate_with_profiles(run_config, db_path=args.db, timeline=bool(args.timeline),
+            result = estimate(run_config, profile_db=profile_db(args), timeline=bool(args.timeline),
                                             explain=args.explain or 0)
             if args.timeline:
                 result.write_timeline(_timeline_path(args.timeline, index, len(inputs)),

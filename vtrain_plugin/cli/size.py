@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from vtrain_plugin.cli.common import emit, reliability_options, with_reliability
+from vtrain_plugin.cli.common import db_option, emit, profile_db, reliability_options, with_reliability
 from vtrain_plugin.cli.render import sizing_table
 from vtrain_plugin.cli.search import _number, space_from_args
 from vtrain_plugin.core.errors import ConfigError
@@ -47,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="draw parameters against days to train, with the budget")
     p.add_argument("--workers", metavar="N", help="worker processes per search (default: CPU count)")
     reliability_options(p)
+    db_option(p, can_disable=True)
     p.set_defaults(func=run)
 
 
@@ -71,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         max_params=_number("--max-params", args.max_params, float),
         hidden_step=_number("--hidden-step", args.hidden_step, int), space=space_from_args(args),
         workers=_number("--workers", args.workers, int) if args.workers is not None else None,
-        progress=sys.stderr.isatty(), reliability=with_reliability(args, ReliabilitySpec()))
+        progress=sys.stderr.isatty(), reliability=with_reliability(args, ReliabilitySpec()),
+        profile_db=profile_db(args))
     if args.format == "json":
         emit(json.dumps(result.to_dict(), indent=2, allow_nan=False) + "\n", args.output)
     else:

@@ -21,7 +21,7 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
@@ -120,12 +120,14 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
                batch_tokens: int = DEFAULT_BATCH_TOKENS, naive_mfu: float = DEFAULT_NAIVE_MFU,
                min_params: float = 1e9, max_params: float = 2e12, hidden_step: int = HIDDEN_STEP,
                space: SearchSpace | None = None, workers: int | None = None, progress: bool = False,
-               reliability: ReliabilitySpec | None = ReliabilitySpec()) -> SizingResult:
+               reliability: ReliabilitySpec | None = ReliabilitySpec(),
+               profile_db: str | None | Literal[False] = None) -> SizingResult:
     """The largest ``family`` shape (``min_params`` .. ``max_params`` parameters) that trains on
     ``tokens_per_parameter`` tokens per parameter within ``days`` and/or ``budget_usd`` on ``gpus``
     GPUs of ``cluster`` (see the module doc). ``batch_tokens``: tokens per iteration, rounded down
     to whole sequences. ``space`` restricts each shape's search (default: every valid plan).
-    ``reliability``: the failures, restarts and checkpoints the days and dollars count (None: off)."""
+    ``reliability``: the failures, restarts and checkpoints the days and dollars count (None: off).
+    ``profile_db``: the profile database of the estimates (see :func:`~vtrain_plugin.estimate.estimate`)."""
     if days is None and budget_usd is None:
         raise ConfigError("size: give a budget: days and/or budget_usd")
     if days is not None:
@@ -151,7 +153,8 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
         if key not in outcomes:
             outcomes[key] = _judge(model, cluster=cluster, budget=budget, days=days, budget_usd=budget_usd,
                                    tokens_per_parameter=tokens_per_parameter, batch_tokens=batch_tokens,
-                                   space=space, workers=workers, progress=progress, reliability=reliability)
+                                   space=space, workers=workers, progress=progress, reliability=reliability,
+                                   profile_db=profile_db)
             log.info("%s: %s", model.name, outcomes[key].reason or "within budget")
         return outcomes[key]
 
@@ -179,13 +182,15 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
 
 def _judge(model: ModelSpec, *, cluster: ClusterSpec, budget: GpuBudget, days: float | None,
            budget_usd: float | None, tokens_per_parameter: float, batch_tokens: int, space: SearchSpace | None,
-           workers: int | None, progress: bool, reliability: ReliabilitySpec | None) -> ShapeOutcome:
+           workers: int | None, progress: bool, reliability: ReliabilitySpec | None,
+           profile_db: str | None | Literal[False]) -> ShapeOutcome:
     tokens = chinchilla_tokens(model.num_parameters, tokens_per_parameter)
     global_batch = max(1, batch_tokens // model.seq_length)
     try:
         result = search(model, cluster=cluster, global_batch_size=global_batch, gpus=budget, space=space,
                         training=TrainingSpec(global_batch_size=global_batch, reliability=reliability),
-                        objective="time", workers=workers, progress=progress, tokens=tokens)
+                        objective="time", workers=workers, progress=progress, tokens=tokens,
+                        profile_db=profile_db)
     except ConfigError as exc:  # no valid plan at all for this shape within the GPU budget
         return ShapeOutcome(model=model, tokens=tokens, within_budget=False, reason=str(exc))
     fitting = result.table[result.table["fits_in_memory"]]
