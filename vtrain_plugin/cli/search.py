@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch", metavar="N",
                    help="sequences per iteration (default: the file's training.global_batch_size)")
     p.add_argument("--gpus", metavar="BUDGET",
-                   help="GPUs a plan may use: a count (3360), a range (1024:4096) or a list (2240,2800,3360)")
+                   help="GPUs a plan may use: a count (exactly that many: 3360), a range (1024:4096; 1:3360 for at "
+                        "most 3360) or a list (2240,2800,3360)")
     for axis in AXES:
         p.add_argument(f"--{axis.flag.replace('_', '-')}", dest=axis.name, metavar="LIST",
                        help=f"{axis.label}; comma-separated (default: {axis.default_label})")

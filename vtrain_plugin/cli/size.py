@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cluster = p.add_mutually_exclusive_group(required=True)
     cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, B200, ...)")
     cluster.add_argument("--cluster", help=f"cluster preset ({', '.join(cluster_preset_names())})")
-    p.add_argument("--gpus", required=True, metavar="BUDGET", help="GPUs: a count, a range LOW:HIGH or a list")
+    p.add_argument("--gpus", required=True, metavar="BUDGET", help="GPUs a plan may use: a count (exactly that many: 3360), a range LOW:HIGH "
+                                                               "(1:3360 for at most 3360) or a list (2240,2800,3360)")
     p.add_argument("--days", metavar="D", help="wall-clock budget in days")
     p.add_argument("--budget-usd", metavar="USD", help="dollar budget (needs a price on the cluster)")
     p.add_argument("--tokens-per-parameter", default=str(CHINCHILLA_TOKENS_PER_PARAMETER), metavar="R",
