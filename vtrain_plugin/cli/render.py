@@ -204,7 +204,8 @@ def plan_lines(run: RunConfig, result: Estimate) -> list[str]:
         f"{model.num_attention_heads} heads, {groups} query groups"
         f"{' (GQA)' if groups != model.num_attention_heads else ''}, FFN {model.ffn_size}, sequence "
         f"{model.seq_length}, vocabulary {model.vocab_size}, {model.dtype.value}"
-        + ("" if result.fp8 is None else f" with fp8 {result.fp8} GEMMs") + _moe_label(model, plan),
+        + ("" if result.fp8 is None else f" with fp8 {result.fp8} GEMMs") + ("," if model.is_moe else "")
+        + _moe_label(model, plan),
         f"  parallel  tp={plan.tensor_parallel}{_cp_label(plan) or ' cp=1'} pp={plan.pipeline_parallel} "
         f"vp={plan.virtual_pipeline} dp={plan.data_parallel}"
         + ("" if model.is_moe else f" ep={plan.expert_parallel}")
