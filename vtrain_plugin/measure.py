@@ -10,6 +10,7 @@ package's ``__init__`` does not import it: ``from vtrain_plugin.measure import v
 
 from __future__ import annotations
 
+import logging
 import os
 
 from profiler.fingerprint import current_fingerprint
@@ -17,7 +18,9 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.specs.run import RunConfig
-from vtrain_plugin.validate import ValidationResult, compare, single_device_run
+from vtrain_plugin.validate import ValidationResult, compare, noise_warnings, single_device_run
+
+logger = logging.getLogger(__name__)
 
 
 def validate(run: RunConfig, *, device: str = "cpu", db_path: str | os.PathLike | None = None,
@@ -31,11 +34,24 @@ def validate(run: RunConfig, *, device: str = "cpu", db_path: str | os.PathLike 
         raise ConfigError(f"warmup must be a non-negative integer, got {warmup!r}")
     single, overridden = single_device_run(run, device)
     predicted = estimate(single, profile_db=db_path)
+    load = os.getloadavg()[0]  # before training: what else competes for the cores while it is timed
     measured = train(single.model, single.parallel, num_microbatches=single.num_microbatches,
                      iterations=iterations, warmup=warmup, device=device)
+    warnings = noise_warnings(load, os.cpu_count() or 1, measured.iteration_ms)
+    for line in warnings:
+        logger.warning("warning: %s", line)
+    peak = max(predicted.memory_gib, key=lambda m: m.total_gib)
     return ValidationResult(
         config=run.source, device=current_fingerprint(device).label, overridden=overridden,
         num_microbatches=single.num_microbatches, warmup_iterations=warmup,
         comparison=compare(predicted, measured.iteration_ms),
         peak_memory_measured_gib=measured.peak_memory_bytes / GIB,
-        measured_fraction=predicted.measured_fraction, breakdown_ms=predicted.breakdown_ms)
+        peak_memory_predicted_gib=peak.total_gib - peak.allowance_gib, memory_measure=_memory_measure(device),
+        measured_fraction=predicted.measured_fraction, breakdown_ms=predicted.breakdown_ms, warnings=warnings)
+
+
+def _memory_measure(device: str) -> str:
+    """What :func:`megatron_adapters.real_model.train` measures as peak memory on ``device``."""
+    if device.startswith("cuda"):
+        return "torch.cuda.max_memory_allocated (tensors; the predicted allowance left out)"
+    return "growth of the peak resident set (VmHWM) over model build and training (predicted allowance left out)"

@@ -254,8 +254,11 @@ def validation_table(result: ValidationResult) -> str:
     lines.append(render_table([[f"{c.predicted_ms:,.1f}", f"{c.measured_ms:,.1f}", f"{c.error_pct:+.1f}%"]],
                               ["predicted ms", "measured ms", "error"]))
     lines.append("")
-    lines.append(f"peak memory measured: {result.peak_memory_measured_gib:.2f} GiB   "
-                 f"kernel time measured in the prediction: {100 * result.measured_fraction:.1f}%")
+    memory_error = "n/a" if result.memory_error_pct is None else f"{result.memory_error_pct:+.1f}%"
+    lines.append(f"peak memory: predicted {result.peak_memory_predicted_gib:.2f} GiB, measured "
+                 f"{result.peak_memory_measured_gib:.2f} GiB, error {memory_error} ({result.memory_measure})")
+    lines.append(f"kernel time measured in the prediction: {100 * result.measured_fraction:.1f}%")
+    lines.extend(f"warning: {line}" for line in result.warnings)
     if result.measured_fraction < 1.0:
         lines.append("(kernels missing from the profile database were modeled; run `vtrain profile` on this "
                      "device first)")
