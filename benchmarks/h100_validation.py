@@ -6,7 +6,7 @@ for real, and write predicted against measured iteration time and peak memory.
     python benchmarks/h100_validation.py --smoke     # two tiny plans on the CPU: checks the script, measures nothing
 
 For every plan (:data:`PLANS`: GPT and Llama, sizes, micro-batches and recompute modes that fit one
-80 GB GPU with Adam, in bf16): the one-device plan (:func:`vtrain_plugin.validate.single_device_run`:
+80 GB GPU with Adam, in bf16): the one-device plan (:func:`vtrain_plugin.validation.single_device_run`:
 megatron-core's local spec, the kernels the real step runs) is traced, each of its kernels not yet
 in the profile database is timed on the device (GEMMs, attention batched GEMMs, softmax, norms and
 the other memory-bound kernels, the optimizer's; a single GPU runs no collectives), then the real
@@ -94,7 +94,7 @@ def validate_plan(name: str, mapping: dict[str, Any], device: str, db_path: Path
     from vtrain_plugin.capture.tracer import trace
     from vtrain_plugin.estimate import estimate
     from vtrain_plugin.measure import validate
-    from vtrain_plugin.validate import single_device_run
+    from vtrain_plugin.validation import single_device_run
 
     run = run_config_from_dict(mapping, source=name)
     single, _ = single_device_run(run, device)

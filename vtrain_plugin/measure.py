@@ -1,11 +1,10 @@
-"""What needs the profile database or a real device: measured durations for a run, and validation.
+"""What needs a real device: :func:`validate`, training a plan for real and comparing it with its estimate.
 
 :func:`validate` builds the real megatron-core model of a plan on this machine's device (one device:
 tensor, pipeline and data parallelism set to 1, the result says which fields it overrode), trains it
 for a few iterations on random tokens with the real optimizer, and compares the median iteration
 time after warm-up with the estimate of the same one-device plan from the profile database of that
-device. This module sits above :mod:`profiler` (which imports vtrain_plugin's lower layers), so the
-package's ``__init__`` does not import it: ``from vtrain_plugin.measure import validate``.
+device; the package exports it: ``vtrain_plugin.validate(run)``.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.specs.run import RunConfig
-from vtrain_plugin.validate import ValidationResult, compare, noise_warnings, single_device_run
+from vtrain_plugin.validation import ValidationResult, compare, noise_warnings, single_device_run
 
 logger = logging.getLogger(__name__)
 

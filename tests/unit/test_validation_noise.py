@@ -1,6 +1,6 @@
 """``vtrain validate`` says when its measured times are noisy: a loaded machine, or a wide spread."""
 
-from vtrain_plugin.validate import noise_warnings
+from vtrain_plugin.validation import noise_warnings
 
 
 def test_an_idle_machine_and_steady_iterations_give_no_warning():
@@ -16,3 +16,14 @@ def test_a_wide_spread_is_one_line():
     assert noise_warnings(0.0, 16, [100.0, 125.0, 90.0]) == (
         "the measured iterations spread by 35% of their median (90.0 to 125.0 ms, above 20%): measured times "
         "are noisy",)
+
+
+def test_the_package_exports_validate_as_a_function():
+    """``vtrain.validate(run)`` trains and compares (it was the module of that name, not callable)."""
+    import inspect
+
+    import vtrain_plugin as vtrain
+    from vtrain_plugin.measure import validate
+
+    assert callable(vtrain.validate) and vtrain.validate is validate and "validate" in vtrain.__all__
+    assert list(inspect.signature(vtrain.validate).parameters) == ["run", "device", "db_path", "iterations", "warmup"]

@@ -28,7 +28,7 @@ from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
-from vtrain_plugin.validate import ValidationResult
+from vtrain_plugin.validation import ValidationResult
 
 if TYPE_CHECKING:
     import pandas as pd
