@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.format == "csv" and rows:
         frame = estimates_frame((result for _, _, result in rows))
         plans = [_flat(plan_document(run_config)) for _, run_config, _ in rows]
-        for position, column in enumerate(plans[0]):
-            frame.insert(position, column, [plan[column] for plan in plans])
+        for column in plans[0]:
+            frame[column] = [plan[column] for plan in plans]
         frame.insert(0, "config", [path for path, _, _ in rows])
         sys.stdout.write(frame.to_csv(index=False))
     return EXIT_USER_ERROR if failed else 0
