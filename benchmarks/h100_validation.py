@@ -6,7 +6,7 @@ for real, and write predicted against measured iteration time and peak memory.
     python benchmarks/h100_validation.py --smoke     # two tiny plans on the CPU: checks the script, measures nothing
 
 For every plan (:data:`PLANS`: GPT and Llama, sizes, micro-batches and recompute modes that fit one
-80 GB GPU with Adam, in bf16): the one-device plan (:func:`vtrain_plugin.validate.single_device_run`:
+80 GB GPU with Adam, in bf16): the one-device plan (:func:`vtrain_plugin.validation.single_device_run`:
 megatron-core's local spec, the kernels the real step runs) is traced, each of its kernels not yet
 in the profile database is timed on the device (GEMMs, attention batched GEMMs, softmax, norms and
 the other memory-bound kernels, the optimizer's; a single GPU runs no collectives), then the real
@@ -92,8 +92,9 @@ def validate_plan(name: str, mapping: dict[str, Any], device: str, db_path: Path
     from profiler.replay import profile_kernels
     from vtrain_plugin.api import run_config_from_dict
     from vtrain_plugin.capture.tracer import trace
-    from vtrain_plugin.measure import estimate_with_profiles, validate
-    from vtrain_plugin.validate import single_device_run
+    from vtrain_plugin.estimate import estimate
+    from vtrain_plugin.measure import validate
+    from vtrain_plugin.validation import single_device_run
 
     run = run_config_from_dict(mapping, source=name)
     single, _ = single_device_run(run, device)
@@ -102,7 +103,7 @@ def validate_plan(name: str, mapping: dict[str, Any], device: str, db_path: Path
     _say(f"{name}: profiled {summary.measured} kernels ({summary.skipped} already there, "
          f"{len(summary.failed)} failed)")
     result = validate(run, device=device, db_path=db_path, iterations=iterations, warmup=warmup)
-    predicted = estimate_with_profiles(single, db_path=db_path)
+    predicted = estimate(single, profile_db=db_path)
     c = result.comparison
     return {"plan": name, "predicted_ms": c.predicted_ms, "measured_ms": c.measured_ms, "error_pct": c.error_pct,
             "predicted_peak_gib": predicted.memory_gib[0].tensors_gib,

@@ -22,7 +22,7 @@ from vtrain_plugin.api import load_run_config
 from vtrain_plugin.cli.render import render_table
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.measure import validate
-from vtrain_plugin.validate import single_device_run
+from vtrain_plugin.validation import single_device_run
 
 PLAN = Path(__file__).resolve().parents[1] / "examples" / "plans" / "gpt_tiny_cpu.yaml"
 

@@ -13,7 +13,6 @@ import vtrain_plugin as vtrain
 from profiler.db import ProfileDB
 from profiler.replay import profile_kernels
 from vtrain_plugin.cli.render import validation_table
-from vtrain_plugin.measure import validate
 
 plan = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parent / "plans" / "gpt_tiny_cpu.yaml")
 run = vtrain.load_run_config(plan)
@@ -28,7 +27,7 @@ with ProfileDB.open() as db:
 print(f"{summary.measured} kernels measured, {summary.skipped} already profiled, {len(summary.failed)} failed")
 
 # 3. validate: train the real model for a few iterations and compare with the estimate
-result = validate(run, device="cpu", iterations=3)
+result = vtrain.validate(run, device="cpu", iterations=3)
 print(validation_table(result))
 
 # The same comparison for your own training loop:

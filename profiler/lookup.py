@@ -24,7 +24,7 @@ from pathlib import Path
 from profiler.db import ProfileDB, default_db_path
 from profiler.fingerprint import DeviceFingerprint, DeviceKind, current_fingerprint
 from vtrain_plugin.core.errors import ProfileError
-from vtrain_plugin.core.graph import CollectiveKind, KernelKey
+from vtrain_plugin.core.graph import CollectiveKind, KernelKey, OpGraph
 from vtrain_plugin.hardware.devices import gpu_name_matches
 from vtrain_plugin.hardware.nccl import NcclTable
 from vtrain_plugin.specs.cluster import ClusterSpec
@@ -42,10 +42,35 @@ _TABLE_KINDS: dict[CollectiveKind, tuple[CollectiveKind, ...]] = {
 
 def open_profile_db(db_path: str | os.PathLike | None = None) -> ProfileDB | None:
     """The database at ``db_path`` (else ``$VTRAIN_PROFILE_DB``, else the user cache); None if absent."""
-    path = Path(db_path).expanduser() if db_path is not None else default_db_path()
+    path = _resolved(db_path)
     if not path.exists():
         return None
     return ProfileDB.open(path)
+
+
+def measured_for_graph(graph: OpGraph, cluster: ClusterSpec, *, db_path: str | os.PathLike | None = None
+                       ) -> tuple[dict[KernelKey, float], dict[tuple[CollectiveKind, int], NcclTable]]:
+    """The measured kernels of ``graph`` and collective tables of ``cluster`` (both empty when the
+    database does not exist): what every estimate reads unless told otherwise."""
+    if not _resolved(db_path).exists():  # the common case, a stat and no import of torch
+        return {}, {}
+    return (measured_durations(graph.unique_kernels(), cluster.gpu, db_path=db_path),
+            measured_comm_tables(cluster, db_path=db_path))
+
+
+def database_stamp(db_path: str | os.PathLike | None = None) -> dict[str, object] | None:
+    """Which database estimates read, and which state of it: its path, size and modification time
+    (None when it does not exist); a cache of results computed from estimates keys on it."""
+    path = _resolved(db_path)
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return None
+    return {"path": str(path.resolve()), "nbytes": info.st_size, "mtime_ns": info.st_mtime_ns}
+
+
+def _resolved(db_path: str | os.PathLike | None) -> Path:
+    return Path(db_path).expanduser() if db_path is not None else default_db_path()
 
 
 def candidate_fingerprints(db: ProfileDB, gpu: str) -> list[DeviceFingerprint]:

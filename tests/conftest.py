@@ -25,8 +25,10 @@ def run_cli(tmp_path):
 
 @pytest.fixture(autouse=True, scope="session")
 def _package_calibrations_only(tmp_path_factory):
-    """Estimates in tests use the calibration files shipped in the package, never a user's own."""
+    """Estimates in tests use the calibration files shipped in the package, never a user's own, and
+    no profile database unless a test names one (a user's would move every estimate it measured)."""
     os.environ["VTRAIN_CALIBRATION_DIR"] = str(tmp_path_factory.mktemp("no-user-calibrations"))
+    os.environ["VTRAIN_PROFILE_DB"] = str(tmp_path_factory.mktemp("no-user-profiles") / "profiles.sqlite")
 
 
 def pytest_configure(config):

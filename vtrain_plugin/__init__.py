@@ -9,7 +9,8 @@ Typical use::
 
 The layers of the package, lowest first (each imports only the ones before it): ``core``, ``specs``,
 ``runlogs`` (training logs of measured runs), ``hardware``, ``capture``, ``cost``, ``sim``, then the
-public API (``api``, ``estimate``, ``validate``, and ``fitting``: predicted against measured runs),
+public API (``api``, ``estimate``, ``validation`` and ``measure`` (``validate(run)``: train one
+device for real and compare), and ``fitting``: predicted against measured runs),
 ``planning`` (``vtrain_plugin.planning.search``) and ``cli``; see README, "How the code is laid out".
 """
 
@@ -27,10 +28,12 @@ from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import TrainingSpec
-from vtrain_plugin.validate import Comparison, IterationRecorder, ValidationResult, compare, single_device_run
+from vtrain_plugin.measure import validate
+from vtrain_plugin.validation import Comparison, IterationRecorder, ValidationResult, compare, single_device_run
 
 __all__ = ["ClusterSpec", "Comparison", "ConfigError", "Estimate", "IterationRecorder", "ModelSpec", "OpGraph",
            "ParallelPlan", "ProfileError", "ReliabilitySpec", "RunComparison", "RunConfig", "TraceError",
            "TrainingSpec", "VTrainError", "ValidationResult", "compare", "compare_run", "estimate",
            "estimates_frame", "get_cluster_preset", "load_megatron_script", "load_run_config",
-           "run_config_from_dict", "run_config_from_megatron_args", "single_device_run", "trace", "with_gpu"]
+           "run_config_from_dict", "run_config_from_megatron_args", "single_device_run", "trace", "validate",
+           "with_gpu"]

@@ -2,8 +2,8 @@
 run when the training spec says how many tokens it consumes.
 
 Inputs are the traced graph (or a plan to trace), the cluster and the training spec; kernel
-durations come from a profile database when it has them for the target GPU, from the analytical
-device model otherwise; the pipeline schedule is simulated by :mod:`vtrain_plugin.sim`.
+durations come from the profile database (``vtrain profile``) when it has them for the target GPU,
+from the analytical device model otherwise; the pipeline schedule is simulated by :mod:`vtrain_plugin.sim`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from profiler.lookup import measured_for_graph
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
@@ -213,15 +214,19 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
              training: TrainingSpec | None = None, global_batch_size: int | None = None,
              measured: Mapping[KernelKey, float] | None = None,
              measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None,
+             profile_db: str | os.PathLike | Literal[False] | None = None,
              timeline: bool = False, explain: int = 0) -> Estimate:
     """Estimate one iteration.
 
     ``graph_or_run`` is a traced :class:`OpGraph` (then ``cluster`` and ``training`` or
     ``global_batch_size`` are required) or a :class:`RunConfig` (traced here, cached by shape).
-    ``measured`` maps kernel keys to measured durations on the cluster's GPU (see
-    :func:`profiler.lookup.measured_durations`); ``measured_comm`` maps (collective kind, group
-    size) to measured tables (:func:`profiler.lookup.measured_comm_tables`). ``explain`` lists that
-    many of the largest unmeasured kernels.
+    Kernel and collective times come from the profile database where it measured them on the
+    cluster's GPU, as ``vtrain estimate`` reads it: ``profile_db`` (a path), by default
+    ``$VTRAIN_PROFILE_DB``, else the user cache (``~/.cache/vtrain/profiles.sqlite``); ``False``
+    reads none (the analytical model alone). ``measured`` (kernel keys to durations, see
+    :func:`profiler.lookup.measured_durations`) and ``measured_comm`` ((collective kind, group
+    size) to tables, :func:`profiler.lookup.measured_comm_tables`) replace what the database has.
+    ``explain`` lists that many of the largest unmeasured kernels.
     """
     if isinstance(graph_or_run, RunConfig):
         run = graph_or_run
@@ -236,6 +241,10 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
         if global_batch_size is None:
             raise ConfigError("estimate: give training=TrainingSpec(...) or global_batch_size")
         training = TrainingSpec(global_batch_size=global_batch_size)
+    if profile_db is not False and (measured is None or measured_comm is None):
+        kernels, tables = measured_for_graph(graph, cluster, db_path=profile_db)
+        measured = kernels if measured is None else measured
+        measured_comm = tables if measured_comm is None else measured_comm
     device = get_device(cluster.gpu)
     if training.fp8 is not None:
         device.require_fp8("training.fp8", training.fp8.value)

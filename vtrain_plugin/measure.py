@@ -1,34 +1,25 @@
-"""What needs the profile database or a real device: measured durations for a run, and validation.
+"""What needs a real device: :func:`validate`, training a plan for real and comparing it with its estimate.
 
 :func:`validate` builds the real megatron-core model of a plan on this machine's device (one device:
 tensor, pipeline and data parallelism set to 1, the result says which fields it overrode), trains it
 for a few iterations on random tokens with the real optimizer, and compares the median iteration
 time after warm-up with the estimate of the same one-device plan from the profile database of that
-device. This module sits above :mod:`profiler` (which imports vtrain_plugin's lower layers), so the
-package's ``__init__`` does not import it: ``from vtrain_plugin.measure import validate``.
+device; the package exports it: ``vtrain_plugin.validate(run)``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 from profiler.fingerprint import current_fingerprint
-from profiler.lookup import measured_comm_tables, measured_durations
-from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import GIB
-from vtrain_plugin.estimate import Estimate, estimate
+from vtrain_plugin.estimate import estimate
 from vtrain_plugin.specs.run import RunConfig
-from vtrain_plugin.validate import ValidationResult, compare, single_device_run
+from vtrain_plugin.validation import ValidationResult, compare, noise_warnings, single_device_run
 
-
-def estimate_with_profiles(run: RunConfig, *, db_path: str | os.PathLike | None = None, timeline: bool = False,
-                           explain: int = 0) -> Estimate:
-    """``estimate(run)`` with the kernels and collectives the profile database has measured on its GPU."""
-    keys = trace(run.model, run.parallel).unique_kernels()
-    return estimate(run, measured=measured_durations(keys, run.cluster.gpu, db_path=db_path),
-                    measured_comm=measured_comm_tables(run.cluster, db_path=db_path), timeline=timeline,
-                    explain=explain)
+logger = logging.getLogger(__name__)
 
 
 def validate(run: RunConfig, *, device: str = "cpu", db_path: str | os.PathLike | None = None,
@@ -41,12 +32,25 @@ def validate(run: RunConfig, *, device: str = "cpu", db_path: str | os.PathLike 
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ConfigError(f"warmup must be a non-negative integer, got {warmup!r}")
     single, overridden = single_device_run(run, device)
-    predicted = estimate_with_profiles(single, db_path=db_path)
+    predicted = estimate(single, profile_db=db_path)
+    load = os.getloadavg()[0]  # before training: what else competes for the cores while it is timed
     measured = train(single.model, single.parallel, num_microbatches=single.num_microbatches,
                      iterations=iterations, warmup=warmup, device=device)
+    warnings = noise_warnings(load, os.cpu_count() or 1, measured.iteration_ms)
+    for line in warnings:
+        logger.warning("warning: %s", line)
+    peak = max(predicted.memory_gib, key=lambda m: m.total_gib)
     return ValidationResult(
         config=run.source, device=current_fingerprint(device).label, overridden=overridden,
         num_microbatches=single.num_microbatches, warmup_iterations=warmup,
         comparison=compare(predicted, measured.iteration_ms),
         peak_memory_measured_gib=measured.peak_memory_bytes / GIB,
-        measured_fraction=predicted.measured_fraction, breakdown_ms=predicted.breakdown_ms)
+        peak_memory_predicted_gib=peak.total_gib - peak.allowance_gib, memory_measure=_memory_measure(device),
+        measured_fraction=predicted.measured_fraction, breakdown_ms=predicted.breakdown_ms, warnings=warnings)
+
+
+def _memory_measure(device: str) -> str:
+    """What :func:`megatron_adapters.real_model.train` measures as peak memory on ``device``."""
+    if device.startswith("cuda"):
+        return "torch.cuda.max_memory_allocated (tensors; the predicted allowance left out)"
+    return "growth of the peak resident set (VmHWM) over model build and training (predicted allowance left out)"

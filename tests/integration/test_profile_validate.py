@@ -42,6 +42,14 @@ def test_profile_then_estimate_and_validate(plan, run_cli, tmp_path):
     assert {"predicted_ms", "measured_ms", "error_pct", "peak_memory_measured_gib"} <= result.keys()
     assert result["measured_fraction"] > 0.99 and result["num_microbatches"] == 2
     assert result["peak_memory_measured_gib"] > 0
+    # Predicted peak: the estimate's tensors of the same one-device plan, its allowance left out.
+    [stage] = json.loads(run_cli("estimate", plan, "--format", "json", check=True).stdout)["memory_gib_per_stage"]
+    assert result["peak_memory_predicted_gib"] == pytest.approx(stage["total"] - stage["allowance"], rel=1e-12)
+    assert result["memory_error_pct"] == pytest.approx(100 * (result["peak_memory_predicted_gib"] - result[
+        "peak_memory_measured_gib"]) / result["peak_memory_measured_gib"])
+    assert result["memory_measure"].startswith("growth of the peak resident set (VmHWM)")
+    assert all(line.endswith("measured times are noisy") for line in result["warnings"])
+    assert proc.stderr.splitlines() == [f"vtrain: warning: {line}" for line in result["warnings"]]
     # The error itself is a wall-clock figure of this machine: benchmarks/validate_cpu.py reports it.
     assert result["error_pct"] == pytest.approx(
         100 * (result["predicted_ms"] - result["measured_ms"]) / result["measured_ms"])

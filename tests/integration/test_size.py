@@ -78,3 +78,30 @@ def test_cli_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["answer"]["within_budget"] and out["answer"]["train_days"] <= DAYS
     assert (tmp_path / "size.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_plan_at_an_exact_count_names_the_cause_not_the_budget(run_cli):
+    """3,360 = 2^5 x 105: DP must divide the 2,048 sequences, so some TP x PP <= 8 x 24 must be a
+    multiple of 105: none is. That is no plan at that count, not a budget too small."""
+    proc = run_cli("size", "--gpus", "3360", "--gpu", "A100", "--days", "30")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "vtrain: error: size: not a budget too small: no plan of the smallest shape, gpt-h3072-l24, uses exactly "
+        "3360 GPUs (a count is exact; 1:3360 allows any count up to it): TP x CP x PP x DP must be such a count "
+        "with DP x micro-batch dividing the global batch of 2,048 sequences (4,194,304 batch tokens // 2,048 per "
+        "sequence), TP the 24 heads and PP the 24 layers; no valid plan: 48 skipped (gpus not in budget: 10, "
+        "global_batch % (dp*micro_batch): 38)"]
+    assert "a count (exactly that many: 3360)" in " ".join(run_cli("size", "--help").stdout.split())
+
+
+def test_a_dollar_budget_fills_the_naive_answer():
+    """The naive answer's FLOPs are those the dollars buy: USD / price GPU-hours at the peak and MFU."""
+    usd = 50.0
+    sized = size_model("gpt", cluster=CLUSTER, gpus=8, budget_usd=usd, space=SPACE, workers=1,
+                       batch_tokens=2**16, **LADDER)
+    peak = 312e12  # A100 dense fp16 tensor FLOP/s (NVIDIA A100 datasheet)
+    assert sized.naive is not None and sized.naive_outcome.model == sized.naive.model
+    assert sized.naive.budget_flops == pytest.approx(usd / CLUSTER.price_per_gpu_hour_usd * 3600 * peak * 0.5,
+                                                     rel=1e-12)
+    assert sized.to_dict()["naive"]["budget_flops"] == sized.naive.budget_flops
+    assert sized.table()["naive"].sum() == 1

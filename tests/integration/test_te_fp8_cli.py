@@ -25,7 +25,7 @@ def write(tmp_path, name, data):
 def test_fp8_estimate_on_h100_names_its_stack_and_precision(tmp_path, run_cli):
     path = write(tmp_path, "fp8.yaml", PLAN)
     table = run_cli("estimate", path, check=True).stdout
-    assert "stack megatron_core_te, fp8 hybrid)" in table.splitlines()[0]
+    assert table.splitlines()[4].endswith("stack megatron_core_te, fp8 hybrid (delayed scaling)")
     row = json.loads(run_cli("estimate", path, "--format", "jsonl", check=True).stdout)
     assert (row["software_stack"], row["fp8"], row["gpu"]) == ("megatron_core_te", "hybrid", "h100-sxm")
     bf16 = json.loads(run_cli("estimate", write(tmp_path, "bf16.yaml", {**PLAN, "training": {"global_batch_size": 8}}),

@@ -71,7 +71,7 @@ def test_the_cache_keeps_curves_on_disk_and_rebuilds_a_corrupt_entry(tmp_path, c
     assert stored["curve"] == curve.to_dict()
     assert stored["inputs"] == json.loads(json.dumps(curve_inputs(TINY, 16, CLUSTER, SPACE)))
     assert set(stored["inputs"]) == {"format", "vtrain", "model", "global_batch_size", "node", "counts", "space",
-                                     "calibration", "code"}
+                                     "calibration", "code", "profiles"}
     data = json.loads(entry.read_text())
     data["inputs"]["global_batch_size"] = 8  # a file under the wrong key
     entry.write_text(json.dumps(data))
@@ -116,3 +116,14 @@ def test_a_model_whose_states_overflow_every_plan_is_rejected_without_tracing():
     assert curve.reason == ("no plan fits on 8 to 8 GPUs (micro-batch 1, full recompute; "
                             + "; ".join(f"TP {t}: the model states alone overflow a GPU in every valid plan"
                                         for t in (1, 2, 4, 8)) + ")")
+
+
+def test_a_curve_is_keyed_on_the_profile_database_its_estimates_read(tmp_path, monkeypatch):
+    """Estimates read the profile database, so a curve cached before ``vtrain profile`` filled it
+    is not one of after."""
+    db = tmp_path / "profiles.sqlite"
+    monkeypatch.setenv("VTRAIN_PROFILE_DB", str(db))
+    assert curve_inputs(TINY, 16, CLUSTER, SPACE)["profiles"] is None
+    db.write_bytes(b"x" * 10)
+    stamp = curve_inputs(TINY, 16, CLUSTER, SPACE)["profiles"]
+    assert stamp == {"path": str(db.resolve()), "nbytes": 10, "mtime_ns": db.stat().st_mtime_ns}

@@ -25,7 +25,7 @@ from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import TrainingSpec
-from vtrain_plugin.validate import IterationRecorder, compare, single_device_run
+from vtrain_plugin.validation import IterationRecorder, compare, single_device_run
 
 H100 = DeviceFingerprint(kind=DeviceKind.CUDA, device_name="NVIDIA H100 80GB HBM3", sm_count_or_cores=132,
                          cpu_model="AMD EPYC 9654", torch_version="2.13.0", cuda_version="12.8")

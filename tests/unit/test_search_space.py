@@ -19,7 +19,7 @@ def plans(space, *, gpus="8", global_batch_size=16, training=BASE):
 
 
 def test_a_fully_pinned_grid_counts_each_combination_once_under_its_first_rule():
-    """4 x 3 x 2 x 3 x 2 x 2 = 288 combinations, 2 to 8 GPUs, global batch 8, max_tp 8 (GPUs per node).
+    """4 x 3 x 2 x 3 x 2 x 2 = 288 combinations, 2 to 8 GPUs, global batch 8, max_tp 8 (given).
 
     Combinations that follow an axis value count the pinned values of the later axes:
     after tp 3*2*3*2*2 = 72, after pp 24, after dp 12, after micro-batch 4, after vp 2.
@@ -42,7 +42,7 @@ def test_a_fully_pinned_grid_counts_each_combination_once_under_its_first_rule()
     """
     space = SearchSpace(tensor_parallel=(1, 2, 3, 16), pipeline_parallel=(1, 2, 3), data_parallel=(1, 2),
                         micro_batch_size=(1, 3, 4), virtual_pipeline=(1, 2), sequence_parallel=(False, True),
-                        recompute=("none",), grad_reduce=("overlap",), distributed_optimizer=(False,))
+                        recompute=("none",), grad_reduce=("overlap",), distributed_optimizer=(False,), max_tp=8)
     result = plans(space, gpus="2:8", global_batch_size=8)
     assert result.skipped == {
         "tp > max_tp": 72, "heads % tp": 72, "layers % pp": 48, "gpus not in budget": 12,
@@ -111,6 +111,23 @@ def test_an_interleaved_base_schedule_runs_1f1b_without_a_virtual_pipeline():
                    training=TrainingSpec(global_batch_size=1, schedule="interleaved_1f1b"))
     assert {(c.parallel.virtual_pipeline, c.training.schedule) for c in result.candidates} == {
         (1, ScheduleKind.ONE_F_ONE_B), (2, ScheduleKind.INTERLEAVED_1F1B)}
+
+
+def test_a_pinned_tp_above_the_default_limit_is_tried():
+    """The default limit is the GPUs per node (8); pinning 16 raises it to 16 instead of skipping
+    16 as ``tp > max_tp``, and the unpinned default range stays at 8."""
+    wide = ModelSpec(num_layers=4, hidden_size=2048, num_attention_heads=16, seq_length=128, vocab_size=1024)
+    pinned = dict(pipeline_parallel=(1,), micro_batch_size=(1,), sequence_parallel=(False,), recompute=("none",),
+                  grad_reduce=("overlap",), distributed_optimizer=(False,))
+    result = enumerate_plans(wide, SearchSpace(tensor_parallel=(8, 16), **pinned), global_batch_size=16,
+                             budget=GpuBudget.parse("16"), training=BASE, gpus_per_node=8)
+    assert result.skipped == {}
+    assert [(c.parallel.tensor_parallel, c.parallel.data_parallel) for c in result.candidates] == [(8, 2), (16, 1)]
+    default = enumerate_plans(wide, SearchSpace(**pinned), global_batch_size=16, budget=GpuBudget.parse("16"),
+                              training=BASE, gpus_per_node=8)
+    assert max(c.parallel.tensor_parallel for c in default.candidates) == 8
+    assert SearchSpace(tensor_parallel=(16,)).tp_limit(8) == 16
+    assert SearchSpace(tensor_parallel=(16,), max_tp=4).tp_limit(8) == 4  # a limit given is kept
 
 
 def test_max_tp_and_sequence_parallel_rules():

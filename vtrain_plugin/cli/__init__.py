@@ -9,6 +9,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from vtrain_plugin.cli import cache, calibrate, cluster_sim, compare, estimate, profile, search, size, trace, validate
 from vtrain_plugin.cli.common import EXIT_USER_ERROR, cache_environment, cache_options
@@ -19,8 +20,16 @@ from vtrain_plugin.core.errors import VTrainError
 TRACING_COMMANDS = ("trace", "estimate", "profile", "validate", "compare", "calibrate", "search", "size", "cluster-sim")
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's errors (a bad choice, a missing or malformed option) as one line on stderr and exit
+    code 2, like every other user error, instead of the usage text followed by the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="vtrain", description="Predict the iteration time, memory and cost of Megatron-style training.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

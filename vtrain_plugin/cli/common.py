@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 from vtrain_plugin.capture import disk_cache
 from vtrain_plugin.core.errors import ConfigError
@@ -31,8 +32,19 @@ def device_and_db_options(p: argparse.ArgumentParser) -> None:
     db_option(p)
 
 
-def db_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--db", help="profile database (default: $VTRAIN_PROFILE_DB or the user cache)")
+def db_option(p: argparse.ArgumentParser, *, can_disable: bool = False) -> None:
+    """``--db``; with ``can_disable`` (commands that estimate) also ``--no-db``, the analytical model alone."""
+    group = p.add_mutually_exclusive_group() if can_disable else p
+    group.add_argument("--db", help="profile database (default: $VTRAIN_PROFILE_DB, else "
+                                    "$XDG_CACHE_HOME/vtrain/profiles.sqlite or ~/.cache/vtrain/profiles.sqlite)")
+    if can_disable:
+        group.add_argument("--no-db", action="store_true",
+                           help="read no profile database: every kernel and collective from the analytical model")
+
+
+def profile_db(args: argparse.Namespace) -> str | Literal[False] | None:
+    """The ``profile_db`` of :func:`vtrain_plugin.estimate.estimate` that ``--db`` / ``--no-db`` ask for."""
+    return False if getattr(args, "no_db", False) else args.db
 
 
 def positive_int(text: str) -> int:

@@ -14,13 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vtrain_plugin.api import with_gpu
-from vtrain_plugin.cli.common import CONFIG_HELP, db_option, emit
+from vtrain_plugin.cli.common import CONFIG_HELP, db_option, emit, profile_db
 from vtrain_plugin.cli.megatron_input import LAUNCH_SCRIPT_SUFFIXES, MEGATRON_ARGS_LABEL, add_megatron_options, run_inputs
 from vtrain_plugin.cli.runs_render import comparison_table, comparisons_summary
 from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.estimate import estimate
 from vtrain_plugin.fitting.compare import DEFAULT_SLOW_FACTOR, DEFAULT_WARMUP_ITERATIONS, RunComparison, compare_run
 from vtrain_plugin.fitting.plot import plot_comparisons
-from vtrain_plugin.measure import estimate_with_profiles
 from vtrain_plugin.specs.reading import YAML_SUFFIXES
 from vtrain_plugin.specs.run import RunConfig
 
@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"flag intervals slower than X times the median (default {DEFAULT_SLOW_FACTOR})")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
     p.add_argument("--plot", metavar="FILE.png", help="draw the measured intervals against the predicted time")
-    db_option(p)
+    db_option(p, can_disable=True)
     p.set_defaults(func=run)
 
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         run_config = load()
         if args.gpu:
             run_config = with_gpu(run_config, args.gpu)
-        comparison = compare_run(estimate_with_profiles(run_config, db_path=args.db), logs,
+        comparison = compare_run(estimate(run_config, profile_db=profile_db(args)), logs,
                                  warmup_iterations=args.warmup_iterations, slow_factor=args.slow_factor)
         results.append((label, comparison))
     if args.plot:

@@ -6,18 +6,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from vtrain_plugin.api import with_gpu
-from vtrain_plugin.cli.common import (CONFIG_HELP, EXIT_USER_ERROR, db_option, positive_int, reliability_options,
+from vtrain_plugin.cli.common import (CONFIG_HELP, EXIT_USER_ERROR, db_option, positive_int, profile_db, reliability_options,
                                      with_reliability)
 from vtrain_plugin.cli.megatron_input import add_megatron_options, run_inputs
 from vtrain_plugin.cli.render import estimate_table
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError, VTrainError
-from vtrain_plugin.estimate import Estimate, estimates_frame
-from vtrain_plugin.measure import estimate_with_profiles
+from vtrain_plugin.estimate import Estimate, estimate, estimates_frame
+from vtrain_plugin.specs.run import RunConfig
 
 
 FORMATS = ("table", "json", "jsonl", "csv")
@@ -36,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=FORMATS, default="table",
                    help="table (default); json: one object, an array of them for several configs; jsonl: one "
                         "line per config, errors inline; csv: one row per config (pandas columns of to_row)")
-    db_option(p)
+    db_option(p, can_disable=True)
     p.add_argument("--explain", type=int, nargs="?", const=10, default=0, metavar="N",
                    help="list the N largest unmeasured kernels (default 10)")
     p.add_argument("--timeline", metavar="FILE", help="write a Chrome trace / Perfetto timeline")
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = run_inputs(args)
     failed = 0
     documents: list[dict] = []  # --format json: printed together, as one array for several configs
-    rows: list[tuple[str, Estimate]] = []  # --format csv
+    rows: list[tuple[str, RunConfig, Estimate]] = []  # --format csv
     for index, (path, load) in enumerate(inputs):
         try:
             run_config = load()
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                 run_config = replace(run_config, training=replace(run_config.training, total_tokens=tokens))
             run_config = replace(run_config, training=replace(
                 run_config.training, reliability=with_reliability(args, run_config.training.reliability)))
-            result = estimate_with_profiles(run_config, db_path=args.db, timeline=bool(args.timeline),
+            result = estimate(run_config, profile_db=profile_db(args), timeline=bool(args.timeline),
                                             explain=args.explain or 0)
             if args.timeline:
                 result.write_timeline(_timeline_path(args.timeline, index, len(inputs)),
@@ -80,22 +82,42 @@ def run(args: argparse.Namespace) -> int:
                     documents.append({"config": path, "error": str(exc)})
             continue
         if args.format == "jsonl":
-            _write(_json({"config": path, **result.to_dict()}))
+            _write(_json({"config": path, "plan": plan_document(run_config), **result.to_dict()}))
         elif args.format == "json":
-            documents.append({"config": path, **result.to_dict(), "largest_unmeasured": [
+            documents.append({"config": path, "plan": plan_document(run_config), **result.to_dict(), "largest_unmeasured": [
                 {"op": k.op, "input_shapes": k.input_shapes, "dtypes": k.dtypes, "phase": k.phase,
                  "module": k.module, "time_ms": k.time_ms} for k in result.largest_unmeasured]})
         elif args.format == "csv":
-            rows.append((path, result))
+            rows.append((path, run_config, result))
         else:
             _write(estimate_table(run_config, result))
     if args.format == "json" and documents:
         _write(_json(documents[0] if len(inputs) == 1 else documents, indent=1))
     elif args.format == "csv" and rows:
-        frame = estimates_frame((result for _, result in rows))
-        frame.insert(0, "config", [path for path, _ in rows])
+        frame = estimates_frame((result for _, _, result in rows))
+        plans = [_flat(plan_document(run_config)) for _, run_config, _ in rows]
+        for column in plans[0]:
+            frame[column] = [plan[column] for plan in plans]
+        frame.insert(0, "config", [path for path, _, _ in rows])
         sys.stdout.write(frame.to_csv(index=False))
     return EXIT_USER_ERROR if failed else 0
+
+
+def plan_document(run: RunConfig) -> dict[str, dict[str, Any]]:
+    """Every field of the plan an estimate was made of, as read: model, parallel, training, cluster."""
+    return {"model": run.model.to_dict(), "parallel": run.parallel.to_dict(), "training": run.training.to_dict(),
+            "cluster": run.cluster.to_dict()}
+
+
+def _flat(document: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as ``section.field`` columns (``training.reliability.failures``)."""
+    flat: dict[str, Any] = {}
+    for key, value in document.items():
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _json(document: object, *, indent: int | None = None) -> str:

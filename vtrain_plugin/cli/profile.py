@@ -17,7 +17,7 @@ from vtrain_plugin.api import load_run_config
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.cli.common import CONFIG_HELP, db_option, device_and_db_options, positive_int
 from vtrain_plugin.core.errors import ProfileError
-from vtrain_plugin.validate import single_device_run
+from vtrain_plugin.validation import single_device_run
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

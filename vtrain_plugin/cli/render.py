@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import Block, OpGraph, OpNode, Phase, StageGraph
-from vtrain_plugin.core.units import GBYTE, SECONDS_PER_HOUR, SECONDS_PER_MINUTE
+from vtrain_plugin.core.units import GBYTE, MEGABYTE, SECONDS_PER_HOUR, SECONDS_PER_MINUTE
 from vtrain_plugin.cost.context_parallel import ContextParallel, model_flops, with_context_parallel
 from vtrain_plugin.cost.lowering import map_nodes
 from vtrain_plugin.cost.runtime_collectives import runtime_collectives
@@ -29,7 +29,7 @@ from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
-from vtrain_plugin.validate import ValidationResult
+from vtrain_plugin.validation import ValidationResult
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -164,19 +164,7 @@ def _merged(blocks: list[tuple[str, int, tuple]]) -> tuple[list[dict[str, Any]],
 
 def estimate_table(run: RunConfig, result: Estimate) -> str:
     """The breakdown table of ``vtrain estimate``."""
-    plan = run.parallel
-    lines = [
-        f"{run.source}: {run.model.name or run.model.family.value} {run.model.num_layers} layers, hidden "
-        f"{run.model.hidden_size} on {result.num_gpus} x {result.gpu} "
-        f"(tp={plan.tensor_parallel}{_cp_label(plan)} pp={plan.pipeline_parallel} dp={plan.data_parallel} "
-        f"micro-batch={plan.micro_batch_size} global batch={result.global_batch_size} "
-        f"micro-batches={result.num_microbatches}, {run.training.schedule.value}, recompute={plan.recompute.value}, "
-        f"{'TP comm overlapped, ' if run.training.tp_comm_overlap else ''}"
-        f"{_moe_label(run.model, plan).strip() + ', ' if run.model.is_moe else ''}"
-        f"stack {result.software_stack}" + ("" if result.fp8 is None else f", fp8 {result.fp8}")
-        + (", distributed optimizer" if result.distributed_optimizer else "") + ")",
-        "",
-    ]
+    lines = [*plan_lines(run, result), ""]
     total = result.iteration_time_ms
     rows = [[name, f"{ms:,.1f}", f"{100 * ms / total:.1f}%"] for name, ms in result.breakdown_ms.items()]
     rows.append(["iteration", f"{total:,.1f}", "100.0%"])
@@ -207,6 +195,33 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
         lines.append(render_table(rows, ["largest unmeasured kernels", "shapes", "phase", "module",
                                          "ms/iter on its busiest stage", "of iteration"]))
     return "\n".join(lines)
+
+
+def plan_lines(run: RunConfig, result: Estimate) -> list[str]:
+    """The whole plan an estimate was made of, as it was read: model, layout, batch, training."""
+    model, plan, training = run.model, run.parallel, run.training
+    groups = model.num_query_groups or model.num_attention_heads
+    on = {True: "on", False: "off"}
+    return [
+        f"{run.source}: {model.name or model.family.value} on {result.num_gpus} x {result.gpu}",
+        f"  model     {model.family.value}, {model.num_layers} layers, hidden {model.hidden_size}, "
+        f"{model.num_attention_heads} heads, {groups} query groups"
+        f"{' (GQA)' if groups != model.num_attention_heads else ''}, FFN {model.ffn_size}, sequence "
+        f"{model.seq_length}, vocabulary {model.vocab_size}, {model.dtype.value}"
+        + ("" if result.fp8 is None else f" with fp8 {result.fp8} GEMMs") + ("," if model.is_moe else "")
+        + _moe_label(model, plan),
+        f"  parallel  tp={plan.tensor_parallel}{_cp_label(plan) or ' cp=1'} pp={plan.pipeline_parallel} "
+        f"vp={plan.virtual_pipeline} dp={plan.data_parallel}"
+        + ("" if model.is_moe else f" ep={plan.expert_parallel}")
+        + f", sequence parallel {on[plan.sequence_parallel]}, recompute {plan.recompute.value}",
+        f"  batch     micro-batch {plan.micro_batch_size}, global batch {result.global_batch_size}, "
+        f"{result.num_microbatches} micro-batches per replica, schedule {training.schedule.value}",
+        f"  training  gradient reduction {training.grad_reduce.value} (buckets {training.bucket_nbytes / MEGABYTE:g} MB), "
+        f"distributed optimizer {on[result.distributed_optimizer]}"
+        + (", parameter all-gather overlapped" if training.overlap_param_gather else "")
+        + f", TP comm overlap {on[training.tp_comm_overlap]}, stack {result.software_stack}"
+        + ("" if result.fp8 is None else f", fp8 {result.fp8} ({training.fp8_recipe.value} scaling)"),
+    ]
 
 
 def failures_lines(totals: TrainTotals) -> list[str]:
@@ -243,8 +258,11 @@ def validation_table(result: ValidationResult) -> str:
     lines.append(render_table([[f"{c.predicted_ms:,.1f}", f"{c.measured_ms:,.1f}", f"{c.error_pct:+.1f}%"]],
                               ["predicted ms", "measured ms", "error"]))
     lines.append("")
-    lines.append(f"peak memory measured: {result.peak_memory_measured_gib:.2f} GiB   "
-                 f"kernel time measured in the prediction: {100 * result.measured_fraction:.1f}%")
+    memory_error = "n/a" if result.memory_error_pct is None else f"{result.memory_error_pct:+.1f}%"
+    lines.append(f"peak memory: predicted {result.peak_memory_predicted_gib:.2f} GiB, measured "
+                 f"{result.peak_memory_measured_gib:.2f} GiB, error {memory_error} ({result.memory_measure})")
+    lines.append(f"kernel time measured in the prediction: {100 * result.measured_fraction:.1f}%")
+    lines.extend(f"warning: {line}" for line in result.warnings)
     if result.measured_fraction < 1.0:
         lines.append("(kernels missing from the profile database were modeled; run `vtrain profile` on this "
                      "device first)")

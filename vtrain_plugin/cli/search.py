@@ -6,9 +6,10 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 from vtrain_plugin.api import ModelFile, load_model_file, load_run_config
-from vtrain_plugin.cli.common import emit, reliability_options, with_reliability
+from vtrain_plugin.cli.common import db_option, emit, profile_db, reliability_options, with_reliability
 from vtrain_plugin.cli.render import search_csv, search_jsonl, search_table
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.hardware.clusters import cluster_for_gpu, cluster_preset_names, get_cluster_preset
@@ -33,11 +34,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch", metavar="N",
                    help="sequences per iteration (default: the file's training.global_batch_size)")
     p.add_argument("--gpus", metavar="BUDGET",
-                   help="GPUs a plan may use: a count (3360), a range (1024:4096) or a list (2240,2800,3360)")
+                   help="GPUs a plan may use: a count (exactly that many: 3360), a range (1024:4096; 1:3360 for at "
+                        "most 3360) or a list (2240,2800,3360)")
     for axis in AXES:
         p.add_argument(f"--{axis.flag.replace('_', '-')}", dest=axis.name, metavar="LIST",
                        help=f"{axis.label}; comma-separated (default: {axis.default_label})")
-    p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node)")
+    p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node, or the largest --tp given)")
     p.add_argument("--objective", default="time",
                    help="rank the plans that fit by time, days (to train --tokens) or cost (default time); with "
                         "--tokens, time and days rank by the days to train and cost by the cost to train, both "
@@ -52,6 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="local", help=f"{' | '.join(BACKENDS)} (default local)")
     p.add_argument("--tokens", metavar="N", help="also the days and cost to train on N tokens, e.g. 270e9")
     reliability_options(p)
+    db_option(p, can_disable=True)
     p.set_defaults(func=run)
 
 
@@ -69,13 +72,14 @@ def run(args: argparse.Namespace) -> int:
     space = space_from_args(args)
     training = source.training or TrainingSpec(global_batch_size=global_batch)
     training = replace(training, reliability=with_reliability(args, training.reliability))
-    baseline = (_baseline(args.baseline, source, cluster, global_batch, tokens, training.reliability)
+    baseline = (_baseline(args.baseline, source, cluster, global_batch, tokens, training.reliability, profile_db(args))
                 if args.baseline else None)
     result = search(source.model, cluster=cluster, global_batch_size=global_batch,
                     gpus=GpuBudget.parse(args.gpus, where="--gpus"), space=space, training=training,
                     objective=args.objective, top_k=_number("--top", args.top, int),
                     workers=_number("--workers", args.workers, int) if args.workers is not None else None,
-                    backend=args.backend, progress=sys.stderr.isatty(), tokens=tokens)
+                    backend=args.backend, progress=sys.stderr.isatty(), tokens=tokens,
+                    profile_db=profile_db(args))
     if args.format == "csv":
         emit(search_csv(result.table), args.output)
     elif args.format == "jsonl":
@@ -125,7 +129,7 @@ def _number(flag: str, text: str, kind: type[int] | type[float]) -> int | float:
 
 
 def _baseline(path: str, source: ModelFile, cluster: ClusterSpec, global_batch: int,
-              tokens: float | None, reliability: ReliabilitySpec | None) -> dict:
+              tokens: float | None, reliability: ReliabilitySpec | None, db: str | Literal[False] | None) -> dict:
     """The row of the plan in ``path``, on the search's cluster with its global batch and reliability."""
     run = load_run_config(path)
     if replace(run.model, name="") != replace(source.model, name=""):
@@ -133,6 +137,6 @@ def _baseline(path: str, source: ModelFile, cluster: ClusterSpec, global_batch: 
     try:
         candidate = Candidate(parallel=run.parallel, training=replace(run.training, global_batch_size=global_batch,
                                                                       reliability=reliability))
-        return evaluate_baseline(source.model, candidate, cluster, tokens)
+        return evaluate_baseline(source.model, candidate, cluster, tokens, profile_db=db)
     except ConfigError as exc:
         raise ConfigError(f"--baseline {path}: {exc}") from None

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from vtrain_plugin.cli.common import emit, reliability_options, with_reliability
+from vtrain_plugin.cli.common import db_option, emit, profile_db, reliability_options, with_reliability
 from vtrain_plugin.cli.render import sizing_table
 from vtrain_plugin.cli.search import _number, space_from_args
 from vtrain_plugin.core.errors import ConfigError
@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cluster = p.add_mutually_exclusive_group(required=True)
     cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, B200, ...)")
     cluster.add_argument("--cluster", help=f"cluster preset ({', '.join(cluster_preset_names())})")
-    p.add_argument("--gpus", required=True, metavar="BUDGET", help="GPUs: a count, a range LOW:HIGH or a list")
+    p.add_argument("--gpus", required=True, metavar="BUDGET", help="GPUs a plan may use: a count (exactly that many: 3360), a range LOW:HIGH "
+                                                               "(1:3360 for at most 3360) or a list (2240,2800,3360)")
     p.add_argument("--days", metavar="D", help="wall-clock budget in days")
     p.add_argument("--budget-usd", metavar="USD", help="dollar budget (needs a price on the cluster)")
     p.add_argument("--tokens-per-parameter", default=str(CHINCHILLA_TOKENS_PER_PARAMETER), metavar="R",
@@ -41,12 +42,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for axis in AXES:
         p.add_argument(f"--{axis.flag.replace('_', '-')}", dest=axis.name, metavar="LIST",
                        help=f"{axis.label} of each shape's search; comma-separated (default: {axis.default_label})")
-    p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node)")
+    p.add_argument("--max-tp", metavar="N", help="largest tensor-parallel size tried (default: GPUs per node, or the largest --tp given)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--output", "-o", help="write to this file instead of stdout")
     p.add_argument("--plot", metavar="FILE.png", help="draw parameters against days to train, with the budget")
     p.add_argument("--workers", metavar="N", help="worker processes per search (default: CPU count)")
     reliability_options(p)
+    db_option(p, can_disable=True)
     p.set_defaults(func=run)
 
 
@@ -71,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         max_params=_number("--max-params", args.max_params, float),
         hidden_step=_number("--hidden-step", args.hidden_step, int), space=space_from_args(args),
         workers=_number("--workers", args.workers, int) if args.workers is not None else None,
-        progress=sys.stderr.isatty(), reliability=with_reliability(args, ReliabilitySpec()))
+        progress=sys.stderr.isatty(), reliability=with_reliability(args, ReliabilitySpec()),
+        profile_db=profile_db(args))
     if args.format == "json":
         emit(json.dumps(result.to_dict(), indent=2, allow_nan=False) + "\n", args.output)
     else:

@@ -224,7 +224,7 @@ def _common_calibration(plans: Sequence[PlanRuns]) -> tuple[str, str, Calibratio
 
 def _prepare(plan: PlanRuns, warmup_iterations: int) -> _Prepared:
     run = plan.run
-    comparison = compare_run(estimate(run), plan.logs, warmup_iterations=warmup_iterations)
+    comparison = compare_run(estimate(run, profile_db=False), plan.logs, warmup_iterations=warmup_iterations)
     stack = run.training.stack_for(run.model, get_device(run.cluster.gpu).architecture, run.parallel)
     graph = prepare_run(trace(run.model, run.parallel), stack, run.training)
     return _Prepared(label=plan.label, run=run, prepared=graph, measured_ms=comparison.measured_iteration_time_ms,

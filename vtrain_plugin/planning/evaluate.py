@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from vtrain_plugin.capture.chunk import plan_shape_key
 from vtrain_plugin.capture.tracer import trace
@@ -42,11 +42,14 @@ class Batch:
     cluster: ClusterSpec
     candidates: tuple[Candidate, ...]
     positions: tuple[int, ...]
+    profile_db: str | None | Literal[False] = None  # estimate()'s: None the default database, False none
 
 
-def evaluate(model: ModelSpec, candidate: Candidate, cluster: ClusterSpec) -> Estimate:
+def evaluate(model: ModelSpec, candidate: Candidate, cluster: ClusterSpec, *,
+             profile_db: str | None | Literal[False] = None) -> Estimate:
     """The estimate of one plan, exactly as a user gets it from ``trace`` and ``estimate``."""
-    return estimate(trace(model, candidate.parallel), cluster=cluster, training=candidate.training)
+    return estimate(trace(model, candidate.parallel), cluster=cluster, training=candidate.training,
+                    profile_db=profile_db)
 
 
 def plan_row(candidate: Candidate, est: Estimate) -> Row:
@@ -94,21 +97,23 @@ def expected_columns(est: Estimate) -> Row:
             "goodput": totals.goodput, "checkpoint_interval_iterations": totals.failures.interval_iterations}
 
 
-def make_batches(model: ModelSpec, cluster: ClusterSpec, candidates: Sequence[Candidate]) -> list[Batch]:
+def make_batches(model: ModelSpec, cluster: ClusterSpec, candidates: Sequence[Candidate], *,
+                 profile_db: str | None | Literal[False] = None) -> list[Batch]:
     """The candidates grouped by trace shape, largest batch first (it bounds a parallel run)."""
     groups: dict[tuple, list[int]] = {}
     for position, candidate in enumerate(candidates):
         groups.setdefault(plan_shape_key(candidate.parallel), []).append(position)
     ordered = sorted(groups.values(), key=len, reverse=True)
     return [Batch(model=model, cluster=cluster, candidates=tuple(candidates[p] for p in positions),
-                  positions=tuple(positions)) for positions in ordered]
+                  positions=tuple(positions), profile_db=profile_db) for positions in ordered]
 
 
 def evaluate_batch(batch: Batch, on_plan: Callable[[], None] | None = None) -> list[tuple[int, Row]]:
     """``(position, row)`` for every plan of ``batch``; ``on_plan`` is called after each one."""
     out = []
     for position, candidate in zip(batch.positions, batch.candidates):
-        out.append((position, plan_row(candidate, evaluate(batch.model, candidate, batch.cluster))))
+        out.append((position, plan_row(candidate, evaluate(batch.model, candidate, batch.cluster,
+                                                                      profile_db=batch.profile_db))))
         if on_plan is not None:
             on_plan()
     return out

@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from tqdm import tqdm
@@ -69,7 +69,7 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
            gpus: GpuBudget | int | str | Iterable[int], space: SearchSpace | None = None,
            training: TrainingSpec | None = None, objective: str = "time", top_k: int = 10,
            workers: int | None = None, backend: str = "local", progress: bool = False,
-           tokens: float | None = None) -> SearchResult:
+           tokens: float | None = None, profile_db: str | None | Literal[False] = None) -> SearchResult:
     """Estimate every valid plan of ``space`` (default: every axis over its whole range) for
     ``model`` on ``cluster`` with ``global_batch_size`` sequences per iteration and a GPU count
     in ``gpus`` (a :class:`GpuBudget`, a count, ``"1024:4096"``, ``"2240,2800,3360"``, or counts).
@@ -83,7 +83,9 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     interpreters that import vtrain alone (:mod:`~vtrain_plugin.planning.workers`), so a script may
     call this at its top level, without an ``if __name__ == "__main__":`` guard.
     ``progress`` draws a bar on stderr. ``tokens`` adds ``train_days`` and ``train_cost_usd`` for
-    training on that many tokens.
+    training on that many tokens. ``profile_db``: the profile database every estimate reads, as
+    :func:`~vtrain_plugin.estimate.estimate` takes it (default ``$VTRAIN_PROFILE_DB``, else the
+    user cache; False: none).
 
     Columns: the plan (``tensor_parallel, context_parallel, pipeline_parallel, data_parallel,
     expert_parallel, micro_batch_size, virtual_pipeline, sequence_parallel, recompute, grad_reduce,
@@ -118,7 +120,7 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     enumeration = enumerate_plans(model, space, global_batch_size=global_batch_size,
                                   budget=GpuBudget.of(gpus), training=base, gpus_per_node=cluster.gpus_per_node)
     candidates = enumeration.candidates
-    batches = make_batches(model, cluster, candidates)
+    batches = make_batches(model, cluster, candidates, profile_db=profile_db)
     log.info("evaluating %d plans of %d trace shapes (%s, %d workers)", len(candidates), len(batches),
              backend, workers)
     with tqdm(total=len(candidates), unit="plan", file=sys.stderr, disable=not progress) as bar:
@@ -146,11 +148,12 @@ def measures(*, priced: bool, tokens: float | None, failures: bool = False) -> t
 
 
 def evaluate_baseline(model: ModelSpec, candidate: Candidate, cluster: ClusterSpec,
-                      tokens: float | None = None) -> dict[str, Any]:
+                      tokens: float | None = None, profile_db: str | None | Literal[False] = None
+                      ) -> dict[str, Any]:
     """The row of one given plan, with the columns of a search's table (bar ``pareto`` and ``rank``)."""
     if tokens is not None:
         candidate = replace(candidate, training=replace(candidate.training, total_tokens=tokens))
-    return plan_row(candidate, evaluate(model, candidate, cluster))
+    return plan_row(candidate, evaluate(model, candidate, cluster, profile_db=profile_db))
 
 
 def rank_plans(table: pd.DataFrame, objective: str, *, time_column: str, cost_column: str) -> pd.DataFrame:

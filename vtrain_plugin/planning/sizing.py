@@ -8,7 +8,8 @@ Days to train grow with the shape (tokens and FLOPs per token both grow with the
 so the ladder is bisected: about ``log2(len(ladder))`` searches, each on a shape's own traces.
 
 The result also carries the naive answer, the largest shape whose ``6 N D`` FLOPs fit the budget at
-a fixed MFU (:func:`~vtrain_plugin.planning.model_family.naive_size`), and vtrain's days for that
+a fixed MFU (:func:`~vtrain_plugin.planning.model_family.naive_size`; a dollar budget buys GPU-hours at
+the cluster's price), and vtrain's days for that
 shape: the vTrain paper's point is that the fixed-MFU answer overshoots the budget.
 
 Days and dollars are the expected ones, failures, restarts and checkpoints counted
@@ -21,10 +22,11 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.units import SECONDS_PER_DAY, SECONDS_PER_HOUR
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.planning.model_family import (CHINCHILLA_TOKENS_PER_PARAMETER, HIDDEN_STEP, NaiveSize,
                                                  chinchilla_tokens, family_shapes, naive_size)
@@ -53,6 +55,7 @@ class ShapeOutcome:
     plan: dict[str, Any] | None = field(default=None, repr=False)  # None: no plan fits in memory
     within_budget: bool
     reason: str  # why not within budget ("" when it is)
+    no_plan: bool = False  # no valid plan at all within the GPU budget (rather than over days or dollars)
 
     @property
     def train_days(self) -> float:
@@ -92,7 +95,7 @@ def cost_column(row: Any) -> str:
 class SizingResult:
     answer: ShapeOutcome  # the largest shape within budget
     evaluated: tuple[ShapeOutcome, ...]  # every shape searched, by parameter count
-    naive: NaiveSize | None  # the fixed-MFU answer (needs a days budget)
+    naive: NaiveSize | None  # the fixed-MFU answer, in the days and/or dollars of the budget
     naive_outcome: ShapeOutcome | None  # vtrain's verdict on the naive answer
     days: float | None
     budget_usd: float | None
@@ -120,12 +123,14 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
                batch_tokens: int = DEFAULT_BATCH_TOKENS, naive_mfu: float = DEFAULT_NAIVE_MFU,
                min_params: float = 1e9, max_params: float = 2e12, hidden_step: int = HIDDEN_STEP,
                space: SearchSpace | None = None, workers: int | None = None, progress: bool = False,
-               reliability: ReliabilitySpec | None = ReliabilitySpec()) -> SizingResult:
+               reliability: ReliabilitySpec | None = ReliabilitySpec(),
+               profile_db: str | None | Literal[False] = None) -> SizingResult:
     """The largest ``family`` shape (``min_params`` .. ``max_params`` parameters) that trains on
     ``tokens_per_parameter`` tokens per parameter within ``days`` and/or ``budget_usd`` on ``gpus``
     GPUs of ``cluster`` (see the module doc). ``batch_tokens``: tokens per iteration, rounded down
     to whole sequences. ``space`` restricts each shape's search (default: every valid plan).
-    ``reliability``: the failures, restarts and checkpoints the days and dollars count (None: off)."""
+    ``reliability``: the failures, restarts and checkpoints the days and dollars count (None: off).
+    ``profile_db``: the profile database of the estimates (see :func:`~vtrain_plugin.estimate.estimate`)."""
     if days is None and budget_usd is None:
         raise ConfigError("size: give a budget: days and/or budget_usd")
     if days is not None:
@@ -151,13 +156,16 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
         if key not in outcomes:
             outcomes[key] = _judge(model, cluster=cluster, budget=budget, days=days, budget_usd=budget_usd,
                                    tokens_per_parameter=tokens_per_parameter, batch_tokens=batch_tokens,
-                                   space=space, workers=workers, progress=progress, reliability=reliability)
+                                   space=space, workers=workers, progress=progress, reliability=reliability,
+                                   profile_db=profile_db)
             log.info("%s: %s", model.name, outcomes[key].reason or "within budget")
         return outcomes[key]
 
     low, high = 0, len(shapes) - 1  # invariant: the answer, if any, lies in shapes[low..high]
     if not judge(shapes[0]).within_budget:
         first = outcomes[shapes[0].num_parameters]
+        if first.no_plan:
+            raise ConfigError(_no_plan_message(shapes[0], budget, batch_tokens, first.reason))
         raise ConfigError(f"size: budget too small: the smallest shape, {shapes[0].name} "
                           f"({shapes[0].num_parameters / 1e9:.2f}B parameters), {first.reason}")
     while low < high:
@@ -166,28 +174,52 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
             low = middle
         else:
             high = middle - 1
-    naive = naive_outcome = None
-    if days is not None:
-        peak = get_device(cluster.gpu).tensor_flop_per_ns(shapes[0].dtype) * 1e-3  # TFLOP/s
-        naive = naive_size(family, peak_tflop_per_s=peak, gpus=max(budget.counts or (budget.high,)), days=days,
-                           mfu=naive_mfu, tokens_per_parameter=tokens_per_parameter, hidden_step=hidden_step)
-        naive_outcome = judge(naive.model)
+    peak = get_device(cluster.gpu).tensor_flop_per_ns(shapes[0].dtype) * 1e-3  # TFLOP/s
+    most = max(budget.counts or (budget.high,))
+    naive = naive_size(family, peak_tflop_per_s=peak, gpus=most,
+                       days=naive_days(days, budget_usd, cluster.price_per_gpu_hour_usd, most),
+                       mfu=naive_mfu, tokens_per_parameter=tokens_per_parameter, hidden_step=hidden_step)
+    naive_outcome = judge(naive.model)
     evaluated = tuple(outcomes[k] for k in sorted(outcomes))
     return SizingResult(answer=outcomes[shapes[low].num_parameters], evaluated=evaluated, naive=naive,
                         naive_outcome=naive_outcome, days=days, budget_usd=budget_usd, naive_mfu=naive_mfu)
 
 
+def naive_days(days: float | None, budget_usd: float | None, price_per_gpu_hour_usd: float | None,
+               gpus: int) -> float:
+    """The days of ``gpus`` GPUs the naive answer may spend: ``days``, the GPU-hours ``budget_usd``
+    buys (``budget_usd / price / gpus / 24``), or the fewer of the two when both are given."""
+    limits = [] if days is None else [days]
+    if budget_usd is not None:
+        limits.append(budget_usd / price_per_gpu_hour_usd / gpus * SECONDS_PER_HOUR / SECONDS_PER_DAY)
+    return min(limits)
+
+
+def _no_plan_message(model: ModelSpec, budget: GpuBudget, batch_tokens: int, reason: str) -> str:
+    """Why not even the smallest shape has a plan: the arithmetic every plan must meet, the skip
+    counts by rule, and what a count means."""
+    global_batch = max(1, batch_tokens // model.seq_length)
+    counts = (f"exactly {budget} GPUs (a count is exact; 1:{budget.counts[-1]} allows any count up to it)"
+              if len(budget.counts) == 1 else f"a GPU count of {budget}")
+    return (f"size: not a budget too small: no plan of the smallest shape, {model.name}, uses {counts}: "
+            f"TP x CP x PP x DP must be such a count with DP x micro-batch dividing the global batch of "
+            f"{global_batch:,} sequences ({batch_tokens:,} batch tokens // {model.seq_length:,} per sequence), "
+            f"TP the {model.num_attention_heads} heads and PP the {model.num_layers} layers; {reason}")
+
+
 def _judge(model: ModelSpec, *, cluster: ClusterSpec, budget: GpuBudget, days: float | None,
            budget_usd: float | None, tokens_per_parameter: float, batch_tokens: int, space: SearchSpace | None,
-           workers: int | None, progress: bool, reliability: ReliabilitySpec | None) -> ShapeOutcome:
+           workers: int | None, progress: bool, reliability: ReliabilitySpec | None,
+           profile_db: str | None | Literal[False]) -> ShapeOutcome:
     tokens = chinchilla_tokens(model.num_parameters, tokens_per_parameter)
     global_batch = max(1, batch_tokens // model.seq_length)
     try:
         result = search(model, cluster=cluster, global_batch_size=global_batch, gpus=budget, space=space,
                         training=TrainingSpec(global_batch_size=global_batch, reliability=reliability),
-                        objective="time", workers=workers, progress=progress, tokens=tokens)
+                        objective="time", workers=workers, progress=progress, tokens=tokens,
+                        profile_db=profile_db)
     except ConfigError as exc:  # no valid plan at all for this shape within the GPU budget
-        return ShapeOutcome(model=model, tokens=tokens, within_budget=False, reason=str(exc))
+        return ShapeOutcome(model=model, tokens=tokens, within_budget=False, reason=str(exc), no_plan=True)
     fitting = result.table[result.table["fits_in_memory"]]
     if fitting.empty:
         return ShapeOutcome(model=model, tokens=tokens, within_budget=False,

@@ -6,7 +6,8 @@ values already chosen for the axes before it:
 
 =================  ==================================================================================
 tensor_parallel    divisors of num_attention_heads that are <= max_tp and keep the layout rules
-                   (divide num_query_groups and the FFN size); max_tp defaults to the GPUs per node
+                   (divide num_query_groups and the FFN size); max_tp defaults to the GPUs per node,
+                   raised to the largest pinned size (``--tp 16`` tries 16 on 8-GPU nodes)
 context_parallel   1 only: context parallelism pays off for long sequences alone, and each size
                    tried multiplies the search, so sizes > 1 are tried when pinned (``--cp 1,2,4``)
 pipeline_parallel  divisors of num_layers
@@ -298,6 +299,14 @@ class SearchSpace:
         if self.max_tp is not None:
             v.positive_int("search.max_tp", self.max_tp)
 
+    def tp_limit(self, gpus_per_node: int) -> int:
+        """The largest TP tried: ``max_tp`` when given (pinned sizes above it are skipped), else the
+        GPUs per node raised to the largest pinned TP (a pinned size is tried, not skipped under a
+        default limit the user never set)."""
+        if self.max_tp is not None:
+            return self.max_tp
+        return max((gpus_per_node, *(self.tensor_parallel or ())))
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Candidate:
@@ -335,7 +344,7 @@ def enumerate_plans(model: ModelSpec, space: SearchSpace, *, global_batch_size: 
     (1F1B when that is the interleaved one). Raises ConfigError when no plan is valid."""
     GLOBAL_BATCH_SIZE.positive_int("global_batch_size", global_batch_size)
     ctx = _Context(model=model, global_batch_size=global_batch_size, budget=budget,
-                   max_tp=space.max_tp if space.max_tp is not None else gpus_per_node, training=training)
+                   max_tp=space.tp_limit(gpus_per_node), training=training)
     pinned = [getattr(space, axis.name) for axis in AXES]
     later_pinned = [math.prod(len(p) for p in pinned[i + 1:] if p is not None) for i in range(len(AXES))]
     skipped = dict.fromkeys(RULES, 0)

@@ -3,6 +3,7 @@
 An entry is one JSON file, ``<cache>/curves/<key>.json``, written atomically; the key is the SHA-256
 of everything the curve depends on: the model's dimensions, the global batch, the node (GPU, links),
 the allocatable counts, the curve space, the calibration constants of the GPU and software stack,
+the profile database the estimates read (path, size and modification time),
 vtrain's version and a digest of the code and data that compute it (every file of
 ``vtrain_plugin`` and ``megatron_adapters`` but the CLI and this package), so an edited checkout
 never reads an old curve. An entry that cannot be read or does not match its key is ignored,
@@ -27,6 +28,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from profiler.lookup import database_stamp
 from vtrain_plugin.capture import disk_cache
 from vtrain_plugin.core.files import atomic_write_text
 from vtrain_plugin.hardware.calibration import calibration_for
@@ -107,7 +109,8 @@ def curve_inputs(model: ModelSpec, global_batch_size: int, cluster: ClusterConfi
     return {"format": CURVE_FORMAT, "vtrain": _version(), "model": replace(model, name="").to_dict(),
             "global_batch_size": global_batch_size, "node": node,
             "counts": {"unit": cluster.unit_gpus, "total": cluster.total_gpus}, "space": space.to_dict(),
-            "calibration": calibration_for(cluster.spec.gpu, stack).to_dict()["constants"], "code": _code_digest()}
+            "calibration": calibration_for(cluster.spec.gpu, stack).to_dict()["constants"], "code": _code_digest(),
+            "profiles": database_stamp()}
 
 
 def compute_curves(shapes: Iterable[tuple[ModelSpec, int]], cluster: ClusterConfig, space: CurveSpace,

@@ -120,14 +120,49 @@ class ValidationResult:
     warmup_iterations: int
     comparison: Comparison
     peak_memory_measured_gib: float
+    peak_memory_predicted_gib: float  # the estimate's tensors (weights, gradients, optimizer, activations)
+    memory_measure: str  # what the measured peak is, in words (it differs between CPU and CUDA)
     measured_fraction: float  # share of the predicted kernel time that came from the profile database
     breakdown_ms: dict[str, float]
+    warnings: tuple[str, ...] = ()  # why the measured times may be noisy (noise_warnings)
+
+    @property
+    def memory_error_pct(self) -> float | None:
+        """Signed error of the predicted peak against the measured one; None when nothing was measured."""
+        if not self.peak_memory_measured_gib > 0:
+            return None
+        return 100.0 * (self.peak_memory_predicted_gib - self.peak_memory_measured_gib) / self.peak_memory_measured_gib
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config, "device": self.device, "overridden": list(self.overridden),
                 "num_microbatches": self.num_microbatches, "warmup_iterations": self.warmup_iterations,
                 **self.comparison.to_dict(), "peak_memory_measured_gib": self.peak_memory_measured_gib,
-                "measured_fraction": self.measured_fraction, "predicted_breakdown_ms": self.breakdown_ms}
+                "peak_memory_predicted_gib": self.peak_memory_predicted_gib,
+                "memory_error_pct": self.memory_error_pct, "memory_measure": self.memory_measure,
+                "measured_fraction": self.measured_fraction, "predicted_breakdown_ms": self.breakdown_ms,
+                "warnings": list(self.warnings)}
+
+
+# A timing is noisy when other work competes for the cores: above half a runnable process per core
+# on average over the last minute, or when the timed iterations spread by more than a fifth of their
+# median (identical iterations of one model on an idle machine stay within a few per cent).
+LOADED_RUNNABLE_PER_CPU = 0.5
+NOISY_SPREAD = 0.2
+
+
+def noise_warnings(load_1min: float, cpu_count: int, samples_ms: Sequence[float]) -> tuple[str, ...]:
+    """One line per reason the measured iteration times may be noisy (see the constants above)."""
+    out = []
+    if load_1min > LOADED_RUNNABLE_PER_CPU * cpu_count:
+        out.append(f"the machine is loaded (load average {load_1min:.2f} over 1 min on {cpu_count} CPUs, above "
+                   f"{LOADED_RUNNABLE_PER_CPU:g} per CPU): measured times are noisy")
+    median = statistics.median(samples_ms)
+    spread = (max(samples_ms) - min(samples_ms)) / median
+    if spread > NOISY_SPREAD:
+        out.append(f"the measured iterations spread by {100 * spread:.0f}% of their median "
+                   f"({min(samples_ms):,.1f} to {max(samples_ms):,.1f} ms, above {100 * NOISY_SPREAD:.0f}%): "
+                   f"measured times are noisy")
+    return tuple(out)
 
 
 def single_device_run(run: RunConfig, device: str = "cpu") -> tuple[RunConfig, tuple[str, ...]]:
