@@ -153,15 +153,17 @@ def benchmark_collectives(device: str = "cuda", *, kinds: Sequence[str] = BENCHM
 
 def _run_ranks(plan: dict[str, Any], world_size: int) -> None:
     """``mp.spawn`` of the ranks, none of which outlives this call or sees Ctrl-C: they start with
-    SIGINT blocked (a terminal sends it to the whole process group; a rank interrupted while it
-    imports torch would print a traceback), are killed when the parent is interrupted, and are
-    daemons, so that even an interruption while they start leaves none behind at exit."""
-    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    SIGINT ignored (a terminal sends it to the whole process group; a rank interrupted while it
+    imports torch would print a traceback; an ignored disposition survives the exec of a spawned
+    interpreter, which then keeps it, where a blocked mask does not reliably), are killed when the
+    parent is interrupted, and are daemons, so that even an interruption while they start leaves
+    none behind at exit. The parent ignores SIGINT only while it creates them."""
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ranks = mp.start_processes(_worker, args=(plan,), nprocs=world_size, join=False, daemon=True,
                                    start_method="spawn")
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        signal.signal(signal.SIGINT, handler)
     try:
         while not ranks.join():
             pass

@@ -187,12 +187,7 @@ def test_grad_reduce_in_bf16_buckets_equal_megatron_cores_and_halve_the_reduce_s
         ours = [(b.numel, "torch.bfloat16", "torch.bfloat16") for b in zero_layout(numels, training, zero)]
         assert ours == megatron_buckets(GPT, PLAN, stage.pipeline_rank, stage.chunk, overlap=True,
                                         bucket_size=int(BUCKET_MB * 1e6) // 2, grad_reduce_in_fp32=False)
-    cluster = get_cluster_preset("dgx-h100")
-    comm = CommModel.for_plan(cluster, PLAN)
-    device = get_device(cluster.gpu)
-    constants = calibration_for(device.name, SoftwareStack.MEGATRON_CORE_TE).constants
-    prepared = prepare_run(graph, SoftwareStack.MEGATRON_CORE_TE, training)
-    work = cost(prepared, timer=KernelTimer(device, constants), comm=comm, training=training, num_microbatches=4).work
+    prepared, work, comm = _costed_on_h100(graph, training)
     stage = prepared.stages[-1]  # a later chunk: its buckets reduce-scattered together
     rank = stage.stage.pipeline_rank
     numels = [n for block in stage.stage.blocks for _ in range(block.count) for n in block.parameter_sizes]
@@ -216,12 +211,7 @@ def test_fp8_param_gather_all_gathers_the_layers_linear_weights_in_one_byte(grap
         assert gathered == 1 * weights + 2 * (stage.num_parameters - weights)
     training = TrainingSpec(global_batch_size=12, schedule="interleaved_1f1b", distributed_optimizer=True,
                             grad_reduce="overlap", overlap_param_gather=True, fp8="hybrid", fp8_param_gather=True)
-    cluster = get_cluster_preset("dgx-h100")
-    comm = CommModel.for_plan(cluster, PLAN)
-    device = get_device(cluster.gpu)
-    constants = calibration_for(device.name, SoftwareStack.MEGATRON_CORE_TE).constants
-    prepared = prepare_run(graph, SoftwareStack.MEGATRON_CORE_TE, training)
-    work = cost(prepared, timer=KernelTimer(device, constants), comm=comm, training=training, num_microbatches=4).work
+    prepared, work, comm = _costed_on_h100(graph, training)
     (stage,) = [s for s in prepared.stages if (s.stage.pipeline_rank, s.stage.chunk) == (0, 1)]  # layers only: one
     # bucket (a later chunk), its padding in bf16
     rank, chunk = stage.stage.pipeline_rank, stage.stage.chunk
@@ -231,3 +221,15 @@ def test_fp8_param_gather_all_gathers_the_layers_linear_weights_in_one_byte(grap
     assert [g.comm_ns for g in work.chunk(rank, chunk).param_gathers] == [
         comm.time_ns(CollectiveKind.ALL_GATHER, weights + 2 * (bucket.numel - weights), ParallelGroup.DP,
                      pipeline_rank=rank)]
+
+
+def _costed_on_h100(graph, training):
+    """``graph`` prepared for ``training`` on the TE stack and costed on a DGX H100 (4 micro-batches),
+    with the communication model it was costed with."""
+    cluster = get_cluster_preset("dgx-h100")
+    device = get_device(cluster.gpu)
+    constants = calibration_for(device.name, SoftwareStack.MEGATRON_CORE_TE).constants
+    prepared = prepare_run(graph, SoftwareStack.MEGATRON_CORE_TE, training)
+    comm = CommModel.for_plan(cluster, PLAN)
+    work = cost(prepared, timer=KernelTimer(device, constants), comm=comm, training=training, num_microbatches=4).work
+    return prepared, work, comm

@@ -115,3 +115,24 @@ def test_env_gives_the_variables_a_launch_script_reads(tmp_path, run_cli):
     bad = run_cli("estimate", str(script), "--env", "1X=2")
     assert (bad.returncode, bad.stderr.splitlines()) == (
         2, ["vtrain: error: --env 1X=2: expected NAME=VALUE with NAME a shell variable name"])
+
+
+def test_the_llama3_8b_fp8_recipe_is_costed_with_fp8_weights_and_bf16_gradients(tmp_path, run_cli):
+    # NVIDIA's recipe on its own node: --fp8-param-gather keeps the linear weights in one byte (and
+    # a one-byte transpose), --grad-reduce-in-bf16 the gradients in two; the 8.03B parameters' model
+    # states are then 15.0 + 15.0 + 11.2 GiB, and the verdict tells the tensors from the allowance.
+    script = tmp_path / "train_llama3_8b_h100_fp8.sh"
+    script.write_text(LLAMA3_8B_FP8)
+    plan = json.loads(run_cli("estimate", str(script), "--gpu", "H100", "--format", "json", check=True).stdout)
+    training = plan["plan"]["training"]
+    assert (training["fp8"], training["fp8_param_gather"], training["grad_reduce_in_bf16"],
+            training["cross_entropy_fusion"], training["software_stack"]) == ("hybrid", True, True, True,
+                                                                             "megatron_core_te")
+    table = run_cli("estimate", str(script), "--gpu", "H100", check=True).stdout
+    memory = next(line for line in table.splitlines() if line.startswith("memory per GPU"))
+    assert "(weights 15.0, gradients 15.0, optimizer 11.2," in memory
+    stage = plan["memory_gib_per_stage"][0]
+    tensors = stage["weights"] + stage["gradients"] + stage["optimizer"] + stage["activations"]
+    assert round(tensors, 1) == 75.0 and round(stage["total"], 1) == 80.7 and not plan["fits_in_memory"]
+    assert memory.startswith("memory per GPU (peak stage): 80.7 GiB of 80 GiB, DOES NOT FIT with the allowance "
+                             "(the tensors alone, 75.0 GiB, fit) (weights 15.0,")

@@ -184,6 +184,8 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
     lines.append(f"kernel time measured: {100 * result.measured_fraction:.1f}% (rest modeled)")
     peak = max(result.memory_gib, key=lambda m: m.total_gib)
     verdict = "fits" if result.fits_in_memory else "DOES NOT FIT"
+    if not result.fits_in_memory and peak.tensors_gib <= result.gpu_memory_gib:
+        verdict += f" with the allowance (the tensors alone, {peak.tensors_gib:.1f} GiB, fit)"
     lines.append(f"memory per GPU (peak stage): {peak.total_gib:.1f} GiB of {result.gpu_memory_gib:.0f} GiB, "
                  f"{verdict} (weights {peak.weights_gib:.1f}, gradients {peak.gradients_gib:.1f}, "
                  f"optimizer {peak.optimizer_gib:.1f}, activations {peak.activations_gib:.1f} for "

@@ -209,20 +209,6 @@ def _hf_name(model: Any) -> str | None:
     return next((name for name in HF_TOKENIZER_SIZES if name.rsplit("/", 1)[-1] == folder), None)
 
 
-    divisor = positive_int("--make-vocab-size-divisible-by",
-                           given.get("--make-vocab-size-divisible-by", VOCAB_DIVISIBLE_BY))
-    if divisor == VOCAB_DIVISIBLE_BY:
-        return size
-    multiple = divisor * tensor_parallel
-    padded = -(-size // multiple) * multiple
-    if padded % (VOCAB_DIVISIBLE_BY * tensor_parallel):
-        raise ConfigError(
-            f"--make-vocab-size-divisible-by {divisor}: Megatron-LM pads the vocabulary ({size}) to {padded}, a "
-            f"multiple of {divisor} x TP {tensor_parallel}; vtrain pads to multiples of {VOCAB_DIVISIBLE_BY} x TP "
-            f"and {padded} is not one: not modelled by vtrain yet")
-    return padded
-
-
 def recompute_mode(given: Given, num_layers: int, num_chunks: int) -> Recompute:
     """vtrain's recompute modes: ``selective`` is core attention only, ``full`` every layer checkpointed
     on its own (``--recompute-method uniform --recompute-num-layers 1``, or ``block`` covering every
