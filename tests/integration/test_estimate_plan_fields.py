@@ -17,7 +17,8 @@ from vtrain_plugin.specs.training import TrainingSpec
 
 FULL = {**PLAN, "parallel": {**PLAN["parallel"], "virtual_pipeline": 2, "recompute": "selective"},
         "training": {**PLAN["training"], "schedule": "interleaved_1f1b", "grad_reduce": "overlap", "distributed_optimizer": True,
-                     "bucket_size_mb": 20}}
+                     "bucket_size_mb": 20, "fp8_param_gather": True, "grad_reduce_in_bf16": True,
+                     "cross_entropy_fusion": True}}
 SECTIONS = {"model": ModelSpec, "parallel": ParallelPlan, "training": TrainingSpec}
 
 
@@ -34,8 +35,8 @@ def test_the_table_prints_the_whole_plan(plan, run_cli):
         "vocabulary 1024, bf16 with fp8 hybrid GEMMs",
         "  parallel  tp=2 cp=1 pp=2 vp=2 dp=2 ep=1, sequence parallel on, recompute selective",
         "  batch     micro-batch 1, global batch 8, 4 micro-batches per replica, schedule interleaved_1f1b",
-        "  training  gradient reduction overlap (buckets 20 MB), distributed optimizer on, TP comm overlap off, "
-        "stack megatron_core_te, fp8 hybrid (delayed scaling)",
+        "  training  gradient reduction overlap (buckets 20 MB, gradients in bf16), distributed optimizer on, TP comm "
+        "overlap off, stack megatron_core_te, fp8 hybrid (delayed scaling, FP8 weights)",
     ]
 
 

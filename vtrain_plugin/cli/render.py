@@ -218,11 +218,13 @@ def plan_lines(run: RunConfig, result: Estimate) -> list[str]:
         + f", sequence parallel {on[plan.sequence_parallel]}, recompute {plan.recompute.value}",
         f"  batch     micro-batch {plan.micro_batch_size}, global batch {result.global_batch_size}, "
         f"{result.num_microbatches} micro-batches per replica, schedule {training.schedule.value}",
-        f"  training  gradient reduction {training.grad_reduce.value} (buckets {training.bucket_nbytes / MEGABYTE:g} MB), "
+        f"  training  gradient reduction {training.grad_reduce.value} (buckets {training.bucket_nbytes / MEGABYTE:g} MB, "
+        f"gradients in {training.grad_dtype(model.dtype).value}), "
         f"distributed optimizer {on[result.distributed_optimizer]}"
         + (", parameter all-gather overlapped" if training.overlap_param_gather else "")
         + f", TP comm overlap {on[training.tp_comm_overlap]}, stack {result.software_stack}"
-        + ("" if result.fp8 is None else f", fp8 {result.fp8} ({training.fp8_recipe.value} scaling)"),
+        + ("" if result.fp8 is None else f", fp8 {result.fp8} ({training.fp8_recipe.value} scaling"
+           + (", FP8 weights)" if training.fp8_param_gather else ")")),
     ]
 
 
