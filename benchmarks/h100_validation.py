@@ -110,16 +110,16 @@ def validate_plan(name: str, mapping: dict[str, Any], device: str, db_path: Path
             "measured_peak_gib": result.peak_memory_measured_gib}
 
 
-def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
+def write_rows(rows: list[dict[str, Any]], path: Path, columns: list[str] = COLUMNS) -> None:
     """Write ``rows`` to ``path`` (atomically), keeping the rows of other plans already there."""
     import pandas as pd
 
     from vtrain_plugin.core.files import atomic_write_text
 
-    frame = pd.DataFrame(rows, columns=COLUMNS)
+    frame = pd.DataFrame(rows, columns=columns)
     if path.exists():
         old = pd.read_csv(path)
-        if list(old.columns) == COLUMNS:
+        if list(old.columns) == columns:
             frame = pd.concat([old[~old["plan"].isin(frame["plan"])], frame], ignore_index=True)
     atomic_write_text(path, frame.to_csv(index=False, float_format="%.3f"))
 

@@ -41,12 +41,18 @@ def _cmdline(pid: int) -> bytes | None:
         return None
 
 
+def _sigint_default() -> None:
+    """The CLI starts as from a terminal, with Ctrl-C's default action, even when these tests run in a
+    background job (``make test &``, ``nohup``), which starts with SIGINT ignored and passes that on."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(argv: list[str], *, whole_group: bool, workers: int = 2) -> tuple[subprocess.CompletedProcess, dict]:
     """Run the CLI, send SIGINT once ``workers`` worker processes run: to its process group, as a
     terminal's Ctrl-C does, or to its pid alone, as ``kill -INT`` does. Returns the finished
     process and the workers' command lines by pid."""
     proc = subprocess.Popen([sys.executable, "-m", "vtrain_plugin.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_sigint_default)
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while len(_children(proc.pid)) < workers:

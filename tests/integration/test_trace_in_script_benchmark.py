@@ -1,0 +1,28 @@
+"""benchmarks/trace_in_script.py, the first use run on a lent GPU, checked end to end on the CPU
+(``--smoke``: torch.distributed up on gloo, a tiny GPTModel traced, estimated, profiled and trained
+in that process) so that a session with a GPU only has to run it."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "trace_in_script.py"
+
+
+def test_smoke_run_traces_the_scripts_model_and_writes_its_row(tmp_path):
+    out = tmp_path / "trace_in_script.csv"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--plans", "gpt-tiny", "--out", str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr
+    frame = pd.read_csv(out)
+    assert list(frame.columns) == ["plan", "analytic_ms", "predicted_ms", "measured_ms", "analytic_error_pct",
+                                   "error_pct", "predicted_peak_gib", "measured_peak_gib", "trace_s"]
+    assert list(frame["plan"]) == ["gpt-tiny"]
+    row = frame.iloc[0]
+    assert row["analytic_ms"] > 0 and row["predicted_ms"] > 0 and row["measured_ms"] > 0
+    assert abs(100 * (row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"] - row["error_pct"]) < 0.01
+    assert abs(100 * (row["analytic_ms"] - row["measured_ms"]) / row["measured_ms"]
+               - row["analytic_error_pct"]) < 0.01
