@@ -26,9 +26,13 @@ measured_ms, analytic_error_pct, error_pct, predicted_peak_gib, measured_peak_gi
 ``torch.cuda.max_memory_allocated`` (on the CPU: the growth of the resident set), and ``trace_s`` the
 wall time of ``vtrain.trace`` in the script (a child process while torch.distributed is up).
 
-On the lent GPU machine (megatron-core carried as a wheel, see ``h100_validation.py``): each plan in
-its own process, ``PYTHONPATH=/tmp/site python3 benchmarks/trace_in_script.py --plans gpt-1.3b --out
-$OUT/h100_trace_in_script.csv`` then the same with ``--plans llama-1b``.
+On the lent GPU machine (megatron-core carried as a wheel, see ``h100_validation.py``), each plan in
+its own process: ``PYTHONPATH=/tmp/site:$PWD timeout 140 python3 benchmarks/trace_in_script.py
+--plans llama-1b --db /tmp/p.sqlite --out $OUT/h100_trace_in_script.csv --export
+$OUT/h100_trace_in_script_profiles.json``, then the same with ``--plans gpt-1.3b`` (each wrote its
+row within the 140 s). On the H100 (torch 2.11, 2026-11-26) each process stayed alive after writing
+its row and destroying its process group, until ``timeout`` ended it; the cause (a thread of NCCL
+or megatron-core) is not yet found, hence the ``timeout``.
 """
 
 from __future__ import annotations
