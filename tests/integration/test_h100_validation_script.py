@@ -27,8 +27,11 @@ def test_smoke_run_writes_the_validation_csv_and_the_profile_export(tmp_path):
                                    "measured_peak_gib"]
     assert list(frame["plan"]) == list(h100_validation.SMOKE_PLANS)
     assert (frame["predicted_ms"] > 0).all() and (frame["measured_ms"] > 0).all()
-    expected = 100 * (frame["predicted_ms"] - frame["measured_ms"]) / frame["measured_ms"]
-    assert (expected - frame["error_pct"]).abs().max() < 0.01  # columns rounded to 3 decimals
+    predicted, measured = frame["predicted_ms"], frame["measured_ms"]
+    expected = 100 * (predicted - measured) / measured
+    # every column is rounded to 3 decimals: the recomputed error is off by at most this much
+    rounding = 100 * 0.0005 * (1 / measured + predicted / measured**2) + 0.0005
+    assert ((expected - frame["error_pct"]).abs() <= rounding * 1.001).all()
     doc = json.loads(export.read_text())
     assert len(doc["devices"]) == 1 and doc["devices"][0]["fingerprint"]["kind"] == "cpu"
     assert len(doc["kernels"]) > 100  # every unique kernel of both plans, timed

@@ -22,7 +22,9 @@ def test_smoke_run_traces_the_scripts_model_and_writes_its_row(tmp_path):
                                    "error_pct", "predicted_peak_gib", "measured_peak_gib", "trace_s"]
     assert list(frame["plan"]) == ["gpt-tiny"]
     row = frame.iloc[0]
-    assert row["analytic_ms"] > 0 and row["predicted_ms"] > 0 and row["measured_ms"] > 0
-    assert abs(100 * (row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"] - row["error_pct"]) < 0.01
-    assert abs(100 * (row["analytic_ms"] - row["measured_ms"]) / row["measured_ms"]
-               - row["analytic_error_pct"]) < 0.01
+    measured = row["measured_ms"]
+    assert row["analytic_ms"] > 0 and row["predicted_ms"] > 0 and measured > 0
+    for predicted, error in ((row["predicted_ms"], row["error_pct"]), (row["analytic_ms"], row["analytic_error_pct"])):
+        # every column is rounded to 3 decimals: the recomputed error is off by at most this much
+        rounding = 100 * 0.0005 * (1 / measured + predicted / measured**2) + 0.0005
+        assert abs(100 * (predicted - measured) / measured - error) <= rounding * 1.001
