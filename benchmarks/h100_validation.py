@@ -148,25 +148,34 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def parse_run_arguments(doc: str, argv: list[str] | None, *, plans: dict[str, Any], smoke_plans: dict[str, Any],
+                        out: Path, export: Path | None) -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
+    """The command line of a ground-truth script (this one, ``trace_in_script.py``): the arguments,
+    the plan names asked for and the catalogue they are from (``smoke_plans`` with ``--smoke``)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="torch device (default: cuda; cpu with --smoke)")
-    parser.add_argument("--plans", default=None, help=f"comma-separated subset of: {', '.join(PLANS)}")
+    parser.add_argument("--plans", default=None, help=f"comma-separated subset of: {', '.join(plans)}")
     parser.add_argument("--iterations", type=int, default=5, help="measured iterations per plan (median)")
     parser.add_argument("--warmup", type=int, default=2, help="iterations run before measuring")
     parser.add_argument("--db", type=Path, default=None, help="profile database (default: a temporary file)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "h100_validation.csv")
-    parser.add_argument("--export", type=Path, default=RESULTS / "h100_profiles.json",
-                        help="portable JSON export of the profile database")
+    parser.add_argument("--out", type=Path, default=out)
+    parser.add_argument("--export", type=Path, default=export, help="portable JSON export of the profile database")
     parser.add_argument("--smoke", action="store_true", help="two tiny plans on the CPU, 1 iteration")
     args = parser.parse_args(argv)
 
-    catalogue = SMOKE_PLANS if args.smoke else PLANS
+    catalogue = smoke_plans if args.smoke else plans
     names = list(catalogue) if args.plans is None else [n.strip() for n in args.plans.split(",") if n.strip()]
     unknown = [n for n in names if n not in catalogue]
     if unknown:
         parser.error(f"--plans: unknown plan {unknown[0]!r}; known: {', '.join(catalogue)}")
+    return args, names, catalogue
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, names, catalogue = parse_run_arguments(__doc__, argv, plans=PLANS, smoke_plans=SMOKE_PLANS,
+                                                 out=RESULTS / "h100_validation.csv",
+                                                 export=RESULTS / "h100_profiles.json")
     device = args.device or ("cpu" if args.smoke else "cuda")
     iterations, warmup = (1, 0) if args.smoke else (args.iterations, args.warmup)
 

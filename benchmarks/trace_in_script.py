@@ -141,6 +141,7 @@ def run_plan(name: str, plan: tuple[dict[str, Any], dict[str, Any], int, int], d
 
     import vtrain_plugin as vtrain
     from megatron_adapters.cpu_patches import cpu_tracing_patches
+    from megatron_adapters.real_model import PeakMemory
     from megatron_adapters.training_step import MicroBatch, MixedPrecisionAdamW, forward_backward
     from profiler.db import ProfileDB
     from profiler.replay import profile_kernels
@@ -178,7 +179,9 @@ def run_plan(name: str, plan: tuple[dict[str, Any], dict[str, Any], int, int], d
             raise RuntimeError(f"vtrain.trace changed the script's model: {changed[0]}")
 
         patches = contextlib.nullcontext() if on_gpu else cpu_tracing_patches()
-        peak = _PeakMemory(device)
+        if on_gpu:  # what profiling allocated is not training's
+            torch.cuda.empty_cache()
+        peak = PeakMemory(torch.device(device))
         optimizer = MixedPrecisionAdamW(model.parameters())
         recorder = vtrain.IterationRecorder(warmup=warmup, synchronize=torch.cuda.synchronize if on_gpu else None)
         mask = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1).view(1, 1, seq, seq)
@@ -203,37 +206,7 @@ def run_plan(name: str, plan: tuple[dict[str, Any], dict[str, Any], int, int], d
         return {"plan": name, "analytic_ms": analytic.iteration_time_ms, "predicted_ms": measured.predicted_ms,
                 "measured_ms": measured.measured_ms, "analytic_error_pct": analytic_error,
                 "error_pct": measured.error_pct, "predicted_peak_gib": predicted.memory_gib[0].tensors_gib,
-                "measured_peak_gib": peak.gib(), "trace_s": trace_s}
-
-
-class _PeakMemory:
-    """The device's peak tensor memory from here on (on the CPU: the growth of the resident set)."""
-
-    def __init__(self, device: str) -> None:
-        import torch
-
-        self.device = device
-        self.base = 0
-        if device.startswith("cuda"):  # after profiling: what the profiler allocated is not training's
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            self.base = _rss_bytes("VmRSS")
-
-    def gib(self) -> float:
-        import torch
-
-        if self.device.startswith("cuda"):
-            return torch.cuda.max_memory_allocated() / 2**30
-        return max(0, _rss_bytes("VmHWM") - self.base) / 2**30
-
-
-def _rss_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
+                "measured_peak_gib": peak.peak_bytes() / 2**30, "trace_s": trace_s}
 
 
 def _say(text: str) -> None:
@@ -241,25 +214,10 @@ def _say(text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from h100_validation import write_rows
+    from h100_validation import parse_run_arguments, write_rows
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default=None, help="torch device (default: cuda; cpu with --smoke)")
-    parser.add_argument("--plans", default=None, help=f"comma-separated subset of: {', '.join(PLANS)}")
-    parser.add_argument("--iterations", type=int, default=5, help="measured iterations (median)")
-    parser.add_argument("--warmup", type=int, default=2, help="iterations run before measuring")
-    parser.add_argument("--db", type=Path, default=None, help="profile database (default: a temporary file)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "h100_trace_in_script.csv")
-    parser.add_argument("--export", type=Path, default=None, help="portable JSON export of the profile database")
-    parser.add_argument("--smoke", action="store_true", help="two tiny models on the CPU, 1 iteration")
-    args = parser.parse_args(argv)
-
-    catalogue = SMOKE_PLANS if args.smoke else PLANS
-    names = list(catalogue) if args.plans is None else [n.strip() for n in args.plans.split(",") if n.strip()]
-    unknown = [n for n in names if n not in catalogue]
-    if unknown:
-        parser.error(f"--plans: unknown plan {unknown[0]!r}; known: {', '.join(catalogue)}")
+    args, names, catalogue = parse_run_arguments(__doc__, argv, plans=PLANS, smoke_plans=SMOKE_PLANS,
+                                                 out=RESULTS / "h100_trace_in_script.csv", export=None)
     if len(names) != 1:
         return _each_in_its_own_process(names, args)
     device = args.device or ("cpu" if args.smoke else "cuda")

@@ -119,7 +119,7 @@ def train(model: ModelSpec, plan: ParallelPlan, *, num_microbatches: int, iterat
     check_fits(model, plan, dev)
     with quiet_megatron(), _device_patches(dev), fake_world(plan):
         reset_global_memory_buffer()
-        memory = _PeakMemory(dev)
+        memory = PeakMemory(dev)
         gpt = build_chunk(model, plan, ChunkRole(pipeline_rank=0, chunk=0, pre_process=True, post_process=True),
                           layers_per_chunk=model.num_layers)
         _initialize(gpt, seed)
@@ -176,7 +176,10 @@ def _initialize(gpt: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=generator) * _INIT_STD)
 
 
-class _PeakMemory:
+class PeakMemory:
+    """The peak memory of ``dev`` from construction on: the CUDA caching allocator's tensors, or on
+    the CPU the growth of the process's peak resident set (VmHWM, reset here)."""
+
     def __init__(self, dev: torch.device) -> None:
         self.dev = dev
         if dev.type == "cuda":
