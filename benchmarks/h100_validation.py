@@ -124,11 +124,12 @@ def write_rows(rows: list[dict[str, Any]], path: Path, columns: list[str] = COLU
     atomic_write_text(path, frame.to_csv(index=False, float_format="%.3f"))
 
 
-def _each_in_its_own_process(names: list[str], args: argparse.Namespace) -> int:
-    """Run every plan in a fresh interpreter sharing one profile database and one CSV.
+def each_in_its_own_process(script: str, names: list[str], args: argparse.Namespace) -> int:
+    """Run ``script`` for every plan in a fresh interpreter sharing one profile database and one CSV.
 
     A trained model leaves memory behind in the process (megatron-core's global buffers, the CUDA
-    caching allocator), so the next plan's fit check would see a fraction of the GPU free.
+    caching allocator), so the next plan's fit check would see a fraction of the GPU free; and a
+    training script initialises torch.distributed once per process.
     """
     import subprocess
 
@@ -136,9 +137,11 @@ def _each_in_its_own_process(names: list[str], args: argparse.Namespace) -> int:
         db_path = args.db or Path(tmp) / "profiles.sqlite"
         failed = 0
         for name in names:
-            command = [sys.executable, str(Path(__file__).resolve()), "--plans", name, "--db", str(db_path),
-                       "--out", str(args.out), "--export", str(args.export), "--iterations", str(args.iterations),
-                       "--warmup", str(args.warmup)] + (["--device", args.device] if args.device else [])
+            command = [sys.executable, str(Path(script).resolve()), "--plans", name, "--db", str(db_path),
+                       "--out", str(args.out), "--iterations", str(args.iterations), "--warmup", str(args.warmup)]
+            command += ["--export", str(args.export)] if args.export is not None else []
+            command += ["--device", args.device] if args.device else []
+            command += ["--smoke"] if args.smoke else []
             failed += subprocess.run(command, check=False).returncode != 0
     print(f"{len(names) - failed} of {len(names)} plans ran; rows in {args.out}")
     return 1 if failed else 0
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     iterations, warmup = (1, 0) if args.smoke else (args.iterations, args.warmup)
 
     if device.startswith("cuda") and len(names) > 1:
-        return _each_in_its_own_process(names, args)
+        return each_in_its_own_process(__file__, names, args)
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,7 +37,6 @@ or megatron-core) is not yet found, hence the ``timeout``.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -141,8 +140,8 @@ def run_plan(name: str, plan: tuple[dict[str, Any], dict[str, Any], int, int], d
 
     import vtrain_plugin as vtrain
     from megatron_adapters.cpu_patches import cpu_tracing_patches
-    from megatron_adapters.real_model import PeakMemory
-    from megatron_adapters.training_step import MicroBatch, MixedPrecisionAdamW, forward_backward
+    from megatron_adapters.real_model import PeakMemory, random_micro_batch
+    from megatron_adapters.training_step import MixedPrecisionAdamW, forward_backward
     from profiler.db import ProfileDB
     from profiler.replay import profile_kernels
     from vtrain_plugin.hardware.clusters import cluster_for_gpu
@@ -184,27 +183,19 @@ def run_plan(name: str, plan: tuple[dict[str, Any], dict[str, Any], int, int], d
         peak = PeakMemory(torch.device(device))
         optimizer = MixedPrecisionAdamW(model.parameters())
         recorder = vtrain.IterationRecorder(warmup=warmup, synchronize=torch.cuda.synchronize if on_gpu else None)
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1).view(1, 1, seq, seq)
-        positions = torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch, seq)
         model.train()
         with patches:
             for _ in range(warmup + iterations):
-                batches = [MicroBatch(tokens=torch.randint(0, vocab, (micro_batch, seq), device=device,
-                                                           generator=generator),
-                                      position_ids=positions, attention_mask=mask,
-                                      labels=torch.randint(0, vocab, (micro_batch, seq), device=device,
-                                                           generator=generator),
-                                      loss_mask=torch.ones(micro_batch, seq, device=device))
+                batches = [random_micro_batch(micro_batch, seq, vocab, torch.device(device), generator)
                            for _ in range(num_microbatches)]
                 with recorder:
                     for batch in batches:
                         forward_backward(model, batch, num_microbatches=num_microbatches,
                                          loss_scale=optimizer.loss_scale)
                     optimizer.step()
-        measured = recorder.compare(predicted)
-        analytic_error = 100 * (analytic.iteration_time_ms - measured.measured_ms) / measured.measured_ms
+        measured, analytic_vs_measured = recorder.compare(predicted), recorder.compare(analytic)
         return {"plan": name, "analytic_ms": analytic.iteration_time_ms, "predicted_ms": measured.predicted_ms,
-                "measured_ms": measured.measured_ms, "analytic_error_pct": analytic_error,
+                "measured_ms": measured.measured_ms, "analytic_error_pct": analytic_vs_measured.error_pct,
                 "error_pct": measured.error_pct, "predicted_peak_gib": predicted.memory_gib[0].tensors_gib,
                 "measured_peak_gib": peak.peak_bytes() / 2**30, "trace_s": trace_s}
 
@@ -214,12 +205,12 @@ def _say(text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from h100_validation import parse_run_arguments, write_rows
+    from h100_validation import each_in_its_own_process, parse_run_arguments, write_rows
 
     args, names, catalogue = parse_run_arguments(__doc__, argv, plans=PLANS, smoke_plans=SMOKE_PLANS,
                                                  out=RESULTS / "h100_trace_in_script.csv", export=None)
     if len(names) != 1:
-        return _each_in_its_own_process(names, args)
+        return each_in_its_own_process(__file__, names, args)
     device = args.device or ("cpu" if args.smoke else "cuda")
     iterations, warmup = (1, 0) if args.smoke else (args.iterations, args.warmup)
     (name,) = names
@@ -242,22 +233,6 @@ def main(argv: list[str] | None = None) -> int:
          f"{row['predicted_ms']:,.1f} ms ({row['error_pct']:+.1f}%), measured {row['measured_ms']:,.1f} ms; "
          f"peak {row['predicted_peak_gib']:.2f} / {row['measured_peak_gib']:.2f} GiB")
     return 0 if math.isfinite(row["error_pct"]) else 1
-
-
-def _each_in_its_own_process(names: list[str], args: argparse.Namespace) -> int:
-    """One interpreter per plan: a process initialises torch.distributed once, as a training script does."""
-    import subprocess
-
-    failed = 0
-    for name in names:
-        command = [sys.executable, str(Path(__file__).resolve()), "--plans", name, "--out", str(args.out),
-                   "--iterations", str(args.iterations), "--warmup", str(args.warmup)]
-        command += ["--smoke"] if args.smoke else []
-        command += ["--device", args.device] if args.device else []
-        command += ["--db", str(args.db)] if args.db else []
-        failed += subprocess.run(command, check=False).returncode != 0
-    print(f"{len(names) - failed} of {len(names)} plans ran; rows in {args.out}")
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

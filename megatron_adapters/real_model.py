@@ -131,7 +131,8 @@ def train(model: ModelSpec, plan: ParallelPlan, *, num_microbatches: int, iterat
         times_ms: list[float] = []
         loss = math.nan
         for i in range(warmup + iterations):
-            batches = [_batch(model, plan, dev, generator) for _ in range(num_microbatches)]
+            batches = [random_micro_batch(plan.micro_batch_size, model.seq_length, model.vocab_size, dev, generator)
+                       for _ in range(num_microbatches)]
             sync()
             start_ns = time.perf_counter_ns()
             for batch in batches:
@@ -152,11 +153,12 @@ def _no_sync() -> None:
     return None
 
 
-def _batch(model: ModelSpec, plan: ParallelPlan, dev: torch.device, generator: torch.Generator) -> MicroBatch:
+def random_micro_batch(micro_batch_size: int, seq_length: int, vocab_size: int, dev: torch.device,
+                       generator: torch.Generator) -> MicroBatch:
     """Random tokens and labels, causal mask (True = masked, megatron's convention), as the tracer's shapes."""
-    b, s = plan.micro_batch_size, model.seq_length
-    tokens = torch.randint(0, model.vocab_size, (b, s), device=dev, generator=generator)
-    labels = torch.randint(0, model.vocab_size, (b, s), device=dev, generator=generator)
+    b, s = micro_batch_size, seq_length
+    tokens = torch.randint(0, vocab_size, (b, s), device=dev, generator=generator)
+    labels = torch.randint(0, vocab_size, (b, s), device=dev, generator=generator)
     return MicroBatch(tokens=tokens,
                       position_ids=torch.arange(s, device=dev).unsqueeze(0).expand(b, s),
                       attention_mask=torch.ones(s, s, dtype=torch.bool, device=dev).triu(1).view(1, 1, s, s),
