@@ -8,32 +8,46 @@ Typical use::
     print(est.iteration_time_ms, est.breakdown_ms)
 
 The layers of the package, lowest first (each imports only the ones before it): ``core``, ``specs``,
-``runlogs`` (training logs of measured runs), ``hardware``, ``capture``, ``cost``, ``sim``, then the
-public API (``api``, ``estimate``, ``validation`` and ``measure`` (``validate(run)``: train one
-device for real and compare), and ``fitting``: predicted against measured runs),
-``planning`` (``vtrain_plugin.planning.search``) and ``cli``; see README, "How the code is laid out".
+``hardware``, ``capture``, ``cost``, ``sim``, ``runs`` (run descriptions from files), ``estimate``,
+``measured`` (predicted against measured: logs, timed iterations, one-device runs, calibration),
+``planning`` and ``cli``; see ``../shared/DESIGN.md`` ("Layout") and setup.cfg's import contract.
 """
 
-from vtrain_plugin.api import (load_megatron_script, load_run_config, run_config_from_dict,
-                               run_config_from_megatron_args, with_gpu)
+import warnings as _warnings
+
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.errors import ConfigError, ProfileError, TraceError, VTrainError
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.estimate import Estimate, estimate, estimates_frame
-from vtrain_plugin.fitting.compare import RunComparison, compare_run
 from vtrain_plugin.hardware.clusters import get_cluster_preset
+from vtrain_plugin.measured.compare_run import RunComparison, compare_run
+from vtrain_plugin.measured.iterations import IterationComparison, IterationRecorder, compare_iterations
+from vtrain_plugin.measured.one_device import ValidationResult, single_device_run, validate
+from vtrain_plugin.runs import (load_megatron_script, load_run_config, run_config_from_dict,
+                                run_config_from_megatron_args, with_gpu)
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
-from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import TrainingSpec
-from vtrain_plugin.measure import validate
-from vtrain_plugin.validation import Comparison, IterationRecorder, ValidationResult, compare, single_device_run
 
-__all__ = ["ClusterSpec", "Comparison", "ConfigError", "Estimate", "IterationRecorder", "ModelSpec", "OpGraph",
-           "ParallelPlan", "ProfileError", "ReliabilitySpec", "RunComparison", "RunConfig", "TraceError",
-           "TrainingSpec", "VTrainError", "ValidationResult", "compare", "compare_run", "estimate",
+__all__ = ["ClusterSpec", "ConfigError", "Estimate", "IterationComparison", "IterationRecorder", "ModelSpec",
+           "OpGraph", "ParallelPlan", "ProfileError", "ReliabilitySpec", "RunComparison", "RunConfig", "TraceError",
+           "TrainingSpec", "VTrainError", "ValidationResult", "compare_iterations", "compare_run", "estimate",
            "estimates_frame", "get_cluster_preset", "load_megatron_script", "load_run_config",
            "run_config_from_dict", "run_config_from_megatron_args", "single_device_run", "trace", "validate",
            "with_gpu"]
+
+# Names that said less than they meant ("compare" beside "compare_run"): importable still, with a warning.
+_DEPRECATED = {"compare": ("compare_iterations", compare_iterations),
+               "Comparison": ("IterationComparison", IterationComparison)}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED:
+        new_name, value = _DEPRECATED[name]
+        _warnings.warn(f"vtrain_plugin.{name} is deprecated; use vtrain_plugin.{new_name} (timed iterations; "
+                       f"compare_run compares the logs of a run)", DeprecationWarning, stacklevel=2)
+        return value
+    raise AttributeError(f"module 'vtrain_plugin' has no attribute {name!r}")

@@ -21,15 +21,15 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey, OpGraph, Phase
 from vtrain_plugin.core.units import GIB, MS_PER_S, NS_PER_MS, NS_PER_S, SECONDS_PER_DAY, SECONDS_PER_HOUR
 from vtrain_plugin.cost.checkpoint import CheckpointSize, checkpoint_size
-from vtrain_plugin.cost.comm import CommModel
-from vtrain_plugin.cost.context_parallel import ContextParallel
-from vtrain_plugin.cost.context_parallel import model_flops as blocks_model_flops
+from vtrain_plugin.cost.comm.collectives import CommModel
+from vtrain_plugin.cost.comm.context_parallel import ContextParallel
+from vtrain_plugin.cost.comm.context_parallel import model_flops as blocks_model_flops
 from vtrain_plugin.cost.costing import Costing, cost
-from vtrain_plugin.cost.kernel_timer import KernelTimer
+from vtrain_plugin.cost.kernels.timer import KernelTimer
 from vtrain_plugin.cost.memory import RankMemory
 from vtrain_plugin.cost.prepare import PreparedGraph, prepare_run
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
-from vtrain_plugin.cost.stragglers import slowest_gpu_factor
+from vtrain_plugin.cost.kernels.stragglers import slowest_gpu_factor
 from vtrain_plugin.hardware.calibration import DeviceConstants, calibration_for
 from vtrain_plugin.hardware.devices import DeviceSpec, get_device
 from vtrain_plugin.hardware.nccl import NcclTable

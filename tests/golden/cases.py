@@ -32,7 +32,7 @@ def _vtrain_row(num_gpus: int, global_batch: int, micro_batch: int, hidden: int,
             "node_size": 8}
 
 
-# Rows of ../shared/data/a100_{single,multi}_node_calibration.csv (inputs only; the measured times
+# Rows of benchmarks/data/a100_{single,multi}_node_calibration.csv (inputs only; the measured times
 # are not needed to pin the prediction).
 A100_ROWS: dict[str, dict[str, Any]] = {
     "a100_single_tp4_pp2_mb2": _vtrain_row(8, 4, 2, 1024, 16, 24, 1024, 4, 1, 2),
@@ -71,7 +71,7 @@ def cases(tmp: Path) -> dict[str, Path]:
 
 
 def observe(path: Path) -> dict[str, Any]:
-    from vtrain_plugin.api import load_run_config
+    from vtrain_plugin.runs import load_run_config
     from vtrain_plugin.estimate import estimate
 
     est = estimate(load_run_config(path))

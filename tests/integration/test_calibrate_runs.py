@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import vtrain_plugin as vtrain
-from tests.training_logs import Logged, megatron_log, write_lines
+from tests.support.training_logs import Logged, megatron_log, write_lines
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.fitting import PlanRuns, fit_calibration
+from vtrain_plugin.measured import PlanRuns, fit_calibration
 from vtrain_plugin.hardware.calibration import CONSTANT_RANGES, calibration_for, user_calibration_dir, write_calibration
 
 DEVICE, STACK = "a100-sxm4-80gb", "megatron_deepspeed_2023"

@@ -9,7 +9,7 @@ import pytest
 
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.graph import ParallelGroup, Phase
-from vtrain_plugin.cost.context_parallel import with_context_parallel
+from vtrain_plugin.cost.comm.context_parallel import with_context_parallel
 from vtrain_plugin.cost.prepare import prepare
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.hardware.clusters import get_cluster_preset

@@ -13,12 +13,12 @@ import pytest
 
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.graph import CollectiveKind, ParallelGroup
-from vtrain_plugin.cost.comm import CommModel
+from vtrain_plugin.cost.comm.collectives import CommModel
 from vtrain_plugin.cost.costing import cost
-from vtrain_plugin.cost.dp_buckets import ZeroRuntime, zero_layout
-from vtrain_plugin.cost.kernel_timer import KernelTimer
+from vtrain_plugin.cost.comm.dp_buckets import ZeroRuntime, zero_layout
+from vtrain_plugin.cost.kernels.timer import KernelTimer
 from vtrain_plugin.cost.prepare import prepare, prepare_run
-from vtrain_plugin.cost.runtime_collectives import runtime_collectives
+from vtrain_plugin.cost.comm.runtime_collectives import runtime_collectives
 from vtrain_plugin.hardware.calibration import calibration_for
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.hardware.devices import get_device

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from vtrain_plugin.api import load_run_config, run_config_from_dict
+from vtrain_plugin.runs import load_run_config, run_config_from_dict
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.sim.engine import BREAKDOWN_FIELDS
 

@@ -10,7 +10,7 @@ from dataclasses import fields
 import pytest
 
 from tests.integration.test_te_fp8_cli import PLAN, write
-from vtrain_plugin.api import load_run_config
+from vtrain_plugin.runs import load_run_config
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import TrainingSpec

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vtrain_plugin.api import load_run_config
+from vtrain_plugin.runs import load_run_config
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.planning.search import search

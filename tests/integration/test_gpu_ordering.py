@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from vtrain_plugin.api import load_run_config, run_config_from_dict, with_gpu
+from vtrain_plugin.runs import load_run_config, run_config_from_dict, with_gpu
 from vtrain_plugin.estimate import estimate
 
 GPUS = ("a100-sxm4-80gb", "h100-sxm", "h200-sxm", "b200-sxm")  # slowest first

@@ -1,4 +1,4 @@
-"""benchmarks/h100_validation.py, the ground-truth run for a lent GPU, checked end to end on the CPU
+"""benchmarks/device/h100_validation.py, the ground-truth run for a lent GPU, checked end to end on the CPU
 (``--smoke``: two tiny plans, profiled, trained and compared for real) so that a session with a GPU
 only has to run it."""
 
@@ -10,16 +10,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "h100_validation.py"
-sys.path.insert(0, str(SCRIPT.parent))
+from benchmarks.device import h100_validation
 
-import h100_validation  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_smoke_run_writes_the_validation_csv_and_the_profile_export(tmp_path):
     out, export = tmp_path / "validation.csv", tmp_path / "profiles.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--export", str(export)],
+    done = subprocess.run([sys.executable, "-m", "benchmarks.device.h100_validation", "--smoke", "--out", str(out),
+                           "--export", str(export)],
                           capture_output=True, text=True, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr
     frame = pd.read_csv(out)
@@ -57,7 +56,7 @@ def test_gpu_plans_fit_one_h100_as_estimated():
     trains it), fits in 80 GB with room for what the estimate does not count."""
     from dataclasses import replace
 
-    from vtrain_plugin.api import run_config_from_dict
+    from vtrain_plugin.runs import run_config_from_dict
     from vtrain_plugin.estimate import estimate
     from vtrain_plugin.specs.training import SoftwareStack
 

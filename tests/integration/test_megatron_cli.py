@@ -2,28 +2,7 @@
 
 import json
 
-from tests.unit.megatron_examples import GPT3_175B, LLAMA3_8B_FP8
-
-SMALL_GPT = """#!/bin/bash
-# A small GPT launched on 2 nodes of 4 GPUs
-NNODES=2
-GPUS_PER_NODE=4
-MODEL_ARGS=(
-    --num-layers 4 --hidden-size 256 --num-attention-heads 8
-    --seq-length 128 --max-position-embeddings 128
-)
-TRAINING_ARGS="
-    --micro-batch-size 2 \\
-    --global-batch-size 32 \\
-    --lr 1e-4 --train-iters 100 \\
-    --fp16
-"
-torchrun --nnodes $NNODES --nproc_per_node $GPUS_PER_NODE pretrain_gpt.py \\
-    ${MODEL_ARGS[@]} $TRAINING_ARGS \\
-    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \\
-    --tokenizer-type GPT2BPETokenizer --use-flash-attn \\
-    --save /checkpoints/small --log-interval 10 2>&1 | tee train.log
-"""
+from tests.support.megatron_examples import GPT3_175B, LLAMA3_8B_FP8, SMALL_GPT
 
 SLURM_GPT = """#!/bin/bash
 NNODES=${SLURM_NNODES:-1}

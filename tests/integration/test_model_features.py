@@ -8,8 +8,8 @@ import torch
 
 from megatron_adapters.config_map import model_spec_from_transformer_config
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.specs.launch_script import launch_command
-from vtrain_plugin.specs.megatron_args import megatron_plan
+from vtrain_plugin.specs.megatron.launch_script import launch_command
+from vtrain_plugin.specs.megatron.args import megatron_plan
 from vtrain_plugin.specs.model import Family
 from vtrain_plugin.specs.plan_file import parse_plan
 

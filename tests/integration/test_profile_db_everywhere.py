@@ -12,7 +12,7 @@ import pytest
 import vtrain_plugin as vtrain
 from tests.conftest import REPO
 from tests.integration.test_profile_validate import TINY_PLAN
-from vtrain_plugin.api import load_run_config
+from vtrain_plugin.runs import load_run_config
 from vtrain_plugin.planning.search import search
 from vtrain_plugin.planning.space import SearchSpace
 

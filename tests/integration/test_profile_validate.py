@@ -50,7 +50,7 @@ def test_profile_then_estimate_and_validate(plan, run_cli, tmp_path):
     assert result["memory_measure"].startswith("growth of the peak resident set (VmHWM)")
     assert all(line.endswith("measured times are noisy") for line in result["warnings"])
     assert proc.stderr.splitlines() == [f"vtrain: warning: {line}" for line in result["warnings"]]
-    # The error itself is a wall-clock figure of this machine: benchmarks/validate_cpu.py reports it.
+    # The error itself is a wall-clock figure of this machine: benchmarks/device/validate_cpu.py reports it.
     assert result["error_pct"] == pytest.approx(
         100 * (result["predicted_ms"] - result["measured_ms"]) / result["measured_ms"])
 

@@ -1,13 +1,14 @@
 """Predicted against measured on logs the tests write: vtrain_plugin.compare_run and vtrain compare."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import vtrain_plugin as vtrain
-from tests.integration.test_megatron_cli import SMALL_GPT
-from tests.training_logs import Logged, iteration_line, megatron_log, nemo2_line, tensorboard_dir, write_lines
+from tests.support.megatron_examples import SMALL_GPT
+from tests.support.training_logs import Logged, iteration_line, megatron_log, nemo2_line, tensorboard_dir, write_lines
 from vtrain_plugin.core.errors import ConfigError
 
 TIMES_MS = [64.0, 40.1, 39.8, 40.3, 39.9, 40.0, 48.5, 40.2, 39.7, 40.4, 40.1, 39.9]  # the 1st is warm-up
@@ -99,3 +100,19 @@ def test_compare_cli_formats_plot_and_errors(tmp_path, plan, run_cli, small_esti
         errors = [line for line in proc.stderr.splitlines() if not line.startswith("vtrain: warning: ")]
         assert proc.returncode == 2 and len(errors) == 1  # the plan's own warning aside
         assert errors[0].startswith("vtrain: error: ") and message in errors[0]
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+# A NeMo log does not say where its first interval began, so its job starts at the first logged
+# iteration (10): the interval 11-20 falls in the warm-up too, where Megatron-LM's job starts at 1.
+@pytest.mark.parametrize("log, intervals_used", [("small_gpt_megatron.log", 11), ("small_gpt_nemo2.log", 10)])
+def test_compare_cli_on_the_fixture_logs(run_cli, log, intervals_used):
+    """The files a user can point the CLI at by hand (tests/fixtures/logs/README.md) read as written."""
+    proc = run_cli("compare", str(FIXTURES / "launch_scripts" / "small_gpt.sh"), str(FIXTURES / "logs" / log),
+                   "--format", "json", check=True)
+    row = json.loads(proc.stdout)
+    used = TIMES_MS[len(TIMES_MS) - intervals_used:]
+    assert row["measured_iteration_time_ms"] == pytest.approx(float(np.median(used)))
+    assert row["intervals_used"] == intervals_used

@@ -9,7 +9,7 @@ from vtrain_plugin.capture.graph_file import load_graph, save_graph
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import BlockKind, CollectiveKind, OpGraph, ParallelGroup, Phase
-from vtrain_plugin.cost.runtime_collectives import runtime_collectives
+from vtrain_plugin.cost.comm.runtime_collectives import runtime_collectives
 from vtrain_plugin.specs.model import Family, ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 

@@ -1,4 +1,4 @@
-"""benchmarks/trace_in_script.py, the first use run on a lent GPU, checked end to end on the CPU
+"""benchmarks/device/trace_in_script.py, the first use run on a lent GPU, checked end to end on the CPU
 (``--smoke``: torch.distributed up on gloo, a tiny GPTModel traced, estimated, profiled and trained
 in that process) so that a session with a GPU only has to run it."""
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import pandas as pd
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "trace_in_script.py"
 
 
 def test_smoke_run_traces_the_scripts_model_and_writes_its_row(tmp_path):
     out = tmp_path / "trace_in_script.csv"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--plans", "gpt-tiny", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "benchmarks.device.trace_in_script", "--smoke", "--plans", "gpt-tiny",
+                           "--out", str(out)],
                           capture_output=True, text=True, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr
     frame = pd.read_csv(out)

@@ -13,7 +13,7 @@ from vtrain_plugin.core.graph import ParallelGroup as G
 from vtrain_plugin.core.graph import Phase
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.prepare import prepare
-from vtrain_plugin.cost.runtime_collectives import runtime_collectives
+from vtrain_plugin.cost.comm.runtime_collectives import runtime_collectives
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.specs.model import ModelSpec

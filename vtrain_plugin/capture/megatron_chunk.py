@@ -41,7 +41,7 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
     megatron-core's CP attention runs only through TransformerEngine, so the layer is traced
     without CP on the local sequence, and the CP attention (its exchange of keys and values, and
     the local queries' attention to the other ranks' keys) is derived from it when costing
-    (:mod:`vtrain_plugin.cost.context_parallel`). The trace world thus has no CP ranks, and its DP
+    (:mod:`vtrain_plugin.cost.comm.context_parallel`). The trace world thus has no CP ranks, and its DP
     ranks alone make up the TP x CP x DP ranks the full world lays its expert ranks over: the MoE
     layers dispatch one CP rank's tokens over the same expert TP and EP groups either way.
     """

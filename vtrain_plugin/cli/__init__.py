@@ -1,6 +1,8 @@
 """The ``vtrain`` command line: one module per command (argument parsing and rendering only).
 
-User errors become one line on stderr and exit code 2.
+Each command module declares its commands once (``COMMANDS``, :mod:`vtrain_plugin.cli.commands`);
+:data:`MODULES` lists the modules in the order ``vtrain --help`` shows them. User errors become one
+line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from vtrain_plugin.cli import cache, calibrate, cluster_sim, compare, estimate, profile, search, size, trace, validate
+from vtrain_plugin.cli.commands import register
 from vtrain_plugin.cli.common import EXIT_USER_ERROR, cache_environment, cache_options
 from vtrain_plugin.core.errors import VTrainError
 
-
-# The commands that trace models, and so take --cache-dir and --no-cache.
-TRACING_COMMANDS = ("trace", "estimate", "profile", "validate", "compare", "calibrate", "search", "size", "cluster-sim")
+MODULES = (trace, estimate, profile, validate, compare, calibrate, search, size, cluster_sim, cache)
+COMMANDS = register(command for module in MODULES for command in module.COMMANDS)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -33,18 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vtrain", description="Predict the iteration time, memory and cost of Megatron-style training.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    trace.add_parser(sub)
-    estimate.add_parser(sub)
-    profile.add_parsers(sub)
-    validate.add_parser(sub)
-    compare.add_parser(sub)
-    calibrate.add_parser(sub)
-    search.add_parser(sub)
-    size.add_parser(sub)
-    cluster_sim.add_parser(sub)
-    cache.add_parser(sub)
-    for command in TRACING_COMMANDS:
-        cache_options(sub.choices[command])
+    for command in COMMANDS.values():
+        p = sub.add_parser(command.name, help=command.help)
+        command.add_arguments(p)
+        if command.traces:
+            cache_options(p)
+        p.set_defaults(func=command.run)
     return parser
 
 

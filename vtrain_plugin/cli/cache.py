@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vtrain_plugin.cli.commands import Command
 from vtrain_plugin.capture import disk_cache
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("cache", help="show or clear the on-disk trace cache")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=("info", "clear"), help="info: location, entries and size; clear: remove them")
     p.add_argument("--cache-dir", metavar="DIR", help="trace cache folder (default: $VTRAIN_CACHE_DIR, else the user cache)")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,3 +25,7 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(f"trace cache {info.directory}{state}: {info.entries} trace(s), {info.nbytes / 1e6:.2f} MB "
                      f"of at most {info.max_bytes / 1e6:,.0f} MB ({disk_cache.MAX_MB_ENV})\n")
     return 0
+
+
+COMMANDS = (Command(name="cache", add_arguments=add_arguments, run=run,
+                    help="show or clear the on-disk trace cache"),)

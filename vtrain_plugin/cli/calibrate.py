@@ -8,17 +8,17 @@ import json
 import shlex
 import sys
 
+from vtrain_plugin.cli.commands import Command
 from vtrain_plugin.cli.common import CONFIG_HELP, emit, positive_int
 from vtrain_plugin.cli.megatron_input import add_env_option, run_inputs
 from vtrain_plugin.cli.runs_render import calibration_table
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.fitting.calibrate import DEFAULT_FIT, PlanRuns, fit_calibration
-from vtrain_plugin.fitting.compare import DEFAULT_WARMUP_ITERATIONS
+from vtrain_plugin.measured.calibrate import DEFAULT_FIT, PlanRuns, fit_calibration
+from vtrain_plugin.measured.compare_run import DEFAULT_WARMUP_ITERATIONS
 from vtrain_plugin.hardware.calibration import CONSTANT_RANGES, write_calibration
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("calibrate", help="fit network efficiency, GEMM efficiency and host cost to your own runs")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-runs", nargs="+", required=True, metavar="RUN",
                    help="Megatron-LM or NeMo training logs, or Megatron-LM TensorBoard folders")
     p.add_argument("--plan", nargs="+", required=True, metavar="PLAN",
@@ -33,7 +33,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--gpus", type=positive_int, metavar="N", help="GPUs of the launch scripts' runs (as in vtrain estimate)")
     add_env_option(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,3 +65,7 @@ def _plan_runs(args: argparse.Namespace) -> list[PlanRuns]:
     plans = argparse.Namespace(config=list(grouped), megatron_args=None, gpus=args.gpus, env=args.env)
     loaded = dict(run_inputs(plans))
     return [PlanRuns(label=plan, run=loaded[plan](), logs=tuple(group)) for plan, group in grouped.items()]
+
+
+COMMANDS = (Command(name="calibrate", add_arguments=add_arguments, run=run, traces=True,
+                    help="fit network efficiency, GEMM efficiency and host cost to your own runs"),)

@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from vtrain_plugin.cli.commands import Command
 from vtrain_plugin.cli.common import emit
 from vtrain_plugin.cli.search import _number
 from vtrain_plugin.core.errors import ConfigError
@@ -25,8 +26,7 @@ from vtrain_plugin.planning.space import AXES
 from vtrain_plugin.specs.reliability import CheckpointMode, FailurePreset, ReliabilitySpec
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("cluster-sim", help="simulate training jobs on a shared cluster under scheduling policies")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("jobs", nargs="?", metavar="JOBS", help="job file (YAML, JSON or CSV); or use --generate")
     mix = p.add_argument_group("synthetic job mix")
     mix.add_argument("--generate", metavar="N", help="simulate N synthetic jobs instead of a job file")
@@ -63,7 +63,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--output", "-o", help="write to this file instead of stdout")
     p.add_argument("--gantt", metavar="FILE.png", help="draw the allocation over time (FILE.POLICY.png for several)")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,3 +161,7 @@ def _non_negative(flag: str, text: str) -> float:
     if not 0 <= value < float("inf"):
         raise ConfigError(f"{flag} must be a non-negative number, got {text!r}")
     return value
+
+
+COMMANDS = (Command(name="cluster-sim", add_arguments=add_arguments, run=run, traces=True,
+                    help="simulate training jobs on a shared cluster under scheduling policies"),)

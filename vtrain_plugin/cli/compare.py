@@ -13,22 +13,22 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from vtrain_plugin.api import with_gpu
+from vtrain_plugin.cli.commands import Command
+from vtrain_plugin.runs import with_gpu
 from vtrain_plugin.cli.common import CONFIG_HELP, db_option, emit, profile_db
 from vtrain_plugin.cli.megatron_input import LAUNCH_SCRIPT_SUFFIXES, MEGATRON_ARGS_LABEL, add_megatron_options, run_inputs
 from vtrain_plugin.cli.runs_render import comparison_table, comparisons_summary
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.estimate import estimate
-from vtrain_plugin.fitting.compare import DEFAULT_SLOW_FACTOR, DEFAULT_WARMUP_ITERATIONS, RunComparison, compare_run
-from vtrain_plugin.fitting.plot import plot_comparisons
+from vtrain_plugin.measured.compare_run import DEFAULT_SLOW_FACTOR, DEFAULT_WARMUP_ITERATIONS, RunComparison, compare_run
+from vtrain_plugin.measured.plot import plot_comparisons
 from vtrain_plugin.specs.reading import YAML_SUFFIXES
 from vtrain_plugin.specs.run import RunConfig
 
 PLAN_SUFFIXES = (*YAML_SUFFIXES, ".json", *LAUNCH_SCRIPT_SUFFIXES)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compare", help="compare a plan's estimate with the training logs of its runs")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="PLAN RUN",
                    help=f"a plan ({CONFIG_HELP}, or a Megatron-LM launch script .sh) followed by the logs of its runs "
                         "(Megatron-LM or NeMo training logs, Megatron-LM TensorBoard folders), pooled; more plans, "
@@ -43,7 +43,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
     p.add_argument("--plot", metavar="FILE.png", help="draw the measured intervals against the predicted time")
     db_option(p, can_disable=True)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,3 +98,7 @@ def _plan_inputs(args: argparse.Namespace) -> list[tuple[str, Callable[[], RunCo
     plans = argparse.Namespace(config=[item for item in args.inputs if _is_plan(item)],
                                megatron_args=args.megatron_args, gpus=args.gpus, env=args.env)
     return run_inputs(plans)
+
+
+COMMANDS = (Command(name="compare", add_arguments=add_arguments, run=run, traces=True,
+                    help="compare a plan's estimate with the training logs of its runs"),)

@@ -11,7 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from vtrain_plugin.api import with_gpu
+from vtrain_plugin.cli.commands import Command
+from vtrain_plugin.runs import with_gpu
 from vtrain_plugin.cli.common import (CONFIG_HELP, EXIT_USER_ERROR, db_option, positive_int, profile_db, reliability_options,
                                      with_reliability)
 from vtrain_plugin.cli.megatron_input import add_megatron_options, run_inputs
@@ -25,8 +26,7 @@ from vtrain_plugin.specs.run import RunConfig
 FORMATS = ("table", "json", "jsonl", "csv")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("estimate", help="predict the iteration time of one or more plans")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="*", help=f"{CONFIG_HELP}, or a Megatron-LM launch script (.sh)")
     add_megatron_options(p)
     p.add_argument("--gpu", help="GPU preset to estimate for, overriding the config's "
@@ -46,7 +46,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="write at most N pipeline stages (first and last always kept)")
     p.add_argument("--timeline-max-microbatches", type=positive_int, metavar="N",
                    help="write at most N micro-batches per stage")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,3 +143,7 @@ def _timeline_path(path: str, index: int, total: int) -> Path:
     """One timeline per config: ``t.json`` for one config, ``t.0.json``, ``t.1.json``... for several."""
     p = Path(path)
     return p if total == 1 else p.with_name(f"{p.stem}.{index}{p.suffix}")
+
+
+COMMANDS = (Command(name="estimate", add_arguments=add_arguments, run=run, traces=True,
+                    help="predict the iteration time of one or more plans"),)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from vtrain_plugin.api import load_megatron_script, load_run_config, run_config_from_megatron_args
+from vtrain_plugin.runs import load_megatron_script, load_run_config, run_config_from_megatron_args
 from vtrain_plugin.cli.common import positive_int
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.run import RunConfig

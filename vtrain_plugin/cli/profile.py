@@ -13,41 +13,39 @@ import sys
 from profiler.db import ProfileDB
 from profiler.fingerprint import current_fingerprint
 from profiler.lookup import open_profile_db
-from vtrain_plugin.api import load_run_config
+from vtrain_plugin.runs import load_run_config
 from vtrain_plugin.capture.tracer import trace
+from vtrain_plugin.cli.commands import Command
 from vtrain_plugin.cli.common import CONFIG_HELP, db_option, device_and_db_options, positive_int
 from vtrain_plugin.core.errors import ProfileError
-from vtrain_plugin.validation import single_device_run
+from vtrain_plugin.measured.one_device import single_device_run
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile", help="measure the unique kernels of plans on this machine's device")
+def profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="+", help=CONFIG_HELP)
     device_and_db_options(p)
     p.add_argument("--force", action="store_true", help="measure again kernels already in the database")
     p.add_argument("--single-device", action="store_true",
                    help="profile the one-device variant of each plan (TP=PP=DP=1), what `vtrain validate` runs")
-    p.set_defaults(func=profile)
 
-    p = sub.add_parser("profile-comm", help="measure collectives between the GPUs (NCCL) or processes (gloo) "
-                                            "of this node")
+
+def profile_comm_arguments(p: argparse.ArgumentParser) -> None:
     device_and_db_options(p)
     p.add_argument("--max-nbytes", type=positive_int, metavar="N",
                    help="largest message in bytes (default 1 GiB on cuda, 64 MiB on cpu)")
     p.add_argument("--world-size", type=positive_int, metavar="N",
                    help="ranks (default: every GPU of the node; 2-4 processes on cpu)")
-    p.set_defaults(func=profile_comm)
 
-    p = sub.add_parser("profile-export", help="write profiles to a portable JSON file")
+
+def profile_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="JSON file to write")
     db_option(p)
     p.add_argument("--device-name", help="only devices whose name contains this (e.g. H100)")
-    p.set_defaults(func=profile_export)
 
-    p = sub.add_parser("profile-import", help="merge a file written by profile-export into the database")
+
+def profile_import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="JSON file written by `vtrain profile-export`")
     db_option(p)
-    p.set_defaults(func=profile_import)
 
 
 def profile(args: argparse.Namespace) -> int:
@@ -112,3 +110,15 @@ def profile_import(args: argparse.Namespace) -> int:
     sys.stdout.write(f"imported {counts.devices} device(s), {counts.kernels} kernels and {counts.comm} collective "
                      f"timings into {where}\n")
     return 0
+
+
+COMMANDS = (
+    Command(name="profile", add_arguments=profile_arguments, run=profile, traces=True,
+            help="measure the unique kernels of plans on this machine's device"),
+    Command(name="profile-comm", add_arguments=profile_comm_arguments, run=profile_comm,
+            help="measure collectives between the GPUs (NCCL) or processes (gloo) of this node"),
+    Command(name="profile-export", add_arguments=profile_export_arguments, run=profile_export,
+            help="write profiles to a portable JSON file"),
+    Command(name="profile-import", add_arguments=profile_import_arguments, run=profile_import,
+            help="merge a file written by profile-export into the database"),
+)

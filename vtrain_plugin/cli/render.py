@@ -2,7 +2,7 @@
 
 A traced graph is shown with what costing derives from it: Megatron's runtime collectives (DP
 gradients, pipeline transfers, tied embeddings) and, under context parallelism, each layer's CP
-attention (:mod:`vtrain_plugin.cost.context_parallel`) in its stack kernels and collectives, the
+attention (:mod:`vtrain_plugin.cost.comm.context_parallel`) in its stack kernels and collectives, the
 derived collectives marked ``synthesized``.
 """
 
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import Block, OpGraph, OpNode, Phase, StageGraph
 from vtrain_plugin.core.units import GBYTE, MEGABYTE, SECONDS_PER_HOUR, SECONDS_PER_MINUTE
-from vtrain_plugin.cost.context_parallel import ContextParallel, model_flops, with_context_parallel
-from vtrain_plugin.cost.lowering import map_nodes
-from vtrain_plugin.cost.runtime_collectives import runtime_collectives
+from vtrain_plugin.cost.comm.context_parallel import ContextParallel, model_flops, with_context_parallel
+from vtrain_plugin.cost.lowering.stacks import map_nodes
+from vtrain_plugin.cost.comm.runtime_collectives import runtime_collectives
 from vtrain_plugin.estimate import Estimate
 from vtrain_plugin.planning.search import SearchResult
 from vtrain_plugin.planning.sizing import SizingResult
@@ -29,7 +29,7 @@ from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
-from vtrain_plugin.validation import ValidationResult
+from vtrain_plugin.measured.one_device import ValidationResult
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -118,7 +118,7 @@ def trace_json(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = N
     CP attention under context parallelism), and the ``collectives`` (the traced, the CP attention's and
     the runtime's), identical entries merged with a ``count`` (the DP collectives those of the
     distributed optimizer when ``distributed_optimizer``; gradients in ``grads``, FP8 weights gathered
-    with ``fp8_param_gather``, as :func:`~vtrain_plugin.cost.runtime_collectives.runtime_collectives`)."""
+    with ``fp8_param_gather``, as :func:`~vtrain_plugin.cost.comm.runtime_collectives.runtime_collectives`)."""
     stages = []
     tied = graph.model is not None and graph.model.tied
     for s, costed in zip(graph.stages, with_context_parallel(graph).stages):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vtrain_plugin.cli.render import render_table
-from vtrain_plugin.fitting.calibrate import CalibrationFit
-from vtrain_plugin.fitting.compare import RunComparison
+from vtrain_plugin.measured.calibrate import CalibrationFit
+from vtrain_plugin.measured.compare_run import RunComparison
 
 _LABELS = {"iteration_time_ms": ("iteration ms", "{:,.1f}"), "tokens_per_second": ("tokens/s", "{:,.0f}"),
            "tflops_per_gpu": ("TFLOP/s per GPU", "{:,.1f}"), "mfu": ("MFU", "{:.1%}"),

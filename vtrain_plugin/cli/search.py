@@ -8,7 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-from vtrain_plugin.api import ModelFile, load_model_file, load_run_config
+from vtrain_plugin.cli.commands import Command
+from vtrain_plugin.runs import ModelFile, load_model_file, load_run_config
 from vtrain_plugin.cli.common import db_option, emit, profile_db, reliability_options, with_reliability
 from vtrain_plugin.cli.render import search_csv, search_jsonl, search_table
 from vtrain_plugin.core.errors import ConfigError
@@ -24,8 +25,7 @@ from vtrain_plugin.specs.training import TrainingSpec
 FORMATS = ("table", "csv", "jsonl")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("search", help="estimate every valid plan within a GPU budget and rank them")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_file", metavar="MODEL_FILE",
                    help="plan file (YAML/JSON) or vTrain config: its model; its cluster and training are defaults")
     cluster = p.add_mutually_exclusive_group()
@@ -55,7 +55,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", metavar="N", help="also the days and cost to train on N tokens, e.g. 270e9")
     reliability_options(p)
     db_option(p, can_disable=True)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,3 +139,7 @@ def _baseline(path: str, source: ModelFile, cluster: ClusterSpec, global_batch: 
         return evaluate_baseline(source.model, candidate, cluster, tokens, profile_db=db)
     except ConfigError as exc:
         raise ConfigError(f"--baseline {path}: {exc}") from None
+
+
+COMMANDS = (Command(name="search", add_arguments=add_arguments, run=run, traces=True,
+                    help="estimate every valid plan within a GPU budget and rank them"),)

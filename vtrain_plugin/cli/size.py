@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from vtrain_plugin.cli.commands import Command
 from vtrain_plugin.cli.common import db_option, emit, profile_db, reliability_options, with_reliability
 from vtrain_plugin.cli.render import sizing_table
 from vtrain_plugin.cli.search import _number, space_from_args
@@ -19,8 +20,7 @@ from vtrain_plugin.specs.model import Family
 from vtrain_plugin.specs.reliability import ReliabilitySpec
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("size", help="the largest model that trains compute-optimally within days or dollars")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", default="gpt", help=f"model family: {', '.join(f.value for f in Family)} (default gpt)")
     cluster = p.add_mutually_exclusive_group(required=True)
     cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, B200, ...)")
@@ -49,7 +49,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", metavar="N", help="worker processes per search (default: CPU count)")
     reliability_options(p)
     db_option(p, can_disable=True)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,3 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_sizing(result, args.plot)
     return 0
+
+
+COMMANDS = (Command(name="size", add_arguments=add_arguments, run=run, traces=True,
+                    help="the largest model that trains compute-optimally within days or dollars"),)

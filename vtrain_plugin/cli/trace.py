@@ -6,19 +6,18 @@ from __future__ import annotations
 import argparse
 import json
 
-from vtrain_plugin.api import load_run_config
+from vtrain_plugin.cli.commands import Command
+from vtrain_plugin.runs import load_run_config
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.cli.common import CONFIG_HELP, emit
 from vtrain_plugin.cli.render import trace_json, trace_table
 from vtrain_plugin.hardware.devices import get_device
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("trace", help="trace a model into its operator graph")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help=CONFIG_HELP)
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--output", "-o", help="write to this file instead of stdout")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,3 +34,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         emit(trace_table(graph, stack, training.fp8_settings), args.output)
     return 0
+
+
+COMMANDS = (Command(name="trace", add_arguments=add_arguments, run=run, traces=True,
+                    help="trace a model into its operator graph"),)

@@ -6,20 +6,19 @@ import argparse
 import json
 import sys
 
-from vtrain_plugin.api import load_run_config
+from vtrain_plugin.cli.commands import Command
+from vtrain_plugin.runs import load_run_config
 from vtrain_plugin.cli.common import CONFIG_HELP, device_and_db_options
 from vtrain_plugin.cli.render import validation_table
-from vtrain_plugin.measure import validate
+from vtrain_plugin.measured.one_device import validate
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validate", help="train a plan for real on one local device and compare with its estimate")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help=CONFIG_HELP)
     device_and_db_options(p)
     p.add_argument("--iterations", type=int, default=5, metavar="N", help="timed iterations (default 5)")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed iterations before them (default 1)")
     p.add_argument("--format", choices=("table", "json"), default="table")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,3 +29,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(validation_table(result) + "\n")
     return 0
+
+
+COMMANDS = (Command(name="validate", add_arguments=add_arguments, run=run, traces=True,
+                    help="train a plan for real on one local device and compare with its estimate"),)

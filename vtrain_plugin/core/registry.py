@@ -44,3 +44,7 @@ class Registry(Generic[V]):
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self._entries))
+
+    def values(self) -> tuple[V, ...]:
+        """The entries in the order they were added."""
+        return tuple(self._entries.values())

@@ -2,13 +2,13 @@
 
 This is where the hundreds of kernels of a layer are summed, once per estimate, into forward,
 backward, recompute and optimizer durations per chunk (:class:`ChunkWork`), with a few array
-operations per stage: kernel times (:mod:`vtrain_plugin.cost.kernel_timer`), the host/device pipeline
-(:mod:`vtrain_plugin.cost.host_device`), tensor- and context-parallel collectives timed by the comm
+operations per stage: kernel times (:mod:`vtrain_plugin.cost.kernels.timer`), the host/device pipeline
+(:mod:`vtrain_plugin.cost.kernels.host_device`), tensor- and context-parallel collectives timed by the comm
 model and entering the pipeline in place with ``collective_host_overhead_ns`` of host cost (a kernel's
 when that is not modelled), blocking with their whole time or, when they run beside a kernel
-(:mod:`vtrain_plugin.cost.comm_overlap`: CP ring steps, and TP collectives under
+(:mod:`vtrain_plugin.cost.comm.overlap`: CP ring steps, and TP collectives under
 ``training.tp_comm_overlap``), with what that kernel cannot hide, gradient buckets
-(:mod:`vtrain_plugin.cost.dp_buckets`; with the distributed optimizer Megatron-Core's reduce-scatter
+(:mod:`vtrain_plugin.cost.comm.dp_buckets`; with the distributed optimizer Megatron-Core's reduce-scatter
 and all-gather buckets), pipeline transfers and the tied-embedding synchronisation.
 Each task (a forward, a recompute, a backward of one micro-batch on one chunk) starts with the
 pipeline empty, as after Megatron's synchronisation around pipeline transfers, and each forward also
@@ -27,12 +27,12 @@ import numpy as np
 
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import ParallelGroup, Phase
-from vtrain_plugin.cost.comm import CommModel
-from vtrain_plugin.cost.comm_overlap import exposed_ns
-from vtrain_plugin.cost.dp_buckets import BlockGradients, ZeroRuntime, dp_buckets, zero_buckets
-from vtrain_plugin.cost.host_device import SegmentTime, segment_sums, segment_times, sequence, then
-from vtrain_plugin.cost.kernel_timer import KernelTimer
-from vtrain_plugin.cost.moe import MOE_GROUPS
+from vtrain_plugin.cost.comm.collectives import CommModel
+from vtrain_plugin.cost.comm.overlap import exposed_ns
+from vtrain_plugin.cost.comm.dp_buckets import BlockGradients, ZeroRuntime, dp_buckets, zero_buckets
+from vtrain_plugin.cost.kernels.host_device import SegmentTime, segment_sums, segment_times, sequence, then
+from vtrain_plugin.cost.kernels.timer import KernelTimer
+from vtrain_plugin.cost.comm.moe_dispatch import MOE_GROUPS
 from vtrain_plugin.cost.prepare import PHASES, PreparedGraph, PreparedStage
 from vtrain_plugin.cost.provenance import Provenance, StageProvenance, stage_provenance
 from vtrain_plugin.cost.work import ChunkWork, DpBucket, ParamGather, PipelineWork

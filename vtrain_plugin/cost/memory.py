@@ -16,7 +16,7 @@ parameters of its chunks:
   parallelism; weights and gradients stay whole). With Megatron-LM's
   ``theoretical_memory_usage`` that is 18 bytes per parameter, or ``6 + 12 / DP``; the parameters
   of experts split by expert parallelism are sharded over the expert DP group instead
-  (:func:`~vtrain_plugin.cost.optimizer_shard.optimizer_shards`);
+  (:func:`~vtrain_plugin.cost.comm.optimizer_shard.optimizer_shards`);
 - activations: what the forward of one micro-batch keeps for backward on each chunk (the saved
   tensors of the real model, captured while tracing), at the schedule's peak of micro-batches in
   flight: the most activation bytes the rank holds at once when walking its task order (1F1B:
@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
-from vtrain_plugin.cost.optimizer_shard import optimizer_shards
+from vtrain_plugin.cost.comm.optimizer_shard import optimizer_shards
 from vtrain_plugin.specs.training import grad_dtype, optimizer_bytes_per_parameter
 
 RESERVED_GIB = 2.0  # CUDA context, NCCL buffers, library workspaces (see the module doc)

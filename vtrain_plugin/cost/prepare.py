@@ -1,16 +1,16 @@
 """``prepare()``: a traced graph laid out as kernel batches, once per graph, software stack (and FP8
 settings) and profile.
 
-Each block's ops are lowered onto the kernels of the software stack (:mod:`vtrain_plugin.cost.lowering`)
+Each block's ops are lowered onto the kernels of the software stack (:mod:`vtrain_plugin.cost.lowering.stacks`)
 and every block's phases are laid out as segments of one :class:`KernelBatch` per stage, with the
 measured durations looked up; tensor- and context-parallel collectives, and the MoE layers'
 expert-parallel ones, are rows of the batch, on the compute stream, with the kernel each can hide
-behind (:mod:`vtrain_plugin.cost.comm_overlap`; the MoE layers' block it). Under context parallelism
+behind (:mod:`vtrain_plugin.cost.comm.overlap`; the MoE layers' block it). Under context parallelism
 the layers' core attention is first replaced by TransformerEngine's CP attention
-(:mod:`vtrain_plugin.cost.context_parallel`). Megatron's runtime collectives (DP gradients,
+(:mod:`vtrain_plugin.cost.comm.context_parallel`). Megatron's runtime collectives (DP gradients,
 pipeline transfers, tied embeddings) are derived per stage
-(:mod:`vtrain_plugin.cost.runtime_collectives`); with the distributed optimizer the optimizer step
-runs on the rank's shard (:mod:`vtrain_plugin.cost.optimizer_shard`). Stages that share their blocks
+(:mod:`vtrain_plugin.cost.comm.runtime_collectives`); with the distributed optimizer the optimizer step
+runs on the rank's shard (:mod:`vtrain_plugin.cost.comm.optimizer_shard`). Stages that share their blocks
 (one chunk role) share one :class:`PreparedRole`, and roles prepared without measured durations are
 kept across calls. This depends on the graph, the stack and the profile, not on the device constants
 or the cluster:
@@ -29,15 +29,15 @@ import numpy as np
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveKind, CollectiveNode, KernelKey, OpGraph, OpNode,
                                       ParallelGroup, Phase, StageGraph)
-from vtrain_plugin.cost.comm_overlap import overlap_partners
-from vtrain_plugin.cost.context_parallel import ContextParallel, model_flops
-from vtrain_plugin.cost.host_device import Segment
-from vtrain_plugin.cost.kernel_model import KernelBatch
-from vtrain_plugin.cost.kernel_timer import measured_ns
-from vtrain_plugin.cost.lowering import map_nodes
-from vtrain_plugin.cost.moe import MOE_GROUPS
-from vtrain_plugin.cost.optimizer_shard import optimizer_shards, shard_optimizer
-from vtrain_plugin.cost.runtime_collectives import RuntimeCollectives, runtime_collectives
+from vtrain_plugin.cost.comm.overlap import overlap_partners
+from vtrain_plugin.cost.comm.context_parallel import ContextParallel, model_flops
+from vtrain_plugin.cost.kernels.host_device import Segment
+from vtrain_plugin.cost.kernels.model import KernelBatch
+from vtrain_plugin.cost.kernels.timer import measured_ns
+from vtrain_plugin.cost.lowering.stacks import map_nodes
+from vtrain_plugin.cost.comm.moe_dispatch import MOE_GROUPS
+from vtrain_plugin.cost.comm.optimizer_shard import optimizer_shards, shard_optimizer
+from vtrain_plugin.cost.comm.runtime_collectives import RuntimeCollectives, runtime_collectives
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack, TrainingSpec
 
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE, Phase.OPTIMIZER)
@@ -48,7 +48,7 @@ _NO_KERNEL = OpNode(key=KernelKey(op="aten.empty.memory_format", input_shapes=()
 @dataclass(frozen=True, slots=True)
 class CommRow:
     """A collective on the compute stream: its row in the batch and the row of the kernel it can hide
-    behind, -1 when it blocks (:mod:`vtrain_plugin.cost.comm_overlap`)."""
+    behind, -1 when it blocks (:mod:`vtrain_plugin.cost.comm.overlap`)."""
 
     row: int
     node: CollectiveNode
@@ -129,7 +129,7 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
     """Lay ``graph`` out for costing under ``stack`` (GEMMs in FP8 with ``fp8``), with ``measured``
     kernel durations (ns), Megatron-Core's ``distributed_optimizer`` or not, gradients reduced in
     ``grads`` and FP8 weights all-gathered with ``fp8_param_gather``
-    (:func:`vtrain_plugin.cost.runtime_collectives.runtime_collectives`)."""
+    (:func:`vtrain_plugin.cost.comm.runtime_collectives.runtime_collectives`)."""
     stack = SoftwareStack(stack)
     shards = optimizer_shards(graph.parallel, distributed_optimizer)
     cp = ContextParallel.of(graph)

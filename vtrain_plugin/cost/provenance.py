@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vtrain_plugin.core.graph import KernelKey, OpNode, Phase
-from vtrain_plugin.cost.host_device import segment_sums
+from vtrain_plugin.cost.kernels.host_device import segment_sums
 from vtrain_plugin.cost.prepare import PreparedRole
 
 

@@ -1,17 +1,17 @@
 """What the software stack changes in the memory the trace measured (:mod:`vtrain_plugin.cost.memory`).
 
 The trace records megatron-core's local spec; a stack with fused attention (``megatron_core_te``)
-keeps no score-sized tensors for backward (:func:`~vtrain_plugin.cost.lowering_te.fused_attention_saved_delta`:
+keeps no score-sized tensors for backward (:func:`~vtrain_plugin.cost.lowering.megatron_core_te.fused_attention_saved_delta`:
 one layer's activations go from quadratic to linear in the sequence length) and no causal mask (the
 local spec's softmax keeps the ``s x s`` mask the layers of a chunk share, traced as the stage block
 :data:`~megatron_adapters.conventions.SHARED_BY_CORE_ATTENTION`; TransformerEngine's causal kernels
 take no mask, while a checkpoint around the attention or the layer keeps it as an input and its
 bytes stay with the chunk); its fused norms and activation functions, and in FP8 its linears, keep
-what :func:`~vtrain_plugin.cost.te_saved.te_saved_delta` says.
+what :func:`~vtrain_plugin.cost.lowering.te_saved.te_saved_delta` says.
 
 TransformerEngine in FP8 keeps an FP8 copy of each linear weight and its transpose (the dgrad GEMM
 reads it on Hopper) across the micro-batches of an iteration
-(:func:`~vtrain_plugin.cost.lowering_fp8.fp8_weight_numel`), counted with the weights. With
+(:func:`~vtrain_plugin.cost.lowering.fp8.fp8_weight_numel`), counted with the weights. With
 ``fp8_param_gather`` those FP8 weights are the parameters themselves (TE's ``Float8Tensor``, one
 byte per element, its transpose kept beside it, Megatron-Core's ``post_all_gather_processing``): the
 linear weights have no model-dtype copy (their fp32 main weights are the optimizer's, as always).
@@ -24,10 +24,10 @@ from dataclasses import replace
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
-from vtrain_plugin.cost.lowering_fp8 import FP8_NBYTES, fp8_weight_numel
-from vtrain_plugin.cost.lowering_te import fused_attention_saved_delta
+from vtrain_plugin.cost.lowering.fp8 import FP8_NBYTES, fp8_weight_numel
+from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta
 from vtrain_plugin.cost.memory import PeakLive, RankMemory, rank_memory
-from vtrain_plugin.cost.te_saved import te_saved_delta
+from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
 
 

@@ -30,7 +30,7 @@ kernels itself, and its host costs are measured on it.
   (:attr:`~vtrain_plugin.hardware.devices.DeviceSpec.gemm_ceiling`): the fraction of dense
   tensor-core peak that a large, well-shaped GEMM reaches after tile and wave quantization are
   accounted for. The highest dense matmul rates ever measured by a brute-force shape search are
-  85.9% of peak on an A100 SXM and 80.1% on an H100 SXM (../shared/data/gemm_ceilings_public.csv);
+  85.9% of peak on an A100 SXM and 80.1% on an H100 SXM (benchmarks/data/gemm_ceilings_public.csv);
   no constant may claim more. Our own H100 sweep (benchmarks/results/h100_kernel_sweep.csv, bf16
   on normal inputs) puts large training GEMMs at 66-80% and the model's best fit at 0.735; below
   0.5 a calibration is fitting something other than GEMM throughput.
@@ -82,7 +82,7 @@ Optional constants (a file may leave them out; then the neutral value below appl
 - ``gpu_speed_spread`` in [0.003, 0.03], neutral 0 (all GPUs equally fast): the relative standard
   deviation of sustained speed between the nominally identical GPUs of a cluster; a synchronous
   job runs at the pace of its slowest GPU, ``1 + spread * E[max of N standard normals]`` slower
-  than a typical one (:mod:`vtrain_plugin.cost.stragglers`). Sinha et al. (SC'22, "Not All GPUs
+  than a typical one (:mod:`vtrain_plugin.cost.kernels.stragglers`). Sinha et al. (SC'22, "Not All GPUs
   Are Created Equal") measured a spread between the fastest and slowest GPU of production clusters
   of several percent up to about 20% on the same compute-bound kernels; among a thousand normal
   samples the range is about 6.5 standard deviations, hence 0.3-3%.

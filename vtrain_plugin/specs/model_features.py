@@ -1,6 +1,6 @@
 """Layer features beyond vtrain's two layer families, with one answer on every input path.
 
-A Megatron-LM command line (:mod:`vtrain_plugin.specs.megatron_model`), a megatron-core
+A Megatron-LM command line (:mod:`vtrain_plugin.specs.megatron.model`), a megatron-core
 ``TransformerConfig`` (:mod:`megatron_adapters.config_map`) and a plan file's model section
 (:mod:`vtrain_plugin.specs.plan_file`) can each ask for them, and each gets the same answer:
 

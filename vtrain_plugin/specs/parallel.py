@@ -54,7 +54,7 @@ class ParallelPlan:
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
     # Context parallelism: each sequence split over context_parallel ranks (Megatron-Core's
-    # context_parallel_size; see vtrain_plugin.cost.context_parallel), K/V exchanged by cp_comm_type.
+    # context_parallel_size; see vtrain_plugin.cost.comm.context_parallel), K/V exchanged by cp_comm_type.
     context_parallel: int = 1
     cp_comm_type: CpCommType = CpCommType.P2P
     # MoE layers: experts split over expert_parallel ranks carved out of TP x CP x DP (megatron-core's

@@ -26,7 +26,7 @@ class ScheduleKind(StrEnum):
 
 
 class SoftwareStack(StrEnum):
-    """The kernels the training software runs for the traced ops (see :mod:`vtrain_plugin.cost.lowering`)."""
+    """The kernels the training software runs for the traced ops (see :mod:`vtrain_plugin.cost.lowering.stacks`)."""
 
     LOCAL_SPEC = "local_spec"  # megatron-core's local layer spec as traced (identity)
     MEGATRON_DEEPSPEED_2023 = "megatron_deepspeed_2023"  # fused softmax/GeLU/dropout-add, apex LN and Adam
@@ -71,7 +71,7 @@ class TrainingSpec:
     # Megabytes (10^6 bytes) of gradients per bucket; None: DEFAULT_BUCKET_SIZE_MB, or with the
     # distributed optimizer Megatron-Core's max(40M, 1M x DP) parameters (see cost/param_buffer.py).
     bucket_size_mb: float | None = None
-    # The kernels the training software runs for the traced ops (vtrain_plugin.cost.lowering);
+    # The kernels the training software runs for the traced ops (vtrain_plugin.cost.lowering.stacks);
     # None: the plan's default, see stack_for.
     software_stack: SoftwareStack | None = None
     # FP8 GEMMs (TransformerEngine, megatron_core_te only; weights stay in the model dtype with fp32

@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from vtrain_plugin.api import load_model_file
+from vtrain_plugin.runs import load_model_file
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.files import atomic_write_text

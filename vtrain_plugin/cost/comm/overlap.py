@@ -1,0 +1,54 @@
+"""Which kernel a collective on the compute path can hide behind.
+
+Most collectives inside a model chunk block its compute stream: the next kernel waits for them. Two
+kinds run beside it in Megatron-Core with TransformerEngine, each paired with one kernel:
+
+- a context-parallel ring send (:mod:`vtrain_plugin.cost.comm.context_parallel`) runs on its own stream
+  while the attention kernel of its ring step computes: the next kernel after it;
+- with ``training.tp_comm_overlap`` (TE's userbuffers), the all-gathers and reduce-scatters of
+  sequence parallelism inside a transformer layer overlap a GEMM of their linear module: the next
+  one in the phase when there is one (the forward all-gather feeds its GEMM; in backward the
+  all-gather of the output gradient feeds the data-gradient GEMM, and the reduce-scatter of the input
+  gradient runs beside the weight-gradient GEMM), else the previous one (the forward
+  reduce-scatter of a row-parallel layer, pipelined with the GEMM that produces its input).
+
+Such a collective costs ``max(0, comm - kernel)`` on the compute stream, the part its kernel cannot
+hide (:mod:`vtrain_plugin.cost.costing`). TP collectives outside the layers (embedding, output layer,
+loss) and all-reduces stay blocking, as do CP all-gathers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, OpNode, ParallelGroup
+from vtrain_plugin.cost.kernels.op_classes import OpClass, classify
+
+_TP_OVERLAPPED = (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER)
+
+
+def overlap_partners(nodes: Sequence[OpNode | CollectiveNode], *, in_layer: bool) -> dict[int, int]:
+    """For the collectives of one phase of one block (``nodes`` in order) that can hide behind a
+    kernel, the index of that kernel (see the module doc); ``in_layer``: the block is a transformer
+    layer."""
+    partners: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        if not isinstance(node, CollectiveNode):
+            continue
+        if node.group is ParallelGroup.CP and node.kind is CollectiveKind.SEND:
+            following = next((j for j in range(i + 1, len(nodes)) if isinstance(nodes[j], OpNode)), None)
+            if following is not None:
+                partners[i] = following
+        elif in_layer and node.group is ParallelGroup.TP and node.kind in _TP_OVERLAPPED:
+            gemms = [j for j, n in enumerate(nodes)
+                     if isinstance(n, OpNode) and n.module == node.module and classify(n.op) is OpClass.GEMM]
+            after = [j for j in gemms if j > i]
+            before = [j for j in gemms if j < i]
+            if after or before:
+                partners[i] = after[0] if after else before[-1]
+    return partners
+
+
+def exposed_ns(comm_ns: float, kernel_ns: float) -> float:
+    """What of a collective of ``comm_ns`` stays on the compute path beside a kernel of ``kernel_ns``."""
+    return max(0.0, comm_ns - kernel_ns)

@@ -1,0 +1,282 @@
+"""Megatron-Core with TransformerEngine (``megatron_core_te``): the kernels of today's Megatron runs.
+
+Megatron-Core's TE layer spec builds each transformer layer from TransformerEngine modules
+(``TELayerNormColumnParallelLinear``, ``TEDotProductAttention``, ``TERowParallelLinear``) and
+Megatron's jit-fused functions (bias-dropout-add, bias-GeLU, SwiGLU, the vocabulary-parallel
+cross-entropy); the optimizer is TE's multi-tensor FusedAdam. Per element of the tensor involved
+(``n`` elements, ``e`` bytes each in the model dtype):
+
+=========================================  ================================================  ===========
+traced group (module, phase)               kernel of the stack                               bytes
+=========================================  ================================================  ===========
+core attention fwd (``core_attention`` and  ``te.fused_attention`` (FlashAttention-2/3 or      e(2Q + 2K)
+its children: baddbmm, fp32 softmax, mask,  cuDNN): one kernel, no materialised scores;       + 4 b h s
+dropout, bmm, context copy, GQA expansion)  FLOPs 4 b h s^2 d / 2 (the causal half)
+core attention bwd (4 bmm, softmax and      ``te.fused_attention_backward``: one kernel,      e(4Q + 4K)
+dropout backward, scaling, GQA reduction)   FLOPs 2.5 x forward (scores recomputed)           + 4 b h s
+native_layer_norm (and backward)            ``te.layer_norm`` (as traced)                     as traced
+RMSNorm fwd: 8 ops (cast, pow, mean, add,   ``te.rms_norm``: x, gamma in; y, rstd out          2e n + ...
+rsqrt, mul, mul, cast)
+RMSNorm bwd: 17 ops                         ``te.rms_norm_backward``: dy, x, gamma, rstd in;   3e n + ...
+                                            dx, dgamma out
+``linear_*`` fwd bias add, bwd bias ``sum``  none: in the GEMM epilogue (cuBLASLt bias, bgrad)  0
+rotary embedding (``self_attention``), per  ``te.fused_rope`` (and ``_backward``): t and the   2e n + 4 f
+tensor: 12 ops fwd, 6 ops bwd               fp32 frequencies ``f`` in, out
+``mlp`` / local expert silu, mul (SwiGLU)   ``megatron.swiglu_fused``: 2n in, n out           3e n
+``mlp`` bwd mul, mul, silu_backward, cat    ``megatron.swiglu_fused_backward``                5e n
+bias-GeLU, bias-dropout-add, dropout        as Megatron-DeepSpeed (:mod:`.fusion`)            as there
+``loss`` fwd: cast + max                    ``megatron.vocab_parallel_ce_logits_max``         (e + 4) n
+``loss`` fwd: mask, gather, exp, sum        ``megatron.vocab_parallel_ce_predicted_logits``   8 n
+``loss`` fwd: 2 TP all-reduces              one all-reduce of both (Megatron batches them)    2x
+``loss`` fwd: log, sub, div_                ``megatron.vocab_parallel_ce_loss``               8 n
+``loss`` bwd: 7 ops up to mul_              ``megatron.vocab_parallel_ce_gradients``          8 n
+optimizer phase, per parameter: ~14 ops     TE multi-tensor passes over the block (bytes per  46 (bf16)
+                                            parameter): [unscale 8, fp16 only], L2 norm 4,    54 (fp16)
+                                            clip scale 8, Adam 28, copy to the model          40 (fp32)
+                                            weights 6 (not for fp32 models)
+=========================================  ================================================  ===========
+
+``Q = b s h d`` and ``K = b s g d`` are the query and key elements (``h`` heads and ``g`` query
+groups on this rank, ``b`` micro-batch, ``s`` sequence, ``d`` head dim). GEMMs, the residual adds,
+the embedding, the QKV gradient concatenation and everything else stay as traced. The gradient
+casts of the traced optimizer vanish: Megatron-Core accumulates gradients in an fp32 ``main_grad``
+inside the weight-gradient GEMMs (gradient-accumulation fusion). FP8 is a pass over these kernels
+(:mod:`vtrain_plugin.cost.lowering.fp8`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from megatron_adapters.conventions import is_mlp_module
+from vtrain_plugin.core.dtypes import element_nbytes
+from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, Node, OpNode, ParallelGroup, Phase
+from vtrain_plugin.cost.lowering.fusion import (FORWARD_PHASES, bias_dropout_add, bias_gelu, dropout, dtype_nbytes, fused,
+                                       lower_block, names, numel, op_name, replace_runs)
+
+FP32 = 4
+ATTENTION_CAUSAL_FRACTION = 0.5  # of the score matrix a causal kernel computes
+ATTENTION_BACKWARD_FLOPS = 2.5  # x forward: 5 matmuls of the score size against the forward's 2
+LINEAR_MODULES = (".linear_qkv", ".linear_proj", ".linear_fc1", ".linear_fc2")
+_ATTENTION_UNIT = ".core_attention"
+
+_RMSNORM_FWD_OPS = ("_to_copy", "pow", "mean", "add_", "rsqrt", "mul", "mul", "_to_copy")
+_RMSNORM_BWD_OPS = ("_to_copy", "mul", "mul", "sum", "_to_copy", "mul", "mul", "sum", "pow", "mul", "mul", "div",
+                    "pow", "mul", "mul", "add", "_to_copy")
+_ROPE_FWD_OPS = ("cos", "mul", "_to_copy", "sin", "mul", "_to_copy", "mul", "neg", "cat", "mul", "add", "cat")
+_ROPE_BWD_OPS = ("mul", "neg", "cat", "mul", "add", "add")
+_SWIGLU_FWD_OPS = ("silu", "add", "mul")
+_SWIGLU_BWD_OPS = ("mul", "mul", "silu_backward", "cat")
+_CE_MAX_OPS = ("_to_copy", "max")
+_CE_PREDICTED_OPS = ("sub_", "lt", "ge", "bitwise_or", "clone", "sub", "index_put_", "arange", "index", "clone",
+                     "index_put_", "exp", "sum")
+_CE_LOSS_OPS = ("log", "sub", "div_")
+_CE_GRADIENT_OPS = ("arange", "_to_copy", "rsub", "index", "sub_", "index_put_", "mul_")
+# TE's multi-tensor optimizer passes, bytes per parameter (fp32 main gradients, weights, moments).
+UNSCALE_PASS = ("multi_tensor_unscale", 8)  # fp16 only: main grad read and written, inf/nan flag
+OPTIMIZER_PASSES = (("multi_tensor_l2norm", 4), ("multi_tensor_scale", 8), ("multi_tensor_adam", 28))
+COPY_PASS = ("multi_tensor_copy", 6)  # fp32 main weights to the 2-byte model weights
+
+
+def attention_unit(module: str) -> str:
+    """Core attention and its children (softmax, dropout) form one unit: one fused kernel."""
+    head, found, _ = module.partition(_ATTENTION_UNIT)
+    return head + found if found else module
+
+
+def megatron_core_te(nodes: Sequence[Node]) -> tuple[Node, ...]:
+    """The block's nodes as Megatron-Core with TransformerEngine runs them (see the module doc)."""
+    return _merge_loss_all_reduces(lower_block(nodes, _map_group, _map_optimizer, unit=attention_unit))
+
+
+def _map_group(group: list[OpNode]) -> list[Node]:
+    first = group[0]
+    dtype = first.key.dtypes[0] if first.key.dtypes else "float32"
+    module, forward = first.module, first.phase in FORWARD_PHASES
+    if module.endswith(_ATTENTION_UNIT):
+        return _attention(group) or group
+    for rule in (dropout, bias_dropout_add, bias_gelu):
+        mapped = rule(group, dtype)
+        if mapped is not None:
+            return mapped
+    if module.endswith("layernorm"):
+        return _norm(replace_runs(group, _RMSNORM_FWD_OPS if forward else _RMSNORM_BWD_OPS, _rms_norm))
+    if module.endswith(LINEAR_MODULES):
+        dropped = "add" if forward else "sum"
+        return [n for n in group if op_name(n) != dropped]
+    if module.endswith(".self_attention"):
+        return replace_runs(group, _ROPE_FWD_OPS if forward else _ROPE_BWD_OPS, _rope)
+    if is_mlp_module(module):
+        return replace_runs(group, _SWIGLU_FWD_OPS if forward else _SWIGLU_BWD_OPS, _swiglu)
+    if module.endswith("loss"):
+        return _cross_entropy(group)
+    return group
+
+
+def _attention(group: list[OpNode]) -> list[Node] | None:
+    """The core-attention unit of one phase as one fused kernel; None when it is not recognised."""
+    found = names(group)
+    forward = group[0].phase in FORWARD_PHASES
+    if forward and not (found.count("baddbmm") == 1 and found.count("bmm") == 1 and "_softmax" in found):
+        return None
+    if not forward and not (found.count("bmm") == 4 and "_softmax_backward_data" in found):
+        return None
+    softmax = next(n for n in group if op_name(n) in ("_softmax", "_softmax_backward_data"))
+    b, heads, sq, sk = softmax.key.input_shapes[0]
+    gemm = next(n for n in group if op_name(n) in ("baddbmm", "bmm"))
+    d = gemm.key.input_shapes[1][-1] if forward else _head_dim(group, sq, sk)
+    expanded = [n.key.input_shapes[0] for n in group if len(n.key.input_shapes[0]) == 5]  # GQA: (s, b, g, h/g, d)
+    groups = expanded[0][2] if expanded else heads
+    dtype = gemm.key.dtypes[0]
+    e = element_nbytes(dtype)
+    q, k, lse = b * sq * heads * d, b * sk * groups * d, FP32 * b * heads * sq
+    flops = round(4 * b * heads * sq * sk * d * ATTENTION_CAUSAL_FRACTION)
+    inputs = ((sq, b, heads, d), (sk, b, groups, d), (sk, b, groups, d))
+    if forward:
+        return [fused("te.fused_attention.default", gemm, (sq, b, heads, d), e * (2 * q + 2 * k) + lse, dtype,
+                      flops=flops, input_shapes=inputs)]
+    return [fused("te.fused_attention_backward.default", gemm, (sq, b, heads, d), e * (4 * q + 4 * k) + lse, dtype,
+                  flops=round(ATTENTION_BACKWARD_FLOPS * flops), input_shapes=inputs)]
+
+
+def _head_dim(group: list[OpNode], sq: int, sk: int) -> int:
+    """The head dim of a backward unit: the edge of its batched GEMMs' operands that is no sequence
+    length (the sequence length itself when the two are equal)."""
+    edges = {edge for n in group if op_name(n) == "bmm" for shape in n.key.input_shapes for edge in shape[1:]}
+    return min(edges - {sq, sk}, default=sq)
+
+
+def _norm(group: list[OpNode]) -> list[Node]:
+    """torch LayerNorm kernels as TE's (same bytes)."""
+    out: list[Node] = []
+    for node in group:
+        name = op_name(node)
+        if name in ("native_layer_norm", "native_layer_norm_backward"):
+            op = "te.layer_norm.default" if name == "native_layer_norm" else "te.layer_norm_backward.default"
+            out.append(fused(op, node, node.key.input_shapes[0], node.nbytes, node.key.dtypes[0],
+                             input_shapes=node.key.input_shapes))
+        else:
+            out.append(node)
+    return out
+
+
+def _rms_norm(run: list[OpNode]) -> list[OpNode]:
+    first = run[0]
+    shape = first.key.input_shapes[0]
+    n, hidden = numel(shape), shape[-1]
+    e = dtype_nbytes(first)
+    rstd = FP32 * n // hidden
+    if first.phase in FORWARD_PHASES:
+        return [fused("te.rms_norm.default", first, shape, 2 * e * n + e * hidden + rstd, first.key.dtypes[0])]
+    return [fused("te.rms_norm_backward.default", first, shape, 3 * e * n + 2 * e * hidden + rstd, first.key.dtypes[0])]
+
+
+def _rope(run: list[OpNode]) -> list[OpNode]:
+    """One fused RoPE kernel per rotated tensor (queries, keys) and phase."""
+    forward = run[0].phase in FORWARD_PHASES
+    tensor = run[6] if forward else run[0]
+    shape, freqs = tensor.key.input_shapes[0], tensor.key.input_shapes[1]
+    e = dtype_nbytes(tensor)
+    op = "te.fused_rope.default" if forward else "te.fused_rope_backward.default"
+    return [fused(op, tensor, shape, 2 * e * numel(shape) + FP32 * numel(freqs), tensor.key.dtypes[0],
+                  input_shapes=(shape, freqs))]
+
+
+def _swiglu(run: list[OpNode]) -> list[OpNode]:
+    """Megatron's jit-fused SwiGLU over the fc1 output (2n elements) into n."""
+    first = run[0]
+    shape = first.key.input_shapes[0]
+    n, e = numel(shape), dtype_nbytes(first)
+    doubled = (*shape[:-1], 2 * shape[-1])
+    if first.phase in FORWARD_PHASES:
+        return [fused("megatron.swiglu_fused.default", first, shape, 3 * e * n, first.key.dtypes[0],
+                      input_shapes=(doubled,))]
+    return [fused("megatron.swiglu_fused_backward.default", first, doubled, 5 * e * n, first.key.dtypes[0],
+                  input_shapes=(shape, doubled))]
+
+
+def _cross_entropy(group: list[OpNode]) -> list[Node]:
+    """Megatron-Core's fused vocabulary-parallel cross-entropy: the logits cast to fp32 once, the
+    exponentials kept for backward as the softmax."""
+    def kernel(name: str, at: int, nbytes_per_element: Callable[[OpNode], int]
+               ) -> Callable[[list[OpNode]], list[OpNode]]:
+        def make(run: list[OpNode]) -> list[OpNode]:
+            logits = run[at]
+            shape = logits.key.input_shapes[0]
+            return [fused(f"megatron.vocab_parallel_ce_{name}.default", logits, shape,
+                          nbytes_per_element(logits) * numel(shape), "float32")]
+        return make
+
+    group = replace_runs(group, _CE_MAX_OPS, kernel("logits_max", 0, lambda cast: dtype_nbytes(cast) + FP32))
+    group = replace_runs(group, _CE_PREDICTED_OPS, kernel("predicted_logits", 0, lambda _: 2 * FP32))
+    group = replace_runs(group, _CE_LOSS_OPS, kernel("loss", 2, lambda _: 2 * FP32))
+    return replace_runs(group, _CE_GRADIENT_OPS, kernel("gradients", 6, lambda _: 2 * FP32))
+
+
+def _merge_loss_all_reduces(nodes: tuple[Node, ...]) -> tuple[Node, ...]:
+    """The cross-entropy's two TP all-reduces of one forward (predicted logits, sum of exps) as one
+    all-reduce of both, as Megatron-Core's fused cross-entropy batches them."""
+    out: list[Node] = []
+    for node in nodes:
+        prev = out[-1] if out else None
+        if (isinstance(node, CollectiveNode) and isinstance(prev, CollectiveNode) and node == prev
+                and node.kind is CollectiveKind.ALL_REDUCE and node.group is ParallelGroup.TP
+                and node.phase is Phase.FORWARD and node.module.endswith("loss")):
+            out[-1] = CollectiveNode(kind=node.kind, nbytes=2 * node.nbytes, group=node.group,
+                                     group_size=node.group_size, phase=node.phase, module=node.module,
+                                     dtype=node.dtype, synthesized=node.synthesized)
+        else:
+            out.append(node)
+    return tuple(out)
+
+
+def _map_optimizer(ops: list[OpNode]) -> list[OpNode]:
+    """The block's optimizer step as TE's multi-tensor passes over all its parameters (one gradient
+    norm per parameter in the traced step gives their sizes)."""
+    norms = [n for n in ops if op_name(n) == "linalg_vector_norm"]
+    if not norms:
+        return ops
+    count = sum(numel(n.key.input_shapes[0]) for n in norms)
+    casts = {n.key.dtypes[0] for n in ops if op_name(n) == "_to_copy"}
+    passes = [*((UNSCALE_PASS,) if "float16" in casts else ()), *OPTIMIZER_PASSES, *((COPY_PASS,) if casts else ())]
+    last = ops[-1]
+    return [fused(f"te.{name}.default", last, (count,), per_param * count, "float32") for name, per_param in passes]
+
+
+def fused_attention_saved_delta(nodes: Sequence[Node]) -> int:
+    """What the fused attention of one layer keeps for backward minus what the traced unfused one
+    keeps (bytes per micro-batch); 0 when the attention is recomputed (selective or full recompute
+    keep none of its internals either way).
+
+    The traced attention keeps the fp32 softmax output, the probabilities its context GEMM reads and
+    the dropout mask (the score-sized tensors: ``b h s^2`` elements each; the causal mask, shared by
+    every layer of a chunk, is a block of the stage of its own, which
+    :func:`~vtrain_plugin.cost.stack_memory.stack_rank_memory` drops), and
+    with grouped-query attention keys and values expanded to every query head; the fused kernel
+    keeps none of these, but keys and values at their own size and the softmax statistics (one fp32
+    value per query row). Queries, the output and, without GQA, keys and values are kept by both.
+    """
+    attention = [n for n in nodes if isinstance(n, OpNode) and n.launches_kernel and _ATTENTION_UNIT in n.module]
+    if any(n.phase is Phase.RECOMPUTE for n in attention):
+        return 0
+    forward = [n for n in attention if n.phase is Phase.FORWARD]
+    found = names(forward)
+    if not (found.count("baddbmm") == 1 and found.count("bmm") == 1 and "_softmax" in found):
+        return 0
+
+    def kept(node: OpNode, index: int) -> int:
+        return numel(node.key.input_shapes[index]) * dtype_nbytes(node, index)
+
+    by_name = {op_name(n): n for n in forward}
+    softmax, context = by_name["_softmax"], by_name["bmm"]
+    b, heads, sq, _ = softmax.key.input_shapes[0]
+    dropped = kept(softmax, 0) + kept(context, 0)
+    if "bernoulli_" in by_name:
+        dropped += kept(by_name["bernoulli_"], 0)
+    expanded = [n for n in forward if len(n.key.input_shapes[0]) == 5]  # GQA: (s, b, g, h/g, d) clones
+    added = FP32 * b * heads * sq
+    for clone in expanded:
+        s, batch, groups, _, d = clone.key.input_shapes[0]
+        dropped += kept(clone, 0)
+        added += s * batch * groups * d * dtype_nbytes(clone)
+    return added - dropped

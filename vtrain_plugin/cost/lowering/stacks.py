@@ -1,0 +1,59 @@
+"""Which kernels the measured software runs for the ops the tracer records.
+
+The tracer records megatron-core's local layer spec on CPU: unfused attention (``baddbmm``, a
+softmax in fp32 between two casts, dropout as ``bernoulli_``/``div_``/``mul``, ``bmm``), torch
+LayerNorm (or RMSNorm as a dozen elementwise ops), bias-add and activations as separate ops,
+residual dropout-add as five ops, rotary embeddings as a dozen ops per tensor, the vocabulary-
+parallel cross-entropy as twenty, and an Adam step of a dozen unfused ops per parameter. A
+production stack runs fused kernels instead. A :class:`SoftwareStack` names one such stack; its
+mapping rewrites a block's node sequence, replacing each recognised group of consecutive ops by
+the kernels that stack launches, with their own FLOPs and bytes (:mod:`vtrain_plugin.cost.lowering.fusion`).
+The mapped kernels are then timed like any other op, so the time of a group is the time of its
+replacement, not the sum of its traced ops. Groups that match no rule are kept.
+
+- ``local_spec``: the identity (what megatron-core's local spec runs).
+- ``megatron_deepspeed_2023``: Megatron-DeepSpeed (2023) in fp16, the software of the vTrain A100
+  measurements (:mod:`vtrain_plugin.cost.lowering.megatron_deepspeed`).
+- ``megatron_core_te``: Megatron-Core with TransformerEngine (:mod:`vtrain_plugin.cost.lowering.megatron_core_te`),
+  in bf16/fp16 or, with ``fp8`` settings, in FP8 (:mod:`vtrain_plugin.cost.lowering.fp8`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.graph import Node
+from vtrain_plugin.core.registry import Registry
+from vtrain_plugin.cost.lowering.fp8 import to_fp8
+from vtrain_plugin.cost.lowering.megatron_deepspeed import megatron_deepspeed_2023
+from vtrain_plugin.cost.lowering.megatron_core_te import megatron_core_te
+from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
+
+Mapping = Callable[[Sequence[Node]], tuple[Node, ...]]
+_MAPPINGS: Registry[Mapping] = Registry("software stack", plural="stacks")
+FP8_STACKS = frozenset({SoftwareStack.MEGATRON_CORE_TE})  # the stacks that run GEMMs in FP8
+
+
+def register_stack(stack: SoftwareStack) -> Callable[[Mapping], Mapping]:
+    return _MAPPINGS.register(stack)
+
+
+def map_nodes(nodes: Sequence[Node], stack: SoftwareStack | str, fp8: Fp8Settings | None = None
+              ) -> tuple[Node, ...]:
+    """The node sequence of one block as ``stack`` runs it (in FP8 with ``fp8``)."""
+    mapped = _MAPPINGS.get(stack)(nodes)
+    if fp8 is None:
+        return mapped
+    if str(stack) not in FP8_STACKS:
+        raise ConfigError(f"training.fp8 {fp8.format.value!r} needs software_stack megatron_core_te (got {stack})")
+    return to_fp8(mapped, fp8)
+
+
+@register_stack(SoftwareStack.LOCAL_SPEC)
+def _local_spec(nodes: Sequence[Node]) -> tuple[Node, ...]:
+    return tuple(nodes)
+
+
+register_stack(SoftwareStack.MEGATRON_DEEPSPEED_2023)(megatron_deepspeed_2023)
+register_stack(SoftwareStack.MEGATRON_CORE_TE)(megatron_core_te)

@@ -1,0 +1,64 @@
+"""What Megatron-Core's TransformerEngine modules keep for backward where it differs from what the
+traced local spec keeps, module by module (bytes per block instance and micro-batch, added by
+:func:`~vtrain_plugin.cost.stack_memory.stack_rank_memory`; the attention's own difference is
+:func:`~vtrain_plugin.cost.lowering.megatron_core_te.fused_attention_saved_delta`).
+
+The trace records each saving module's bytes (``Block.saved_by_module``); for a norm input of ``n``
+elements of ``e`` bytes in rows of ``h`` and an FC1 output of ``f`` elements:
+
+- a layer's norms (``input_layernorm``, ``pre_mlp_layernorm``) and the final one: TE's fused norm
+  (inside ``TELayerNormColumnParallelLinear``, or ``TENorm``) keeps its input and fp32 row statistics,
+  ``e n + 4 n / h`` (RMSNorm's ``rstd``) or ``e n + 8 n / h`` (LayerNorm's ``mu`` and ``rsigma``);
+  torch's RMSNorm as traced keeps two fp32 copies of its input besides. The norm's output is kept
+  by the linear it feeds, as traced;
+- the MLP's activation (the ``mlp`` module's own saves): Megatron-Core's fused ``bias_swiglu_impl`` /
+  ``bias_gelu_impl`` keep their input, the FC1 output, ``e f``, and recompute the rest in backward;
+  the traced unfused SwiGLU keeps its products besides (a GeLU keeps ``e f`` either way);
+- in FP8, TE's linears keep their input in FP8, one byte per element instead of ``e``: QKV and FC1
+  (the norm writes it in FP8), FC2 (cast before its GEMM), and the output projection, whose input
+  is the fused attention's output, which the attention keeps in the model dtype for its own
+  backward: for it the FP8 copy comes on top, unless the attention is recomputed (selective
+  recompute), when the projection alone keeps it.
+"""
+
+from __future__ import annotations
+
+from vtrain_plugin.core.graph import Block, OpNode, Phase
+from vtrain_plugin.cost.lowering.fusion import dtype_nbytes, numel, op_name
+from vtrain_plugin.cost.lowering.fp8 import FP8_NBYTES
+from vtrain_plugin.cost.lowering.megatron_core_te import FP32, LINEAR_MODULES
+NORMS = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm")
+KEPT_BESIDE_FP8 = ".linear_proj"  # its input, the attention's output, is kept by the attention too
+
+
+def te_saved_delta(block: Block, *, fp8: bool) -> int:
+    """What the TE modules of one instance of ``block`` keep minus what the trace recorded for the
+    same modules (see the module doc)."""
+    first: dict[str, OpNode] = {}  # module -> its first forward kernel
+    gemm: dict[str, OpNode] = {}  # linear module -> its forward GEMM
+    for node in block.ops(Phase.FORWARD):
+        first.setdefault(node.module, node)
+        if op_name(node) == "mm":
+            gemm.setdefault(node.module, node)
+    attention_keeps_its_output = next(block.ops(Phase.RECOMPUTE), None) is None
+    delta = 0
+    for module, nbytes in block.saved_by_module:
+        leaf = module.rpartition(".")[2]
+        if leaf in NORMS and module in first:
+            delta += _norm_keeps(first[module]) - nbytes
+        elif leaf == "mlp" and f"{module}.linear_fc1" in gemm:
+            fc1 = gemm[f"{module}.linear_fc1"]
+            delta += dtype_nbytes(fc1) * numel(fc1.output_shapes[0]) - nbytes
+        elif fp8 and module.endswith(LINEAR_MODULES) and module in gemm:
+            in_fp8 = nbytes // dtype_nbytes(gemm[module]) * FP8_NBYTES
+            beside = attention_keeps_its_output and module.endswith(KEPT_BESIDE_FP8)
+            delta += in_fp8 if beside else in_fp8 - nbytes
+    return delta
+
+
+def _norm_keeps(norm: OpNode) -> int:
+    """TE's fused norm: its input and fp32 statistics per row (``norm`` is its first forward kernel)."""
+    shape = norm.key.input_shapes[0]
+    rows = numel(shape) // shape[-1]
+    statistics = 2 if op_name(norm) == "native_layer_norm" else 1
+    return dtype_nbytes(norm) * numel(shape) + FP32 * statistics * rows

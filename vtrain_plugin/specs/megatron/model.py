@@ -1,0 +1,238 @@
+"""The model and the recompute mode that Megatron-LM flags describe (used by
+:mod:`vtrain_plugin.specs.megatron.args`).
+
+vtrain's layers come in two families (:class:`Family`): ``gpt`` (LayerNorm, GeLU MLP, learned absolute
+positions, linear biases, dropout 0.1) and ``llama`` (RMSNorm, SwiGLU, rotary positions, no biases, no
+dropout). The MLP picks the family (``--swiglu``: llama), as it shapes the GEMMs; a normalization,
+position embedding, bias or dropout other than the family's is accepted and noted in the warning
+(they change small kernels, not the GEMMs), as on the other input paths
+(:mod:`vtrain_plugin.specs.model_features`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vtrain_plugin.core.dtypes import Dtype
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.model import Family
+from vtrain_plugin.specs.model_features import QKV_BIAS, layer_note, not_modelled
+from vtrain_plugin.specs.parallel import Recompute
+
+Given = Mapping[str, Any]  # the flags a command line gives, each to its value, list of values, or True
+
+_POSITIONS = {Family.GPT: "learned_absolute", Family.LLAMA: "rope"}
+# Tokenizers whose vocabulary size is fixed by the tokenizer itself (Megatron-LM's GPT-2 BPE files).
+TOKENIZER_VOCAB_SIZES = {"GPT2BPETokenizer": 50257}
+# The size of the tokenizer file a tokenizer type is written for, taken (with a note) when no
+# --vocab-size is given: Llama2Tokenizer loads Llama-2's SentencePiece model (32000 tokens; Mistral's
+# and Mixtral 8x7B's are 32000 too).
+TOKENIZER_FILE_SIZES = {"Llama2Tokenizer": ("Llama-2's SentencePiece model", 32000)}
+# HuggingFaceTokenizer's --tokenizer-model names whose size is public (len(tokenizer), what
+# Megatron-LM's HuggingFaceTokenizer gives: the model cards' vocab_size, special tokens included).
+HF_TOKENIZER_SIZES = {
+    "gpt2": 50257,
+    "meta-llama/Llama-2-7b-hf": 32000, "meta-llama/Llama-2-13b-hf": 32000, "meta-llama/Llama-2-70b-hf": 32000,
+    "meta-llama/Meta-Llama-3-8B": 128256, "meta-llama/Meta-Llama-3-70B": 128256,
+    "meta-llama/Llama-3.1-8B": 128256, "meta-llama/Llama-3.1-70B": 128256, "meta-llama/Llama-3.1-405B": 128256,
+    "mistralai/Mistral-7B-v0.1": 32000, "mistralai/Mixtral-8x7B-v0.1": 32000,
+}
+MOE_LOAD_BALANCING = "aux_loss"  # the router's loss vtrain traces (megatron_adapters.moe.LOAD_BALANCING)
+VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's default --make-vocab-size-divisible-by, which ModelSpec pads to
+
+
+def positive_int(flag: str, text: Any) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    return value
+
+
+def _fraction(flag: str, text: Any) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} must be a number, got {text!r}") from None
+
+
+def data_type(given: Given) -> Dtype:
+    if given.get("--fp16") and given.get("--bf16"):
+        raise ConfigError("--fp16 and --bf16 exclude each other")
+    return Dtype.FP16 if given.get("--fp16") else Dtype.BF16 if given.get("--bf16") else Dtype.FP32
+
+
+def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: int, notes: list[str],
+                 assumed: list[str]) -> dict[str, Any]:
+    """The ModelSpec fields the flags give besides the directly mapped ``fields``; what is not
+    modelled but accepted is appended to ``notes``, sizes taken where the flags are silent to ``assumed``."""
+    for name, flag in (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+                       ("num_attention_heads", "--num-attention-heads")):
+        if name not in fields:
+            raise ConfigError(f"{flag} is required")
+    hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
+    family = _family(given, notes)
+    out: dict[str, Any] = {"family": family, "dtype": data_type(given), "seq_length": _seq_length(given, fields),
+                           "tied_embeddings": not given.get("--untie-embeddings-and-output-weights"),
+                           "vocab_size": vocab_size(given, tensor_parallel, assumed)}
+    if "--ffn-hidden-size" in given:
+        out["ffn_hidden_size"] = positive_int("--ffn-hidden-size", given["--ffn-hidden-size"])
+    elif family is Family.LLAMA:  # Megatron-LM's default for --swiglu: 2/3 of 4h, down to a multiple of 64
+        out["ffn_hidden_size"] = int(4 * hidden * 2 / 3 / 64) * 64
+    else:
+        out["ffn_hidden_size"] = 4 * hidden
+    if "--kv-channels" in given:
+        kv = positive_int("--kv-channels", given["--kv-channels"])
+        if kv * heads != hidden:
+            raise ConfigError(f"--kv-channels {kv}: a head dimension other than --hidden-size / "
+                              f"--num-attention-heads = {hidden} / {heads} is not modelled by vtrain yet")
+    if given.get("--group-query-attention"):
+        out["num_query_groups"] = positive_int("--num-query-groups", given.get("--num-query-groups", 1))
+    elif "--num-query-groups" in given:
+        notes.append(f"--num-query-groups {given['--num-query-groups']} without --group-query-attention "
+                     f"(Megatron-LM ignores it)")
+    _position_table(given, family, out["seq_length"], notes)
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        note = layer_note(f"{flag} {given.get(flag, 0.1)}", family, "dropout", _fraction(flag, given.get(flag, 0.1)))
+        notes.extend([note] if note else [])
+    balancing = given.get("--moe-router-load-balancing-type", MOE_LOAD_BALANCING)
+    if balancing != MOE_LOAD_BALANCING:
+        notes.append(f"--moe-router-load-balancing-type {balancing} (vtrain's router: {MOE_LOAD_BALANCING})")
+    return out
+
+
+def _seq_length(given: Given, fields: Mapping[str, Any]) -> int:
+    if "seq_length" in fields:
+        return fields["seq_length"]
+    if "--encoder-seq-length" in given:
+        return positive_int("--encoder-seq-length", given["--encoder-seq-length"])
+    raise ConfigError("--seq-length is required")
+
+
+def _family(given: Given, notes: list[str]) -> Family:
+    """The family of the MLP (``--swiglu``: llama, GeLU: gpt), the one difference between the families
+    that shapes GEMMs; the layer's other features that differ from the family's are noted."""
+    if given.get("--squared-relu"):
+        raise ConfigError("--squared-relu: a squared-ReLU MLP is not modelled by vtrain yet")
+    family = Family.LLAMA if given.get("--swiglu") else Family.GPT
+    positions = "rope" if given.get("--use-rotary-position-embeddings") else \
+        given.get("--position-embedding-type", "learned_absolute")
+    if given.get("--no-position-embedding") and positions != "rope":  # with rope it changes nothing
+        raise ConfigError("--no-position-embedding is deprecated in Megatron-LM; use --position-embedding-type")
+    biases = "off" if given.get("--disable-bias-linear") else "on"
+    if given.get("--add-qkv-bias") and biases == "off":
+        raise not_modelled("--add-qkv-bias with --disable-bias-linear", QKV_BIAS)
+    normalization = given.get("--normalization", "LayerNorm")
+    position_note = None if positions == _POSITIONS[family] else \
+        f"--position-embedding-type {positions} (vtrain's {family.value} layers: {_POSITIONS[family]})"
+    for note in (layer_note(f"--normalization {normalization}", family, "normalization", normalization),
+                 position_note, layer_note(f"linear biases {biases}", family, "biases", biases)):
+        notes.extend([note] if note else [])
+    return family
+
+
+def _position_table(given: Given, family: Family, seq_length: int, notes: list[str]) -> None:
+    """Learned positions: vtrain's table has ``seq_length`` rows, Megatron-LM's ``--max-position-embeddings``."""
+    if family is not Family.GPT or given.get("--position-embedding-type", "learned_absolute") != "learned_absolute" \
+            or "--max-position-embeddings" not in given:
+        return
+    rows = positive_int("--max-position-embeddings", given["--max-position-embeddings"])
+    if rows < seq_length:
+        raise ConfigError(f"--max-position-embeddings ({rows}) must be at least --seq-length ({seq_length})")
+    if rows > seq_length:
+        notes.append(f"--max-position-embeddings {rows} (vtrain's position table has --seq-length {seq_length} rows)")
+
+
+def vocab_size(given: Given, tensor_parallel: int, assumed: list[str]) -> int:
+    """The vocabulary before ModelSpec pads it to a multiple of 128 x TP: the tokenizer's size
+    (``--vocab-size``, plus the end-of-document token NullTokenizer adds; or the fixed size of a
+    known tokenizer). Without either, the size the tokenizer's files imply (GPT-2's BPE files, a
+    known tokenizer model) is taken and noted in ``assumed``; the vocabulary shapes the embedding and
+    the output layer, so it is never guessed beyond that. With another ``--make-vocab-size-divisible-by``
+    Megatron-LM's padded size is given, when ModelSpec's padding keeps it."""
+    tokenizer = given.get("--tokenizer-type")
+    if tokenizer in TOKENIZER_VOCAB_SIZES:
+        size = TOKENIZER_VOCAB_SIZES[tokenizer]
+        if "--vocab-size" in given and positive_int("--vocab-size", given["--vocab-size"]) != size:
+            raise ConfigError(f"--vocab-size ({given['--vocab-size']}) contradicts --tokenizer-type {tokenizer} "
+                              f"({size} tokens, which Megatron-LM uses)")
+    elif "--vocab-size" in given:
+        size = positive_int("--vocab-size", given["--vocab-size"]) + (tokenizer == "NullTokenizer")
+    else:
+        size = _implied_vocab_size(given, assumed)
+    divisor = positive_int("--make-vocab-size-divisible-by",
+                           given.get("--make-vocab-size-divisible-by", VOCAB_DIVISIBLE_BY))
+    if divisor == VOCAB_DIVISIBLE_BY:
+        return size
+    multiple = divisor * tensor_parallel
+    padded = -(-size // multiple) * multiple
+    if padded % (VOCAB_DIVISIBLE_BY * tensor_parallel):
+        raise ConfigError(
+            f"--make-vocab-size-divisible-by {divisor}: Megatron-LM pads the vocabulary ({size}) to {padded}, a "
+            f"multiple of {divisor} x TP {tensor_parallel}; vtrain pads to multiples of {VOCAB_DIVISIBLE_BY} x TP "
+            f"and {padded} is not one: not modelled by vtrain yet")
+    return padded
+
+
+def _implied_vocab_size(given: Given, assumed: list[str]) -> int:
+    """The vocabulary size a tokenizer without ``--vocab-size`` implies, noted in ``assumed``; else the
+    refusal names the flag to add."""
+    tokenizer, model = given.get("--tokenizer-type"), given.get("--tokenizer-model")
+    if tokenizer is None and "--vocab-file" in given and "--merge-file" in given:
+        what, size = "--vocab-file and --merge-file (no --tokenizer-type) taken as GPT-2's BPE files", 50257
+    elif tokenizer in TOKENIZER_FILE_SIZES:
+        name, size = TOKENIZER_FILE_SIZES[tokenizer]
+        what = f"--tokenizer-type {tokenizer} taken as {name}"
+    elif tokenizer == "HuggingFaceTokenizer" and _hf_name(model):
+        name = _hf_name(model)
+        size = HF_TOKENIZER_SIZES[name]
+        what = f"--tokenizer-model {model}" + (f" taken as {name}" if name != model else "")
+    else:
+        shown = " ".join(f"{flag} {given[flag]}" for flag in ("--tokenizer-type", "--tokenizer-model") if flag in given)
+        raise ConfigError(f"the vocabulary size is unknown ({shown or 'no --tokenizer-type'}): add --vocab-size N, "
+                          f"the tokenizer's size before Megatron-LM pads it")
+    assumed.append(f"{what} ({size} tokens; add --vocab-size N if not)")
+    return size
+
+
+def _hf_name(model: Any) -> str | None:
+    """The known Hugging Face tokenizer ``--tokenizer-model`` names: the name itself, or a local copy
+    in a folder of the same name (``/models/Meta-Llama-3-8B``)."""
+    if not isinstance(model, str):
+        return None
+    if model in HF_TOKENIZER_SIZES:
+        return model
+    folder = model.rstrip("/").rsplit("/", 1)[-1]
+    return next((name for name in HF_TOKENIZER_SIZES if name.rsplit("/", 1)[-1] == folder), None)
+
+
+def recompute_mode(given: Given, num_layers: int, num_chunks: int) -> Recompute:
+    """vtrain's recompute modes: ``selective`` is core attention only, ``full`` every layer checkpointed
+    on its own (``--recompute-method uniform --recompute-num-layers 1``, or ``block`` covering every
+    layer of a chunk)."""
+    granularity = "selective" if given.get("--recompute-activations") else given.get("--recompute-granularity")
+    if granularity is None:
+        return Recompute.NONE
+    if granularity == "selective":
+        modules = given.get("--recompute-modules") or ["core_attn"]
+        if modules != ["core_attn"]:
+            raise ConfigError(f"--recompute-modules {' '.join(modules)}: selective recompute of other modules "
+                              f"than core_attn is not modelled by vtrain yet")
+        return Recompute.SELECTIVE
+    if granularity != "full":
+        raise ConfigError(f"--recompute-granularity must be full or selective, got {granularity!r}")
+    method = given.get("--recompute-method")
+    if method not in ("uniform", "block"):
+        raise ConfigError(f"--recompute-granularity full needs --recompute-method uniform or block, got {method!r}")
+    count = positive_int("--recompute-num-layers", given.get("--recompute-num-layers", 1))
+    per_chunk = num_layers // num_chunks
+    if (method == "uniform" and count == 1) or (method == "block" and count >= per_chunk):
+        return Recompute.FULL
+    if method == "uniform":
+        raise ConfigError(f"--recompute-method uniform --recompute-num-layers {count}: checkpoints of "
+                          f"{count} layers are not modelled by vtrain yet (only 1)")
+    raise ConfigError(f"--recompute-method block --recompute-num-layers {count}: recomputing {count} of the "
+                      f"{per_chunk} layers of a chunk is not modelled by vtrain yet (only all)")
