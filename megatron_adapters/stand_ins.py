@@ -412,7 +412,7 @@ class LocalNorm(SequenceParallelNorm):
     ``RMSNorm`` per ``config.normalization``, as the local spec's norms (:class:`SequenceParallelNorm`)."""
 
 
-def hybrid_stack_spec(*, num_experts: int | None = None) -> ModuleSpec:
+def hybrid_stack_spec(*, num_experts: int | None = None, mamba_chunk_size: int | None = None) -> ModuleSpec:
     """A ``MambaStack`` spec from megatron-core's local modules, for ``MambaModel`` /
     ``hybrid_override_pattern``: megatron-core ships a TransformerEngine spec only
     (``models.mamba.mamba_layer_specs``, which also imports the triton-bound mixer).
@@ -421,7 +421,8 @@ def hybrid_stack_spec(*, num_experts: int | None = None) -> ModuleSpec:
     fused into the TE ``in_proj``, as the layer's ``norm``; the :class:`MambaMixer` stand-in), ``*``
     a ``TransformerLayer`` with self-attention only (local linear layers, :class:`CoreAttention`),
     ``-`` an ``MLPLayer``, ``E`` a MoE layer (megatron-core's local MoE spec: SequentialMLP experts).
-    Parameter counts equal the TE spec's.
+    Parameter counts equal the TE spec's. ``mamba_chunk_size``: the mixer's ``chunk_size``
+    (megatron-core's default, 128, when None; no config field sets it).
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
@@ -446,7 +447,8 @@ def hybrid_stack_spec(*, num_experts: int | None = None) -> ModuleSpec:
     return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
         mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
             norm=SequenceParallelNorm,
-            mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
+            mixer=ModuleSpec(module=MambaMixer, params=({"chunk_size": mamba_chunk_size} if mamba_chunk_size else {}),
+                             submodules=MambaMixerSubmodules(
                 in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
             mamba_bda=get_bias_dropout_add)),
         attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
