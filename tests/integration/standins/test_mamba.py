@@ -208,3 +208,36 @@ def test_the_mamba_stacks_final_norm_is_a_stand_in_only_while_tracing():
     with cpu_tracing_patches():
         assert mamba_block.TENorm is LocalNorm
     assert mamba_block.TENorm is TENorm
+
+
+def test_a_moe_layer_in_the_pattern_routes_tokens_to_local_experts():
+    """``E`` in the pattern: megatron-core's local MoE layer (the routing assumption of
+    megatron_adapters.moe: balanced), after a Mamba layer."""
+    from megatron.core.models.mamba import MambaModel
+
+    from megatron_adapters.moe import LOAD_BALANCING, prepare_moe_layers
+    from megatron_adapters.stand_ins import hybrid_stack_spec
+
+    experts, topk, expert_ffn = 4, 2, 32
+
+    def build():
+        moe = dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=expert_ffn,
+                   moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+                   moe_token_dispatcher_type="alltoall", **LOAD_BALANCING)
+        model = MambaModel(config(layers=2, **moe), hybrid_stack_spec(num_experts=experts, mamba_chunk_size=CHUNK),
+                           vocab_size=VOCAB, max_sequence_length=S, hybrid_override_pattern="ME",
+                           position_embedding_type="none")
+        prepare_moe_layers(model, 1.0)
+        return model
+
+    def inputs():
+        tokens = torch.zeros(B, S, dtype=torch.long)
+        return tokens, None, torch.ones(1, 1, S, S, dtype=torch.bool), tokens
+
+    recorded = record(build, inputs, call=lambda model, a: model(a[0], a[1], a[2], labels=a[3]))
+    moe = "decoder.layers.1."
+    assert recorded.numel(moe) == H + experts * H + experts * 2 * H * expert_ffn  # norm, router, experts
+    per_expert = T * topk // experts
+    assert recorded.count(Phase.FORWARD, "aten.mm.default", moe) == Counter({
+        ((T, H), (H, experts)): 1,  # router
+        ((per_expert, H), (H, expert_ffn)): experts, ((per_expert, expert_ffn), (expert_ffn, H)): experts})
