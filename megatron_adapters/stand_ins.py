@@ -38,6 +38,7 @@ from typing import Any, Union
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron_adapters.norms import SequenceParallelNorm
@@ -72,11 +73,25 @@ MEGATRON_CORE_NAMES: dict[str, str] = {
         "norm(config=, hidden_size=, eps=); LocalNorm / SequenceParallelNorm take both; 0.19.2 "
         "drops residual_in_fp32 (fp32_residual_connection instead) and passes name= to the mixer",
     "ssm.mamba_block.MambaStack, MambaStackSubmodules, TENorm":
-        "0.19.2 moves them to models.hybrid.hybrid_block (HybridStack, HybridStackSubmodules with "
-        "gdn/dsa/mla layer slots; mamba_block re-exports the old names); the final norm is still a "
-        "hard-coded TENorm, now in hybrid_block; layers get name= and the layer types come from "
-        "HybridModel (layer_type_list) rather than hybrid_override_pattern",
-    "ssm.mamba_layer.MambaLayerSubmodules, ssm.mlp_layer.MLPLayer": "same names in 0.19.2",
+        "0.19.2 moves them to models.hybrid.hybrid_block (HybridStack, HybridStackSubmodules with new "
+        "gdn / dsa / mla layer slots, symbols G, D, +; ssm.mamba_block re-exports the old names); the "
+        "final norm is still a hard-coded TENorm, read from the defining module, which is the one "
+        "patched; layers get name=, and the layer types come from HybridModel (hybrid_layer_pattern; "
+        "hybrid_override_pattern deprecated but accepted)",
+    "models.mamba.MambaModel":
+        "0.19.2: a deprecated subclass of models.hybrid.HybridModel, same leading positional arguments",
+    "models.gpt.gpt_layer_specs.get_gpt_layer_local_spec":
+        "0.19.2 wraps get_gpt_layer_local_submodules; the arguments used here and the MLA submodule "
+        "names are unchanged (MLASelfAttentionSubmodules adds linear_qkv_down_proj, for the hybrid "
+        "stack's fused down projection only)",
+    "TransformerConfig fields mamba_state_dim, mamba_head_dim, mamba_num_groups, mamba_num_heads, "
+    "softmax_type, window_size, window_attn_skip_freq":
+        "same in 0.19.2; 0.19.2 adds mamba_training_ssm_states_dtype (the stand-in keeps states in "
+        "fp32 whatever it says)",
+    "ssm.mamba_layer.MambaLayerSubmodules, ssm.mlp_layer.MLPLayer":
+        "same names in 0.19.2 (MLPLayer adds add_layer_offset= and name=, passed by the stack)",
+    "models.backends.LocalSpecProvider, models.gpt.moe_module_specs.get_moe_module_spec_for_backend":
+        "same in 0.19.2 (the latter adds an optional use_te_activation_func)",
 }
 
 
@@ -309,7 +324,7 @@ class GatedRMSNorm(torch.nn.Module):
         return (grouped.reshape(y.shape) * self.weight.float()).to(dtype)
 
 
-class MambaMixer(torch.nn.Module):
+class MambaMixer(MegatronModule):
     """Stand-in for megatron-core's ``MambaMixer`` (``megatron.core.ssm.mamba_mixer``), same constructor.
 
     Replaces: the mixer of every Mamba layer of a hybrid stack (``M`` in ``hybrid_override_pattern``).
@@ -332,7 +347,7 @@ class MambaMixer(torch.nn.Module):
                  chunk_size: int = 128, layer_number: int | None = None, use_mem_eff_path=None, d_state=None,
                  headdim=None, ngroups=None, pg_collection=None, pp_layer_offset: int = 0,
                  name: str | None = None) -> None:
-        super().__init__()
+        super().__init__(config)
         if pg_collection is None:
             raise TraceError("the Mamba mixer needs its process groups (pg_collection), as megatron-core's does")
         if bias or norm_before_gate or not rmsnorm:
@@ -475,9 +490,15 @@ def hybrid_stack_spec(*, num_experts: int | None = None, mamba_chunk_size: int |
 def stand_in_patches() -> list[tuple[Any, str, Any]]:
     """``(object, attribute, stand-in)`` for each patch this module needs while tracing; applied and
     restored by :func:`megatron_adapters.cpu_patches.cpu_tracing_patches`."""
+    import importlib
+
     from megatron.core.fusions import fused_softmax
-    from megatron.core.ssm import mamba_block
+    from megatron.core.ssm.mamba_block import MambaStack
     from megatron.core.transformer import multi_latent_attention, utils
+
+    # The module whose TENorm the stack's constructor reads: ssm.mamba_block in 0.16, while 0.19 defines
+    # the stack in models.hybrid.hybrid_block and only re-exports it (and TENorm) from ssm.mamba_block.
+    stack_module = importlib.import_module(MambaStack.__module__)
 
     return [
         # megatron-core 0.16 sets multi_latent_attention.HAVE_TE when its TE extension module imports,
@@ -489,5 +510,5 @@ def stand_in_patches() -> list[tuple[Any, str, Any]]:
         (fused_softmax, "get_default_causal_mask", default_causal_mask),
         (utils, "get_sliding_window_causal_mask", sliding_window_causal_mask),
         (utils, "get_default_causal_mask", default_causal_mask),
-        (mamba_block, "TENorm", LocalNorm),
+        (stack_module, "TENorm", LocalNorm),
     ]
