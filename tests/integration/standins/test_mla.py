@@ -140,3 +140,39 @@ def test_tensor_parallel_keeps_te_duplicated_down_projections():
     extra = attention_collectives(col) - attention_collectives(dup)
     assert extra[(Phase.FORWARD, K.ALL_GATHER, full, ".linear_q_down_proj")] == 1
     assert extra[(Phase.FORWARD, K.ALL_GATHER, full, ".linear_kv_down_proj")] == 1
+
+
+def test_a_gpt_model_of_mla_layers_recomputes_the_core_attention_and_up_projections():
+    """DeepSeek-V3's settings on a GPTModel: YaRN, RoPE inside MLA, selective recompute of the core
+    attention and of MLA's up projections (``--recompute-modules core_attn mla_up_proj``)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_adapters.norms import SequenceParallelNorm
+    from megatron_adapters.stand_ins import mla_layer_spec
+
+    def build():
+        config = MLATransformerConfig(
+            num_layers=2, hidden_size=H, num_attention_heads=N, ffn_hidden_size=FFN, q_lora_rank=Q_LORA,
+            kv_lora_rank=KV_LORA, qk_head_dim=QK, qk_pos_emb_head_dim=ROPE, v_head_dim=V, rope_type="yarn",
+            add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu, recompute_granularity="selective",
+            recompute_modules=["core_attn", "mla_up_proj"], **CPU_FIELDS)
+        block = TransformerBlockSubmodules(layer_specs=[mla_layer_spec()] * 2, layer_norm=SequenceParallelNorm)
+        return GPTModel(config, block, vocab_size=256, max_sequence_length=S, position_embedding_type="rope")
+
+    def inputs():
+        tokens = torch.zeros(B, S, dtype=torch.long)
+        return tokens, torch.arange(S).unsqueeze(0).expand(B, S), torch.ones(1, 1, S, S, dtype=torch.bool), tokens
+
+    recorded = record(build, inputs, call=lambda model, a: model(a[0], a[1], a[2], labels=a[3]))
+    bn = B * N
+    for layer in (0, 1):
+        attention = f"decoder.layers.{layer}.self_attention"
+        assert recorded.count(Phase.RECOMPUTE, "aten.baddbmm.default", attention) == Counter({
+            ((bn, S, S), (bn, S, DK), (bn, DK, S)): 1})
+        assert recorded.count(Phase.RECOMPUTE, "aten.mm.default", attention) == Counter({
+            ((T, Q_LORA), (Q_LORA, N * DK)): 1, ((T, KV_LORA), (KV_LORA, N * (QK + V))): 1})
+        assert recorded.count(Phase.FORWARD, "aten.baddbmm.default", attention) == Counter({
+            ((bn, S, S), (bn, S, DK), (bn, DK, S)): 1})
