@@ -45,6 +45,8 @@ def cpu_tracing_patches() -> Iterator[None]:
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils
 
+    from megatron_adapters.stand_ins import stand_in_patches
+
     patches: list[tuple[Any, str, Any]] = [
         (torch.cuda, "current_device", _cpu_current_device),
         (torch.cuda, "synchronize", _no_op),
@@ -56,6 +58,8 @@ def cpu_tracing_patches() -> Iterator[None]:
         # megatron-core 0.16.1 binds TransformerEngine's GEMM in moe_utils only when TE imports, then
         # tests it against None in the router's gating GEMM: without TE the name must be None.
         (moe_utils, "te_general_gemm", None),
+        # Layers megatron-core cannot build on a CPU (attention masks on "cuda", TE's norm): stand_ins.py
+        *stand_in_patches(),
     ]
     saved = [(obj, name, getattr(obj, name, _MISSING)) for obj, name, _ in patches]
     try:
