@@ -1,21 +1,22 @@
 """Map a megatron-core ``TransformerConfig`` onto vtrain's ModelSpec and ParallelPlan.
 
 Fields are read by attribute, so no megatron type leaks out. Every field that changes the traced
-graph is either honoured (dims, GQA, dtype, the GPT or Llama layer, TP, CP and its communication, PP,
-virtual pipeline, SP, recompute, uneven pipeline splits, MoE experts, top-k and expert FFN, expert
-parallel and expert TP sizes, the token dispatcher) or refused with a one-line :class:`ConfigError`
-naming it (shared experts, token dropping, grouped-GEMM experts, fp8 / fp4, multi-token prediction,
-custom pipeline layouts, sliding-window attention, ...: the features of
+graph is either honoured (dims, GQA, head dim, dtype, the layer's normalization, activation, gated
+MLP, linear and QKV biases, dropout and QK norms, TP, CP and its communication, PP, virtual
+pipeline, SP, recompute, uneven pipeline splits, MoE experts, top-k and expert FFN, expert parallel
+and expert TP sizes, the token dispatcher) or refused with a one-line :class:`ConfigError` naming it
+(shared experts, token dropping, grouped-GEMM experts, fp8 / fp4, multi-token prediction, custom
+pipeline layouts, sliding-window attention, ...: the features of
 :mod:`vtrain_plugin.specs.model_features`, refused alike on every input path): a config is never
-traced as something it is not, except for the normalization, linear biases and dropout of the
-layer, which are noted in a warning when they differ from the family's. Two MoE settings are
+traced as something it is not. The position embedding is a GPTModel argument, not a config field:
+a bare config gets its family's (rotary with a gated MLP, else learned), a built GPTModel its own
+(:mod:`megatron_adapters.gpt_model`). Two MoE settings are
 vtrain's own: the router's load-balancing loss is the auxiliary loss of Megatron-LM's MoE recipes
 (:data:`megatron_adapters.moe.LOAD_BALANCING`), and routing follows the balanced assumption.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,12 +24,9 @@ from typing import Any
 
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.specs.model import Family, ModelSpec
-from vtrain_plugin.specs.model_features import QKV_BIAS, REFUSED, layer_note, not_modelled, unmodelled_warning
+from vtrain_plugin.specs.model import Activation, Family, ModelSpec
+from vtrain_plugin.specs.model_features import REFUSED, not_modelled
 from vtrain_plugin.specs.parallel import CpCommType, ParallelPlan, Recompute, TokenDispatcher
-
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,24 +83,17 @@ def refuse_unmodelled(config: Any) -> None:
         value = getattr(config, rule.field, None)
         if not rule.is_default(value):
             raise not_modelled(f"TransformerConfig.{rule.field}={value!r}", rule.what)
-    if getattr(config, "add_qkv_bias", False) and not getattr(config, "add_bias_linear", True):
-        raise not_modelled("TransformerConfig.add_qkv_bias=True with add_bias_linear=False", QKV_BIAS)
 
 
 def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_length: int) -> ModelSpec:
     """The ModelSpec of a megatron-core TransformerConfig built with the local layer spec."""
     refuse_unmodelled(config)
-    family = _family(config)
-    heads = config.num_attention_heads
-    kv_channels = getattr(config, "kv_channels", None)
-    if kv_channels is not None and kv_channels * heads != config.hidden_size:
-        raise ConfigError(f"TransformerConfig.kv_channels({kv_channels}) * num_attention_heads({heads}) != "
-                          f"hidden_size({config.hidden_size}): vtrain models head_dim = hidden / heads")
+    gated = bool(getattr(config, "gated_linear_unit", False))
     return ModelSpec(
-        family=family,
+        family=Family.LLAMA if gated else Family.GPT,
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
-        num_attention_heads=heads,
+        num_attention_heads=config.num_attention_heads,
         num_query_groups=config.num_query_groups,
         ffn_hidden_size=config.ffn_hidden_size,
         seq_length=seq_length,
@@ -111,33 +102,33 @@ def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_leng
         moe_router_topk=getattr(config, "moe_router_topk", None) if getattr(config, "num_moe_experts", None) else None,
         moe_ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None),
         dtype=Dtype.BF16 if getattr(config, "bf16", False) else Dtype.FP16 if getattr(config, "fp16", False) else Dtype.FP32,
+        **layer_fields(config),
     )
 
 
-def _family(config: Any) -> Family:
-    """GPT (GeLU MLP) or Llama (SwiGLU MLP), as a Megatron-LM command line picks it: the MLP shapes
-    the GEMMs; another activation is refused. A normalization, linear biases or dropout other than
-    the family's are noted in one warning, as on the other input paths
-    (:mod:`vtrain_plugin.specs.model_features`)."""
+def layer_fields(config: Any) -> dict[str, Any]:
+    """The layer's ModelSpec fields of ``config`` (megatron-core's names); an activation other than
+    GeLU, SiLU (SwiGLU when gated) or squared ReLU is refused."""
     normalization = getattr(config, "normalization", "LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise ConfigError(f"TransformerConfig.normalization={normalization!r}: must be 'LayerNorm' or 'RMSNorm'")
-    gated = bool(getattr(config, "gated_linear_unit", False))
-    family = Family.LLAMA if gated else Family.GPT
     activation = getattr(getattr(config, "activation_func", None), "__name__", "")
-    if activation != ("silu" if gated else "gelu"):
-        raise ConfigError(f"TransformerConfig.activation_func is {activation!r} with gated_linear_unit={gated}: "
-                          f"vtrain traces a GeLU MLP (gpt) or a SwiGLU one (llama, gated_linear_unit=True and silu)")
-    biases = bool(getattr(config, "add_bias_linear", True))
-    notes = [layer_note(f"TransformerConfig.normalization={normalization!r}", family, "normalization", normalization),
-             layer_note(f"TransformerConfig.add_bias_linear={biases}", family, "biases", "on" if biases else "off")]
-    for field in ("hidden_dropout", "attention_dropout"):
-        value = getattr(config, field, 0.1)
-        notes.append(layer_note(f"TransformerConfig.{field}={value}", family, "dropout", value))
-    notes = [note for note in notes if note]
-    if notes:
-        log.warning("warning: %s", unmodelled_warning("TransformerConfig fields", notes))
-    return family
+    if activation not in {a.value for a in Activation}:
+        raise not_modelled(f"TransformerConfig.activation_func={activation or '?'}",
+                           "an MLP activation other than gelu, silu (SwiGLU) or squared_relu")
+    return dict(
+        kv_channels=getattr(config, "kv_channels", None),
+        normalization=normalization,
+        activation=activation,
+        gated_linear_unit=bool(getattr(config, "gated_linear_unit", False)),
+        add_bias_linear=bool(getattr(config, "add_bias_linear", True)),
+        add_qkv_bias=bool(getattr(config, "add_qkv_bias", False)),
+        hidden_dropout=float(getattr(config, "hidden_dropout", 0.1)),
+        attention_dropout=float(getattr(config, "attention_dropout", 0.1)),
+        qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
+        qk_l2_norm=bool(getattr(config, "qk_l2_norm", False)),
+        layernorm_zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)),
+    )
 
 
 def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None) -> ParallelPlan:

@@ -17,7 +17,7 @@ from megatron_adapters.training_step import (AdamSettings, MicroBatch, MixedPrec
                                              assume_finite, forward_backward)
 from vtrain_plugin.core.dtypes import Dtype
 from megatron_adapters.conventions import LOSS, ChunkRole, is_layer_module
-from vtrain_plugin.specs.model import Family, ModelSpec
+from vtrain_plugin.specs.model import Activation, ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
 
 _TORCH_DTYPES = {Dtype.FP16: torch.float16, Dtype.BF16: torch.bfloat16, Dtype.FP32: torch.float32}
@@ -25,6 +25,16 @@ _TORCH_DTYPES = {Dtype.FP16: torch.float16, Dtype.BF16: torch.bfloat16, Dtype.FP
 
 def torch_dtype(dtype: Dtype) -> torch.dtype:
     return _TORCH_DTYPES[dtype]
+
+
+def _squared_relu():
+    from megatron.core.activations import squared_relu
+
+    return squared_relu
+
+
+_ACTIVATIONS = {Activation.GELU: lambda: torch.nn.functional.gelu, Activation.SILU: lambda: torch.nn.functional.silu,
+                Activation.SQUARED_RELU: _squared_relu}
 
 
 def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk: int):
@@ -42,7 +52,7 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif plan.recompute is Recompute.SELECTIVE:
         recompute = dict(recompute_granularity="selective")
-    llama = model.family is Family.LLAMA
+    layer = model.layer
     moe: dict = {}
     if model.is_moe:
         from megatron_adapters.moe import moe_config_fields
@@ -71,12 +81,15 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         bias_activation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        normalization="RMSNorm" if llama else "LayerNorm",
-        gated_linear_unit=llama,
-        activation_func=torch.nn.functional.silu if llama else torch.nn.functional.gelu,
-        add_bias_linear=not llama,
-        hidden_dropout=0.0 if llama else 0.1,
-        attention_dropout=0.0 if llama else 0.1,
+        normalization=layer.normalization.value,
+        gated_linear_unit=layer.gated_linear_unit,
+        activation_func=_ACTIVATIONS[layer.activation](),
+        add_bias_linear=layer.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        hidden_dropout=layer.hidden_dropout,
+        attention_dropout=layer.attention_dropout,
+        qk_layernorm=model.qk_layernorm,
+        qk_l2_norm=model.qk_l2_norm,
         **recompute,
         **moe,
     )
@@ -92,12 +105,20 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
     from megatron_adapters.norms import SequenceParallelNorm
 
     config = transformer_config(model, plan, layers_per_chunk=layers_per_chunk)
-    llama = model.family is Family.LLAMA
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        layer = get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm")
+        layer = get_gpt_layer_local_spec(normalization=model.layer.normalization.value,
+                                         qk_layernorm=model.qk_layernorm, qk_l2_norm=model.qk_l2_norm)
         layer.submodules.input_layernorm = SequenceParallelNorm
         layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+        if model.qk_layernorm:  # torch's norm refuses sequence parallelism, which the QK norms never see
+            layer.submodules.self_attention.submodules.q_layernorm = SequenceParallelNorm
+            layer.submodules.self_attention.submodules.k_layernorm = SequenceParallelNorm
+        if model.qk_l2_norm:
+            from megatron_adapters.norms import EagerL2Norm
+
+            layer.submodules.self_attention.submodules.q_layernorm = EagerL2Norm
+            layer.submodules.self_attention.submodules.k_layernorm = EagerL2Norm
         if model.is_moe:
             from megatron_adapters.moe import moe_layer_spec
 
@@ -111,7 +132,8 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
             pre_process=role.pre_process,
             post_process=role.post_process,
             share_embeddings_and_output_weights=model.tied,
-            position_embedding_type="rope" if llama else "learned_absolute",
+            position_embedding_type=model.layer.position_embedding_type.value,
+            rotary_percent=model.rotary_percent,
             vp_stage=role.chunk if plan.virtual_pipeline > 1 else None,
         )
     _cast_parameters(gpt, torch_dtype(model.dtype))

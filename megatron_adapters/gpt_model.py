@@ -16,9 +16,8 @@ from typing import Any
 
 from megatron_adapters.config_map import model_spec_from_transformer_config
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.specs.model import Family, ModelSpec
-
-_POSITION_EMBEDDING = {Family.GPT: "learned_absolute", Family.LLAMA: "rope"}
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.model_features import POSITIONS_NOT_MODELLED, not_modelled
 
 
 def find_gpt_model(model: Any) -> Any | None:
@@ -46,12 +45,10 @@ def _wrapper_types() -> tuple[type, ...]:
 
 def model_spec_of_gpt_model(gpt: Any, *, seq_length: int) -> ModelSpec:
     """The ModelSpec of a built GPTModel: its config's fields (as for a bare TransformerConfig, with
-    the same refusals), its vocabulary and its embedding tying; the position embedding must be the
-    one vtrain's layer of that family has."""
+    the same refusals), its vocabulary, embedding tying, position embedding and rotary share."""
     model = model_spec_from_transformer_config(gpt.config, vocab_size=gpt.vocab_size, seq_length=seq_length)
-    want = _POSITION_EMBEDDING[model.family]
-    if gpt.position_embedding_type != want:
-        raise ConfigError(f"GPTModel.position_embedding_type={gpt.position_embedding_type!r} with "
-                          f"normalization={gpt.config.normalization!r}: vtrain traces the "
-                          f"{model.family.value} layer with position_embedding_type={want!r}")
-    return replace(model, tied_embeddings=bool(gpt.share_embeddings_and_output_weights))
+    positions = gpt.position_embedding_type
+    if positions in POSITIONS_NOT_MODELLED:
+        raise not_modelled(f"GPTModel.position_embedding_type={positions!r}", POSITIONS_NOT_MODELLED[positions])
+    return replace(model, tied_embeddings=bool(gpt.share_embeddings_and_output_weights),
+                   position_embedding_type=positions, rotary_percent=float(getattr(gpt, "rotary_percent", 1.0)))

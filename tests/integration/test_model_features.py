@@ -1,16 +1,17 @@
 """A layer feature gets the same answer on every input path: Megatron-LM arguments, a megatron-core
 TransformerConfig (the real one) and a plan file (vtrain_plugin.specs.model_features)."""
 
+import dataclasses
 import logging
 
 import pytest
 import torch
+from megatron.core.activations import squared_relu
 
 from megatron_adapters.config_map import model_spec_from_transformer_config
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.megatron.launch_script import launch_command
 from vtrain_plugin.specs.megatron.args import megatron_plan
-from vtrain_plugin.specs.model import Family
 from vtrain_plugin.specs.plan_file import parse_plan
 
 DIMS = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 1000 --micro-batch-size 1"
@@ -39,6 +40,11 @@ def from_config(caplog, **fields):
     return model, [r.getMessage() for r in caplog.records]
 
 
+def same(model):
+    """``model`` with query groups spelled out, tying and dtype aside (a bare config names neither)."""
+    return dataclasses.replace(model, num_query_groups=model.query_groups, tied_embeddings=True, dtype="fp32")
+
+
 def refusal(call) -> str:
     """What is refused, without the name the input path gives it."""
     with pytest.raises(ConfigError) as err:
@@ -50,53 +56,50 @@ def refusal(call) -> str:
 
 @pytest.mark.parametrize("flags, config, plan_key, plan_value, what", [
     ("--window-size 16,0", dict(GPT, window_size=(16, 0)), "window_size", [16, 0], "sliding-window attention"),
-    ("--qk-layernorm", dict(GPT, qk_layernorm=True), "qk_layernorm", True, "query/key layer norm"),
-    ("--qk-l2-norm", dict(GPT, qk_l2_norm=True), "qk_l2_norm", True, "query/key L2 norm"),
     ("--multi-latent-attention", dict(GPT, multi_latent_attention=True), "multi_latent_attention", True,
      "multi-latent attention"),
     ("--mtp-num-layers 1", dict(GPT, mtp_num_layers=1), "mtp_num_layers", 1, "multi-token prediction"),
     ("--fp32-residual-connection", dict(GPT, fp32_residual_connection=True), "fp32_residual_connection", True,
      "a residual stream in fp32"),
-    (f"{SWIGLU} --add-qkv-bias", dict(LLAMA, add_qkv_bias=True), None, None,
-     "a QKV bias without the other linear biases"),
+    ("--position-embedding-type yarn", None, "position_embedding_type", "yarn", "YaRN rotary embeddings"),
 ])
 def test_a_refused_feature_is_refused_alike_on_every_path(caplog, flags, config, plan_key, plan_value, what):
     """Regression: --window-size was accepted with a warning while TransformerConfig.window_size was refused."""
     expected = f"{what} is not modelled by vtrain yet"
     assert refusal(lambda: from_args(flags)) == expected
-    assert refusal(lambda: from_config(caplog, **config)) == expected
+    if config is not None:  # the position embedding is a GPTModel argument, not a config field
+        assert refusal(lambda: from_config(caplog, **config)) == expected
     if plan_key is not None:  # a plan file's layers have linear biases by family only
         plan = {**PLAN, "model": {**PLAN["model"], plan_key: plan_value}}
         assert refusal(lambda: parse_plan(plan)) == expected
         off = {**PLAN, "model": {**PLAN["model"], plan_key: None}}
+        if plan_key == "position_embedding_type":
+            return
         assert parse_plan(off).model == parse_plan(PLAN).model  # off: what vtrain models
 
 
-@pytest.mark.parametrize("flags, config, family, notes", [
-    ("--normalization RMSNorm", dict(GPT, normalization="RMSNorm"), Family.GPT,
-     ["(vtrain's gpt layers: LayerNorm)"]),
-    ("--disable-bias-linear", dict(GPT, add_bias_linear=False), Family.GPT, ["(vtrain's gpt layers: on)"]),
+@pytest.mark.parametrize("flags, config, plan_model", [
+    ("--normalization RMSNorm", dict(GPT, normalization="RMSNorm"), dict(normalization="RMSNorm")),
+    ("--disable-bias-linear", dict(GPT, add_bias_linear=False), dict(add_bias_linear=False)),
     ("--hidden-dropout 0.0 --attention-dropout 0.0", dict(GPT, hidden_dropout=0.0, attention_dropout=0.0),
-     Family.GPT, ["(vtrain's gpt layers: 0.1)", "(vtrain's gpt layers: 0.1)"]),
-    (SWIGLU.replace("RMSNorm", "LayerNorm"),
-     dict(LLAMA, normalization="LayerNorm"), Family.LLAMA, ["(vtrain's llama layers: RMSNorm)"]),
-    (SWIGLU.replace(" --disable-bias-linear", ""), dict(LLAMA, add_bias_linear=True), Family.LLAMA,
-     ["(vtrain's llama layers: off)"]),
-    ("--apply-layernorm-1p", dict(GPT, layernorm_zero_centered_gamma=True), Family.GPT, []),
+     dict(hidden_dropout=0.0, attention_dropout=0.0)),
+    (SWIGLU.replace("RMSNorm", "LayerNorm"), dict(LLAMA, normalization="LayerNorm"),
+     dict(family="llama", normalization="LayerNorm")),
+    (SWIGLU.replace(" --disable-bias-linear", ""), dict(LLAMA, add_bias_linear=True),
+     dict(family="llama", add_bias_linear=True)),
+    (f"{SWIGLU} --add-qkv-bias", dict(LLAMA, add_qkv_bias=True), dict(family="llama", add_qkv_bias=True)),
+    ("--apply-layernorm-1p", dict(GPT, layernorm_zero_centered_gamma=True), dict(layernorm_zero_centered_gamma=True)),
+    ("--squared-relu", dict(GPT, activation_func=squared_relu), dict(activation="squared_relu")),
+    ("--kv-channels 32", dict(GPT, kv_channels=32), dict(kv_channels=32)),
+    ("--qk-layernorm", dict(GPT, qk_layernorm=True), dict(qk_layernorm=True)),
+    ("--qk-l2-norm", dict(GPT, qk_l2_norm=True), dict(qk_l2_norm=True)),
 ])
-def test_a_layer_feature_is_noted_alike_and_estimated_alike(caplog, flags, config, family, notes):
-    """Regression: --disable-bias-linear on a GPT was noted while TransformerConfig.add_bias_linear=False
-    was refused. Both now give the same model (so the same estimate) and the same note."""
+def test_a_layer_feature_is_the_same_model_on_every_path(caplog, flags, config, plan_model):
+    """Regression: these were noted ("vtrain does not model") or refused, differently by path; each
+    is now a ModelSpec field, the same on every path (so the same trace and estimate), with no note."""
     plan = from_args(flags + " --ffn-hidden-size 256")
     model, warnings = from_config(caplog, **config)
-    assert model.family is plan.model.family is family
-    assert (model.num_layers, model.hidden_size, model.ffn_size, model.dtype) == \
-        (plan.model.num_layers, plan.model.hidden_size, plan.model.ffn_size, plan.model.dtype)
-    assert [note[note.index(" (vtrain's"):].strip() for note in plan.unmodelled] == notes
-    if notes:
-        (warning,) = warnings
-        assert warning.startswith("warning: TransformerConfig fields vtrain does not model (they may change speed "
-                                  "or memory): TransformerConfig.")
-        assert [part[part.index(" (vtrain's"):].strip() for part in warning.split(", TransformerConfig.")] == notes
-    else:
-        assert warnings == []
+    from_file = parse_plan({**PLAN, "model": {**PLAN["model"], **plan_model}}).model
+    assert same(plan.model) == same(model) == same(from_file)
+    assert all(getattr(model, key) == value for key, value in plan_model.items())
+    assert plan.unmodelled == () and warnings == []

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any
 
 from vtrain_plugin.core.graph import Block
-from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.model import LAYER_FIELD_DEFAULTS, ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
 # The fields of plan_shape_key, then of shape_key after the model's dimensions.
@@ -81,8 +81,16 @@ def named_shape_key(key: tuple) -> dict[str, Any]:
     return named
 
 
+# Fields that do not change a chunk's trace: TransformerEngine applies a zero-centered gamma inside
+# its norm kernels, and the local spec's norms traced here take none.
+MODEL_FIELDS_NOT_TRACED = ("num_layers", "name", "layernorm_zero_centered_gamma")
+
+
 @lru_cache(maxsize=256)
 def model_dims(model: ModelSpec) -> tuple:
-    """Every field of ``model`` a chunk's trace depends on (all but its name and layer count)."""
-    dims = {k: v for k, v in model.to_dict().items() if k not in ("num_layers", "name")}
+    """Every field of ``model`` a chunk's trace depends on (all but :data:`MODEL_FIELDS_NOT_TRACED`); a
+    layer field at its default (the family's layer) is left out, so a family's key is what it was
+    before the field existed."""
+    dims = {k: v for k, v in model.to_dict().items() if k not in MODEL_FIELDS_NOT_TRACED
+            and not (k in LAYER_FIELD_DEFAULTS and v == LAYER_FIELD_DEFAULTS[k])}
     return tuple(sorted(dims.items()))

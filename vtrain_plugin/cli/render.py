@@ -199,6 +199,28 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
     return "\n".join(lines)
 
 
+def _layer_label(model) -> str:
+    """The layer choices that differ from the family's (ModelSpec's layer fields that are set)."""
+    layer, parts = model.layer, []
+    if model.kv_channels is not None:
+        parts.append(f"head dim {model.head_dim}")
+    if model.normalization is not None:
+        parts.append(layer.normalization.value)
+    if model.activation is not None or model.gated_linear_unit is not None:
+        parts.append(f"{'gated ' if layer.gated_linear_unit else ''}{layer.activation.value} MLP")
+    if model.add_bias_linear is not None or model.add_qkv_bias:
+        parts.append("QKV bias only" if model.add_qkv_bias else f"linear biases {'on' if layer.add_bias_linear else 'off'}")
+    if model.hidden_dropout is not None or model.attention_dropout is not None:
+        parts.append(f"dropout {layer.hidden_dropout:g}/{layer.attention_dropout:g}")
+    if model.position_embedding_type is not None:
+        parts.append(f"positions {layer.position_embedding_type.value}")
+    if model.rotary_percent != 1.0:
+        parts.append(f"rotary {model.rotary_percent:.0%}")
+    parts += ["QK layer norm"] * model.qk_layernorm + ["QK L2 norm"] * model.qk_l2_norm
+    parts += ["layernorm-1p"] * model.layernorm_zero_centered_gamma
+    return "".join(f", {p}" for p in parts)
+
+
 def plan_lines(run: RunConfig, result: Estimate) -> list[str]:
     """The whole plan an estimate was made of, as it was read: model, layout, batch, training."""
     model, plan, training = run.model, run.parallel, run.training
@@ -208,7 +230,7 @@ def plan_lines(run: RunConfig, result: Estimate) -> list[str]:
         f"{run.source}: {model.name or model.family.value} on {result.num_gpus} x {result.gpu}",
         f"  model     {model.family.value}, {model.num_layers} layers, hidden {model.hidden_size}, "
         f"{model.num_attention_heads} heads, {groups} query groups"
-        f"{' (GQA)' if groups != model.num_attention_heads else ''}, FFN {model.ffn_size}, sequence "
+        f"{' (GQA)' if groups != model.num_attention_heads else ''}{_layer_label(model)}, FFN {model.ffn_size}, sequence "
         f"{model.seq_length}, vocabulary {model.vocab_size}, {model.dtype.value}"
         + ("" if result.fp8 is None else f" with fp8 {result.fp8} GEMMs") + ("," if model.is_moe else "")
         + _moe_label(model, plan),

@@ -7,7 +7,7 @@ A frozen dataclass validated on construction; derived values are properties. How
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from enum import StrEnum
 from typing import Any
 
@@ -15,14 +15,63 @@ from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.dtypes import MODEL_DTYPES, Dtype
 from vtrain_plugin.specs import limits
+from vtrain_plugin.specs.model_features import POSITIONS_NOT_MODELLED, not_modelled
 
 
 DEFAULT_MOE_ROUTER_TOPK = 2  # megatron-core's moe_router_topk
 
 
 class Family(StrEnum):
+    """A preset of the layer's choices (:data:`FAMILY_LAYERS`), each overridable by its own field."""
+
     GPT = "gpt"  # LayerNorm, GeLU MLP, learned absolute positions, multi-head attention
     LLAMA = "llama"  # RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention
+
+
+class Normalization(StrEnum):  # TransformerConfig.normalization
+    LAYER_NORM = "LayerNorm"
+    RMS_NORM = "RMSNorm"
+
+
+class Activation(StrEnum):  # TransformerConfig.activation_func, by its name
+    GELU = "gelu"
+    SILU = "silu"  # with gated_linear_unit: SwiGLU
+    SQUARED_RELU = "squared_relu"  # megatron.core.activations.squared_relu
+
+
+class PositionEmbedding(StrEnum):  # GPTModel's position_embedding_type
+    LEARNED_ABSOLUTE = "learned_absolute"
+    ROPE = "rope"
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerChoices:
+    """The choices of a transformer layer that a family presets (TransformerConfig's names)."""
+
+    normalization: Normalization
+    activation: Activation
+    gated_linear_unit: bool
+    add_bias_linear: bool
+    hidden_dropout: float
+    attention_dropout: float
+    position_embedding_type: PositionEmbedding
+
+
+FAMILY_LAYERS = {
+    Family.GPT: LayerChoices(normalization=Normalization.LAYER_NORM, activation=Activation.GELU,
+                             gated_linear_unit=False, add_bias_linear=True, hidden_dropout=0.1,
+                             attention_dropout=0.1, position_embedding_type=PositionEmbedding.LEARNED_ABSOLUTE),
+    Family.LLAMA: LayerChoices(normalization=Normalization.RMS_NORM, activation=Activation.SILU,
+                               gated_linear_unit=True, add_bias_linear=False, hidden_dropout=0.0,
+                               attention_dropout=0.0, position_embedding_type=PositionEmbedding.ROPE),
+}
+# The layer fields of ModelSpec and the value each has when it asks for nothing beyond the family:
+# a model at these values is the family's, with the family's trace and cache key.
+LAYER_FIELD_DEFAULTS = {"kv_channels": None, "normalization": None, "activation": None, "gated_linear_unit": None,
+                        "add_bias_linear": None, "add_qkv_bias": False, "hidden_dropout": None,
+                        "attention_dropout": None, "position_embedding_type": None, "rotary_percent": 1.0,
+                        "qk_layernorm": False, "qk_l2_norm": False, "layernorm_zero_centered_gamma": False}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +98,23 @@ class ModelSpec:
     # (megatron_adapters/moe_routing.py).
     moe_routing_skew: float = 1.0
     moe_shared_expert_intermediate_size: int | None = None  # shared experts: refused, not modelled
+    # The layer's choices (megatron-core's names, :data:`LAYER_FIELD_DEFAULTS`); None: the family's
+    # (:data:`FAMILY_LAYERS`, read through :attr:`layer`). A value equal to the family's is stored as
+    # None, so a model has one spelling whatever the input path.
+    kv_channels: int | None = None  # head dim; default hidden_size / num_attention_heads
+    normalization: Normalization | None = None
+    activation: Activation | None = None
+    gated_linear_unit: bool | None = None
+    add_bias_linear: bool | None = None
+    add_qkv_bias: bool = False  # a QKV bias when the other linears have none
+    hidden_dropout: float | None = None
+    attention_dropout: float | None = None
+    position_embedding_type: PositionEmbedding | None = None
+    rotary_percent: float = 1.0  # of the head dim that RoPE rotates
+    qk_layernorm: bool = False  # the layer's normalization on each head's query and key
+    qk_l2_norm: bool = False  # Llama 4's L2 norm on each head's query and key
+    # Changes neither time nor memory: TransformerEngine's norm kernels add the 1 to gamma inside.
+    layernorm_zero_centered_gamma: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", Family(v.one_of("model.family", self.family, [f.value for f in Family])))
@@ -66,12 +132,7 @@ class ModelSpec:
         if self.tied_embeddings is not None:
             v.boolean("model.tied_embeddings", self.tied_embeddings)
         v.string("model.name", self.name)
-        v.divides("model.num_attention_heads", self.num_attention_heads,
-                  "model.hidden_size", self.hidden_size)
-        if self.family is Family.LLAMA and self.head_dim % 2:
-            raise ConfigError(f"model.hidden_size ({self.hidden_size}) / model.num_attention_heads "
-                              f"({self.num_attention_heads}) = {self.head_dim}: rotary position embeddings "
-                              "rotate pairs of channels, so a Llama head dimension must be even")
+        check_layer_fields(self)
         check_moe_fields(self)
 
     @property
@@ -118,41 +179,101 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """``kv_channels``, by default ``hidden_size / num_attention_heads``."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def layer(self) -> LayerChoices:
+        """The layer's choices: the family's, with this model's overrides."""
+        preset = FAMILY_LAYERS[self.family]
+        return replace(preset, **{f.name: getattr(self, f.name) for f in fields(LayerChoices)
+                                  if getattr(self, f.name) is not None})
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of a head that RoPE rotates (0 without rotary positions): Megatron's
+        ``int(kv_channels * rotary_percent)``."""
+        if self.layer.position_embedding_type is not PositionEmbedding.ROPE:
+            return 0
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def num_parameters(self) -> int:
         """Parameters of the whole (unsharded) model, embeddings included."""
-        h = self.hidden_size
-        kv = 2 * self.query_groups * self.head_dim
-        gpt = self.family is Family.GPT
-        if gpt:
-            attn = h * (h + kv) + (h + kv) + h * h + h
-            norms = 2 * 2 * h
-            positions = self.seq_length * h
-            final_norm = 2 * h
-        else:
-            attn = h * (h + kv) + h * h
-            norms = 2 * h
-            positions = 0
-            final_norm = h
+        h, d, layer = self.hidden_size, self.head_dim, self.layer
+        biases = layer.add_bias_linear
+        q, kv = self.num_attention_heads * d, 2 * self.query_groups * d
+        attn = h * (q + kv) + (q + kv) * (biases or self.add_qkv_bias) + q * h + h * biases
+        norm = 2 if layer.normalization is Normalization.LAYER_NORM else 1  # weight (and bias) per channel
+        qk_norms = 2 * norm * d if self.qk_layernorm and not self.qk_l2_norm else 0
+        positions = self.seq_length * h if layer.position_embedding_type is PositionEmbedding.LEARNED_ABSOLUTE else 0
         mlp = self._mlp_parameters(self.ffn_size)
-        if self.is_moe:  # the router's gate (with a bias in a GPT layer), then every expert's MLP
-            mlp = self.num_experts * (h + (1 if gpt else 0)) + self.num_experts * self._mlp_parameters(self.expert_ffn_size)
+        if self.is_moe:  # the router's gate (with a bias when linears have one), then every expert's MLP
+            mlp = self.num_experts * (h + biases) + self.num_experts * self._mlp_parameters(self.expert_ffn_size)
         embed = self.vocab_size * h * (1 if self.tied else 2)
-        return self.num_layers * (attn + mlp + norms) + embed + positions + final_norm
+        return self.num_layers * (attn + qk_norms + mlp + 2 * norm * h) + embed + positions + norm * h
 
     def _mlp_parameters(self, f: int) -> int:
-        h = self.hidden_size
-        if self.family is Family.GPT:
-            return h * f + f + f * h + h
-        return h * 2 * f + f * h
+        h, layer = self.hidden_size, self.layer
+        up = 2 * f if layer.gated_linear_unit else f
+        return h * up + f * h + (up + h) * layer.add_bias_linear
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["family"] = self.family.value
-        d["dtype"] = self.dtype.value
+        for name, value in d.items():
+            if isinstance(value, StrEnum):
+                d[name] = value.value
         return d
+
+
+def check_layer_fields(model: ModelSpec) -> None:
+    """The layer fields of ``model`` checked, and stored as None (their default) where they equal the
+    family's; the head dim even where RoPE rotates it (it rotates pairs of channels)."""
+    preset = FAMILY_LAYERS[model.family]
+    enums = {"normalization": Normalization, "activation": Activation, "position_embedding_type": PositionEmbedding}
+    if model.position_embedding_type in POSITIONS_NOT_MODELLED:
+        raise not_modelled(f"model.position_embedding_type={model.position_embedding_type}",
+                           POSITIONS_NOT_MODELLED[model.position_embedding_type])
+    for name, enum in enums.items():
+        value = getattr(model, name)
+        if value is not None:
+            object.__setattr__(model, name, enum(v.one_of(f"model.{name}", value, [e.value for e in enum])))
+    for name in ("gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "qk_l2_norm",
+                 "layernorm_zero_centered_gamma"):
+        if getattr(model, name) is not None:
+            v.boolean(f"model.{name}", getattr(model, name))
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(model, name)
+        if value is not None:
+            if not 0 <= v.non_negative_number(f"model.{name}", value) < 1:
+                raise ConfigError(f"model.{name} ({value}) must be a probability below 1")
+            object.__setattr__(model, name, float(value))
+    if model.kv_channels is not None:
+        v.positive_int("model.kv_channels", model.kv_channels)
+    else:
+        v.divides("model.num_attention_heads", model.num_attention_heads, "model.hidden_size", model.hidden_size)
+    percent = v.positive_number("model.rotary_percent", model.rotary_percent)
+    if percent > 1:
+        raise ConfigError(f"model.rotary_percent ({percent:g}) must lie in (0, 1]")
+    object.__setattr__(model, "rotary_percent", float(percent))
+    for f in fields(LayerChoices):
+        if getattr(model, f.name) == getattr(preset, f.name):
+            object.__setattr__(model, f.name, None)
+    if model.kv_channels == model.hidden_size // model.num_attention_heads \
+            and model.kv_channels * model.num_attention_heads == model.hidden_size:
+        object.__setattr__(model, "kv_channels", None)
+    layer = model.layer
+    if layer.add_bias_linear:
+        object.__setattr__(model, "add_qkv_bias", False)  # the QKV bias is there anyway
+    if model.qk_l2_norm:
+        object.__setattr__(model, "qk_layernorm", False)  # megatron-core's spec builds the L2 norm then
+    if layer.position_embedding_type is not PositionEmbedding.ROPE:
+        object.__setattr__(model, "rotary_percent", 1.0)  # Megatron ignores it without RoPE
+    elif model.rotary_dim % 2 or model.rotary_dim == 0:
+        what = "the head dim (kv_channels)" if model.rotary_percent == 1 else \
+            f"the rotated channels int(kv_channels x rotary_percent) = int({model.head_dim} x {model.rotary_percent:g})"
+        raise ConfigError(f"model: {what} = {model.rotary_dim} must be even and positive: rotary position "
+                          f"embeddings rotate pairs of channels")
 
 
 def check_moe_fields(model: ModelSpec) -> None:

@@ -30,11 +30,18 @@ MODEL_VARIANTS = {"family": "llama", "hidden_size": 128, "num_attention_heads": 
 MOE_MODEL = dataclasses.replace(MODEL, num_experts=4)
 MOE_MODEL_VARIANTS = {"moe_router_topk": 1, "moe_ffn_hidden_size": 128, "moe_routing_skew": 2.0}
 MODEL_FIELDS_REFUSED = {"moe_shared_expert_intermediate_size"}  # always unset: any value is a ConfigError
+# The layer's choices beyond the family (each changes the key of a gpt chunk; at its default the key
+# is the family's, asserted below).
+LAYER_VARIANTS = {"kv_channels": 32, "normalization": "RMSNorm", "activation": "squared_relu",
+                  "gated_linear_unit": True, "add_bias_linear": False, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+                  "position_embedding_type": "rope", "qk_layernorm": True, "qk_l2_norm": True}
+ROPE_MODEL = dataclasses.replace(MODEL, position_embedding_type="rope")
+NO_BIAS_MODEL = dataclasses.replace(MODEL, add_bias_linear=False)
 PLAN_VARIANTS = {"tensor_parallel": 4, "sequence_parallel": True, "micro_batch_size": 2, "recompute": "full",
                  "pipeline_parallel": 2, "context_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 1,
                  "moe_token_dispatcher": "allgather"}
 # Fields that do not change a chunk's trace, so plans that differ only in them share it.
-MODEL_FIELDS_NOT_IN_KEY = {"num_layers": 8, "name": "other"}
+MODEL_FIELDS_NOT_IN_KEY = {"num_layers": 8, "name": "other", "layernorm_zero_centered_gamma": True}
 PLAN_FIELDS_NOT_IN_KEY = {"data_parallel": 16, "account_for_embedding_in_pipeline_split": True,
                           "account_for_loss_in_pipeline_split": True,
                           "cp_comm_type": "all_gather"}  # the CP attention is derived when costing
@@ -128,7 +135,7 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     model_fields = {f.name for f in dataclasses.fields(ModelSpec)}
     plan_fields = {f.name for f in dataclasses.fields(ParallelPlan)}
     assert model_fields == (set(MODEL_VARIANTS) | set(MOE_MODEL_VARIANTS) | set(MODEL_FIELDS_NOT_IN_KEY)
-                            | MODEL_FIELDS_REFUSED)
+                            | MODEL_FIELDS_REFUSED | set(LAYER_VARIANTS) | {"rotary_percent", "add_qkv_bias"})
     assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
                            | {"virtual_pipeline"})
     paths = {disk_cache.entry_path(KEY)}
@@ -142,7 +149,21 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
         paths.add(disk_cache.entry_path(shape_key(MODEL, dataclasses.replace(PLAN, **{name: value}), True, True, 2)))
     paths |= {disk_cache.entry_path(shape_key(MODEL, PLAN, *role)) for role in
               ((True, False, 2), (False, True, 2), (True, True, 1))}
-    assert len(paths) == 1 + len(MODEL_VARIANTS) + len(MOE_MODEL_VARIANTS) + len(PLAN_VARIANTS) + 3
+    for name, value in LAYER_VARIANTS.items():
+        paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(MODEL, **{name: value}), PLAN, True, True, 2)))
+    paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(ROPE_MODEL, rotary_percent=0.5), PLAN, True, True, 2)))
+    paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(NO_BIAS_MODEL, add_qkv_bias=True), PLAN, True, True, 2)))
+    assert len(paths) == 1 + len(MODEL_VARIANTS) + len(MOE_MODEL_VARIANTS) + len(PLAN_VARIANTS) + 3 \
+        + len(LAYER_VARIANTS) + 2
+    # the family's own choices spelled out: the family's key, as before the fields existed
+    gpt = dict(normalization="LayerNorm", activation="gelu", gated_linear_unit=False, add_bias_linear=True,
+               hidden_dropout=0.1, attention_dropout=0.1, position_embedding_type="learned_absolute",
+               kv_channels=16, rotary_percent=1.0, add_qkv_bias=True, qk_layernorm=False, qk_l2_norm=False)
+    assert shape_key(dataclasses.replace(MODEL, **gpt), PLAN, True, True, 2) == KEY
+    assert dict(KEY[0]).keys() == {"family", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                                   "ffn_hidden_size", "num_query_groups", "tied_embeddings", "dtype", "num_experts",
+                                   "moe_router_topk", "moe_ffn_hidden_size", "moe_routing_skew",
+                                   "moe_shared_expert_intermediate_size"}
     same = [shape_key(dataclasses.replace(MODEL, **MODEL_FIELDS_NOT_IN_KEY), PLAN, True, True, 2),
             shape_key(MODEL, dataclasses.replace(PLAN, **PLAN_FIELDS_NOT_IN_KEY), True, True, 2)]
     assert all(k == KEY for k in same)

@@ -73,14 +73,22 @@ def test_tp_must_divide_ffn_and_query_groups():
         ParallelPlan(tensor_parallel=8).check_fits(model)
 
 
-def test_llama_head_dimension_must_be_even_for_rotary_embeddings():
+def test_the_head_dim_must_be_even_where_rope_rotates_it():
     """Found by benchmarks/accuracy/fuzz.py: heads 64 of hidden 64 traced into megatron-core's rotary
-    embedding and died there (ValueError); now refused when the model is built. GPT has no rotary."""
+    embedding and died there (ValueError); now refused when the model is built. Learned positions
+    rotate nothing; kv_channels sets the head dim, and a rotary share its rotated part."""
     with pytest.raises(ConfigError) as err:
         ModelSpec(family="llama", num_layers=2, hidden_size=192, num_attention_heads=64, seq_length=64)
-    assert str(err.value) == ("model.hidden_size (192) / model.num_attention_heads (64) = 3: rotary position "
-                              "embeddings rotate pairs of channels, so a Llama head dimension must be even")
+    assert str(err.value) == ("model: the head dim (kv_channels) = 3 must be even and positive: rotary position "
+                              "embeddings rotate pairs of channels")
     assert ModelSpec(family="gpt", num_layers=2, hidden_size=192, num_attention_heads=64, seq_length=64).head_dim == 3
+    assert ModelSpec(family="llama", num_layers=2, hidden_size=192, num_attention_heads=64, seq_length=64,
+                     kv_channels=4).head_dim == 4
+    with pytest.raises(ConfigError) as err:
+        ModelSpec(family="llama", num_layers=2, hidden_size=192, num_attention_heads=64, seq_length=64,
+                  kv_channels=6, rotary_percent=0.5)
+    assert str(err.value) == ("model: the rotated channels int(kv_channels x rotary_percent) = int(6 x 0.5) = 3 "
+                              "must be even and positive: rotary position embeddings rotate pairs of channels")
 
 
 @pytest.mark.parametrize("kwargs,message", [

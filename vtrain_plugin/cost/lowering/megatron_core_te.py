@@ -19,9 +19,13 @@ RMSNorm fwd: 8 ops (cast, pow, mean, add,   ``te.rms_norm``: x, gamma in; y, rst
 rsqrt, mul, mul, cast)
 RMSNorm bwd: 17 ops                         ``te.rms_norm_backward``: dy, x, gamma, rstd in;   3e n + ...
                                             dx, dgamma out
+QK L2 norm (``q_layernorm``, ``k_layernorm``  ``megatron.l2_norm_fused`` (megatron-core's          2e n + 4r
+with ``qk_l2_norm``) fwd: 7 ops, bwd: 13    ``jit_fuser``, ``torch.compile``: one kernel per   3e n + 4r
+                                            tensor and direction; ``r`` rows)
 ``linear_*`` fwd bias add, bwd bias ``sum``  none: in the GEMM epilogue (cuBLASLt bias, bgrad)  0
 rotary embedding (``self_attention``), per  ``te.fused_rope`` (and ``_backward``): t and the   2e n + 4 f
-tensor: 12 ops fwd, 6 ops bwd               fp32 frequencies ``f`` in, out
+tensor: 12 ops fwd, 6 ops bwd (8 with       fp32 frequencies ``f`` in, out; the whole head,
+``rotary_percent`` < 1)                     the channels it does not rotate copied through
 ``mlp`` / local expert silu, mul (SwiGLU)   ``megatron.swiglu_fused``: 2n in, n out           3e n
 ``mlp`` bwd mul, mul, silu_backward, cat    ``megatron.swiglu_fused_backward``                5e n
 bias-GeLU, bias-dropout-add, dropout        as Megatron-DeepSpeed (:mod:`.fusion`)            as there
@@ -35,6 +39,11 @@ optimizer phase, per parameter: ~14 ops     TE multi-tensor passes over the bloc
                                             clip scale 8, Adam 28, copy to the model          40 (fp32)
                                             weights 6 (not for fp32 models)
 =========================================  ================================================  ===========
+
+QK layer norms (``qk_layernorm``) are TE norms (``TENorm``) over each head, lowered as the layer's
+norms. A squared-ReLU MLP stays as traced (relu, pow; four kernels backward): Megatron-LM runs it
+unfused (``--disable-bias-linear`` turns its bias-activation fusion off, and the fused activations
+are GeLU and SwiGLU only).
 
 ``Q = b s h d`` and ``K = b s g d`` are the query and key elements (``h`` heads and ``g`` query
 groups on this rank, ``b`` micro-batch, ``s`` sequence, ``d`` head dim). GEMMs, the residual adds,
@@ -65,6 +74,9 @@ _RMSNORM_BWD_OPS = ("_to_copy", "mul", "mul", "sum", "_to_copy", "mul", "mul", "
                     "pow", "mul", "mul", "add", "_to_copy")
 _ROPE_FWD_OPS = ("cos", "mul", "_to_copy", "sin", "mul", "_to_copy", "mul", "neg", "cat", "mul", "add", "cat")
 _ROPE_BWD_OPS = ("mul", "neg", "cat", "mul", "add", "add")
+_PARTIAL_ROPE_BWD_OPS = ("mul", "neg", "cat", "mul", "add", "slice_backward", "slice_backward", "add")
+_L2NORM_FWD_OPS = ("_to_copy", "pow", "mean", "add", "rsqrt", "mul", "_to_copy")
+_L2NORM_BWD_OPS = ("_to_copy", "mul", "mul", "sum", "pow", "mul", "mul", "div", "pow", "mul", "mul", "add", "_to_copy")
 _SWIGLU_FWD_OPS = ("silu", "add", "mul")
 _SWIGLU_BWD_OPS = ("mul", "mul", "silu_backward", "cat")
 _CE_MAX_OPS = ("_to_copy", "max")
@@ -100,12 +112,16 @@ def _map_group(group: list[OpNode]) -> list[Node]:
         if mapped is not None:
             return mapped
     if module.endswith("layernorm"):
-        return _norm(replace_runs(group, _RMSNORM_FWD_OPS if forward else _RMSNORM_BWD_OPS, _rms_norm))
+        # RMSNorm first: the L2 norm's backward is the tail of RMSNorm's
+        group = replace_runs(group, _RMSNORM_FWD_OPS if forward else _RMSNORM_BWD_OPS, _rms_norm)
+        return _norm(replace_runs(group, _L2NORM_FWD_OPS if forward else _L2NORM_BWD_OPS, _l2_norm))
     if module.endswith(LINEAR_MODULES):
         dropped = "add" if forward else "sum"
         return [n for n in group if op_name(n) != dropped]
     if module.endswith(".self_attention"):
-        return replace_runs(group, _ROPE_FWD_OPS if forward else _ROPE_BWD_OPS, _rope)
+        if forward:
+            return replace_runs(group, _ROPE_FWD_OPS, _rope)
+        return replace_runs(replace_runs(group, _PARTIAL_ROPE_BWD_OPS, _rope), _ROPE_BWD_OPS, _rope)
     if is_mlp_module(module):
         return replace_runs(group, _SWIGLU_FWD_OPS if forward else _SWIGLU_BWD_OPS, _swiglu)
     if module.endswith("loss"):
@@ -171,11 +187,23 @@ def _rms_norm(run: list[OpNode]) -> list[OpNode]:
     return [fused("te.rms_norm_backward.default", first, shape, 3 * e * n + 2 * e * hidden + rstd, first.key.dtypes[0])]
 
 
+def _l2_norm(run: list[OpNode]) -> list[OpNode]:
+    """megatron-core's compiled L2 norm of one tensor (queries or keys) as one kernel per direction."""
+    first = run[0]
+    shape = first.key.input_shapes[0]
+    n, e = numel(shape), dtype_nbytes(first)
+    rows = FP32 * n // shape[-1]
+    if first.phase in FORWARD_PHASES:
+        return [fused("megatron.l2_norm_fused.default", first, shape, 2 * e * n + rows, first.key.dtypes[0])]
+    return [fused("megatron.l2_norm_fused_backward.default", first, shape, 3 * e * n + rows, first.key.dtypes[0])]
+
+
 def _rope(run: list[OpNode]) -> list[OpNode]:
-    """One fused RoPE kernel per rotated tensor (queries, keys) and phase."""
+    """One fused RoPE kernel per rotated tensor (queries, keys) and phase, over the whole head (the
+    last op's output) with the rotated channels' frequencies."""
     forward = run[0].phase in FORWARD_PHASES
     tensor = run[6] if forward else run[0]
-    shape, freqs = tensor.key.input_shapes[0], tensor.key.input_shapes[1]
+    shape, freqs = run[-1].output_shapes[0], tensor.key.input_shapes[1]
     e = dtype_nbytes(tensor)
     op = "te.fused_rope.default" if forward else "te.fused_rope_backward.default"
     return [fused(op, tensor, shape, 2 * e * numel(shape) + FP32 * numel(freqs), tensor.key.dtypes[0],

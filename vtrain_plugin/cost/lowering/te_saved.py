@@ -10,10 +10,13 @@ elements of ``e`` bytes in rows of ``h`` and an FC1 output of ``f`` elements:
   (inside ``TELayerNormColumnParallelLinear``, or ``TENorm``) keeps its input and fp32 row statistics,
   ``e n + 4 n / h`` (RMSNorm's ``rstd``) or ``e n + 8 n / h`` (LayerNorm's ``mu`` and ``rsigma``);
   torch's RMSNorm as traced keeps two fp32 copies of its input besides. The norm's output is kept
-  by the linear it feeds, as traced;
+  by the linear it feeds, as traced. The QK norms (``q_layernorm``, ``k_layernorm``: TE norms over
+  each head, or megatron-core's compiled L2 norm, which keeps the same) alike, their output kept
+  by the attention;
 - the MLP's activation (the ``mlp`` module's own saves): Megatron-Core's fused ``bias_swiglu_impl`` /
   ``bias_gelu_impl`` keep their input, the FC1 output, ``e f``, and recompute the rest in backward;
-  the traced unfused SwiGLU keeps its products besides (a GeLU keeps ``e f`` either way);
+  the traced unfused SwiGLU keeps its products besides (a GeLU keeps ``e f`` either way, and so
+  does the unfused squared ReLU: its ReLU output, which the square reads too);
 - in FP8, TE's linears keep their input in FP8, one byte per element instead of ``e``: QKV and FC1
   (the norm writes it in FP8), FC2 (cast before its GEMM), and the output projection, whose input
   is the fused attention's output, which the attention keeps in the model dtype for its own
@@ -27,7 +30,7 @@ from vtrain_plugin.core.graph import Block, OpNode, Phase
 from vtrain_plugin.cost.lowering.fusion import dtype_nbytes, numel, op_name
 from vtrain_plugin.cost.lowering.fp8 import FP8_NBYTES
 from vtrain_plugin.cost.lowering.megatron_core_te import FP32, LINEAR_MODULES
-NORMS = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm")
+NORMS = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm", "q_layernorm", "k_layernorm")
 KEPT_BESIDE_FP8 = ".linear_proj"  # its input, the attention's output, is kept by the attention too
 
 

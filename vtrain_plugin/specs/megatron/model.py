@@ -1,12 +1,10 @@
 """The model and the recompute mode that Megatron-LM flags describe (used by
 :mod:`vtrain_plugin.specs.megatron.args`).
 
-vtrain's layers come in two families (:class:`Family`): ``gpt`` (LayerNorm, GeLU MLP, learned absolute
-positions, linear biases, dropout 0.1) and ``llama`` (RMSNorm, SwiGLU, rotary positions, no biases, no
-dropout). The MLP picks the family (``--swiglu``: llama), as it shapes the GEMMs; a normalization,
-position embedding, bias or dropout other than the family's is accepted and noted in the warning
-(they change small kernels, not the GEMMs), as on the other input paths
-(:mod:`vtrain_plugin.specs.model_features`).
+The family (:class:`Family`) is the preset the MLP's flag picks (``--swiglu``: llama, else gpt), as
+it picks Megatron-LM's default FFN size; every layer choice the flags make (normalization,
+activation, linear biases, dropout, position embedding, rotary share, head dim, QK norms) is then
+a ModelSpec field of its own, traced as megatron-core builds it, on every input path alike.
 """
 
 from __future__ import annotations
@@ -16,13 +14,11 @@ from typing import Any
 
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.specs.model import Family
-from vtrain_plugin.specs.model_features import QKV_BIAS, layer_note, not_modelled
+from vtrain_plugin.specs.model import Activation, Family, PositionEmbedding
+from vtrain_plugin.specs.model_features import POSITIONS_NOT_MODELLED, not_modelled
 from vtrain_plugin.specs.parallel import Recompute
 
 Given = Mapping[str, Any]  # the flags a command line gives, each to its value, list of values, or True
-
-_POSITIONS = {Family.GPT: "learned_absolute", Family.LLAMA: "rope"}
 # Tokenizers whose vocabulary size is fixed by the tokenizer itself (Megatron-LM's GPT-2 BPE files).
 TOKENIZER_VOCAB_SIZES = {"GPT2BPETokenizer": 50257}
 # The size of the tokenizer file a tokenizer type is written for, taken (with a note) when no
@@ -73,31 +69,23 @@ def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: in
                        ("num_attention_heads", "--num-attention-heads")):
         if name not in fields:
             raise ConfigError(f"{flag} is required")
-    hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
-    family = _family(given, notes)
+    hidden = fields["hidden_size"]
+    family = Family.LLAMA if given.get("--swiglu") else Family.GPT
     out: dict[str, Any] = {"family": family, "dtype": data_type(given), "seq_length": _seq_length(given, fields),
                            "tied_embeddings": not given.get("--untie-embeddings-and-output-weights"),
-                           "vocab_size": vocab_size(given, tensor_parallel, assumed)}
+                           "vocab_size": vocab_size(given, tensor_parallel, assumed), **_layer(given)}
     if "--ffn-hidden-size" in given:
         out["ffn_hidden_size"] = positive_int("--ffn-hidden-size", given["--ffn-hidden-size"])
     elif family is Family.LLAMA:  # Megatron-LM's default for --swiglu: 2/3 of 4h, down to a multiple of 64
         out["ffn_hidden_size"] = int(4 * hidden * 2 / 3 / 64) * 64
     else:
         out["ffn_hidden_size"] = 4 * hidden
-    if "--kv-channels" in given:
-        kv = positive_int("--kv-channels", given["--kv-channels"])
-        if kv * heads != hidden:
-            raise ConfigError(f"--kv-channels {kv}: a head dimension other than --hidden-size / "
-                              f"--num-attention-heads = {hidden} / {heads} is not modelled by vtrain yet")
     if given.get("--group-query-attention"):
         out["num_query_groups"] = positive_int("--num-query-groups", given.get("--num-query-groups", 1))
     elif "--num-query-groups" in given:
         notes.append(f"--num-query-groups {given['--num-query-groups']} without --group-query-attention "
                      f"(Megatron-LM ignores it)")
-    _position_table(given, family, out["seq_length"], notes)
-    for flag in ("--hidden-dropout", "--attention-dropout"):
-        note = layer_note(f"{flag} {given.get(flag, 0.1)}", family, "dropout", _fraction(flag, given.get(flag, 0.1)))
-        notes.extend([note] if note else [])
+    _position_table(given, out["position_embedding_type"], out["seq_length"], notes)
     balancing = given.get("--moe-router-load-balancing-type", MOE_LOAD_BALANCING)
     if balancing != MOE_LOAD_BALANCING:
         notes.append(f"--moe-router-load-balancing-type {balancing} (vtrain's router: {MOE_LOAD_BALANCING})")
@@ -112,32 +100,41 @@ def _seq_length(given: Given, fields: Mapping[str, Any]) -> int:
     raise ConfigError("--seq-length is required")
 
 
-def _family(given: Given, notes: list[str]) -> Family:
-    """The family of the MLP (``--swiglu``: llama, GeLU: gpt), the one difference between the families
-    that shapes GEMMs; the layer's other features that differ from the family's are noted."""
-    if given.get("--squared-relu"):
-        raise ConfigError("--squared-relu: a squared-ReLU MLP is not modelled by vtrain yet")
-    family = Family.LLAMA if given.get("--swiglu") else Family.GPT
+def _layer(given: Given) -> dict[str, Any]:
+    """The layer's ModelSpec fields as the flags set them, Megatron-LM's defaults where they are
+    silent (ModelSpec stores those the family has anyway as None)."""
+    if given.get("--squared-relu") and given.get("--swiglu"):
+        raise ConfigError("--squared-relu and --swiglu exclude each other (Megatron-LM asserts it)")
     positions = "rope" if given.get("--use-rotary-position-embeddings") else \
         given.get("--position-embedding-type", "learned_absolute")
     if given.get("--no-position-embedding") and positions != "rope":  # with rope it changes nothing
         raise ConfigError("--no-position-embedding is deprecated in Megatron-LM; use --position-embedding-type")
-    biases = "off" if given.get("--disable-bias-linear") else "on"
-    if given.get("--add-qkv-bias") and biases == "off":
-        raise not_modelled("--add-qkv-bias with --disable-bias-linear", QKV_BIAS)
-    normalization = given.get("--normalization", "LayerNorm")
-    position_note = None if positions == _POSITIONS[family] else \
-        f"--position-embedding-type {positions} (vtrain's {family.value} layers: {_POSITIONS[family]})"
-    for note in (layer_note(f"--normalization {normalization}", family, "normalization", normalization),
-                 position_note, layer_note(f"linear biases {biases}", family, "biases", biases)):
-        notes.extend([note] if note else [])
-    return family
+    if positions in POSITIONS_NOT_MODELLED:
+        raise not_modelled(f"--position-embedding-type {positions}", POSITIONS_NOT_MODELLED[positions])
+    if positions not in {p.value for p in PositionEmbedding}:
+        raise ConfigError(f"--position-embedding-type must be one of learned_absolute, rope, yarn, mrope, relative, "
+                          f"none; got {positions!r}")
+    activation = Activation.SQUARED_RELU if given.get("--squared-relu") else \
+        Activation.SILU if given.get("--swiglu") else Activation.GELU
+    out: dict[str, Any] = {
+        "normalization": given.get("--normalization", "LayerNorm"),
+        "activation": activation, "gated_linear_unit": bool(given.get("--swiglu")),
+        "add_bias_linear": not given.get("--disable-bias-linear"), "add_qkv_bias": bool(given.get("--add-qkv-bias")),
+        "hidden_dropout": _fraction("--hidden-dropout", given.get("--hidden-dropout", 0.1)),
+        "attention_dropout": _fraction("--attention-dropout", given.get("--attention-dropout", 0.1)),
+        "position_embedding_type": positions,
+        "rotary_percent": _fraction("--rotary-percent", given.get("--rotary-percent", 1.0)),
+        "qk_layernorm": bool(given.get("--qk-layernorm")), "qk_l2_norm": bool(given.get("--qk-l2-norm")),
+        "layernorm_zero_centered_gamma": bool(given.get("--apply-layernorm-1p")),
+    }
+    if "--kv-channels" in given:
+        out["kv_channels"] = positive_int("--kv-channels", given["--kv-channels"])
+    return out
 
 
-def _position_table(given: Given, family: Family, seq_length: int, notes: list[str]) -> None:
+def _position_table(given: Given, positions: str, seq_length: int, notes: list[str]) -> None:
     """Learned positions: vtrain's table has ``seq_length`` rows, Megatron-LM's ``--max-position-embeddings``."""
-    if family is not Family.GPT or given.get("--position-embedding-type", "learned_absolute") != "learned_absolute" \
-            or "--max-position-embeddings" not in given:
+    if positions != PositionEmbedding.LEARNED_ABSOLUTE or "--max-position-embeddings" not in given:
         return
     rows = positive_int("--max-position-embeddings", given["--max-position-embeddings"])
     if rows < seq_length:

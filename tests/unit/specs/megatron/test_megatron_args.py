@@ -63,23 +63,22 @@ def test_swiglu_makes_a_llama_layer_with_megatrons_ffn_size():
     assert p.unmodelled == ()
 
 
-def test_layer_features_other_than_the_familys_are_noted_not_refused():
+def test_layer_features_other_than_the_familys_are_modelled_not_noted():
     p = plan("--swiglu --position-embedding-type learned_absolute --num-query-groups 2 --bf16 --grad-reduce-in-bf16")
     assert p.model.family is Family.LLAMA and p.model.num_query_groups is None
-    assert p.unmodelled == (
-        "--normalization LayerNorm (vtrain's llama layers: RMSNorm)",
-        "--position-embedding-type learned_absolute (vtrain's llama layers: rope)",
-        "linear biases on (vtrain's llama layers: off)",
-        "--num-query-groups 2 without --group-query-attention (Megatron-LM ignores it)",
-        "--hidden-dropout 0.1 (vtrain's llama layers: 0.0)", "--attention-dropout 0.1 (vtrain's llama layers: 0.0)")
+    assert (p.model.normalization, p.model.position_embedding_type, p.model.add_bias_linear,
+            p.model.hidden_dropout, p.model.attention_dropout) == ("LayerNorm", "learned_absolute", True, 0.1, 0.1)
+    assert p.unmodelled == ("--num-query-groups 2 without --group-query-attention (Megatron-LM ignores it)",)
     assert p.training.grad_reduce_in_bf16  # mapped (training.grad_reduce_in_bf16), not noted
     assert plan("--bf16").unmodelled == ()
 
 
 @pytest.mark.parametrize("flags, message", [
-    ("--squared-relu", "--squared-relu: a squared-ReLU MLP is not modelled by vtrain yet"),
-    ("--kv-channels 128", "--kv-channels 128: a head dimension other than --hidden-size / --num-attention-heads "
-                          "= 512 / 8 is not modelled by vtrain yet"),
+    ("--squared-relu --swiglu", "--squared-relu and --swiglu exclude each other (Megatron-LM asserts it)"),
+    ("--position-embedding-type yarn", "--position-embedding-type yarn: YaRN rotary embeddings is not modelled by "
+                                       "vtrain yet"),
+    ("--position-embedding-type rope --kv-channels 3", "model: the head dim (kv_channels) = 3 must be even and positive: rotary position "
+                                                       "embeddings rotate pairs of channels"),
     ("--context-parallel-size 2 --cp-comm-type p2p a2a", "--cp-comm-type p2p a2a: one type for every layer is "
                                                          "modelled"),
     ("--context-parallel-size 2 --cp-comm-type a2a", "parallel.cp_comm_type must be one of p2p, all_gather; "
@@ -356,7 +355,6 @@ def test_mapped_training_flags():
     ("--fp16 --accumulate-allreduce-grads-in-fp32", "--accumulate-allreduce-grads-in-fp32 with --fp16: fp32 "
                                                    "gradients of an fp16 model are not modelled by vtrain yet"),
     ("--window-size 128,0", "--window-size 128,0: sliding-window attention is not modelled by vtrain yet"),
-    ("--qk-layernorm", "--qk-layernorm: query/key layer norm is not modelled by vtrain yet"),
     ("--enable-cuda-graph", "--enable-cuda-graph: CUDA graphs is not modelled by vtrain yet"),
     ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graphs is not modelled by vtrain yet"),
     ("--main-grads-dtype bf16", "--main-grads-dtype bf16: optimizer state in another dtype than fp32 is not modelled "

@@ -126,7 +126,8 @@ def test_llama3_8b_fp8_script_decides_its_if_blocks_on_its_literal_settings():
         plan = script_plan((command,), gpus=gpus)
         assert plan.model == ModelSpec(family=Family.LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32,
                                        num_query_groups=8, ffn_hidden_size=14336, seq_length=8192, vocab_size=128257,
-                                       tied_embeddings=False, dtype=Dtype.BF16)
+                                       tied_embeddings=False, dtype=Dtype.BF16, normalization="LayerNorm",
+                                       layernorm_zero_centered_gamma=True)
         assert plan.parallel == ParallelPlan(tensor_parallel=1, pipeline_parallel=1, data_parallel=data_parallel,
                                              sequence_parallel=False, micro_batch_size=1)
         assert (plan.training.global_batch_size, plan.training.fp8, plan.training.fp8_recipe,
@@ -163,14 +164,15 @@ def test_llama3_8b_fp8_flags_set_fp8_and_need_a_gpu_with_fp8():
 
 def test_llama3_8b_bf16_field_by_field(caplog):
     # The example keeps Megatron-LM's default LayerNorm (with --apply-layernorm-1p) under a SwiGLU MLP:
-    # a llama layer to vtrain, the normalization noted in the warning.
+    # a llama layer with a LayerNorm, as megatron-core builds it.
     with caplog.at_level(logging.WARNING, logger="vtrain_plugin.runs"):
         run = run_config_from_megatron_args("torchrun --nproc_per_node 8 --nnodes 1 pretrain_gpt.py \\\n"
                                             + LLAMA3_8B_BF16_FLAGS.replace("\n", " \\\n"))
     assert run.model == ModelSpec(family=Family.LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32,
                                   num_query_groups=8, ffn_hidden_size=14336, seq_length=8192,
                                   vocab_size=128257,  # NullTokenizer: --vocab-size plus its end-of-document token
-                                  tied_embeddings=False, dtype=Dtype.BF16)
+                                  tied_embeddings=False, dtype=Dtype.BF16, normalization="LayerNorm",
+                                  layernorm_zero_centered_gamma=True)
     assert run.parallel == ParallelPlan(tensor_parallel=1, pipeline_parallel=1, data_parallel=8,
                                         sequence_parallel=False, micro_batch_size=1)
     assert run.training == TrainingSpec(global_batch_size=128, grad_reduce=GradReduce.OVERLAP,
@@ -181,8 +183,7 @@ def test_llama3_8b_bf16_field_by_field(caplog):
     # --attention-backend fused is TE's attention as costed; --apply-layernorm-1p is the same norm kernel.
     assert [r.getMessage() for r in caplog.records] == [
         "warning: Megatron-LM arguments vtrain does not model (they may change speed or memory): "
-        "--empty-unused-memory-level 1, --normalization LayerNorm (vtrain's llama layers: RMSNorm), "
-        "--sequence-parallel at TP 1 (Megatron-LM turns it off)"]
+        "--empty-unused-memory-level 1, --sequence-parallel at TP 1 (Megatron-LM turns it off)"]
 
 
 def test_mixtral_8x7b_field_by_field(tmp_path, caplog):
