@@ -4,8 +4,10 @@ Fields are read by attribute, so no megatron type leaks out. Every field that ch
 graph is either honoured (dims, GQA, head dim, dtype, the layer's normalization, activation, gated
 MLP, linear and QKV biases, dropout and QK norms, TP, CP and its communication, PP, virtual
 pipeline, SP, recompute, uneven pipeline splits, MoE experts, top-k and expert FFN, expert parallel
-and expert TP sizes, the token dispatcher) or refused with a one-line :class:`ConfigError` naming it
-(shared experts, token dropping, grouped-GEMM experts, fp8 / fp4, multi-token prediction, custom
+and expert TP sizes, the token dispatcher, the MoE features of
+:data:`vtrain_plugin.specs.model.MOE_FEATURE_DEFAULTS`: shared experts, dense layers between MoE
+layers, grouped-GEMM experts, router variants, token dropping) or refused with a one-line
+:class:`ConfigError` naming it (fp8 / fp4, multi-token prediction, MoE latent projections, custom
 pipeline layouts, sliding-window attention, ...: the features of
 :mod:`vtrain_plugin.specs.model_features`, refused alike on every input path): a config is never
 traced as something it is not. The position embedding is a GPTModel argument, not a config field:
@@ -24,7 +26,7 @@ from typing import Any
 
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.specs.model import Activation, Family, ModelSpec
+from vtrain_plugin.specs.model import MOE_FEATURE_DEFAULTS, Activation, Family, ModelSpec
 from vtrain_plugin.specs.model_features import REFUSED, not_modelled
 from vtrain_plugin.specs.parallel import CpCommType, ParallelPlan, Recompute, TokenDispatcher
 
@@ -46,16 +48,8 @@ def _is_false(value: Any) -> bool:
     return not value
 
 
-def _is_one(value: Any) -> bool:
-    return value in (None, 1)
-
-
 UNMODELLED = (
-    Unmodelled("moe_shared_expert_intermediate_size", _is_none, "shared experts"),
-    Unmodelled("moe_expert_capacity_factor", _is_none, "MoE token dropping (capacity factor)"),
-    Unmodelled("moe_grouped_gemm", _is_false, "grouped-GEMM experts (vtrain traces megatron's SequentialMLP)"),
     Unmodelled("moe_latent_size", _is_none, "MoE latent projections"),
-    Unmodelled("moe_layer_freq", _is_one, "dense layers between MoE layers"),
     Unmodelled("moe_permute_fusion", _is_false, "fused MoE permutation"),
     Unmodelled("moe_token_dispatcher_type", lambda value: value in (None, "alltoall", "allgather"),
                "the flex token dispatcher (DeepEP / HybridEP)"),
@@ -101,9 +95,30 @@ def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_leng
         num_experts=getattr(config, "num_moe_experts", None),
         moe_router_topk=getattr(config, "moe_router_topk", None) if getattr(config, "num_moe_experts", None) else None,
         moe_ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None),
+        **_moe_features(config),
         dtype=Dtype.BF16 if getattr(config, "bf16", False) else Dtype.FP16 if getattr(config, "fp16", False) else Dtype.FP32,
         **layer_fields(config),
     )
+
+
+# The MoE features a TransformerConfig names as ModelSpec names them (the same field names), each
+# read only from a MoE config and only when set away from megatron-core's default.
+MOE_FEATURES = tuple(MOE_FEATURE_DEFAULTS)
+
+
+def _moe_features(config: Any) -> dict[str, Any]:
+    """The MoE feature fields of ``config`` (shared experts and their overlap, the MoE layer pattern,
+    grouped-GEMM experts, the router's variants, the capacity factor): ModelSpec checks them."""
+    if not getattr(config, "num_moe_experts", None):
+        return {}
+    out: dict[str, Any] = {}
+    for name in MOE_FEATURES:
+        value = getattr(config, name, MOE_FEATURE_DEFAULTS[name])
+        if isinstance(value, list):
+            value = tuple(value)
+        if value != MOE_FEATURE_DEFAULTS[name]:
+            out[name] = value
+    return out
 
 
 def layer_fields(config: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ backward, mixed-precision optimizer) is training_step.py's, the one real trainin
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Iterator
 
@@ -95,8 +96,11 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
     )
 
 
-def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers_per_chunk: int):
-    """Build the GPTModel chunk of ``role`` (call inside fake_world and FakeTensorMode)."""
+def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers_per_chunk: int,
+                layer_kinds: tuple[bool, ...] | None = None):
+    """Build the GPTModel chunk of ``role`` (call inside fake_world and FakeTensorMode); with
+    ``layer_kinds``, one layer per entry, a MoE layer where it is True and a dense one where False
+    (a model whose moe_layer_freq mixes them), else ``layers_per_chunk`` layers of the model's kind."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -119,11 +123,15 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
 
             layer.submodules.self_attention.submodules.q_layernorm = EagerL2Norm
             layer.submodules.self_attention.submodules.k_layernorm = EagerL2Norm
+        layers = [layer] * layers_per_chunk
         if model.is_moe:
             from megatron_adapters.moe import moe_layer_spec
 
-            layer.submodules.mlp = moe_layer_spec(model)
-        block = TransformerBlockSubmodules(layer_specs=[layer] * layers_per_chunk, layer_norm=SequenceParallelNorm)
+            moe_layer = copy.deepcopy(layer)
+            moe_layer.submodules.mlp = moe_layer_spec(model)
+            kinds = layer_kinds if layer_kinds is not None else (True,) * layers_per_chunk
+            layers = [moe_layer if moe else layer for moe in kinds]
+        block = TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelNorm)
         gpt = GPTModel(
             config=config,
             transformer_layer_spec=block,

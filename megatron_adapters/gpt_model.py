@@ -15,7 +15,6 @@ from dataclasses import replace
 from typing import Any
 
 from megatron_adapters.config_map import model_spec_from_transformer_config
-from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.model_features import POSITIONS_NOT_MODELLED, not_modelled
 

@@ -30,7 +30,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
 from megatron_adapters.moe_routing import DispatchCounts, expert_token_counts
-from vtrain_plugin.core.errors import TraceError
+from vtrain_plugin.core.errors import ConfigError, TraceError
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
@@ -41,15 +41,46 @@ LOAD_BALANCING = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_co
 
 def moe_config_fields(model: ModelSpec, plan: ParallelPlan) -> dict:
     """The TransformerConfig fields of ``model``'s MoE layers under ``plan`` (none for a dense model):
-    dropless routing (no capacity factor), unfused permutation, local experts; softmax before the
-    top-k when k is 1 (megatron-core requires it: a softmax over one expert has no gradient)."""
+    unfused permutation, local experts; softmax before the top-k when k is 1 (megatron-core requires
+    it: a softmax over one expert has no gradient); the model's MoE features as megatron-core names
+    them (:func:`moe_feature_fields`)."""
     if not model.is_moe:
         return {}
     return dict(num_moe_experts=model.num_experts, moe_router_topk=model.router_topk,
                 moe_ffn_hidden_size=model.expert_ffn_size, expert_model_parallel_size=plan.expert_parallel,
                 expert_tensor_parallel_size=plan.expert_tp, moe_token_dispatcher_type=plan.moe_token_dispatcher.value,
                 moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
-                moe_router_pre_softmax=model.router_topk == 1, **LOAD_BALANCING)
+                moe_router_pre_softmax=model.router_topk == 1, **LOAD_BALANCING, **moe_feature_fields(model, plan))
+
+
+def moe_feature_fields(model: ModelSpec, plan: ParallelPlan) -> dict:
+    """The MoE features ``model`` sets away from megatron-core's defaults, as TransformerConfig fields:
+    shared experts, the router's score function, group-limited top-k, expert bias and top-k scaling,
+    the capacity factor, padding and drop policy. Two are costed rather than traced, and reach
+    megatron-core off: grouped-GEMM experts (the SequentialMLP traced here is lowered to one grouped
+    kernel per linear, :func:`vtrain_plugin.cost.lowering.megatron_core_te.group_expert_kernels`)
+    and the shared expert's overlap with the all-to-all (megatron-core runs it on a second CUDA
+    stream; :mod:`vtrain_plugin.cost.comm.overlap` pairs the two)."""
+    if model.moe_shared_expert_overlap and plan.moe_token_dispatcher.value != "alltoall":
+        raise ConfigError(f"model.moe_shared_expert_overlap needs parallel.moe_token_dispatcher alltoall "
+                          f"(megatron-core's rule), got {plan.moe_token_dispatcher.value}")
+    fields: dict = {}
+    if model.moe_shared_expert_intermediate_size is not None:
+        fields["moe_shared_expert_intermediate_size"] = model.moe_shared_expert_intermediate_size
+    if model.moe_router_score_function.value != "softmax":
+        fields["moe_router_score_function"] = model.moe_router_score_function.value
+    if model.moe_router_num_groups is not None:
+        fields.update(moe_router_num_groups=model.moe_router_num_groups,
+                      moe_router_group_topk=model.moe_router_group_topk)
+    if model.moe_router_enable_expert_bias:
+        fields["moe_router_enable_expert_bias"] = True
+    if model.moe_router_topk_scaling_factor is not None:
+        fields["moe_router_topk_scaling_factor"] = model.moe_router_topk_scaling_factor
+    if model.moe_expert_capacity_factor is not None:
+        fields.update(moe_expert_capacity_factor=model.moe_expert_capacity_factor,
+                      moe_pad_expert_input_to_capacity=model.moe_pad_expert_input_to_capacity,
+                      moe_token_drop_policy=model.moe_token_drop_policy.value)
+    return fields
 
 
 def moe_layer_spec(model: ModelSpec):
@@ -100,9 +131,12 @@ class AssumedAlltoAllDispatcher(dispatchers.MoEAlltoAllTokenDispatcher):
         """Megatron's preprocessing (its per-expert count and the all-gather of the counts are
         traced), then the counts the assumption gives, on the host as megatron holds them."""
         super().preprocess(routing_map)
-        counts = DispatchCounts(per_expert=expert_token_counts(routing_map.size(0), self.config.moe_router_topk,
-                                                               self.num_experts, self.routing_skew),
+        counts = DispatchCounts(per_expert=_routed_counts(routing_map.size(0), self.config, self.routing_skew),
                                 ep=self.ep_size, etp=self.tp_size)
+        if self.drop_and_pad:  # megatron sized the even all-to-all from the capacity itself
+            return counts.tokens_per_local_expert
+        if self.config.moe_expert_capacity_factor is not None:  # dropped pairs leave the permutation
+            self.num_out_tokens = int(sum(counts.per_expert))
         if self.ep_size > 1 or self.tp_size > 1:
             self.input_splits = counts.input_splits
             self.output_splits = counts.output_splits
@@ -136,8 +170,7 @@ class AssumedAllGatherDispatcher(dispatchers.MoEAllGatherTokenDispatcher):
         self.local_probs = probs[:, first:last].contiguous()
         self.local_map.sum(dim=0)  # megatron counts the local pairs on the device, then copies them
         local_tokens = hidden_states.size(0) // (self.tp_size * self.ep_size)
-        per_expert = expert_token_counts(local_tokens, self.router_topk, self.config.num_moe_experts,
-                                         self.routing_skew)
+        per_expert = _routed_counts(local_tokens, self.config, self.routing_skew)
         tokens_per_expert = DispatchCounts(per_expert=per_expert, ep=self.ep_size,
                                            etp=self.tp_size).tokens_per_local_expert
         permuted, _, self.reversed_local_input_permutation_mapping = _permute(
@@ -146,6 +179,14 @@ class AssumedAllGatherDispatcher(dispatchers.MoEAllGatherTokenDispatcher):
                                           int(tokens_per_expert.sum()))
         self.routing_map = None
         return permuted, tokens_per_expert, self.local_probs
+
+
+def _routed_counts(tokens: int, config, skew: float) -> tuple[int, ...]:
+    """The routing assumption's pairs per expert from one rank of ``tokens`` tokens, under the
+    config's capacity factor and padding."""
+    return expert_token_counts(tokens, config.moe_router_topk, config.num_moe_experts, skew,
+                               capacity_factor=config.moe_expert_capacity_factor,
+                               pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity))
 
 
 def _masked_select(values: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -157,9 +198,13 @@ def _masked_select(values: torch.Tensor, mask: torch.Tensor, count: int) -> torc
 
 def _permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
     """megatron-core 0.16's unfused dropless ``permute`` (moe_utils) with ``num_out_tokens`` pairs
-    selected by :func:`_masked_select`. The fused and drop-and-pad variants are refused before any
-    tracing (:mod:`megatron_adapters.config_map`: ``moe_permute_fusion``, capacity factor); reaching
-    one here means megatron-core called the permutation in a way this adapter does not know."""
+    selected by :func:`_masked_select`; the drop-and-pad variant is megatron's own (its shapes are
+    static: every expert takes its capacity). The fused variant is refused before any tracing
+    (:mod:`megatron_adapters.config_map`: ``moe_permute_fusion``); reaching it here means
+    megatron-core called the permutation in a way this adapter does not know."""
+    if drop_and_pad and not fused and num_out_tokens is not None:
+        return _MEGATRON_PERMUTE(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=False,
+                                 drop_and_pad=True)
     if fused or drop_and_pad or num_out_tokens is None:
         raise TraceError(f"megatron-core asked for a MoE permutation vtrain does not trace (fused={fused}, "
                          f"drop_and_pad={drop_and_pad}, num_out_tokens={num_out_tokens}); vtrain traces "
@@ -172,6 +217,9 @@ def _permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, 
     permuted_probs = None if probs is None else _masked_select(probs.T.contiguous(), routing_map,
                                                                int(num_out_tokens))
     return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
+_MEGATRON_PERMUTE = dispatchers.permute
 
 
 @contextlib.contextmanager

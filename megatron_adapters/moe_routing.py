@@ -12,7 +12,10 @@ the all-to-all and to split tokens among local experts; vtrain supplies them fro
 - ``skew`` s > 1: expert 0, the busiest, gets ``s`` times the balanced share, rounded half up (at
   most ``tokens``: a token picks an expert once), the others share the rest evenly;
 - the traced rank is expert-parallel rank 0, which holds the busiest expert: the all-to-all that
-  combines the experts' outputs waits for it, so it sets the layer's pace.
+  combines the experts' outputs waits for it, so it sets the layer's pace;
+- with a capacity factor ``c`` (token dropping), an expert takes at most megatron-core's capacity,
+  ``ceil(tokens * topk / experts * c)`` pairs from each rank, and drops the rest; padded to
+  capacity, it takes exactly that many.
 
 Nothing here imports megatron-core; :mod:`megatron_adapters.moe` hands these counts to megatron's
 token dispatchers.
@@ -28,16 +31,28 @@ import numpy as np
 from vtrain_plugin.core.errors import ConfigError
 
 
-def expert_token_counts(tokens: int, topk: int, num_experts: int, skew: float = 1.0) -> tuple[int, ...]:
-    """Token-expert pairs one rank routes to each expert, busiest (expert 0) first (see the module doc)."""
+def expert_token_counts(tokens: int, topk: int, num_experts: int, skew: float = 1.0, *,
+                        capacity_factor: float | None = None, pad_to_capacity: bool = False) -> tuple[int, ...]:
+    """Token-expert pairs one rank routes to each expert, busiest (expert 0) first, kept under
+    ``capacity_factor`` (padded to the capacity with ``pad_to_capacity``): see the module doc."""
     if not 1 <= topk <= num_experts:
         raise ConfigError(f"moe_router_topk ({topk}) must lie in [1, num_experts ({num_experts})]")
     total = tokens * topk
     busiest = min(tokens, math.floor(skew * total / num_experts + 0.5))
     if num_experts == 1:
-        return (total,)
-    share, extra = divmod(total - busiest, num_experts - 1)
-    return (busiest, *(share + (1 if i < extra else 0) for i in range(num_experts - 1)))
+        routed: tuple[int, ...] = (total,)
+    else:
+        share, extra = divmod(total - busiest, num_experts - 1)
+        routed = (busiest, *(share + (1 if i < extra else 0) for i in range(num_experts - 1)))
+    if capacity_factor is None:
+        return routed
+    capacity = expert_capacity(tokens, topk, num_experts, capacity_factor)
+    return (capacity,) * num_experts if pad_to_capacity else tuple(min(n, capacity) for n in routed)
+
+
+def expert_capacity(tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
+    """megatron-core's ``get_capacity``: the pairs an expert takes from one rank of ``tokens`` tokens."""
+    return math.ceil(tokens * topk / num_experts * capacity_factor)
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from vtrain_plugin.sim.engine import BREAKDOWN_FIELDS, RankBreakdown, SimResult,
 from vtrain_plugin.sim.run_totals import TrainTotals, train_totals
 from vtrain_plugin.sim.schedules import build_schedule
 from vtrain_plugin.sim.timeline import Timeline, write_chrome_trace
+from vtrain_plugin.specs.assumptions import assumptions
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.run import RunConfig
@@ -96,6 +97,8 @@ class Estimate:
     price_per_gpu_hour_usd: float | None = None
     checkpoint: CheckpointSize | None = None  # what a checkpoint of the model holds
     reliability: ReliabilitySpec | None = None  # TrainingSpec.reliability (None: failures off)
+    # What the estimate assumed or costed other than by tracing (vtrain_plugin.specs.assumptions)
+    assumptions: tuple[str, ...] = ()
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -180,13 +183,14 @@ class Estimate:
             "expected_train_cost_usd": totals.cost_usd if expected else None,
             "goodput": totals.goodput if expected else None,
             "failures": totals.failures.to_dict() if expected else None,
+            "assumptions": list(self.assumptions),
         }
 
     def to_row(self) -> dict[str, Any]:
         """The scalar fields of :meth:`to_dict`, with the bottleneck stage's breakdown flattened to
         ``<part>_ms`` columns: one row of a table of estimates."""
         row = {k: v for k, v in self.to_dict().items()
-               if k not in ("breakdown_ms", "stage_breakdown_ms", "memory_gib_per_stage", "failures")}
+               if k not in ("breakdown_ms", "stage_breakdown_ms", "memory_gib_per_stage", "failures", "assumptions")}
         row.update({f"{part}_ms": ms for part, ms in self.breakdown_ms.items()})
         return row
 
@@ -323,6 +327,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         price_per_gpu_hour_usd=price,
         checkpoint=checkpoint_size(graph),
         reliability=training.reliability,
+        assumptions=assumptions(graph.model, plan),
         timeline=result.timeline,
     )
 

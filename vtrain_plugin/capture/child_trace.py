@@ -28,7 +28,9 @@ from vtrain_plugin.core.files import atomic_write_text
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
-Role = tuple[bool, bool, int]  # (pre_process, post_process, layers built)
+# (pre_process, post_process, layers built: a count, or the kinds of a model that mixes MoE and
+# dense layers, True for MoE)
+Role = tuple[bool, bool, int | tuple[bool, ...]]
 _ERRORS: dict[str, type[VTrainError]] = {"ConfigError": ConfigError, "TraceError": TraceError}
 
 
@@ -73,7 +75,8 @@ def _child_environment() -> dict[str, str]:
 
 def _serve(request: dict[str, Any]) -> dict[str, Any]:
     model, plan = ModelSpec(**request["model"]), ParallelPlan(**request["plan"])
-    roles = [(bool(pre), bool(post), int(built)) for pre, post, built in request["roles"]]
+    roles = [(bool(pre), bool(post), int(built) if isinstance(built, int) else tuple(bool(k) for k in built))
+             for pre, post, built in request["roles"]]
     try:
         return {"traces": [t.to_dict() for t in _trace_here(model, plan, roles)]}
     except (ConfigError, TraceError) as exc:

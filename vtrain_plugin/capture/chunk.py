@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any
 
 from vtrain_plugin.core.graph import Block
-from vtrain_plugin.specs.model import LAYER_FIELD_DEFAULTS, ModelSpec
+from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
 # The fields of plan_shape_key, then of shape_key after the model's dimensions.
@@ -39,7 +39,8 @@ class ChunkTrace:
     activation_dtype: str
     # Folded blocks per chunk layer count, filled by the tracer: every stage of this role (in every
     # plan that shares the trace) gets the same blocks, folded once. Not part of the stored form.
-    folded: dict[int, tuple[Block, ...]] = field(default_factory=dict, compare=False)
+    # (keyed by the layer kinds, True for MoE, of a chunk that mixes MoE and dense layers).
+    folded: dict[int | tuple[bool, ...], tuple[Block, ...]] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"blocks": [b.to_dict() for b in self.blocks],
@@ -68,7 +69,7 @@ def plan_shape_key(plan: ParallelPlan) -> tuple:
             plan.moe_token_dispatcher.value)
 
 
-def shape_key(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> tuple:
+def shape_key(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int | tuple[bool, ...]) -> tuple:
     """The key of one chunk role's trace (:data:`SHAPE_FIELDS`); hashable and cheap, as the tracer
     looks it up once per stage of every plan."""
     return (model_dims(model), *plan_shape_key(plan), pre, post, built)
@@ -82,15 +83,30 @@ def named_shape_key(key: tuple) -> dict[str, Any]:
 
 
 # Fields that do not change a chunk's trace: TransformerEngine applies a zero-centered gamma inside
-# its norm kernels, and the local spec's norms traced here take none.
-MODEL_FIELDS_NOT_TRACED = ("num_layers", "name", "layernorm_zero_centered_gamma")
+# its norm kernels, and the local spec's norms traced here take none; a per-layer pattern of MoE and
+# dense layers enters as the kinds of the chunk's layers, not as the model's pattern.
+MODEL_FIELDS_NOT_TRACED = ("num_layers", "name", "layernorm_zero_centered_gamma", "moe_layer_freq")
+# The ModelSpec fields every shape key names. A field added to ModelSpec since is named only when
+# set away from its default, so a model without the feature keeps its key (and its cached traces).
+KEYED_MODEL_FIELDS = frozenset({
+    "family", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "ffn_hidden_size",
+    "num_query_groups", "tied_embeddings", "dtype", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+    "moe_routing_skew", "moe_shared_expert_intermediate_size"})
+
+
+# ModelSpec fields that change how a trace is costed, not the trace: grouped-GEMM experts are a
+# lowering of the traced SequentialMLP, the shared expert's overlap a pairing of kernels and
+# collectives (vtrain_plugin.cost.prepare reads both from the graph's model).
+COSTED_MODEL_FIELDS = frozenset({"moe_grouped_gemm", "moe_shared_expert_overlap"})
 
 
 @lru_cache(maxsize=256)
 def model_dims(model: ModelSpec) -> tuple:
-    """Every field of ``model`` a chunk's trace depends on (all but :data:`MODEL_FIELDS_NOT_TRACED`); a
-    layer field at its default (the family's layer) is left out, so a family's key is what it was
-    before the field existed."""
-    dims = {k: v for k, v in model.to_dict().items() if k not in MODEL_FIELDS_NOT_TRACED
-            and not (k in LAYER_FIELD_DEFAULTS and v == LAYER_FIELD_DEFAULTS[k])}
+    """Every field of ``model`` a chunk's trace depends on (all but :data:`MODEL_FIELDS_NOT_TRACED` and
+    :data:`COSTED_MODEL_FIELDS`); a field outside :data:`KEYED_MODEL_FIELDS` at its default (the
+    family's layer, no MoE feature) is left out, so a model without the feature keeps its key."""
+    defaults = ModelSpec(num_layers=1, hidden_size=1, num_attention_heads=1, seq_length=1).to_dict()
+    dims = {k: v for k, v in model.to_dict().items()
+            if k not in (*MODEL_FIELDS_NOT_TRACED, *COSTED_MODEL_FIELDS)
+            and (k in KEYED_MODEL_FIELDS or v != defaults[k])}
     return tuple(sorted(dims.items()))

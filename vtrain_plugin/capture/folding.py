@@ -1,7 +1,9 @@
 """Turn a flat list of records into blocks: embedding, one folded layer template, head.
 
 Layers are folded only when verified identical: same kernels, shapes, phases, collectives and
-module paths (with the layer index removed), in the same order. A layer that differs keeps a block of its own.
+module paths (with the layer index removed), in the same order. A layer that differs keeps a block
+of its own. A chunk that mixes MoE and dense layers has a template per kind, each counted as many
+times as the chunk holds that kind (:func:`fold_layer_kinds`).
 """
 
 from __future__ import annotations
@@ -113,6 +115,30 @@ def fold_layers(blocks: Sequence[Block], total_layers: int) -> list[Block]:
     folded[-1] = replace(folded[-1], count=folded[-1].count + total_layers - len(layers))
     if total_layers == 0:  # a chunk of the embedding or the loss alone, traced with one layer
         folded = []
+    return others_before + folded + others_after
+
+
+def fold_layer_kinds(blocks: Sequence[Block], kinds: Sequence[bool]) -> list[Block]:
+    """Fold the traced layers of a chunk whose layers are ``kinds`` (True: MoE, False: dense).
+
+    The traced layers are ``kinds`` themselves (every layer built) or one or more layers of each kind
+    present, dense ones first (:func:`vtrain_plugin.capture.tracer._built_kinds`); those of one kind
+    are folded as :func:`fold_layers` folds a chunk's layers, to as many as the chunk holds of it.
+    """
+    layers = [b for b in blocks if b.kind is BlockKind.LAYER]
+    others_before = [b for b in blocks if b.kind in (BlockKind.EMBEDDING, BlockKind.STAGE)]
+    others_after = [b for b in blocks if b.kind is BlockKind.HEAD]
+    if not kinds:  # a chunk of the embedding or the loss alone, traced with one layer
+        return others_before + others_after
+    if len(layers) == len(kinds):
+        built = list(kinds)
+    else:
+        present = sorted(set(kinds))
+        built = [layer_kind for layer_kind in present for _ in range(len(layers) // len(present))]
+    folded: list[Block] = []
+    for kind in dict.fromkeys(built):
+        of_kind = [b for b, k in zip(layers, built, strict=True) if k == kind]
+        folded.extend(fold_layers(of_kind, sum(1 for k in kinds if k == kind)))
     return others_before + folded + others_after
 
 

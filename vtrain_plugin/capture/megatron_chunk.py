@@ -28,8 +28,11 @@ from vtrain_plugin.specs.parallel import ParallelPlan
 log = logging.getLogger(__name__)
 
 
-def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int) -> ChunkTrace:
+def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int | tuple[bool, ...]
+                ) -> ChunkTrace:
     """Trace one chunk role on the smallest world that has it: TP ranks x 1-3 pipeline stages.
+    ``built`` is the number of layers to build, or, for a model that mixes MoE and dense layers,
+    the kinds of the layers to build (True: MoE).
 
     The chunk's ops depend on TP (and the expert TP and EP of MoE layers), not on DP or the number
     of stages, so a world of ``tensor_parallel x (1..3)`` ranks (times the fewest DP ranks that hold
@@ -62,7 +65,9 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
         with quiet_megatron(), cpu_tracing_patches(), fake_world(trace_plan, pipeline_rank=rank) as group_names:
             reset_global_memory_buffer()
             with FakeTensorMode(allow_non_fake_inputs=True):
-                gpt = build_chunk(model, trace_plan, role, layers_per_chunk=built)
+                kinds = built if isinstance(built, tuple) else None
+                gpt = build_chunk(model, trace_plan, role, layers_per_chunk=len(kinds) if kinds else built,
+                                  layer_kinds=kinds)
                 prepare_for_recording(gpt)
                 recorder = OpRecorder(gpt)
                 with recorder.recording():
@@ -82,7 +87,7 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
 
     nodes = [folding.to_node(r, group_of) for r in recorder.records]
     blocks = folding.split_blocks(nodes, recorder.saved_nbytes)
-    if not folding.layers_identical(blocks):
+    if isinstance(built, int) and not folding.layers_identical(blocks):
         log.warning("traced layers differ; they are kept as separate blocks")
     return ChunkTrace(blocks=tuple(blocks), params_by_block=params_by_block,
                       expert_params_by_block=expert_params_by_block,

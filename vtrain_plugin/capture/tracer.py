@@ -122,13 +122,40 @@ def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, i
     embedding or the loss, as an uneven split may leave one, is traced with a layer and folded to
     none); chunks of one role share a trace."""
     roles = []
+    kinds_of = _chunk_layer_kinds(model, plan) if model.has_dense_layers_between_moe else {}
     for rank, chunk, num_layers in chunks:
         role = chunk_role(plan, rank, chunk)
-        built = max(1, num_layers if traced_layers is None else min(num_layers, traced_layers))
+        built: int | tuple[bool, ...] = max(1, num_layers if traced_layers is None else min(num_layers, traced_layers))
+        if kinds_of:
+            built = _built_kinds(kinds_of[rank, chunk], built, traced_layers is None)
         roles.append((role.pre_process, role.post_process, built))
     traces = _chunk_traces(model, plan, roles)
-    return tuple(_assemble_stage(traces[role], rank, chunk, num_layers)
+    return tuple(_assemble_stage(traces[role], rank, chunk, num_layers, kinds_of.get((rank, chunk)))
                  for role, (rank, chunk, num_layers) in zip(roles, chunks, strict=True))
+
+
+def _chunk_layer_kinds(model: ModelSpec, plan: ParallelPlan) -> dict[tuple[int, int], tuple[bool, ...]]:
+    """Whether each layer of each (pipeline rank, chunk) is a MoE layer: the model's layers laid
+    out in megatron-core's order of virtual stages (chunk 0 of every rank, then chunk 1, ...)."""
+    layers = plan.chunk_layers(model)
+    pattern = model.moe_layer_pattern
+    kinds, start = {}, 0
+    for chunk in range(plan.virtual_pipeline):
+        for rank in range(plan.pipeline_parallel):
+            count = layers[rank][chunk]
+            kinds[rank, chunk] = pattern[start:start + count]
+            start += count
+    return kinds
+
+
+def _built_kinds(kinds: tuple[bool, ...], built: int, every_layer: bool) -> tuple[bool, ...]:
+    """The layers traced for a chunk of layers ``kinds``: all of them with ``every_layer``; one of
+    each kind when it holds both (each kind's template then counts as many times as the chunk holds
+    it); else ``built`` layers of its one kind (a chunk of none: one MoE layer, folded to none)."""
+    if every_layer:
+        return kinds or (True,)
+    present = tuple(dict.fromkeys(sorted(kinds)))
+    return present if len(present) > 1 else (present[0] if present else True,) * built
 
 
 def _chunk_traces(model: ModelSpec, plan: ParallelPlan, roles: list[Role]) -> dict[Role, ChunkTrace]:
@@ -166,17 +193,22 @@ def _remember(key: tuple, traced: ChunkTrace) -> None:
         _cache.popitem(last=False)
 
 
-def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int) -> StageGraph:
-    """One stage's graph from its role's trace: layers folded to the chunk's count, parameters
-    per block. Stages of one role share their blocks' node tuples, so each is costed once."""
-    blocks = traced.folded.get(per_chunk)
+def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int,
+                    kinds: tuple[bool, ...] | None = None) -> StageGraph:
+    """One stage's graph from its role's trace: layers folded to the chunk's count (to the count of
+    each kind, MoE and dense, with ``kinds``), parameters per block. Stages of one role share their
+    blocks' node tuples, so each is costed once."""
+    key = per_chunk if kinds is None else kinds
+    blocks = traced.folded.get(key)
     if blocks is None:
-        blocks = traced.folded[per_chunk] = tuple(
+        folded = folding.fold_layers(traced.blocks, per_chunk) if kinds is None else \
+            folding.fold_layer_kinds(traced.blocks, kinds)
+        blocks = traced.folded[key] = tuple(
             replace(block, num_parameters=sum(traced.params_by_block.get(block.name, ()))
                     + sum(traced.expert_params_by_block.get(block.name, ())),
                     parameter_numels=traced.params_by_block.get(block.name, ()),
                     expert_parameter_numels=traced.expert_params_by_block.get(block.name, ()))
-            for block in folding.fold_layers(traced.blocks, per_chunk))
+            for block in folded)
     return StageGraph(pipeline_rank=rank, chunk=chunk, blocks=blocks,
                       activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,
                       word_embedding_parameters=traced.word_embedding_params)

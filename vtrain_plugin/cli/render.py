@@ -95,8 +95,14 @@ def _moe_label(model: ModelSpec | None, plan: ParallelPlan) -> str:
     """`` experts=8 top-2 ep=8 etp=1 dispatcher=alltoall skew=1`` for a MoE model, else ``""``."""
     if model is None or not model.is_moe:
         return ""
+    features = [f" shared-expert={model.moe_shared_expert_intermediate_size}"
+                + (" (overlapped)" if model.moe_shared_expert_overlap else "")
+                if model.moe_shared_expert_intermediate_size is not None else "",
+                f" moe-layers={model.num_moe_layers}/{model.num_layers}" if model.has_dense_layers_between_moe else "",
+                " grouped-gemm" if model.moe_grouped_gemm else "",
+                f" capacity={model.moe_expert_capacity_factor:g}" if model.moe_expert_capacity_factor is not None else ""]
     return (f" experts={model.num_experts} top-{model.router_topk} ep={plan.expert_parallel} etp={plan.expert_tp} "
-            f"dispatcher={plan.moe_token_dispatcher.value} skew={model.moe_routing_skew:g}")
+            f"dispatcher={plan.moe_token_dispatcher.value} skew={model.moe_routing_skew:g}" + "".join(features))
 
 
 def _stage_name(s: StageGraph, graph: OpGraph) -> str:
@@ -190,6 +196,7 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
                  f"{verdict} (weights {peak.weights_gib:.1f}, gradients {peak.gradients_gib:.1f}, "
                  f"optimizer {peak.optimizer_gib:.1f}, activations {peak.activations_gib:.1f} for "
                  f"{peak.inflight_microbatches} micro-batches in flight, allowance {peak.allowance_gib:.1f})")
+    lines.extend(f"assumed: {line}" for line in result.assumptions)
     if result.largest_unmeasured:
         lines.append("")
         rows = [[k.op, " x ".join(str(list(s)) for s in k.input_shapes), k.phase, k.module, f"{k.time_ms:,.1f}",

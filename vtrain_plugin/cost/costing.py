@@ -106,7 +106,8 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         node = c.node
         comm_ns = comm.time_ns(node.kind, node.nbytes, node.group, pipeline_rank=rank)
         on_cp = node.group is ParallelGroup.CP
-        overlapped = c.partner >= 0 and (on_cp or training.tp_comm_overlap)
+        # CP and MoE partners exist only where they overlap; TP ones with TE's userbuffers.
+        overlapped = c.partner >= 0 and (on_cp or node.group in MOE_GROUPS or training.tp_comm_overlap)
         device[c.row] = exposed_ns(comm_ns, device[c.partner]) if overlapped else comm_ns
         host[c.row] = constants.collective_host_overhead_ns or (
             constants.backward_host_overhead_ns if node.phase is Phase.BACKWARD else constants.host_overhead_ns)

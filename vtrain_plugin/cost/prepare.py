@@ -137,14 +137,15 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
     last = graph.parallel.num_model_chunks - 1
     ordered = sorted(graph.stages, key=lambda s: s.chunk * pp + s.pipeline_rank)
     tied = graph.model is not None and graph.model.tied
+    options = _moe_options(graph)
     roles: dict[tuple, PreparedRole] = {}
     runtimes: dict[tuple, RuntimeCollectives] = {}
     stages = []
     for stage in ordered:
-        role_key = (stack, fp8, shards, cp, tuple((id(b.nodes), b.count) for b in stage.blocks))
+        role_key = (stack, fp8, shards, cp, tuple((id(b.nodes), b.count) for b in stage.blocks), *options)
         role = roles.get(role_key)
         if role is None:
-            role = roles[role_key] = _role(stage.blocks, stack, fp8, shards, cp, measured, role_key)
+            role = roles[role_key] = _role(stage.blocks, stack, fp8, shards, cp, measured, role_key, options)
         virtual = stage.chunk * pp + stage.pipeline_rank
         runtime_key = (role_key, tuple(b.num_parameters for b in stage.blocks), stage.word_embedding_parameters,
                        stage.activation_shape, stage.activation_dtype, virtual == 0, virtual == last)
@@ -168,13 +169,31 @@ def prepare_run(graph: OpGraph, stack: SoftwareStack | str, training: TrainingSp
                    grads=training.grad_dtype(graph.dtype), fp8_param_gather=training.fp8_param_gather)
 
 
+def _moe_options(graph: OpGraph) -> tuple:
+    """What of the model the preparation of its roles reads besides their nodes: whether MoE
+    experts run as grouped GEMMs and whether the shared expert overlaps the all-to-all (only when
+    set, so the role keys of other models stay as they were)."""
+    model = graph.model
+    if model is None or not model.is_moe or not (model.moe_grouped_gemm or model.moe_shared_expert_overlap):
+        return ()
+    return (MoeOptions(grouped_experts=model.moe_grouped_gemm, shared_expert_overlap=model.moe_shared_expert_overlap),)
+
+
+@dataclass(frozen=True, slots=True)
+class MoeOptions:
+    grouped_experts: bool = False
+    shared_expert_overlap: bool = False
+
+
 def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
-          cp: ContextParallel | None, measured: Mapping[KernelKey, float] | None, key: tuple) -> PreparedRole:
+          cp: ContextParallel | None, measured: Mapping[KernelKey, float] | None, key: tuple,
+          options: tuple = ()) -> PreparedRole:
+    moe = options[0] if options else MoeOptions()
     if measured:
-        return _prepare_role(blocks, stack, fp8, shards, cp, measured)
+        return _prepare_role(blocks, stack, fp8, shards, cp, measured, moe)
     role = _roles.get(key)
     if role is None:
-        role = _roles[key] = _prepare_role(blocks, stack, fp8, shards, cp, {})
+        role = _roles[key] = _prepare_role(blocks, stack, fp8, shards, cp, {}, moe)
         if len(_roles) > _ROLE_CACHE_SIZE:
             _roles.popitem(last=False)
     else:
@@ -183,7 +202,8 @@ def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | No
 
 
 def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
-                  cp: ContextParallel | None, measured: Mapping[KernelKey, float]) -> PreparedRole:
+                  cp: ContextParallel | None, measured: Mapping[KernelKey, float],
+                  moe: MoeOptions = MoeOptions()) -> PreparedRole:
     rows: list[OpNode | None] = []
     phases: list[Phase] = []
     comm_rows: list[CommRow] = []
@@ -192,7 +212,7 @@ def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setti
         layer = block.kind is BlockKind.LAYER
         nodes = cp.layer_nodes(block.nodes) if cp is not None and layer else block.nodes
         by_phase: dict[Phase, list[OpNode | CollectiveNode]] = {p: [] for p in PHASES}
-        for node in shard_optimizer(map_nodes(nodes, stack, fp8), *shards):
+        for node in shard_optimizer(map_nodes(nodes, stack, fp8, grouped_experts=moe.grouped_experts), *shards):
             if isinstance(node, OpNode):
                 if node.launches_kernel:
                     by_phase[node.phase].append(node)
@@ -200,7 +220,8 @@ def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setti
                 by_phase[node.phase].append(node)
         for phase in PHASES:
             start = len(rows)
-            partners = overlap_partners(by_phase[phase], in_layer=layer)
+            partners = overlap_partners(by_phase[phase], in_layer=layer,
+                                        shared_expert_overlap=moe.shared_expert_overlap)
             for i, node in enumerate(by_phase[phase]):
                 if isinstance(node, CollectiveNode):
                     partner = partners.get(i)

@@ -28,8 +28,18 @@ MODEL_VARIANTS = {"family": "llama", "hidden_size": 128, "num_attention_heads": 
                   "dtype": "bf16", "num_experts": 4}
 # Each changes the key of a MoE model's chunk (the fields a dense model must leave unset).
 MOE_MODEL = dataclasses.replace(MODEL, num_experts=4)
-MOE_MODEL_VARIANTS = {"moe_router_topk": 1, "moe_ffn_hidden_size": 128, "moe_routing_skew": 2.0}
-MODEL_FIELDS_REFUSED = {"moe_shared_expert_intermediate_size"}  # always unset: any value is a ConfigError
+MOE_MODEL_VARIANTS = {"moe_router_topk": 1, "moe_ffn_hidden_size": 128, "moe_routing_skew": 2.0,
+                      "moe_shared_expert_intermediate_size": 128,
+                      "moe_router_score_function": "sigmoid", "moe_router_topk_scaling_factor": 2.0,
+                      "moe_expert_capacity_factor": 1.0, "moe_token_drop_policy": "position"}
+# MoE fields that need another set with them (each also changes the key; see test_moe_features_key).
+MOE_FIELDS_WITH_OTHERS = {"moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
+                          "moe_pad_expert_input_to_capacity"}
+# MoE fields that change how a trace is costed, not the trace (chunk.COSTED_MODEL_FIELDS).
+MOE_COSTED = {"moe_grouped_gemm": True, "moe_shared_expert_overlap": True}
+# The MoE layer pattern picks the kinds of the layers each chunk builds (a field of the key), not the model's.
+MOE_PATTERN = {"moe_layer_freq": 2}
+MODEL_FIELDS_REFUSED = MOE_FIELDS_WITH_OTHERS | set(MOE_PATTERN) | set(MOE_COSTED)
 # The layer's choices beyond the family (each changes the key of a gpt chunk; at its default the key
 # is the family's, asserted below).
 LAYER_VARIANTS = {"kv_channels": 32, "normalization": "RMSNorm", "activation": "squared_relu",
@@ -167,6 +177,12 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     same = [shape_key(dataclasses.replace(MODEL, **MODEL_FIELDS_NOT_IN_KEY), PLAN, True, True, 2),
             shape_key(MODEL, dataclasses.replace(PLAN, **PLAN_FIELDS_NOT_IN_KEY), True, True, 2)]
     assert all(k == KEY for k in same)
+    moe_key = shape_key(MOE_MODEL, PLAN, True, True, 2)
+    assert shape_key(dataclasses.replace(MOE_MODEL, **MOE_PATTERN), PLAN, True, True, 2) == moe_key
+    shared = dataclasses.replace(MOE_MODEL, moe_shared_expert_intermediate_size=128)
+    assert shape_key(dataclasses.replace(shared, **MOE_COSTED), PLAN, True, True, 2) == \
+        shape_key(shared, PLAN, True, True, 2)
+    assert shape_key(MOE_MODEL, PLAN, True, True, (False, True)) != moe_key
     # pipeline and virtual pipeline sizes beyond "several stages" only pick the chunk role
     pp2, pp8 = (ParallelPlan(tensor_parallel=2, pipeline_parallel=p, virtual_pipeline=v) for p, v in ((2, 1), (8, 2)))
     assert shape_key(MODEL, pp2, False, True, 2) == shape_key(MODEL, pp8, False, True, 2)
@@ -230,3 +246,19 @@ def test_an_unwritable_cache_is_a_warning_not_an_error(tmp_path, monkeypatch, ca
         disk_cache.store(KEY, _small_chunk("x"))
     assert "could not write" in caplog.text
     assert disk_cache.load(KEY) is None
+
+
+def test_moe_features_set_together_change_the_key_and_unset_ones_keep_it():
+    """A MoE feature left at its default is not in the key, so a model without it keeps its cached
+    traces; one set is."""
+    key = shape_key(MOE_MODEL, PLAN, True, True, 2)
+    named = disk_cache.entry_key(key)["shape"]["model"]
+    assert set(named) == {"family", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                          "ffn_hidden_size", "num_query_groups", "tied_embeddings", "dtype", "num_experts",
+                          "moe_router_topk", "moe_ffn_hidden_size", "moe_routing_skew",
+                          "moe_shared_expert_intermediate_size"}
+    together = [dict(moe_router_num_groups=2, moe_router_group_topk=1),
+                dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
+                dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)]
+    keys = {shape_key(dataclasses.replace(MOE_MODEL, **fields), PLAN, True, True, 2) for fields in together}
+    assert len(keys) == len(together) and key not in keys

@@ -41,7 +41,25 @@ def test_mixtral_parameter_count_is_46_7_billion():
                                  "= 8 / 2 = 4]"),
     (dict(moe_routing_skew=0.5), "model.moe_routing_skew (0.5) must lie in [1,"),
     (dict(num_experts=0), "model.num_experts must be positive, got 0"),
-    (dict(moe_shared_expert_intermediate_size=1024), "shared experts are not modelled yet"),
+    (dict(num_experts=None, moe_shared_expert_intermediate_size=1024),
+     "model.moe_shared_expert_intermediate_size needs model.num_experts"),
+    (dict(moe_shared_expert_overlap=True), "model.moe_shared_expert_overlap needs "
+                                          "model.moe_shared_expert_intermediate_size"),
+    (dict(moe_layer_freq=(0, 1, 1)), "model.moe_layer_freq: a per-layer pattern needs model.num_layers (4) entries"),
+    (dict(moe_layer_freq=(0, 0, 0, 0)), "the pattern has no MoE layer"),
+    (dict(moe_layer_freq=0), "model.moe_layer_freq must be a positive integer or a list of 0 / 1 per layer"),
+    (dict(moe_router_score_function="tanh"), "model.moe_router_score_function must be one of"),
+    (dict(moe_router_enable_expert_bias=True), "model.moe_router_enable_expert_bias needs "
+                                               "model.moe_router_score_function sigmoid"),
+    (dict(moe_router_num_groups=4), "model.moe_router_num_groups and model.moe_router_group_topk go together"),
+    (dict(moe_router_num_groups=3, moe_router_group_topk=1), "model.moe_router_num_groups (3) must divide "
+                                                             "model.num_experts (8)"),
+    (dict(moe_router_num_groups=4, moe_router_group_topk=1, moe_router_topk=4),
+     "model.moe_router_topk (4) must not exceed moe_router_group_topk (1) x experts per group (2) = 2"),
+    (dict(moe_pad_expert_input_to_capacity=True), "model.moe_pad_expert_input_to_capacity needs "
+                                                  "model.moe_expert_capacity_factor"),
+    (dict(moe_expert_capacity_factor=0.0), "model.moe_expert_capacity_factor"),
+    (dict(moe_expert_capacity_factor=1.0, moe_routing_skew=2.0), "vtrain assumes balanced routing under a capacity"),
 ])
 def test_bad_moe_fields_name_the_rule(kw, message):
     with pytest.raises(ConfigError) as err:
@@ -109,6 +127,27 @@ def test_expert_data_parallel_with_context_parallelism_spans_tp_x_cp_x_dp():
 def test_balanced_routing_gives_every_expert_tokens_times_topk_over_experts():
     assert expert_token_counts(4096, 2, 8) == (1024,) * 8
     assert expert_token_counts(10, 1, 4) == (3, 3, 2, 2)  # an uneven division: one more to the first
+
+
+def test_a_capacity_caps_each_expert_and_padding_fills_it():
+    # 64 tokens x top-2 over 8 experts: a balanced share of 16; capacity ceil(16 x factor)
+    assert expert_token_counts(64, 2, 8, capacity_factor=0.5) == (8,) * 8
+    assert expert_token_counts(64, 2, 8, capacity_factor=1.5) == (16,) * 8  # above the share: nothing dropped
+    assert expert_token_counts(64, 2, 8, capacity_factor=1.5, pad_to_capacity=True) == (24,) * 8
+    assert expert_token_counts(64, 2, 8, capacity_factor=0.3) == (5,) * 8  # ceil(4.8)
+
+
+def test_moe_layer_pattern_and_parameters_follow_the_frequency():
+    every_other = moe(moe_layer_freq=2)
+    assert every_other.moe_layer_pattern == (True, False, True, False) and every_other.num_moe_layers == 2
+    first_dense = moe(moe_layer_freq=[0, 1, 1, 1])  # a plan file's list
+    assert first_dense.moe_layer_freq == (0, 1, 1, 1) and first_dense.num_moe_layers == 3
+    h, f, e, dense_f = 512, 1536, 8, 1536  # llama FFN of hidden 512: 2/3 x 4h rounded up to 256
+    expert_mlp, dense_mlp = 3 * h * f, 3 * h * dense_f
+    all_moe = moe()
+    assert all_moe.num_parameters - first_dense.num_parameters == (e * h + e * expert_mlp) - dense_mlp
+    shared = moe(moe_shared_expert_intermediate_size=256)
+    assert shared.num_parameters - all_moe.num_parameters == 4 * 3 * h * 256
 
 
 def test_skew_multiplies_the_busiest_expert_and_the_rest_share_evenly():

@@ -71,7 +71,8 @@ _NO_DEVICE_TIME = frozenset({OpClass.NO_KERNEL, OpClass.HOST_SYNC})
 _TENSOR_DTYPES = (Dtype.FP16, Dtype.BF16, Dtype.FP32, Dtype.FP8)
 
 # Positions of the (M x K) and (K x N) operands among a GEMM's tensor inputs.
-_OPERANDS = {"mm": (0, 1), "_scaled_mm": (0, 1), "matmul": (0, 1), "bmm": (0, 1),
+# A grouped GEMM (one kernel over the GEMMs of several experts) is tiled as a batch of them.
+_OPERANDS = {"mm": (0, 1), "_scaled_mm": (0, 1), "matmul": (0, 1), "bmm": (0, 1), "grouped_gemm": (0, 1),
              "addmm": (1, 2), "baddbmm": (1, 2), "linear": (0, 1)}
 
 

@@ -35,7 +35,7 @@ class OpClass(StrEnum):
 
 _TABLE: dict[OpClass, frozenset[str]] = {
     OpClass.GEMM: frozenset({
-        "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm",
+        "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm", "grouped_gemm",
         "convolution", "_convolution", "cudnn_convolution",
     }),
     OpClass.ATTENTION: frozenset({

@@ -51,15 +51,23 @@ the embedding, the QKV gradient concatenation and everything else stay as traced
 casts of the traced optimizer vanish: Megatron-Core accumulates gradients in an fp32 ``main_grad``
 inside the weight-gradient GEMMs (gradient-accumulation fusion). FP8 is a pass over these kernels
 (:mod:`vtrain_plugin.cost.lowering.fp8`).
+
+Grouped-GEMM experts (``moe_grouped_gemm``: TE's ``TEGroupedMLP``) are a pass over the lowered
+kernels of a MoE layer's ``SequentialMLP`` (:func:`group_expert_kernels`): the k-th kernel of every
+local expert in a phase runs as one kernel over all their tokens (``te.grouped_gemm`` for a GEMM,
+its FLOPs and bytes the sum of the experts'), and the concatenation of the experts' outputs (and its
+backward) is gone: the grouped GEMM writes one tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import re
+
 from megatron_adapters.conventions import is_mlp_module
 from vtrain_plugin.core.dtypes import element_nbytes
-from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, Node, OpNode, ParallelGroup, Phase
+from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, KernelKey, Node, OpNode, ParallelGroup, Phase
 from vtrain_plugin.cost.lowering.fusion import (FORWARD_PHASES, bias_dropout_add, bias_gelu, dropout, dtype_nbytes, fused,
                                        lower_block, names, numel, op_name, replace_runs)
 
@@ -308,3 +316,63 @@ def fused_attention_saved_delta(nodes: Sequence[Node]) -> int:
         dropped += kept(clone, 0)
         added += s * batch * groups * d * dtype_nbytes(clone)
     return added - dropped
+
+
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)(?:\.|$)")
+GROUPED_GEMM = "te.grouped_gemm.default"
+
+
+def group_expert_kernels(nodes: Sequence[Node]) -> tuple[Node, ...]:
+    """``nodes`` (one block, lowered) with each MoE layer's per-expert kernels as grouped ones (see
+    the module doc): per phase, the experts' kernel sequences zipped position by position, each
+    position one kernel placed where the first expert kernel of the phase was. A phase whose experts
+    run different kernel sequences is left as traced."""
+    by_phase: dict[tuple[Phase, str], dict[int, list[int]]] = {}
+    for i, node in enumerate(nodes):
+        found = _LOCAL_EXPERT.search(node.module) if isinstance(node, OpNode) else None
+        if found and node.phase is not Phase.OPTIMIZER:
+            layer = node.module[:found.start()]
+            by_phase.setdefault((node.phase, layer), {}).setdefault(int(found.group(1)), []).append(i)
+    if not by_phase:
+        return tuple(nodes)
+    placed: dict[int, list[Node]] = {}
+    dropped: set[int] = set()
+    for (phase, layer), experts in by_phase.items():
+        sequences = [[nodes[i] for i in experts[e]] for e in sorted(experts)]
+        if len(sequences) < 2 or len({tuple(op_name(n) for n in seq) for seq in sequences}) != 1:
+            continue
+        placed[min(min(ix) for ix in experts.values())] = [_grouped(list(column)) for column in zip(*sequences)]
+        dropped.update(i for ix in experts.values() for i in ix)
+        concat = f"{layer}.mlp.experts"  # SequentialMLP's cat of the experts' outputs (and its backward)
+        dropped.update(i for i, n in enumerate(nodes) if isinstance(n, OpNode) and n.phase is phase
+                       and n.module == concat and op_name(n) == "cat")
+    out: list[Node] = []
+    for i, node in enumerate(nodes):
+        out.extend(placed.get(i, ()))
+        if i not in dropped:
+            out.append(node)
+    return tuple(out)
+
+
+def _grouped(column: list[OpNode]) -> OpNode:
+    """One kernel for the same kernel of every local expert: FLOPs and bytes summed, each input the
+    experts' inputs side by side (a GEMM's as a batch of experts, its rows their mean when they differ)."""
+    first = column[0]
+    module = _LOCAL_EXPERT.sub(lambda m: ".mlp.experts" + (m.group(0)[-1] if m.group(0).endswith(".") else ""),
+                               first.module)
+    nbytes = sum(n.nbytes for n in column)
+    shapes = [n.key.input_shapes for n in column]
+    if op_name(first) in ("mm", "_scaled_mm"):  # FP8 GEMMs too (lowering.fp8 runs before this pass)
+        flops = sum(n.flops or 2 * n.key.input_shapes[0][0] * n.key.input_shapes[0][1] * n.key.input_shapes[1][1]
+                    for n in column)
+        inputs = [(len(column), *(-(-sum(s[k][d] for s in shapes) // len(column)) for d in range(len(first.key.input_shapes[k]))))
+                  for k in range(len(first.key.input_shapes))]
+        out = (sum(n.output_shapes[0][0] for n in column), *first.output_shapes[0][1:])
+        return OpNode(key=KernelKey(op=GROUPED_GEMM, input_shapes=tuple(inputs), dtypes=first.key.dtypes),
+                      phase=first.phase, module=module, output_shapes=(out,), flops=flops, nbytes=nbytes)
+    inputs = [(sum(s[k][0] for s in shapes), *first.key.input_shapes[k][1:]) if first.key.input_shapes[k] else ()
+              for k in range(len(first.key.input_shapes))]
+    outputs = tuple((sum(n.output_shapes[j][0] for n in column), *o[1:]) if o else ()
+                    for j, o in enumerate(first.output_shapes))
+    return OpNode(key=KernelKey(op=first.op, input_shapes=tuple(inputs), dtypes=first.key.dtypes), phase=first.phase,
+                  module=module, output_shapes=outputs, flops=sum(n.flops for n in column), nbytes=nbytes)

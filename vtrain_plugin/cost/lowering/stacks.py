@@ -27,7 +27,7 @@ from vtrain_plugin.core.graph import Node
 from vtrain_plugin.core.registry import Registry
 from vtrain_plugin.cost.lowering.fp8 import to_fp8
 from vtrain_plugin.cost.lowering.megatron_deepspeed import megatron_deepspeed_2023
-from vtrain_plugin.cost.lowering.megatron_core_te import megatron_core_te
+from vtrain_plugin.cost.lowering.megatron_core_te import group_expert_kernels, megatron_core_te
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
 
 Mapping = Callable[[Sequence[Node]], tuple[Node, ...]]
@@ -39,15 +39,16 @@ def register_stack(stack: SoftwareStack) -> Callable[[Mapping], Mapping]:
     return _MAPPINGS.register(stack)
 
 
-def map_nodes(nodes: Sequence[Node], stack: SoftwareStack | str, fp8: Fp8Settings | None = None
-              ) -> tuple[Node, ...]:
-    """The node sequence of one block as ``stack`` runs it (in FP8 with ``fp8``)."""
+def map_nodes(nodes: Sequence[Node], stack: SoftwareStack | str, fp8: Fp8Settings | None = None, *,
+              grouped_experts: bool = False) -> tuple[Node, ...]:
+    """The node sequence of one block as ``stack`` runs it (in FP8 with ``fp8``; with
+    ``grouped_experts``, each MoE layer's experts as grouped GEMMs: :func:`group_expert_kernels`)."""
     mapped = _MAPPINGS.get(stack)(nodes)
-    if fp8 is None:
-        return mapped
-    if str(stack) not in FP8_STACKS:
-        raise ConfigError(f"training.fp8 {fp8.format.value!r} needs software_stack megatron_core_te (got {stack})")
-    return to_fp8(mapped, fp8)
+    if fp8 is not None:
+        if str(stack) not in FP8_STACKS:
+            raise ConfigError(f"training.fp8 {fp8.format.value!r} needs software_stack megatron_core_te (got {stack})")
+        mapped = to_fp8(mapped, fp8)
+    return group_expert_kernels(mapped) if grouped_experts else mapped
 
 
 @register_stack(SoftwareStack.LOCAL_SPEC)

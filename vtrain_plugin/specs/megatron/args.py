@@ -28,6 +28,7 @@ from vtrain_plugin.specs.megatron.launch_script import LaunchCommand
 from vtrain_plugin.specs.megatron.flags import (
     MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, UNSUPPORTED_FLAGS, UNSUPPORTED_SCRIPTS, Arity)
 from vtrain_plugin.specs.megatron.model import Given, model_fields, positive_int, recompute_mode
+from vtrain_plugin.specs.megatron.moe_flags import capacity_factor, moe_layer_freq, number
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.model_features import REFUSED, unmodelled_warning
 from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
@@ -104,10 +105,19 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--expert-model-parallel-size", "parallel.expert_parallel"),
     FlagField("--expert-tensor-parallel-size", "parallel.expert_tensor_parallel"),
     FlagField("--moe-token-dispatcher-type", "parallel.moe_token_dispatcher", convert=_dispatcher),
-    FlagField("--moe-shared-expert-intermediate-size", None, None, "shared experts"),
-    FlagField("--moe-expert-capacity-factor", None, None, "MoE token dropping (capacity factor)", _as_given),
-    FlagField("--moe-pad-expert-input-to-capacity", None, False, "MoE token dropping (capacity factor)", _as_given),
-    FlagField("--moe-layer-freq", None, "1", "dense layers between MoE layers", _as_given),
+    # MoE layer features (megatron-core's MoELayer builds them; ModelSpec checks them)
+    FlagField("--moe-shared-expert-intermediate-size", "model.moe_shared_expert_intermediate_size"),
+    FlagField("--moe-shared-expert-overlap", "model.moe_shared_expert_overlap", convert=_as_given),
+    FlagField("--moe-layer-freq", "model.moe_layer_freq", convert=moe_layer_freq),
+    FlagField("--moe-grouped-gemm", "model.moe_grouped_gemm", convert=_as_given),
+    FlagField("--moe-router-score-function", "model.moe_router_score_function", convert=_as_given),
+    FlagField("--moe-router-num-groups", "model.moe_router_num_groups"),
+    FlagField("--moe-router-group-topk", "model.moe_router_group_topk"),
+    FlagField("--moe-router-enable-expert-bias", "model.moe_router_enable_expert_bias", convert=_as_given),
+    FlagField("--moe-router-topk-scaling-factor", "model.moe_router_topk_scaling_factor", convert=number),
+    FlagField("--moe-expert-capacity-factor", "model.moe_expert_capacity_factor", convert=capacity_factor),
+    FlagField("--moe-pad-expert-input-to-capacity", "model.moe_pad_expert_input_to_capacity", convert=_as_given),
+    FlagField("--moe-token-drop-policy", "model.moe_token_drop_policy", convert=_as_given),
     FlagField("--moe-enable-deepep", None, False, "the flex token dispatcher (DeepEP / HybridEP)", _as_given),
     FlagField("--moe-layer-recompute", None, False, "recompute of MoE layers", _as_given),
     FlagField("--use-distributed-optimizer", "training.distributed_optimizer", convert=_as_given),

@@ -198,11 +198,10 @@ PERFORMANCE_FLAGS = frozenset("--" + word for word in (
     # The caching allocator's reserve, and the first iterations of a batch-size ramp (vtrain predicts
     # the steady iteration)
     """empty-unused-memory-level rampup-batch-size """
-    # MoE router and permutation kernels (small next to the experts' GEMMs), grouped-GEMM experts (the
-    # same FLOPs in fewer launches)
-    """moe-grouped-gemm moe-use-legacy-grouped-gemm moe-permute-fusion moe-router-fusion moe-router-dtype
-    moe-router-score-function moe-z-loss-coeff moe-input-jitter-eps moe-shared-expert-overlap
-    moe-router-padding-for-fp8 moe-apply-probs-on-input"""
+    # MoE router and permutation kernels (small next to the experts' GEMMs); the legacy grouped GEMM
+    # (--moe-grouped-gemm itself is modelled: model.moe_grouped_gemm)
+    """moe-use-legacy-grouped-gemm moe-permute-fusion moe-router-fusion moe-router-dtype
+    moe-z-loss-coeff moe-input-jitter-eps moe-router-padding-for-fp8 moe-apply-probs-on-input"""
 ).split())
 
 # Models other than a GPT decoder, which vtrain does not estimate: the flags only those take.

@@ -83,12 +83,15 @@ def test_layer_features_other_than_the_familys_are_modelled_not_noted():
                                                          "modelled"),
     ("--context-parallel-size 2 --cp-comm-type a2a", "parallel.cp_comm_type must be one of p2p, all_gather; "
                                                      "got 'a2a'"),
-    ("--num-experts 8 --moe-shared-expert-intermediate-size 512",
-     "--moe-shared-expert-intermediate-size 512: shared experts is not modelled by vtrain yet"),
-    ("--num-experts 8 --moe-expert-capacity-factor 1.0",
-     "--moe-expert-capacity-factor 1.0: MoE token dropping (capacity factor) is not modelled by vtrain yet"),
-    ("--num-experts 8 --moe-layer-freq 2", "--moe-layer-freq 2: dense layers between MoE layers is not modelled by "
-                                           "vtrain yet"),
+    ("--num-experts 8 --moe-layer-freq '([0]*3+[1]*2)'",
+     "model.moe_layer_freq: a per-layer pattern needs model.num_layers (8) entries, each 0 (dense) or 1 (MoE); got 5"),
+    ("--num-experts 8 --moe-layer-freq \"open('x')\"", "--moe-layer-freq open('x'): must be an integer or a Python list "
+                                                   "such as ([0]*3+[1]*58) (lists of integers, + and * only)"),
+    ("--num-experts 8 --moe-pad-expert-input-to-capacity", "model.moe_pad_expert_input_to_capacity needs "
+                                                           "model.moe_expert_capacity_factor (the capacity to pad to)"),
+    ("--num-experts 8 --moe-router-enable-expert-bias", "model.moe_router_enable_expert_bias needs "
+                                                        "model.moe_router_score_function sigmoid (megatron-core's "
+                                                        "aux-loss-free routing)"),
     ("--num-experts 8 --moe-token-dispatcher-type flex",
      "--moe-token-dispatcher-type flex: the flex token dispatcher (DeepEP / HybridEP) is not modelled by vtrain yet"),
     ("--num-experts 8 --moe-token-dispatcher-type ring", "parallel.moe_token_dispatcher must be one of alltoall, "
@@ -133,7 +136,7 @@ def test_moe_flags_set_the_experts_and_their_parallelism():
     assert (p.model.num_experts, p.model.router_topk, p.model.expert_ffn_size) == (8, 1, 256)
     assert (p.parallel.expert_parallel, p.parallel.expert_tensor_parallel, p.parallel.moe_token_dispatcher) == (
         4, 1, TokenDispatcher.ALLTOALL)
-    assert p.unmodelled == ("--moe-grouped-gemm",)  # one GEMM for all local experts: same FLOPs, other kernels
+    assert p.unmodelled == () and p.model.moe_grouped_gemm is True  # priced as grouped kernels
     defaults = plan("--num-experts 8")
     assert (defaults.model.router_topk, defaults.parallel.expert_parallel, defaults.parallel.expert_tp,
             defaults.parallel.moe_token_dispatcher) == (2, 1, 1, TokenDispatcher.ALLGATHER)  # Megatron-LM's
@@ -388,3 +391,21 @@ def test_entry_points_other_than_pretrain_gpt_are_refused_as_unsupported(script,
     assert str(exc.value) == f"{name}: {what} are not supported by vtrain (it estimates GPT decoders, Megatron-LM's " \
                              f"pretrain_gpt.py)"
     assert megatron_plan(read_command_line(f"torchrun --nproc_per_node 8 pretrain_gpt.py {BASE}")).parallel.data_parallel == 8
+
+
+def test_moe_feature_flags_set_the_model_fields():
+    p = plan("--num-experts 8 --moe-shared-expert-intermediate-size 512 --moe-shared-expert-overlap "
+             "--moe-token-dispatcher-type alltoall --moe-layer-freq '([0]*1+[1]*7)' --moe-router-score-function sigmoid "
+             "--moe-router-enable-expert-bias --moe-router-num-groups 4 --moe-router-group-topk 2 "
+             "--moe-router-topk-scaling-factor 2.5 --moe-expert-capacity-factor 1.25 "
+             "--moe-pad-expert-input-to-capacity --moe-token-drop-policy position")
+    m = p.model
+    assert (m.moe_shared_expert_intermediate_size, m.moe_shared_expert_overlap, m.moe_layer_freq) == (
+        512, True, (0, 1, 1, 1, 1, 1, 1, 1))
+    assert (m.moe_router_score_function.value, m.moe_router_enable_expert_bias, m.moe_router_num_groups,
+            m.moe_router_group_topk, m.moe_router_topk_scaling_factor) == ("sigmoid", True, 4, 2, 2.5)
+    assert (m.moe_expert_capacity_factor, m.moe_pad_expert_input_to_capacity, m.moe_token_drop_policy.value) == (
+        1.25, True, "position")
+    assert p.unmodelled == ()
+    assert plan("--num-experts 8 --moe-expert-capacity-factor -1").model.moe_expert_capacity_factor is None  # dropless
+    assert plan("--num-experts 8 --moe-layer-freq 2").model.moe_layer_pattern == (True, False) * 4

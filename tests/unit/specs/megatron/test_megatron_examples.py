@@ -205,7 +205,8 @@ def test_mixtral_8x7b_field_by_field(tmp_path, caplog):
         run = load_megatron_script(script, gpus=32)
     assert run.model == ModelSpec(family=Family.LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32,
                                   num_query_groups=8, ffn_hidden_size=14336, seq_length=4096, vocab_size=32000,
-                                  tied_embeddings=False, dtype=Dtype.BF16, num_experts=8, moe_router_topk=2)
+                                  tied_embeddings=False, dtype=Dtype.BF16, num_experts=8, moe_router_topk=2,
+                                  moe_grouped_gemm=True)
     assert run.parallel == ParallelPlan(tensor_parallel=1, pipeline_parallel=4, data_parallel=8, micro_batch_size=1,
                                         expert_parallel=8, moe_token_dispatcher="alltoall")
     assert run.training == TrainingSpec(global_batch_size=256, grad_reduce=GradReduce.OVERLAP, bucket_size_mb=160.0,
@@ -216,7 +217,7 @@ def test_mixtral_8x7b_field_by_field(tmp_path, caplog):
         f"note: {script}: --gpus 32 overrides the script's 1 node x 8 GPUs = 8; --tokenizer-type Llama2Tokenizer "
         f"taken as Llama-2's SentencePiece model (32000 tokens; add --vocab-size N if not)",
         f"warning: {script}: Megatron-LM arguments vtrain does not model (they may change speed or memory): "
-        "--no-masked-softmax-fusion, --moe-grouped-gemm, --sequence-parallel at TP 1 (Megatron-LM turns it off)"]
+        "--no-masked-softmax-fusion, --sequence-parallel at TP 1 (Megatron-LM turns it off)"]
     on_slurm = MIXTRAL_8X7B.replace('NNODES=${SLURM_NNODES:-"1"}', 'NNODES=${SLURM_NNODES:-"4"}')
     assert script_plan(read_launch_script(on_slurm)).parallel == run.parallel
 

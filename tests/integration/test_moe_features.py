@@ -1,0 +1,278 @@
+"""MoE features beyond the routed experts, traced from megatron-core's own MoELayer: shared experts
+(and their overlap), dense and MoE layers mixed, grouped-GEMM experts, router variants, capacity
+factor and token dropping; each on the traced graph and as the direction it moves the estimate."""
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from vtrain_plugin.capture.tracer import trace
+from vtrain_plugin.core.graph import CollectiveKind, OpNode, Phase
+from vtrain_plugin.cost.kernels.op_classes import OpClass, classify
+from vtrain_plugin.cost.lowering.megatron_core_te import GROUPED_GEMM
+from vtrain_plugin.cost.lowering.stacks import map_nodes
+from vtrain_plugin.estimate import estimate
+from vtrain_plugin.hardware.clusters import get_cluster_preset
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.training import TrainingSpec
+
+# Sizes cost nothing to trace (fake tensors) and make the GPU, not the host, set the pace.
+H, S, E, TOPK, FFN, SHARED, TP, EP = 3584, 4096, 8, 2, 2048, 2560, 2, 2
+BASE = ModelSpec(name="moe-features", family="llama", num_layers=2, hidden_size=H, num_attention_heads=28,
+                 seq_length=S, vocab_size=8192, dtype="bf16", num_experts=E, moe_router_topk=TOPK,
+                 moe_ffn_hidden_size=FFN)
+# TP 2 with SP, EP 2 and expert TP 2 over the 4 TP x DP ranks: 4 local experts, alltoall dispatcher.
+PLAN = ParallelPlan(tensor_parallel=TP, sequence_parallel=True, data_parallel=2, expert_parallel=EP,
+                    moe_token_dispatcher="alltoall")
+LOCAL = E // EP
+PER_RANK = S // TP * TOPK // E  # balanced token-expert pairs one rank routes to each expert: 512
+SOURCES = TP * EP  # ranks of expert TP x EP sending to each local expert
+CLUSTER = get_cluster_preset("dgx-h100")
+TRAINING = TrainingSpec(global_batch_size=8)
+
+
+def traced(**fields):
+    return trace(replace(BASE, **fields), PLAN)
+
+
+def estimated(**fields):
+    return estimate(traced(**fields), cluster=CLUSTER, training=TRAINING, profile_db=False)
+
+
+def gemms(layer, phase, module):
+    return Counter(op.key.input_shapes for op in layer.ops(phase) if op.op == "aten.mm.default" and module in op.module)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return traced()
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return traced(moe_shared_expert_intermediate_size=SHARED)
+
+
+# -- shared experts -------------------------------------------------------------------------------
+
+def test_shared_expert_is_megatrons_shared_expert_mlp(base, shared):
+    layer = shared.stages[0].layer_template()
+    # SharedExpertMLP: a tensor-parallel SwiGLU MLP over every token of the sequence (gathered from SP)
+    assert gemms(layer, Phase.FORWARD, ".mlp.shared_experts.") == Counter({
+        ((S, H), (H, 2 * SHARED // TP)): 1, ((S, SHARED // TP), (SHARED // TP, H)): 1})
+    assert gemms(layer, Phase.BACKWARD, ".mlp.shared_experts.") == Counter({
+        ((S, H), (H, SHARED // TP)): 1, ((H, S), (S, SHARED // TP)): 1,
+        ((S, 2 * SHARED // TP), (2 * SHARED // TP, H)): 1, ((2 * SHARED // TP, S), (S, H)): 1})
+    assert layer.num_parameters - base.stages[0].layer_template().num_parameters == 3 * H * SHARED // TP
+
+
+def test_shared_expert_adds_time_and_memory(base, shared):
+    without, with_shared = (estimate(g, cluster=CLUSTER, training=TRAINING, profile_db=False) for g in (base, shared))
+    assert with_shared.breakdown_ms["forward"] > without.breakdown_ms["forward"]
+    assert with_shared.iteration_time_ms > without.iteration_time_ms
+    assert with_shared.memory_gib[0].weights_gib > without.memory_gib[0].weights_gib
+
+
+def test_shared_expert_overlap_hides_the_token_all_to_alls(shared):
+    plain = estimate(shared, cluster=CLUSTER, training=TRAINING, profile_db=False)
+    overlapped = estimated(moe_shared_expert_intermediate_size=SHARED, moe_shared_expert_overlap=True)
+    assert overlapped.breakdown_ms["ep_comm"] < plain.breakdown_ms["ep_comm"]
+    assert overlapped.iteration_time_ms < plain.iteration_time_ms
+    assert overlapped.memory_gib == plain.memory_gib
+    assert any("shared expert overlap" in line for line in overlapped.assumptions)
+
+
+def test_shared_expert_overlap_needs_the_alltoall_dispatcher():
+    from vtrain_plugin.core.errors import ConfigError
+
+    model = replace(BASE, moe_shared_expert_intermediate_size=SHARED, moe_shared_expert_overlap=True)
+    with pytest.raises(ConfigError, match="model.moe_shared_expert_overlap needs parallel.moe_token_dispatcher "
+                                          "alltoall"):
+        trace(model, replace(PLAN, moe_token_dispatcher="allgather"))
+
+
+# -- dense and MoE layers mixed ---------------------------------------------------------------------
+
+MIXED = replace(BASE, num_layers=6, moe_layer_freq=(0, 0, 0, 1, 1, 1))
+PP3 = replace(PLAN, pipeline_parallel=3)
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    return trace(MIXED, PP3)
+
+
+def _is_moe(block) -> bool:
+    return any(".mlp.router" in op.module for op in block.ops(Phase.FORWARD))
+
+
+def test_each_stage_counts_its_dense_and_moe_layers(mixed):
+    kinds = [[("moe" if _is_moe(b) else "dense", b.count) for b in s.blocks if b.kind.value == "layer"]
+             for s in mixed.stages]
+    assert kinds == [[("dense", 2)], [("dense", 1), ("moe", 1)], [("moe", 2)]]
+    dense = mixed.stages[0].layer_template()
+    f = MIXED.ffn_size  # the dense layers' MLP: the model's FFN, not the experts'
+    assert gemms(dense, Phase.FORWARD, ".mlp.linear_fc") == Counter({((S, H), (H, 2 * f // TP)): 1,
+                                                                     ((S, f // TP), (f // TP, H)): 1})
+    assert not any(c.kind is CollectiveKind.ALL_TO_ALL for c in dense.collectives())
+
+
+def test_dense_first_layers_change_the_time_and_memory_of_their_stages(mixed):
+    every_moe = estimate(trace(replace(MIXED, moe_layer_freq=1), PP3), cluster=CLUSTER, training=TRAINING,
+                         profile_db=False)
+    first_dense = estimate(mixed, cluster=CLUSTER, training=TRAINING, profile_db=False)
+    stages = lambda est, part: [s[part] for s in est.stage_breakdown_ms]  # noqa: E731
+    assert stages(first_dense, "ep_comm")[0] == 0 < stages(every_moe, "ep_comm")[0]
+    assert 0 < stages(first_dense, "ep_comm")[1] < stages(every_moe, "ep_comm")[1]
+    assert stages(first_dense, "forward")[2] == stages(every_moe, "forward")[2]  # both two MoE layers and the head
+    assert stages(first_dense, "forward")[0] != stages(every_moe, "forward")[0]
+    assert first_dense.memory_gib[2] == every_moe.memory_gib[2]
+    assert first_dense.memory_gib[0] != every_moe.memory_gib[0]
+
+
+# -- grouped-GEMM experts ---------------------------------------------------------------------------
+
+def _expert_gemms(nodes, phase):
+    return [n for n in nodes if isinstance(n, OpNode) and n.phase is phase and ".mlp.experts" in n.module
+            and classify(n.op) is OpClass.GEMM]
+
+
+def test_grouped_gemm_is_one_kernel_with_the_flops_of_the_expert_gemms(base):
+    layer = base.stages[0].layer_template()
+    per_expert = map_nodes(layer.nodes, "megatron_core_te")
+    grouped = map_nodes(layer.nodes, "megatron_core_te", grouped_experts=True)
+    for phase, per_linear in ((Phase.FORWARD, 2), (Phase.BACKWARD, 4)):  # fc1, fc2; and dgrad, wgrad of each
+        separate, together = _expert_gemms(per_expert, phase), _expert_gemms(grouped, phase)
+        assert len(separate) == LOCAL * per_linear and len(together) == per_linear
+        assert {n.op for n in together} == {GROUPED_GEMM}
+        flops = lambda n: 2 * n.key.input_shapes[0][0] * n.key.input_shapes[0][1] * n.key.input_shapes[1][1]  # noqa
+        assert sum(n.flops for n in together) == sum(flops(n) for n in separate)
+        assert sum(n.nbytes for n in together) == sum(n.nbytes for n in separate)
+    rows = SOURCES * PER_RANK
+    fc1 = next(n for n in _expert_gemms(grouped, Phase.FORWARD) if n.module.endswith(".mlp.experts.linear_fc1"))
+    assert fc1.key.input_shapes == ((LOCAL, rows, H), (LOCAL, H, 2 * FFN // TP))  # a batch of the local experts
+    cats = [n for n in grouped if isinstance(n, OpNode) and n.module.endswith(".mlp.experts") and "cat" in n.op]
+    assert cats == []  # one output tensor: SequentialMLP's concatenation is gone
+
+
+def test_grouped_gemm_removes_per_expert_launches_and_keeps_the_flops(base):
+    separate = estimate(base, cluster=CLUSTER, training=TRAINING, profile_db=False)
+    grouped = estimated(moe_grouped_gemm=True)
+    assert grouped.breakdown_ms["forward"] < separate.breakdown_ms["forward"]
+    assert grouped.breakdown_ms["backward"] < separate.breakdown_ms["backward"]
+    assert grouped.tflops_per_gpu * grouped.iteration_time_ms == pytest.approx(
+        separate.tflops_per_gpu * separate.iteration_time_ms, rel=1e-9)
+    assert grouped.memory_gib == separate.memory_gib
+
+
+# -- router variants --------------------------------------------------------------------------------
+
+def _router_ops(graph):
+    return Counter(op.op.split(".")[1] for op in graph.stages[0].layer_template().ops(Phase.FORWARD)
+                   if op.module.endswith(".mlp.router"))
+
+
+def test_router_variants_are_traced_as_megatrons_top_k_router_runs_them(base):
+    softmax = _router_ops(base)
+    sigmoid = traced(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                     moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5)
+    variant = _router_ops(sigmoid)
+    assert "sigmoid" in variant and "sigmoid" not in softmax
+    assert variant["topk"] == softmax["topk"] + 2  # the groups' top-2 scores, then the top groups
+    assert gemms(sigmoid.stages[0].layer_template(), Phase.FORWARD, ".mlp.router") == \
+        gemms(base.stages[0].layer_template(), Phase.FORWARD, ".mlp.router")  # small kernels only
+
+
+# -- capacity factor and token dropping -------------------------------------------------------------
+
+def _expert_fc1_rows(graph):
+    return {shapes[0][0] for shapes in gemms(graph.stages[0].layer_template(), Phase.FORWARD, ".local_experts.")
+            if shapes[1][0] == H}
+
+
+def test_each_expert_computes_min_of_its_share_and_the_capacity(base):
+    assert PER_RANK == 512 and _expert_fc1_rows(base) == {SOURCES * PER_RANK}  # dropless
+    dropping = traced(moe_expert_capacity_factor=0.5)
+    assert _expert_fc1_rows(dropping) == {SOURCES * 256}  # capacity ceil(512 x 0.5), below the share
+    padded = traced(moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True)
+    assert _expert_fc1_rows(padded) == {SOURCES * 768}  # padded to ceil(512 x 1.5)
+    assert _expert_fc1_rows(traced(moe_expert_capacity_factor=1.5)) == {SOURCES * PER_RANK}  # nothing to drop
+
+
+def test_a_capacity_below_the_share_removes_work_and_padding_adds_it(base):
+    dropless = estimate(base, cluster=CLUSTER, training=TRAINING, profile_db=False)
+    dropping = estimated(moe_expert_capacity_factor=0.5)
+    padded = estimated(moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True)
+    assert dropping.iteration_time_ms < dropless.iteration_time_ms < padded.iteration_time_ms
+    work = lambda est: est.hardware_tflops_per_gpu * est.iteration_time_ms  # noqa: E731  (FLOPs per GPU)
+    assert work(dropping) < work(dropless) < work(padded)
+    assert dropping.breakdown_ms["ep_comm"] < dropless.breakdown_ms["ep_comm"] < padded.breakdown_ms["ep_comm"]
+    assert any("capacity factor 0.5" in line for line in dropping.assumptions)
+
+
+# -- one answer on every input path -----------------------------------------------------------------
+
+FEATURES = dict(moe_shared_expert_intermediate_size=1024, moe_shared_expert_overlap=True, moe_layer_freq=(0, 1, 1, 1),
+                moe_grouped_gemm=True, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                moe_expert_capacity_factor=1.25, moe_pad_expert_input_to_capacity=True,
+                moe_token_drop_policy="position")
+
+
+def test_the_moe_features_read_alike_from_flags_a_transformer_config_and_a_plan_file():
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_adapters.config_map import model_spec_from_transformer_config
+    from vtrain_plugin.specs.megatron.args import megatron_plan
+    from vtrain_plugin.specs.megatron.launch_script import read_command_line
+    from vtrain_plugin.specs.plan_file import parse_plan
+
+    common = dict(family="llama", num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=8,
+                  ffn_hidden_size=1536, seq_length=256, vocab_size=1024, dtype="bf16", num_experts=8,
+                  moe_router_topk=2, moe_ffn_hidden_size=256)
+    expected = ModelSpec(**common, **FEATURES)
+    config = TransformerConfig(
+        num_layers=4, hidden_size=512, num_attention_heads=8, ffn_hidden_size=1536, bf16=True,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0, num_moe_experts=8, moe_router_topk=2,
+        moe_ffn_hidden_size=256, moe_token_dispatcher_type="alltoall",
+        **{k: (list(v) if isinstance(v, tuple) else v) for k, v in FEATURES.items()})
+    assert model_spec_from_transformer_config(config, vocab_size=1024, seq_length=256) == \
+        replace(expected, tied_embeddings=None)
+    plan_file = parse_plan({"model": {**common, **FEATURES, "moe_layer_freq": [0, 1, 1, 1]},
+                            "parallel": {"moe_token_dispatcher": "alltoall"}, "training": {"global_batch_size": 8}})
+    assert plan_file.model == expected
+    flags = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 1536 --seq-length 256 "
+             "--vocab-size 1024 --bf16 --swiglu --normalization RMSNorm --disable-bias-linear --group-query-attention "
+             "--num-query-groups 8 "
+             "--position-embedding-type rope --hidden-dropout 0 --attention-dropout 0 --micro-batch-size 1 "
+             "--untie-embeddings-and-output-weights --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256 "
+             "--moe-token-dispatcher-type alltoall --moe-shared-expert-intermediate-size 1024 "
+             "--moe-shared-expert-overlap --moe-layer-freq '([0]*1+[1]*3)' --moe-grouped-gemm "
+             "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 4 "
+             "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 --moe-expert-capacity-factor 1.25 "
+             "--moe-pad-expert-input-to-capacity --moe-token-drop-policy position")
+    read = megatron_plan(read_command_line(flags), gpus=1)
+    assert read.model == replace(expected, tied_embeddings=False) and read.warning is None
+
+
+def test_the_cli_lists_the_assumptions_in_json_and_in_the_footer(tmp_path, run_cli):
+    import json
+
+    import yaml
+
+    model = {k: v for k, v in replace(BASE, moe_expert_capacity_factor=0.5).to_dict().items() if v is not None}
+    path = tmp_path / "moe.yaml"
+    path.write_text(yaml.safe_dump({"model": model, "parallel": {"tensor_parallel": 2, "sequence_parallel": True,
+                                                                  "data_parallel": 2, "expert_parallel": 2,
+                                                                  "moe_token_dispatcher": "alltoall"},
+                                    "training": {"global_batch_size": 8}, "cluster": {"preset": "dgx-h100"}}))
+    listed = json.loads(run_cli("estimate", str(path), "--format", "json", check=True).stdout)["assumptions"]
+    assert listed[0].startswith("MoE routing balanced: every expert receives tokens x 2 / 8")
+    assert listed[2] == ("MoE capacity factor 0.5 under balanced routing: each expert computes min(balanced share, "
+                         "capacity) tokens")
+    table = run_cli("estimate", str(path), check=True).stdout
+    assert [line for line in table.splitlines() if line.startswith("assumed: ")] == [f"assumed: {a}" for a in listed]

@@ -1,0 +1,54 @@
+"""What an estimate takes for granted rather than traces: one line each, listed with every estimate.
+
+Each source below reads the model and the plan and says what vtrain assumed or costed other than by
+tracing megatron-core's own model (a routing assumption, a kernel priced by a lowering rule, a
+stand-in); :func:`assumptions` concatenates them, and the estimate lists them in its JSON and in
+the footer of its table. A feature that assumes something adds a source here.
+
+Why a list of its own: a user comparing the estimate with a measured run needs to know which of
+its numbers rest on an assumption the run may break (skewed routing, dropped tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+
+Source = Callable[[ModelSpec, ParallelPlan], tuple[str, ...]]
+
+
+def moe_assumptions(model: ModelSpec, plan: ParallelPlan) -> tuple[str, ...]:
+    """The routing assumption of a MoE model, and its features costed rather than traced."""
+    if not model.is_moe:
+        return ()
+    topk, experts = model.router_topk, model.num_experts
+    if model.moe_routing_skew == 1.0:
+        routing = (f"MoE routing balanced: every expert receives tokens x {topk} / {experts} of each rank's tokens "
+                   f"(the router's real choices are data)")
+    else:
+        routing = (f"MoE routing skewed: the busiest expert receives {model.moe_routing_skew:g} x the balanced share "
+                   f"and sets the layer's pace; MFU counts balanced routing")
+    lines = [routing, "MoE router load balancing traced as the auxiliary loss (coefficient 0.01)"]
+    if model.moe_expert_capacity_factor is not None:
+        lines.append(f"MoE capacity factor {model.moe_expert_capacity_factor:g} under balanced routing: each expert "
+                     f"computes min(balanced share, capacity) tokens"
+                     + (", padded to the capacity" if model.moe_pad_expert_input_to_capacity else ""))
+    if model.moe_grouped_gemm:
+        lines.append("MoE grouped GEMM: the traced per-expert kernels (SequentialMLP) priced as one grouped kernel "
+                     "per GEMM (TEGroupedMLP)")
+    if model.moe_shared_expert_overlap:
+        lines.append("MoE shared expert overlap: the forward dispatch and combine all-to-alls hidden behind the "
+                     "shared expert's GEMMs")
+    return tuple(lines)
+
+
+SOURCES: tuple[Source, ...] = (moe_assumptions,)
+
+
+def assumptions(model: ModelSpec | None, plan: ParallelPlan) -> tuple[str, ...]:
+    """Every source's lines for ``model`` under ``plan`` (none for a plain module without a ModelSpec)."""
+    if model is None:
+        return ()
+    return tuple(line for source in SOURCES for line in source(model, plan))
