@@ -48,6 +48,9 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         from megatron_adapters.moe import moe_config_fields
 
         moe = moe_config_fields(model, plan)
+    from megatron_adapters.hybrid import hybrid_config_fields  # Mamba hybrids: megatron_adapters/hybrid.py
+
+    hybrid = hybrid_config_fields(model)
     return TransformerConfig(
         num_layers=layers_per_chunk * plan.num_model_chunks,
         hidden_size=model.hidden_size,
@@ -79,11 +82,17 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         attention_dropout=0.0 if llama else 0.1,
         **recompute,
         **moe,
+        **hybrid,
     )
 
 
 def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers_per_chunk: int):
-    """Build the GPTModel chunk of ``role`` (call inside fake_world and FakeTensorMode)."""
+    """Build the GPTModel chunk of ``role`` (call inside fake_world and FakeTensorMode); a Mamba
+    hybrid's MambaModel chunk (:mod:`megatron_adapters.hybrid`, one layer of each kind)."""
+    if model.is_hybrid:
+        from megatron_adapters.hybrid import build_hybrid_chunk
+
+        return build_hybrid_chunk(model, plan, role)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

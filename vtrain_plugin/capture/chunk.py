@@ -39,7 +39,7 @@ class ChunkTrace:
     activation_dtype: str
     # Folded blocks per chunk layer count, filled by the tracer: every stage of this role (in every
     # plan that shares the trace) gets the same blocks, folded once. Not part of the stored form.
-    folded: dict[int, tuple[Block, ...]] = field(default_factory=dict, compare=False)
+    folded: dict[int | str, tuple[Block, ...]] = field(default_factory=dict, compare=False)  # by layers, or a hybrid stage pattern
 
     def to_dict(self) -> dict[str, Any]:
         return {"blocks": [b.to_dict() for b in self.blocks],

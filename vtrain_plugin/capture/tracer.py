@@ -32,6 +32,7 @@ from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
 from vtrain_plugin.capture.child_trace import Role, trace_chunks
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import OpGraph, StageGraph
+from vtrain_plugin.specs.hybrid import stage_patterns, traced_kinds
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
@@ -125,8 +126,14 @@ def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, i
     for rank, chunk, num_layers in chunks:
         role = chunk_role(plan, rank, chunk)
         built = max(1, num_layers if traced_layers is None else min(num_layers, traced_layers))
+        if model.is_hybrid:  # one layer of each kind, whatever the stage (megatron_adapters/hybrid.py)
+            built = len(traced_kinds(model.hybrid_layer_pattern or ""))
         roles.append((role.pre_process, role.post_process, built))
     traces = _chunk_traces(model, plan, roles)
+    if model.is_hybrid:
+        patterns = stage_patterns(plan, model)
+        return tuple(_assemble_hybrid_stage(traces[role], model, rank, patterns[rank])
+                     for role, (rank, _, _) in zip(roles, chunks, strict=True))
     return tuple(_assemble_stage(traces[role], rank, chunk, num_layers)
                  for role, (rank, chunk, num_layers) in zip(roles, chunks, strict=True))
 
@@ -180,6 +187,26 @@ def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int) -
     return StageGraph(pipeline_rank=rank, chunk=chunk, blocks=blocks,
                       activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,
                       word_embedding_parameters=traced.word_embedding_params)
+
+
+def _assemble_hybrid_stage(traced: ChunkTrace, model: ModelSpec, rank: int, pattern: str) -> StageGraph:
+    """A hybrid stage: each traced layer kind counted as often as ``pattern`` (the rank's slice of
+    the model's pattern) has it (:func:`~vtrain_plugin.capture.folding.fold_hybrid_layers`)."""
+    blocks = traced.folded.get(pattern)
+    if blocks is None:
+        kinds = traced_kinds(model.hybrid_layer_pattern or "")
+        blocks = traced.folded[pattern] = tuple(
+            _with_parameters(traced, block) for block in folding.fold_hybrid_layers(traced.blocks, kinds, pattern))
+    return StageGraph(pipeline_rank=rank, chunk=0, blocks=blocks,
+                      activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,
+                      word_embedding_parameters=traced.word_embedding_params)
+
+
+def _with_parameters(traced: ChunkTrace, block):
+    return replace(block, num_parameters=sum(traced.params_by_block.get(block.name, ()))
+                   + sum(traced.expert_params_by_block.get(block.name, ())),
+                   parameter_numels=traced.params_by_block.get(block.name, ()),
+                   expert_parameter_numels=traced.expert_params_by_block.get(block.name, ()))
 
 
 def _from_transformer_config(config: Any, parallel: ParallelPlan | None, *, vocab_size: int | None,
