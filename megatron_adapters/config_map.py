@@ -89,9 +89,12 @@ def refuse_unmodelled(config: Any) -> None:
         raise not_modelled("TransformerConfig.add_qkv_bias=True with add_bias_linear=False", QKV_BIAS)
 
 
-def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_length: int) -> ModelSpec:
-    """The ModelSpec of a megatron-core TransformerConfig built with the local layer spec."""
+def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_length: int,
+                                       hybrid_layer_pattern: str | None = None) -> ModelSpec:
+    """The ModelSpec of a megatron-core TransformerConfig built with the local layer spec; with
+    ``hybrid_layer_pattern``, of a MambaModel built with that config and pattern."""
     refuse_unmodelled(config)
+    hybrid = _hybrid_fields(config, hybrid_layer_pattern)
     family = _family(config)
     heads = config.num_attention_heads
     kv_channels = getattr(config, "kv_channels", None)
@@ -111,7 +114,21 @@ def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_leng
         moe_router_topk=getattr(config, "moe_router_topk", None) if getattr(config, "num_moe_experts", None) else None,
         moe_ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None),
         dtype=Dtype.BF16 if getattr(config, "bf16", False) else Dtype.FP16 if getattr(config, "fp16", False) else Dtype.FP32,
+        **hybrid,
     )
+
+
+def _hybrid_fields(config: Any, pattern: str | None) -> dict[str, Any]:
+    """A Mamba hybrid's ModelSpec fields: the pattern, which a TransformerConfig does not hold (the
+    MambaModel takes it), and the config's Mamba dims."""
+    if pattern is None:
+        if getattr(config, "is_hybrid_model", False):
+            raise ConfigError("TransformerConfig.is_hybrid_model=True: the layer pattern is MambaModel's, not the "
+                              "config's; trace the built MambaModel, or a ModelSpec with hybrid_layer_pattern")
+        return {}
+    return {"hybrid_layer_pattern": pattern, "mamba_state_dim": config.mamba_state_dim,
+            "mamba_head_dim": config.mamba_head_dim, "mamba_num_groups": config.mamba_num_groups,
+            "mamba_num_heads": config.mamba_num_heads}
 
 
 def _family(config: Any) -> Family:

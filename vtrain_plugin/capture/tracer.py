@@ -12,8 +12,8 @@ is in neither, so re-estimating a plan traced before loads neither. While this p
 ``torch.distributed`` is initialised (a training script), chunks are traced in a child process
 (:mod:`~vtrain_plugin.capture.child_trace`), leaving the script's process groups alone.
 
-A built megatron-core ``GPTModel`` is traced as the ModelSpec it was built from
-(:mod:`megatron_adapters.gpt_model`). Any other ``torch.nn.Module`` with a sample input is traced on
+A built megatron-core ``GPTModel`` (``MambaModel``) is traced as the ModelSpec it was built from
+(:mod:`megatron_adapters.gpt_model`, :mod:`megatron_adapters.hybrid`). Any other ``torch.nn.Module`` with a sample input is traced on
 the meta device as a single stage.
 """
 
@@ -76,8 +76,14 @@ def trace(model: Any, parallel: ParallelPlan | None = None, *, micro_batch_size:
 
         from megatron_adapters.gpt_model import find_gpt_model
 
+        from megatron_adapters.hybrid import find_mamba_model
+
         gpt = find_gpt_model(model)
-        if gpt is not None:
+        mamba = None if gpt is not None else find_mamba_model(model)
+        if mamba is not None:  # a Mamba hybrid: megatron_adapters/hybrid.py
+            model, parallel = _from_gpt_model(mamba, parallel, sample_input=sample_input, seq_length=seq_length,
+                                              micro_batch_size=micro_batch_size)
+        elif gpt is not None:
             model, parallel = _from_gpt_model(gpt, parallel, sample_input=sample_input, seq_length=seq_length,
                                               micro_batch_size=micro_batch_size)
         elif isinstance(model, torch.nn.Module):
@@ -246,6 +252,10 @@ def _from_gpt_model(gpt: Any, parallel: ParallelPlan | None, *, sample_input: An
         _agreed("parallel.micro_batch_size", plan.micro_batch_size, shape.micro_batch_size)
     if micro_batch_size is not None:
         plan = replace(plan, micro_batch_size=micro_batch_size)
+    from megatron_adapters.hybrid import find_mamba_model, model_spec_of_mamba_model
+
+    if find_mamba_model(gpt) is not None:
+        return model_spec_of_mamba_model(gpt, seq_length=seq_length), plan
     return model_spec_of_gpt_model(gpt, seq_length=seq_length), plan
 
 
