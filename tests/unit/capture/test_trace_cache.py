@@ -29,6 +29,10 @@ MODEL_VARIANTS = {"family": "llama", "hidden_size": 128, "num_attention_heads": 
 # Each changes the key of a MoE model's chunk (the fields a dense model must leave unset).
 MOE_MODEL = dataclasses.replace(MODEL, num_experts=4)
 MOE_MODEL_VARIANTS = {"moe_router_topk": 1, "moe_ffn_hidden_size": 128, "moe_routing_skew": 2.0}
+# Each changes the key of a Mamba hybrid's chunk (the fields a transformer must leave unset).
+HYBRID_MODEL = dataclasses.replace(MODEL, hybrid_layer_pattern="M*", mamba_head_dim=16, mamba_num_groups=2)
+HYBRID_MODEL_VARIANTS = {"hybrid_layer_pattern": "*M", "mamba_state_dim": 32, "mamba_head_dim": 32,
+                         "mamba_num_groups": 4, "mamba_num_heads": 4}
 MODEL_FIELDS_REFUSED = {"moe_shared_expert_intermediate_size"}  # always unset: any value is a ConfigError
 PLAN_VARIANTS = {"tensor_parallel": 4, "sequence_parallel": True, "micro_batch_size": 2, "recompute": "full",
                  "pipeline_parallel": 2, "context_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 1,
@@ -127,8 +131,8 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     a chunk's trace: a new field fails here until it is classified."""
     model_fields = {f.name for f in dataclasses.fields(ModelSpec)}
     plan_fields = {f.name for f in dataclasses.fields(ParallelPlan)}
-    assert model_fields == (set(MODEL_VARIANTS) | set(MOE_MODEL_VARIANTS) | set(MODEL_FIELDS_NOT_IN_KEY)
-                            | MODEL_FIELDS_REFUSED)
+    assert model_fields == (set(MODEL_VARIANTS) | set(MOE_MODEL_VARIANTS) | set(HYBRID_MODEL_VARIANTS)
+                            | set(MODEL_FIELDS_NOT_IN_KEY) | MODEL_FIELDS_REFUSED)
     assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
                            | {"virtual_pipeline"})
     paths = {disk_cache.entry_path(KEY)}
@@ -138,11 +142,16 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     for name, value in MOE_MODEL_VARIANTS.items():
         model = dataclasses.replace(MOE_MODEL, **{name: value})
         paths.add(disk_cache.entry_path(shape_key(model, PLAN, True, True, 2)))
+    paths.add(disk_cache.entry_path(shape_key(HYBRID_MODEL, PLAN, True, True, 2)))
+    for name, value in HYBRID_MODEL_VARIANTS.items():
+        model = dataclasses.replace(HYBRID_MODEL, **{name: value})
+        paths.add(disk_cache.entry_path(shape_key(model, PLAN, True, True, 2)))
     for name, value in PLAN_VARIANTS.items():
         paths.add(disk_cache.entry_path(shape_key(MODEL, dataclasses.replace(PLAN, **{name: value}), True, True, 2)))
     paths |= {disk_cache.entry_path(shape_key(MODEL, PLAN, *role)) for role in
               ((True, False, 2), (False, True, 2), (True, True, 1))}
-    assert len(paths) == 1 + len(MODEL_VARIANTS) + len(MOE_MODEL_VARIANTS) + len(PLAN_VARIANTS) + 3
+    assert len(paths) == (1 + len(MODEL_VARIANTS) + len(MOE_MODEL_VARIANTS) + 1 + len(HYBRID_MODEL_VARIANTS)
+                          + len(PLAN_VARIANTS) + 3)
     same = [shape_key(dataclasses.replace(MODEL, **MODEL_FIELDS_NOT_IN_KEY), PLAN, True, True, 2),
             shape_key(MODEL, dataclasses.replace(PLAN, **PLAN_FIELDS_NOT_IN_KEY), True, True, 2)]
     assert all(k == KEY for k in same)
