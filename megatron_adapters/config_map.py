@@ -79,10 +79,13 @@ def refuse_unmodelled(config: Any) -> None:
             raise not_modelled(f"TransformerConfig.{rule.field}={value!r}", rule.what)
 
 
-def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_length: int) -> ModelSpec:
-    """The ModelSpec of a megatron-core TransformerConfig built with the local layer spec."""
+def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_length: int,
+                                       hybrid_layer_pattern: str | None = None) -> ModelSpec:
+    """The ModelSpec of a megatron-core TransformerConfig built with the local layer spec; with
+    ``hybrid_layer_pattern``, of a MambaModel built with that config and pattern."""
     refuse_unmodelled(config)
     gated = bool(getattr(config, "gated_linear_unit", False))
+    hybrid = _hybrid_fields(config, hybrid_layer_pattern)
     return ModelSpec(
         family=Family.LLAMA if gated else Family.GPT,
         num_layers=config.num_layers,
@@ -98,7 +101,21 @@ def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_leng
         **_moe_features(config),
         dtype=Dtype.BF16 if getattr(config, "bf16", False) else Dtype.FP16 if getattr(config, "fp16", False) else Dtype.FP32,
         **layer_fields(config),
+        **hybrid,
     )
+
+
+def _hybrid_fields(config: Any, pattern: str | None) -> dict[str, Any]:
+    """A Mamba hybrid's ModelSpec fields: the pattern, which a TransformerConfig does not hold (the
+    MambaModel takes it), and the config's Mamba dims."""
+    if pattern is None:
+        if getattr(config, "is_hybrid_model", False):
+            raise ConfigError("TransformerConfig.is_hybrid_model=True: the layer pattern is MambaModel's, not the "
+                              "config's; trace the built MambaModel, or a ModelSpec with hybrid_layer_pattern")
+        return {}
+    return {"hybrid_layer_pattern": pattern, "mamba_state_dim": config.mamba_state_dim,
+            "mamba_head_dim": config.mamba_head_dim, "mamba_num_groups": config.mamba_num_groups,
+            "mamba_num_heads": config.mamba_num_heads}
 
 
 # The MoE features a TransformerConfig names as ModelSpec names them (the same field names), each

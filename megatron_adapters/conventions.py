@@ -40,7 +40,8 @@ WORD_EMBEDDING = "embedding.word_embeddings"
 FINAL_LAYERNORM = "decoder.final_layernorm"
 OUTPUT_LAYER = "output_layer"
 LOSS = "loss"  # not megatron-core's: megatron_adapters.gpt gives GPTModel's loss computation this name
-HEAD_MODULES = (FINAL_LAYERNORM, OUTPUT_LAYER, LOSS)
+FINAL_NORM = "decoder.final_norm"  # a Mamba hybrid's (MambaStack's) final norm
+HEAD_MODULES = (FINAL_LAYERNORM, FINAL_NORM, OUTPUT_LAYER, LOSS)
 # A layer's core attention (DotProductAttention in the local spec: scores, softmax, dropout, context;
 # TransformerEngine's fused attention in the TE spec), under the layer: ``<layer>.self_attention.core_attention``.
 CORE_ATTENTION = ".self_attention.core_attention"

@@ -59,6 +59,9 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         from megatron_adapters.moe import moe_config_fields
 
         moe = moe_config_fields(model, plan)
+    from megatron_adapters.hybrid import hybrid_config_fields  # Mamba hybrids: megatron_adapters/hybrid.py
+
+    hybrid = hybrid_config_fields(model)
     return TransformerConfig(
         num_layers=layers_per_chunk * plan.num_model_chunks,
         hidden_size=model.hidden_size,
@@ -93,6 +96,7 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         qk_l2_norm=model.qk_l2_norm,
         **recompute,
         **moe,
+        **hybrid,
     )
 
 
@@ -100,7 +104,12 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
                 layer_kinds: tuple[bool, ...] | None = None):
     """Build the GPTModel chunk of ``role`` (call inside fake_world and FakeTensorMode); with
     ``layer_kinds``, one layer per entry, a MoE layer where it is True and a dense one where False
-    (a model whose moe_layer_freq mixes them), else ``layers_per_chunk`` layers of the model's kind."""
+    (a model whose moe_layer_freq mixes them), else ``layers_per_chunk`` layers of the model's kind;
+    a Mamba hybrid's MambaModel chunk (:mod:`megatron_adapters.hybrid`, one layer of each kind)."""
+    if model.is_hybrid:
+        from megatron_adapters.hybrid import build_hybrid_chunk
+
+        return build_hybrid_chunk(model, plan, role)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

@@ -25,6 +25,7 @@ from vtrain_plugin.cost.comm.collectives import CommModel
 from vtrain_plugin.cost.comm.context_parallel import ContextParallel
 from vtrain_plugin.cost.comm.context_parallel import model_flops as blocks_model_flops
 from vtrain_plugin.cost.costing import Costing, cost
+from vtrain_plugin.cost.hybrid_flops import hybrid_forward_flops
 from vtrain_plugin.cost.kernels.timer import KernelTimer
 from vtrain_plugin.cost.memory import RankMemory
 from vtrain_plugin.cost.prepare import PreparedGraph, prepare_run
@@ -334,11 +335,16 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
 
 def _model_flops(graph: OpGraph, costing: Costing) -> dict[Phase, int]:
     """Model FLOPs per phase of one micro-batch through every chunk on one TP and CP rank, the traced
-    rank's. Under a skewed MoE routing assumption the traced rank is the busiest one, and the model's
+    rank's; a hybrid's forward and backward as Megatron-LM counts them. Under a skewed MoE routing assumption the traced rank is the busiest one, and the model's
     FLOPs are those of balanced routing (skew moves expert work between ranks, it adds none): traced
     again with skew 1 (cached by shape), counted as the costing counts them (the CP attention's
     included)."""
     model = graph.model
+    if model is not None and model.is_hybrid:  # Megatron-LM's count (cost/hybrid_flops.py), on one TP rank
+        plan = graph.parallel
+        forward = hybrid_forward_flops(model, sequences=plan.micro_batch_size, tensor_parallel=plan.tensor_parallel)
+        per_rank = forward // (plan.tensor_parallel * plan.context_parallel)
+        return {**costing.flops, Phase.FORWARD: per_rank, Phase.BACKWARD: 2 * per_rank}
     if model is None or not model.is_moe or model.moe_routing_skew == 1.0:
         return costing.flops
     balanced = trace(replace(model, moe_routing_skew=1.0), graph.parallel)

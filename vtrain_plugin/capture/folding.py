@@ -142,6 +142,18 @@ def fold_layer_kinds(blocks: Sequence[Block], kinds: Sequence[bool]) -> list[Blo
     return others_before + folded + others_after
 
 
+def fold_hybrid_layers(blocks: Sequence[Block], kinds: str, pattern: str) -> list[Block]:
+    """A hybrid chunk's blocks for a stage of ``pattern``: traced layer ``i`` is of kind ``kinds[i]``
+    (one of each kind, :func:`vtrain_plugin.specs.hybrid.traced_kinds`), and becomes the template of
+    its kind, counted as often as ``pattern`` has that kind; a kind the stage lacks is dropped."""
+    layers = [b for b in blocks if b.kind is BlockKind.LAYER]
+    if len(layers) != len(kinds):
+        raise AssertionError(f"traced {len(layers)} layers for the {len(kinds)} layer kinds {kinds!r}")
+    folded = [replace(b, count=pattern.count(kind)) for b, kind in zip(layers, kinds) if kind in pattern]
+    return ([b for b in blocks if b.kind in (BlockKind.EMBEDDING, BlockKind.STAGE)] + folded
+            + [b for b in blocks if b.kind is BlockKind.HEAD])
+
+
 def layers_identical(blocks: Sequence[Block]) -> bool:
     layers = [b for b in blocks if b.kind is BlockKind.LAYER]
     return all(_signature(b) == _signature(layers[0]) for b in layers[1:])

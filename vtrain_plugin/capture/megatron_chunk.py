@@ -87,7 +87,7 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
 
     nodes = [folding.to_node(r, group_of) for r in recorder.records]
     blocks = folding.split_blocks(nodes, recorder.saved_nbytes)
-    if isinstance(built, int) and not folding.layers_identical(blocks):
+    if isinstance(built, int) and not model.is_hybrid and not folding.layers_identical(blocks):  # a hybrid's layer kinds differ
         log.warning("traced layers differ; they are kept as separate blocks")
     return ChunkTrace(blocks=tuple(blocks), params_by_block=params_by_block,
                       expert_params_by_block=expert_params_by_block,

@@ -12,8 +12,8 @@ is in neither, so re-estimating a plan traced before loads neither. While this p
 ``torch.distributed`` is initialised (a training script), chunks are traced in a child process
 (:mod:`~vtrain_plugin.capture.child_trace`), leaving the script's process groups alone.
 
-A built megatron-core ``GPTModel`` is traced as the ModelSpec it was built from
-(:mod:`megatron_adapters.gpt_model`). Any other ``torch.nn.Module`` with a sample input is traced on
+A built megatron-core ``GPTModel`` (``MambaModel``) is traced as the ModelSpec it was built from
+(:mod:`megatron_adapters.gpt_model`, :mod:`megatron_adapters.hybrid`). Any other ``torch.nn.Module`` with a sample input is traced on
 the meta device as a single stage.
 """
 
@@ -32,6 +32,7 @@ from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
 from vtrain_plugin.capture.child_trace import Role, trace_chunks
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import OpGraph, StageGraph
+from vtrain_plugin.specs.hybrid import stage_patterns, traced_kinds
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
@@ -75,8 +76,14 @@ def trace(model: Any, parallel: ParallelPlan | None = None, *, micro_batch_size:
 
         from megatron_adapters.gpt_model import find_gpt_model
 
+        from megatron_adapters.hybrid import find_mamba_model
+
         gpt = find_gpt_model(model)
-        if gpt is not None:
+        mamba = None if gpt is not None else find_mamba_model(model)
+        if mamba is not None:  # a Mamba hybrid: megatron_adapters/hybrid.py
+            model, parallel = _from_gpt_model(mamba, parallel, sample_input=sample_input, seq_length=seq_length,
+                                              micro_batch_size=micro_batch_size)
+        elif gpt is not None:
             model, parallel = _from_gpt_model(gpt, parallel, sample_input=sample_input, seq_length=seq_length,
                                               micro_batch_size=micro_batch_size)
         elif isinstance(model, torch.nn.Module):
@@ -128,8 +135,14 @@ def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, i
         built: int | tuple[bool, ...] = max(1, num_layers if traced_layers is None else min(num_layers, traced_layers))
         if kinds_of:
             built = _built_kinds(kinds_of[rank, chunk], built, traced_layers is None)
+        if model.is_hybrid:  # one layer of each kind, whatever the stage (megatron_adapters/hybrid.py)
+            built = len(traced_kinds(model.hybrid_layer_pattern or ""))
         roles.append((role.pre_process, role.post_process, built))
     traces = _chunk_traces(model, plan, roles)
+    if model.is_hybrid:
+        patterns = stage_patterns(plan, model)
+        return tuple(_assemble_hybrid_stage(traces[role], model, rank, patterns[rank])
+                     for role, (rank, _, _) in zip(roles, chunks, strict=True))
     return tuple(_assemble_stage(traces[role], rank, chunk, num_layers, kinds_of.get((rank, chunk)))
                  for role, (rank, chunk, num_layers) in zip(roles, chunks, strict=True))
 
@@ -214,6 +227,26 @@ def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int,
                       word_embedding_parameters=traced.word_embedding_params)
 
 
+def _assemble_hybrid_stage(traced: ChunkTrace, model: ModelSpec, rank: int, pattern: str) -> StageGraph:
+    """A hybrid stage: each traced layer kind counted as often as ``pattern`` (the rank's slice of
+    the model's pattern) has it (:func:`~vtrain_plugin.capture.folding.fold_hybrid_layers`)."""
+    blocks = traced.folded.get(pattern)
+    if blocks is None:
+        kinds = traced_kinds(model.hybrid_layer_pattern or "")
+        blocks = traced.folded[pattern] = tuple(
+            _with_parameters(traced, block) for block in folding.fold_hybrid_layers(traced.blocks, kinds, pattern))
+    return StageGraph(pipeline_rank=rank, chunk=0, blocks=blocks,
+                      activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,
+                      word_embedding_parameters=traced.word_embedding_params)
+
+
+def _with_parameters(traced: ChunkTrace, block):
+    return replace(block, num_parameters=sum(traced.params_by_block.get(block.name, ()))
+                   + sum(traced.expert_params_by_block.get(block.name, ())),
+                   parameter_numels=traced.params_by_block.get(block.name, ()),
+                   expert_parameter_numels=traced.expert_params_by_block.get(block.name, ()))
+
+
 def _from_transformer_config(config: Any, parallel: ParallelPlan | None, *, vocab_size: int | None,
                              seq_length: int | None) -> tuple[ModelSpec, ParallelPlan]:
     """The model and plan of a TransformerConfig: its fields honoured, or refused when not modelled."""
@@ -251,6 +284,10 @@ def _from_gpt_model(gpt: Any, parallel: ParallelPlan | None, *, sample_input: An
         _agreed("parallel.micro_batch_size", plan.micro_batch_size, shape.micro_batch_size)
     if micro_batch_size is not None:
         plan = replace(plan, micro_batch_size=micro_batch_size)
+    from megatron_adapters.hybrid import find_mamba_model, model_spec_of_mamba_model
+
+    if find_mamba_model(gpt) is not None:
+        return model_spec_of_mamba_model(gpt, seq_length=seq_length), plan
     return model_spec_of_gpt_model(gpt, seq_length=seq_length), plan
 
 

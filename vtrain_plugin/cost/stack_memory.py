@@ -24,6 +24,7 @@ from dataclasses import replace
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
+from vtrain_plugin.cost.lowering.mamba import mixer_dims, mixer_saved_delta
 from vtrain_plugin.cost.lowering.fp8 import FP8_NBYTES, fp8_weight_numel
 from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta
 from vtrain_plugin.cost.memory import PeakLive, RankMemory, rank_memory
@@ -40,7 +41,7 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
         graph = replace(graph, stages=tuple(
             replace(stage, blocks=tuple(
                 replace(block, activation_nbytes=block.activation_nbytes + fused_attention_saved_delta(block.nodes)
-                        + te_saved_delta(block, fp8=fp8))
+                        + te_saved_delta(block, fp8=fp8) + mixer_saved_delta(block, mixer_dims(block.nodes)))
                 for block in stage.blocks if block.name != SHARED_BY_CORE_ATTENTION))
             for stage in graph.stages))
     memory = rank_memory(graph, peak_live, distributed_optimizer=training is not None and training.distributed_optimizer,

@@ -14,7 +14,7 @@ from typing import Any
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.dtypes import MODEL_DTYPES, Dtype
-from vtrain_plugin.specs import limits
+from vtrain_plugin.specs import hybrid, limits
 from vtrain_plugin.specs.model_features import POSITIONS_NOT_MODELLED, not_modelled
 
 
@@ -144,6 +144,14 @@ class ModelSpec:
     qk_l2_norm: bool = False  # Llama 4's L2 norm on each head's query and key
     # Changes neither time nor memory: TransformerEngine's norm kernels add the 1 to gamma inside.
     layernorm_zero_centered_gamma: bool = False
+    # Mamba hybrid (megatron-core MambaModel, vtrain_plugin/specs/hybrid.py): one letter per layer,
+    # M Mamba-2, * attention, - MLP; None: a transformer (GPTModel). The mamba_* fields default to
+    # megatron-core's (state 128, head dim 64, 8 groups, heads 2 * hidden / head dim).
+    hybrid_layer_pattern: str | None = None
+    mamba_state_dim: int | None = None
+    mamba_head_dim: int | None = None
+    mamba_num_groups: int | None = None
+    mamba_num_heads: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", Family(v.one_of("model.family", self.family, [f.value for f in Family])))
@@ -169,6 +177,7 @@ class ModelSpec:
         v.string("model.name", self.name)
         check_layer_fields(self)
         check_moe_fields(self)
+        check_hybrid_fields(self)
 
     @property
     def ffn_size(self) -> int:
@@ -216,6 +225,31 @@ class ModelSpec:
     def has_dense_layers_between_moe(self) -> bool:
         """A MoE model with some dense layers (moe_layer_freq other than 1)."""
         return self.is_moe and not all(self.moe_layer_pattern)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.hybrid_layer_pattern is not None
+
+    @property
+    def mamba_state(self) -> int:
+        return self.mamba_state_dim or hybrid.DEFAULT_STATE_DIM
+
+    @property
+    def mamba_headdim(self) -> int:
+        return self.mamba_head_dim or hybrid.DEFAULT_HEAD_DIM
+
+    @property
+    def mamba_groups(self) -> int:
+        return self.mamba_num_groups or hybrid.DEFAULT_NUM_GROUPS
+
+    @property
+    def mamba_heads(self) -> int:
+        """Mamba heads: mamba_num_heads, else megatron-core's d_inner / head dim (d_inner = 2 * hidden)."""
+        return self.mamba_num_heads or hybrid.EXPAND * self.hidden_size // self.mamba_headdim
+
+    @property
+    def mamba_d_inner(self) -> int:
+        return self.mamba_heads * self.mamba_headdim
 
     @property
     def query_groups(self) -> int:
@@ -272,8 +306,21 @@ class ModelSpec:
                 moe_mlp += self._mlp_parameters(self.moe_shared_expert_intermediate_size)
         moe_layers = self.num_moe_layers
         embed = self.vocab_size * h * (1 if self.tied else 2)
+        if self.is_hybrid:
+            counts = hybrid.layer_counts(self.hybrid_layer_pattern or "")
+            return (counts[hybrid.MAMBA] * (norm * h + self._mamba_mixer_parameters())
+                    + counts[hybrid.ATTENTION] * (norm * h + attn + qk_norms)
+                    + counts[hybrid.MLP] * (norm * h + dense_mlp)
+                    + embed + positions + norm * h)
         return (self.num_layers * (attn + qk_norms + 2 * norm * h) + moe_layers * moe_mlp
                 + (self.num_layers - moe_layers) * dense_mlp + embed + positions + norm * h)
+
+    def _mamba_mixer_parameters(self) -> int:
+        """megatron-core's MambaMixer: in_proj (z, x, B, C, dt), depthwise conv1d with bias, dt_bias,
+        A_log, D, the gated RMSNorm's weight, out_proj."""
+        h, d, g, n, heads = self.hidden_size, self.mamba_d_inner, self.mamba_groups, self.mamba_state, self.mamba_heads
+        conv = d + 2 * g * n
+        return h * (2 * d + 2 * g * n + heads) + conv * (hybrid.D_CONV + 1) + 3 * heads + d + d * h
 
     def _mlp_parameters(self, f: int) -> int:
         h, layer = self.hidden_size, self.layer
@@ -348,6 +395,33 @@ def check_layer_fields(model: ModelSpec) -> None:
             f"the rotated channels int(kv_channels x rotary_percent) = int({model.head_dim} x {model.rotary_percent:g})"
         raise ConfigError(f"model: {what} = {model.rotary_dim} must be even and positive: rotary position "
                           f"embeddings rotate pairs of channels")
+
+
+def check_hybrid_fields(model: ModelSpec) -> None:
+    """The hybrid fields of ``model``: the mamba_* fields need a pattern; the pattern has one
+    modelled letter per layer; the Mamba heads split into head dim and groups."""
+    mamba = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
+    if model.hybrid_layer_pattern is None:
+        for name in mamba:
+            if getattr(model, name) is not None:
+                raise ConfigError(f"model.{name} needs model.hybrid_layer_pattern (a Mamba hybrid)")
+        return
+    pattern = hybrid.check_pattern("model.hybrid_layer_pattern", model.hybrid_layer_pattern)
+    if len(pattern) != model.num_layers:
+        raise ConfigError(f"model.hybrid_layer_pattern has {len(pattern)} layers, model.num_layers is "
+                          f"{model.num_layers}: one letter per layer")
+    if model.is_moe:
+        raise ConfigError("model.num_experts with model.hybrid_layer_pattern: MoE layers in a hybrid are not "
+                          "modelled by vtrain yet")
+    for name in mamba:
+        if getattr(model, name) is not None:
+            v.positive_int(f"model.{name}", getattr(model, name))
+    if model.mamba_num_heads is None and (hybrid.EXPAND * model.hidden_size) % model.mamba_headdim:
+        raise ConfigError(f"model.mamba_head_dim ({model.mamba_headdim}) must divide the Mamba inner width "
+                          f"2 x model.hidden_size ({hybrid.EXPAND * model.hidden_size})")
+    if model.mamba_heads % model.mamba_groups:
+        raise ConfigError(f"model.mamba_num_groups ({model.mamba_groups}) must divide the Mamba heads "
+                          f"({model.mamba_heads})")
 
 
 def check_moe_fields(model: ModelSpec) -> None:

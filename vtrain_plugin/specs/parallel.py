@@ -228,6 +228,40 @@ MOE_LAYOUT_RULES: tuple[LayoutRule, ...] = (
 )
 
 
+def _has_mamba(model: ModelSpec) -> bool:
+    return "M" in (model.hybrid_layer_pattern or "")
+
+
+# Mamba hybrids (vtrain_plugin/specs/hybrid.py): what megatron-core 0.16's MambaStack and mixer build.
+HYBRID_LAYOUT_RULES: tuple[LayoutRule, ...] = (
+    LayoutRule(
+        name="hybrid vp",
+        broken=lambda p, m: m.is_hybrid and p.virtual_pipeline > 1,
+        message=lambda p, m: (f"virtual_pipeline ({p.virtual_pipeline}) must be 1 for a Mamba hybrid: "
+                              f"megatron-core's MambaStack builds no interleaved pipeline")),
+    LayoutRule(
+        name="hybrid split slots",
+        broken=lambda p, m: m.is_hybrid and (p.account_for_embedding_in_pipeline_split
+                                             or p.account_for_loss_in_pipeline_split),
+        message=lambda p, m: ("account_for_embedding/loss_in_pipeline_split must be off for a Mamba hybrid: "
+                              "megatron-core's MambaStack splits its layers without embedding or loss slots")),
+    LayoutRule(
+        name="hybrid cp",
+        broken=lambda p, m: m.is_hybrid and p.context_parallel > 1,
+        message=lambda p, m: (f"context_parallel ({p.context_parallel}) in a Mamba hybrid: context parallelism "
+                              f"of the Mamba mixer is not modelled by vtrain yet")),
+    LayoutRule(
+        name="mamba heads % tp",
+        broken=lambda p, m: _has_mamba(m) and m.mamba_heads % p.tensor_parallel != 0,
+        message=lambda p, m: f"tensor_parallel_size ({p.tensor_parallel}) must divide the Mamba heads ({m.mamba_heads})"),
+    LayoutRule(
+        name="mamba groups % tp",
+        broken=lambda p, m: _has_mamba(m) and m.mamba_groups % p.tensor_parallel != 0,
+        message=lambda p, m: (f"tensor_parallel_size ({p.tensor_parallel}) must divide mamba_num_groups "
+                              f"({m.mamba_groups})")),
+)
+
+
 # In the order check_fits tests them (and the plan search reports them).
 LAYOUT_RULES: tuple[LayoutRule, ...] = (
     _divides("heads % tp", "tensor_parallel_size", "num_attention_heads",
@@ -244,4 +278,5 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
              lambda p: p.tensor_parallel, lambda m: m.seq_length, when=lambda p: p.sequence_parallel),
     *CP_LAYOUT_RULES,
     *MOE_LAYOUT_RULES,
+    *HYBRID_LAYOUT_RULES,
 )

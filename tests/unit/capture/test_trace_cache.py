@@ -47,6 +47,10 @@ LAYER_VARIANTS = {"kv_channels": 32, "normalization": "RMSNorm", "activation": "
                   "position_embedding_type": "rope", "qk_layernorm": True, "qk_l2_norm": True}
 ROPE_MODEL = dataclasses.replace(MODEL, position_embedding_type="rope")
 NO_BIAS_MODEL = dataclasses.replace(MODEL, add_bias_linear=False)
+# Each changes the key of a Mamba hybrid's chunk (the fields a transformer must leave unset).
+HYBRID_MODEL = dataclasses.replace(MODEL, hybrid_layer_pattern="M*", mamba_head_dim=16, mamba_num_groups=2)
+HYBRID_MODEL_VARIANTS = {"hybrid_layer_pattern": "*M", "mamba_state_dim": 32, "mamba_head_dim": 32,
+                         "mamba_num_groups": 4, "mamba_num_heads": 4}
 PLAN_VARIANTS = {"tensor_parallel": 4, "sequence_parallel": True, "micro_batch_size": 2, "recompute": "full",
                  "pipeline_parallel": 2, "context_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 1,
                  "moe_token_dispatcher": "allgather"}
@@ -144,8 +148,9 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     a chunk's trace: a new field fails here until it is classified."""
     model_fields = {f.name for f in dataclasses.fields(ModelSpec)}
     plan_fields = {f.name for f in dataclasses.fields(ParallelPlan)}
-    assert model_fields == (set(MODEL_VARIANTS) | set(MOE_MODEL_VARIANTS) | set(MODEL_FIELDS_NOT_IN_KEY)
-                            | MODEL_FIELDS_REFUSED | set(LAYER_VARIANTS) | {"rotary_percent", "add_qkv_bias"})
+    assert model_fields == (set(MODEL_VARIANTS) | set(MOE_MODEL_VARIANTS) | set(HYBRID_MODEL_VARIANTS)
+                            | set(MODEL_FIELDS_NOT_IN_KEY) | MODEL_FIELDS_REFUSED | set(LAYER_VARIANTS)
+                            | {"rotary_percent", "add_qkv_bias"})
     assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
                            | {"virtual_pipeline"})
     paths = {disk_cache.entry_path(KEY)}
@@ -155,6 +160,10 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     for name, value in MOE_MODEL_VARIANTS.items():
         model = dataclasses.replace(MOE_MODEL, **{name: value})
         paths.add(disk_cache.entry_path(shape_key(model, PLAN, True, True, 2)))
+    paths.add(disk_cache.entry_path(shape_key(HYBRID_MODEL, PLAN, True, True, 2)))
+    for name, value in HYBRID_MODEL_VARIANTS.items():
+        model = dataclasses.replace(HYBRID_MODEL, **{name: value})
+        paths.add(disk_cache.entry_path(shape_key(model, PLAN, True, True, 2)))
     for name, value in PLAN_VARIANTS.items():
         paths.add(disk_cache.entry_path(shape_key(MODEL, dataclasses.replace(PLAN, **{name: value}), True, True, 2)))
     paths |= {disk_cache.entry_path(shape_key(MODEL, PLAN, *role)) for role in
@@ -163,8 +172,8 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
         paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(MODEL, **{name: value}), PLAN, True, True, 2)))
     paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(ROPE_MODEL, rotary_percent=0.5), PLAN, True, True, 2)))
     paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(NO_BIAS_MODEL, add_qkv_bias=True), PLAN, True, True, 2)))
-    assert len(paths) == 1 + len(MODEL_VARIANTS) + len(MOE_MODEL_VARIANTS) + len(PLAN_VARIANTS) + 3 \
-        + len(LAYER_VARIANTS) + 2
+    assert len(paths) == (1 + len(MODEL_VARIANTS) + len(MOE_MODEL_VARIANTS) + 1 + len(HYBRID_MODEL_VARIANTS)
+                          + len(PLAN_VARIANTS) + 3 + len(LAYER_VARIANTS) + 2)
     # the family's own choices spelled out: the family's key, as before the fields existed
     gpt = dict(normalization="LayerNorm", activation="gelu", gated_linear_unit=False, add_bias_linear=True,
                hidden_dropout=0.1, attention_dropout=0.1, position_embedding_type="learned_absolute",

@@ -37,6 +37,10 @@ _TABLE: dict[OpClass, frozenset[str]] = {
     OpClass.GEMM: frozenset({
         "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm", "grouped_gemm",
         "convolution", "_convolution", "cudnn_convolution",
+        # mamba_ssm's SSD kernels multiply on tensor cores (vtrain_plugin/cost/lowering/mamba.py)
+        "mamba_chunk_state_fwd", "mamba_bmm_chunk_fwd", "mamba_chunk_scan_fwd", "mamba_chunk_scan_bwd_dstates",
+        "mamba_chunk_scan_chunk_state_bwd_dx", "mamba_chunk_scan_bwd_dC", "mamba_chunk_state_bwd_db",
+        "mamba_chunk_scan_bwd_dcb", "mamba_bmm_chunk_bwd", "mamba_chunk_scan_bwd_ddAcs",
     }),
     OpClass.ATTENTION: frozenset({
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -45,7 +49,7 @@ _TABLE: dict[OpClass, frozenset[str]] = {
     }),
     OpClass.NORM: frozenset({
         "native_layer_norm", "layer_norm", "fused_layer_norm_affine", "rms_norm", "_fused_rms_norm",
-        "native_group_norm",
+        "native_group_norm", "mamba_gated_rms_norm_fwd", "mamba_gated_rms_norm_bwd",
         "group_norm", "native_batch_norm", "_native_batch_norm_legit",
         "_native_batch_norm_legit_no_training", "cudnn_batch_norm",
     }),

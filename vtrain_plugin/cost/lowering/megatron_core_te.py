@@ -68,8 +68,9 @@ import re
 from megatron_adapters.conventions import is_mlp_module
 from vtrain_plugin.core.dtypes import element_nbytes
 from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, KernelKey, Node, OpNode, ParallelGroup, Phase
+from vtrain_plugin.cost.lowering import mamba
 from vtrain_plugin.cost.lowering.fusion import (FORWARD_PHASES, bias_dropout_add, bias_gelu, dropout, dtype_nbytes, fused,
-                                       lower_block, names, numel, op_name, replace_runs)
+                                       is_layer_root, lower_block, names, numel, op_name, replace_runs)
 
 FP32 = 4
 ATTENTION_CAUSAL_FRACTION = 0.5  # of the score matrix a causal kernel computes
@@ -105,8 +106,20 @@ def attention_unit(module: str) -> str:
 
 
 def megatron_core_te(nodes: Sequence[Node]) -> tuple[Node, ...]:
-    """The block's nodes as Megatron-Core with TransformerEngine runs them (see the module doc)."""
-    return _merge_loss_all_reduces(lower_block(nodes, _map_group, _map_optimizer, unit=attention_unit))
+    """The block's nodes as Megatron-Core with TransformerEngine runs them (see the module doc); a
+    Mamba layer's mixer as mamba_ssm's kernels (:mod:`vtrain_plugin.cost.lowering.mamba`)."""
+    mixers = mamba.mixer_dims(nodes)
+    if not mixers:
+        return _merge_loss_all_reduces(lower_block(nodes, _map_group, _map_optimizer, unit=attention_unit))
+
+    def rule(group: list[OpNode]) -> list[Node]:
+        unit = mamba.mixer_unit(group[0].module)
+        if mamba.is_mixer_unit(unit):
+            return mamba.lower_mixer(group, mixers.get(unit)) or group
+        return _map_group(group)
+
+    return _merge_loss_all_reduces(lower_block(nodes, rule, _map_optimizer,
+                                               unit=lambda module: mamba.mixer_unit(attention_unit(module))))
 
 
 def _map_group(group: list[OpNode]) -> list[Node]:
@@ -119,7 +132,7 @@ def _map_group(group: list[OpNode]) -> list[Node]:
         mapped = rule(group, dtype)
         if mapped is not None:
             return mapped
-    if module.endswith("layernorm"):
+    if module.endswith(("layernorm", "final_norm")) or is_layer_norm_slot(module):
         # RMSNorm first: the L2 norm's backward is the tail of RMSNorm's
         group = replace_runs(group, _RMSNORM_FWD_OPS if forward else _RMSNORM_BWD_OPS, _rms_norm)
         return _norm(replace_runs(group, _L2NORM_FWD_OPS if forward else _L2NORM_BWD_OPS, _l2_norm))
@@ -135,6 +148,12 @@ def _map_group(group: list[OpNode]) -> list[Node]:
     if module.endswith("loss"):
         return _cross_entropy(group)
     return group
+
+
+def is_layer_norm_slot(module: str) -> bool:
+    """A layer's ``norm`` (a Mamba layer's: TE fuses it into ``in_proj``, as the other layers' norms)."""
+    head, _, leaf = module.rpartition(".")
+    return leaf == "norm" and is_layer_root(head)
 
 
 def _attention(group: list[OpNode]) -> list[Node] | None:

@@ -29,8 +29,8 @@ from __future__ import annotations
 from vtrain_plugin.core.graph import Block, OpNode, Phase
 from vtrain_plugin.cost.lowering.fusion import dtype_nbytes, numel, op_name
 from vtrain_plugin.cost.lowering.fp8 import FP8_NBYTES
-from vtrain_plugin.cost.lowering.megatron_core_te import FP32, LINEAR_MODULES
-NORMS = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm", "q_layernorm", "k_layernorm")
+from vtrain_plugin.cost.lowering.megatron_core_te import FP32, LINEAR_MODULES, is_layer_norm_slot
+NORMS = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm", "final_norm", "q_layernorm", "k_layernorm")
 KEPT_BESIDE_FP8 = ".linear_proj"  # its input, the attention's output, is kept by the attention too
 
 
@@ -47,7 +47,7 @@ def te_saved_delta(block: Block, *, fp8: bool) -> int:
     delta = 0
     for module, nbytes in block.saved_by_module:
         leaf = module.rpartition(".")[2]
-        if leaf in NORMS and module in first:
+        if (leaf in NORMS or is_layer_norm_slot(module)) and module in first:
             delta += _norm_keeps(first[module]) - nbytes
         elif leaf == "mlp" and f"{module}.linear_fc1" in gemm:
             fc1 = gemm[f"{module}.linear_fc1"]

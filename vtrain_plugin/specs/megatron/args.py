@@ -27,6 +27,7 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.megatron.launch_script import LaunchCommand
 from vtrain_plugin.specs.megatron.flags import (
     MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, UNSUPPORTED_FLAGS, UNSUPPORTED_SCRIPTS, Arity)
+from vtrain_plugin.specs.megatron.hybrid_args import hybrid_fields
 from vtrain_plugin.specs.megatron.model import Given, model_fields, positive_int, recompute_mode
 from vtrain_plugin.specs.megatron.moe_flags import capacity_factor, moe_layer_freq, number
 from vtrain_plugin.specs.model import ModelSpec
@@ -221,6 +222,7 @@ def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> Megatro
     assumed = [override] if override else []
     tp = values["parallel"].setdefault("tensor_parallel", 1)
     values["parallel"].setdefault("pipeline_parallel", 1)
+    values["model"].update(hybrid_fields(command.script, given, values["model"]))  # pretrain_mamba.py
     values["model"].update(model_fields(given, values["model"], tensor_parallel=tp, notes=notes, assumed=assumed))
     model = ModelSpec(**values["model"])
     parallel = _parallel(given, values["parallel"], model, num_gpus, notes)
@@ -230,7 +232,8 @@ def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> Megatro
 
 
 def _refuse_entry_point(script: str) -> None:
-    """Megatron-LM's training scripts for other models than a GPT decoder are refused by name."""
+    """Megatron-LM's training scripts for other models than a GPT decoder or a Mamba hybrid
+    (pretrain_mamba.py, :mod:`vtrain_plugin.specs.megatron.hybrid_args`) are refused by name."""
     name = PurePosixPath(script).name
     for stem, what in UNSUPPORTED_SCRIPTS.items():
         if name.startswith(stem):

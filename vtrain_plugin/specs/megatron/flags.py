@@ -27,8 +27,8 @@ no-position-embedding! make-vocab-size-divisible-by normalization norm-epsilon a
 apply-residual-connection-post-layernorm! openai-gelu! squared-relu! swiglu! onnx-safe
 bert-no-binary-head! num-experts untie-embeddings-and-output-weights! multi-latent-attention!
 mtp-num-layers mtp-loss-scaling-factor qk-layernorm! qk-l2-norm! window-size window-attn-skip-freq
-is-hybrid-model! hybrid-attention-ratio hybrid-mlp-ratio hybrid-override-pattern mamba-state-dim
-mamba-head-dim mamba-num-groups mamba-num-heads disable-mamba-mem-eff-path!
+is-hybrid-model! hybrid-attention-ratio hybrid-mlp-ratio hybrid-override-pattern hybrid-layer-pattern
+mamba-state-dim mamba-head-dim mamba-num-groups mamba-num-heads disable-mamba-mem-eff-path!
 heterogeneous-layers-config-path heterogeneous-layers-config-encoded-json
 """
 _REGULARIZATION = """
@@ -206,9 +206,6 @@ PERFORMANCE_FLAGS = frozenset("--" + word for word in (
 
 # Models other than a GPT decoder, which vtrain does not estimate: the flags only those take.
 UNSUPPORTED_FLAGS = {
-    **dict.fromkeys(("--is-hybrid-model", "--hybrid-attention-ratio", "--hybrid-mlp-ratio", "--hybrid-override-pattern",
-                     "--mamba-state-dim", "--mamba-head-dim", "--mamba-num-groups", "--mamba-num-heads",
-                     "--disable-mamba-mem-eff-path"), "Mamba and hybrid models"),
     **dict.fromkeys(("--bert-no-binary-head", "--output-bert-embeddings", "--bert-embedder-type"), "BERT models"),
     **dict.fromkeys(("--decoder-num-layers", "--decoder-seq-length", "--pipeline-model-parallel-split-rank"),
                     "encoder-decoder (T5) models"),
@@ -218,7 +215,7 @@ UNSUPPORTED_FLAGS = {
 }
 # Megatron-LM's entry points other than pretrain_gpt.py, by the model family they train.
 UNSUPPORTED_SCRIPTS = {"pretrain_bert": "BERT models", "pretrain_t5": "encoder-decoder (T5) models",
-                       "pretrain_mamba": "Mamba and hybrid models", "pretrain_vlm": "vision-language models",
+                       "pretrain_vlm": "vision-language models",
                        "pretrain_retro": "retrieval (RETRO) models", "pretrain_ict": "retrieval (ICT) models",
                        "pretrain_vision": "vision models"}
 

@@ -366,10 +366,6 @@ def test_mapped_training_flags():
                                      "modelled by vtrain yet"),
     ("--ddp-num-buckets 4", "--ddp-num-buckets 4: a DDP bucket count (--ddp-bucket-size is modelled) is not modelled "
                             "by vtrain yet"),
-    ("--is-hybrid-model", "--is-hybrid-model: Mamba and hybrid models are not supported by vtrain (it estimates GPT "
-                          "decoders, Megatron-LM's pretrain_gpt.py)"),
-    ("--hybrid-override-pattern M-M*", "--hybrid-override-pattern M-M*: Mamba and hybrid models are not supported by "
-                                       "vtrain (it estimates GPT decoders, Megatron-LM's pretrain_gpt.py)"),
     ("--bert-no-binary-head", "--bert-no-binary-head: BERT models are not supported by vtrain (it estimates GPT "
                               "decoders, Megatron-LM's pretrain_gpt.py)"),
     ("--decoder-num-layers 4", "--decoder-num-layers 4: encoder-decoder (T5) models are not supported by vtrain (it "
@@ -381,7 +377,7 @@ def test_flags_that_change_the_estimate_unmodelled_or_unsupported_are_refused_by
 
 @pytest.mark.parametrize("script, what", [
     ("pretrain_bert.py", "BERT models"), ("pretrain_t5.py", "encoder-decoder (T5) models"),
-    ("pretrain_mamba.py", "Mamba and hybrid models"), ("pretrain_vlm.py", "vision-language models"),
+    ("pretrain_vlm.py", "vision-language models"),
     ("examples/multimodal/pretrain_vlm_llava.py", "vision-language models"),
 ])
 def test_entry_points_other_than_pretrain_gpt_are_refused_as_unsupported(script, what):
