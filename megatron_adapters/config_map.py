@@ -82,6 +82,8 @@ def is_transformer_config(value: Any) -> bool:
 def refuse_unmodelled(config: Any) -> None:
     """A ConfigError for the first field of ``config`` that vtrain cannot trace yet."""
     for rule in UNMODELLED:
+        if rule.field in consumed_attention_fields(config):
+            continue
         value = getattr(config, rule.field, None)
         if not rule.is_default(value):
             raise not_modelled(f"TransformerConfig.{rule.field}={value!r}", rule.what)
@@ -95,7 +97,8 @@ def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_leng
     family = _family(config)
     heads = config.num_attention_heads
     kv_channels = getattr(config, "kv_channels", None)
-    if kv_channels is not None and kv_channels * heads != config.hidden_size:
+    mla = bool(getattr(config, "multi_latent_attention", False))  # MLA has its own head dims
+    if kv_channels is not None and kv_channels * heads != config.hidden_size and not mla:
         raise ConfigError(f"TransformerConfig.kv_channels({kv_channels}) * num_attention_heads({heads}) != "
                           f"hidden_size({config.hidden_size}): vtrain models head_dim = hidden / heads")
     return ModelSpec(
@@ -111,7 +114,41 @@ def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_leng
         moe_router_topk=getattr(config, "moe_router_topk", None) if getattr(config, "num_moe_experts", None) else None,
         moe_ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None),
         dtype=Dtype.BF16 if getattr(config, "bf16", False) else Dtype.FP16 if getattr(config, "fp16", False) else Dtype.FP32,
+        **attention_fields_of_config(config),
     )
+
+
+def consumed_attention_fields(config: Any) -> frozenset[str]:
+    """Fields :func:`attention_fields_of_config` reads that :data:`UNMODELLED` would refuse:
+    ``qk_layernorm`` under MLA (the norms of its compressed query and key/value)."""
+    return frozenset({"qk_layernorm"}) if getattr(config, "multi_latent_attention", False) else frozenset()
+
+
+def attention_fields_of_config(config: Any) -> dict[str, Any]:
+    """The ModelSpec fields of the config's attention variants (:mod:`vtrain_plugin.specs.attention`):
+    multi-latent attention (an ``MLATransformerConfig``: its ranks and head dims; its rotary type and
+    YaRN factors change values only), a sliding window and its skip frequency, the softmax type."""
+    out: dict[str, Any] = {}
+    if getattr(config, "multi_latent_attention", False):
+        if not getattr(config, "qk_layernorm", False):
+            raise not_modelled("TransformerConfig.multi_latent_attention=True with qk_layernorm=False",
+                               "multi-latent attention without the norms of its compressed query and key/value")
+        out["multi_latent_attention"] = True
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            out[name] = getattr(config, name)
+    window = getattr(config, "window_size", None)
+    if window is not None:
+        out["window_size"] = tuple(window)
+        skip = getattr(config, "window_attn_skip_freq", None)
+        if skip is not None and not isinstance(skip, int):
+            raise not_modelled(f"TransformerConfig.window_attn_skip_freq={skip!r}", "a per-layer pattern of window layers")
+        out["window_attn_skip_freq"] = skip
+    softmax = getattr(config, "softmax_type", "vanilla")
+    if softmax == "off-by-one":
+        raise not_modelled("TransformerConfig.softmax_type='off-by-one'", "an off-by-one softmax")
+    if softmax != "vanilla":
+        out["softmax_type"] = softmax
+    return out
 
 
 def _family(config: Any) -> Family:

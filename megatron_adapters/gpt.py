@@ -34,7 +34,7 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
     every layer of a chunk is built from the same spec, so a traced chunk of two layers (verified
     identical) stands for a chunk of any number of them.
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     dtype = torch_dtype(model.dtype)
     recompute: dict = {}
@@ -48,7 +48,9 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         from megatron_adapters.moe import moe_config_fields
 
         moe = moe_config_fields(model, plan)
-    return TransformerConfig(
+    attention = attention_config_fields(model)
+    config_class = MLATransformerConfig if model.multi_latent_attention else TransformerConfig
+    return config_class(
         num_layers=layers_per_chunk * plan.num_model_chunks,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_size,
@@ -79,7 +81,31 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         attention_dropout=0.0 if llama else 0.1,
         **recompute,
         **moe,
+        **attention,
     )
+
+
+def attention_config_fields(model: ModelSpec) -> dict:
+    """The TransformerConfig / MLATransformerConfig fields of ``model``'s attention variants (none
+    when off). A model that alternates windowed and full layers is traced with a window on every
+    other layer (``window_attn_skip_freq=2``: two consecutive layers are one of each kind, whatever
+    the chunk's first layer number), and the tracer counts each kind per stage from the model's own
+    frequency (:mod:`vtrain_plugin.specs.attention`)."""
+    from vtrain_plugin.specs.attention import mixes_windows, mla_dim
+
+    fields: dict = {}
+    if model.multi_latent_attention:
+        # MLA's rotary embedding is YaRN (Megatron-LM's --rope-type for MLA), whose scaling factors
+        # change the frequencies' values only.
+        fields.update(q_lora_rank=model.q_lora_rank, rope_type="yarn",
+                      **{name: mla_dim(model, name)
+                         for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")})
+    if model.window_size is not None:
+        fields["window_size"] = model.window_size
+        fields["window_attn_skip_freq"] = 2 if mixes_windows(model) else model.window_attn_skip_freq
+    if model.softmax_type != "vanilla":
+        fields["softmax_type"] = model.softmax_type
+    return fields
 
 
 def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers_per_chunk: int):
@@ -95,7 +121,12 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
     llama = model.family is Family.LLAMA
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        layer = get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm")
+        if model.multi_latent_attention:  # TE's core-attention signature: a stand-in (stand_ins.py)
+            from megatron_adapters.stand_ins import mla_layer_spec
+
+            layer = mla_layer_spec(normalization="RMSNorm", qk_layernorm=True)  # the latent norms
+        else:
+            layer = get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm")
         layer.submodules.input_layernorm = SequenceParallelNorm
         layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
         if model.is_moe:

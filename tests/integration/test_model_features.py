@@ -49,11 +49,10 @@ def refusal(call) -> str:
 
 
 @pytest.mark.parametrize("flags, config, plan_key, plan_value, what", [
-    ("--window-size 16,0", dict(GPT, window_size=(16, 0)), "window_size", [16, 0], "sliding-window attention"),
+    ("--softmax-type off-by-one", dict(GPT, softmax_type="off-by-one"), "softmax_type", "off-by-one",
+     "an off-by-one softmax"),
     ("--qk-layernorm", dict(GPT, qk_layernorm=True), "qk_layernorm", True, "query/key layer norm"),
     ("--qk-l2-norm", dict(GPT, qk_l2_norm=True), "qk_l2_norm", True, "query/key L2 norm"),
-    ("--multi-latent-attention", dict(GPT, multi_latent_attention=True), "multi_latent_attention", True,
-     "multi-latent attention"),
     ("--mtp-num-layers 1", dict(GPT, mtp_num_layers=1), "mtp_num_layers", 1, "multi-token prediction"),
     ("--fp32-residual-connection", dict(GPT, fp32_residual_connection=True), "fp32_residual_connection", True,
      "a residual stream in fp32"),
@@ -61,7 +60,8 @@ def refusal(call) -> str:
      "a QKV bias without the other linear biases"),
 ])
 def test_a_refused_feature_is_refused_alike_on_every_path(caplog, flags, config, plan_key, plan_value, what):
-    """Regression: --window-size was accepted with a warning while TransformerConfig.window_size was refused."""
+    """Regression: --window-size was accepted with a warning while TransformerConfig.window_size was refused
+    (windows are modelled now: tests/integration/test_attention_estimates.py)."""
     expected = f"{what} is not modelled by vtrain yet"
     assert refusal(lambda: from_args(flags)) == expected
     assert refusal(lambda: from_config(caplog, **config)) == expected

@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import Any
 
 from vtrain_plugin.core.graph import Block
+from vtrain_plugin.specs.attention import off
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
@@ -39,7 +40,8 @@ class ChunkTrace:
     activation_dtype: str
     # Folded blocks per chunk layer count, filled by the tracer: every stage of this role (in every
     # plan that shares the trace) gets the same blocks, folded once. Not part of the stored form.
-    folded: dict[int, tuple[Block, ...]] = field(default_factory=dict, compare=False)
+    # (Keyed by the layer count, or by (layer count, windowed layers) for alternating windows.)
+    folded: dict[int | tuple[int, int], tuple[Block, ...]] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"blocks": [b.to_dict() for b in self.blocks],
@@ -83,6 +85,7 @@ def named_shape_key(key: tuple) -> dict[str, Any]:
 
 @lru_cache(maxsize=256)
 def model_dims(model: ModelSpec) -> tuple:
-    """Every field of ``model`` a chunk's trace depends on (all but its name and layer count)."""
-    dims = {k: v for k, v in model.to_dict().items() if k not in ("num_layers", "name")}
+    """Every field of ``model`` a chunk's trace depends on (all but its name and layer count; the
+    attention variants only when on, :func:`vtrain_plugin.specs.attention.off`)."""
+    dims = {k: v for k, v in off(model.to_dict()).items() if k not in ("num_layers", "name")}
     return tuple(sorted(dims.items()))

@@ -32,6 +32,7 @@ from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
 from vtrain_plugin.capture.child_trace import Role, trace_chunks
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import OpGraph, StageGraph
+from vtrain_plugin.specs.attention import mixes_windows, windowed_layers
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
@@ -122,13 +123,32 @@ def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, i
     embedding or the loss, as an uneven split may leave one, is traced with a layer and folded to
     none); chunks of one role share a trace."""
     roles = []
+    # Windowed and full-attention layers alternate: at least one of each is traced (two consecutive
+    # layers), and each stage counts its own of each kind from its layer numbers.
+    fewest = 2 if mixes_windows(model) else 1
     for rank, chunk, num_layers in chunks:
         role = chunk_role(plan, rank, chunk)
-        built = max(1, num_layers if traced_layers is None else min(num_layers, traced_layers))
+        built = max(fewest, num_layers if traced_layers is None else min(num_layers, traced_layers))
         roles.append((role.pre_process, role.post_process, built))
     traces = _chunk_traces(model, plan, roles)
-    return tuple(_assemble_stage(traces[role], rank, chunk, num_layers)
+    first = first_layer_numbers(model, plan)
+    return tuple(_assemble_stage(traces[role], rank, chunk, num_layers,
+                                 windowed=windowed_layers(model, first[rank][chunk], num_layers)
+                                 if fewest == 2 else None)
                  for role, (rank, chunk, num_layers) in zip(roles, chunks, strict=True))
+
+
+def first_layer_numbers(model: ModelSpec, plan: ParallelPlan) -> tuple[tuple[int, ...], ...]:
+    """The number (1-based, over the whole model) of the first layer of each ``[pipeline_rank][chunk]``:
+    megatron-core numbers layers in the order of the virtual stages, chunk by chunk, rank by rank."""
+    layers = plan.chunk_layers(model)
+    first = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]
+    number = 1
+    for chunk in range(plan.virtual_pipeline):
+        for rank in range(plan.pipeline_parallel):
+            first[rank][chunk] = number
+            number += layers[rank][chunk]
+    return tuple(tuple(row) for row in first)
 
 
 def _chunk_traces(model: ModelSpec, plan: ParallelPlan, roles: list[Role]) -> dict[Role, ChunkTrace]:
@@ -166,17 +186,22 @@ def _remember(key: tuple, traced: ChunkTrace) -> None:
         _cache.popitem(last=False)
 
 
-def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int) -> StageGraph:
-    """One stage's graph from its role's trace: layers folded to the chunk's count, parameters
-    per block. Stages of one role share their blocks' node tuples, so each is costed once."""
-    blocks = traced.folded.get(per_chunk)
+def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int, *,
+                    windowed: int | None = None) -> StageGraph:
+    """One stage's graph from its role's trace: layers folded to the chunk's count (``windowed`` of
+    them with a sliding window, when the model alternates), parameters per block. Stages of one role
+    share their blocks' node tuples, so each is costed once."""
+    fold = (per_chunk, windowed) if windowed is not None else per_chunk
+    blocks = traced.folded.get(fold)
     if blocks is None:
-        blocks = traced.folded[per_chunk] = tuple(
+        layers = folding.fold_layers(traced.blocks, per_chunk) if windowed is None else \
+            folding.fold_window_kinds(traced.blocks, per_chunk, windowed)
+        blocks = traced.folded[fold] = tuple(
             replace(block, num_parameters=sum(traced.params_by_block.get(block.name, ()))
                     + sum(traced.expert_params_by_block.get(block.name, ())),
                     parameter_numels=traced.params_by_block.get(block.name, ()),
                     expert_parameter_numels=traced.expert_params_by_block.get(block.name, ()))
-            for block in folding.fold_layers(traced.blocks, per_chunk))
+            for block in layers)
     return StageGraph(pipeline_rank=rank, chunk=chunk, blocks=blocks,
                       activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,
                       word_embedding_parameters=traced.word_embedding_params)

@@ -15,6 +15,7 @@ from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.dtypes import MODEL_DTYPES, Dtype
 from vtrain_plugin.specs import limits
+from vtrain_plugin.specs.attention import check_attention_fields, mla_parameters, sink_parameters
 
 
 DEFAULT_MOE_ROUTER_TOPK = 2  # megatron-core's moe_router_topk
@@ -49,6 +50,19 @@ class ModelSpec:
     # (megatron_adapters/moe_routing.py).
     moe_routing_skew: float = 1.0
     moe_shared_expert_intermediate_size: int | None = None  # shared experts: refused, not modelled
+    # Attention variants (vtrain_plugin/specs/attention.py): megatron-core's multi-latent attention
+    # (MLA: the ranks and head dims below, None: Megatron-LM's defaults), sliding windows (tokens back,
+    # tokens ahead; full attention on every window_attn_skip_freq-th layer) and attention sinks
+    # (softmax_type "learnable": one learned logit per head). Off by default.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: queries projected without compression
+    kv_lora_rank: int | None = None
+    qk_head_dim: int | None = None
+    qk_pos_emb_head_dim: int | None = None
+    v_head_dim: int | None = None
+    window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: int | None = None
+    softmax_type: str = "vanilla"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", Family(v.one_of("model.family", self.family, [f.value for f in Family])))
@@ -68,11 +82,12 @@ class ModelSpec:
         v.string("model.name", self.name)
         v.divides("model.num_attention_heads", self.num_attention_heads,
                   "model.hidden_size", self.hidden_size)
-        if self.family is Family.LLAMA and self.head_dim % 2:
+        if self.family is Family.LLAMA and self.head_dim % 2 and not self.multi_latent_attention:
             raise ConfigError(f"model.hidden_size ({self.hidden_size}) / model.num_attention_heads "
                               f"({self.num_attention_heads}) = {self.head_dim}: rotary position embeddings "
                               "rotate pairs of channels, so a Llama head dimension must be even")
         check_moe_fields(self)
+        check_attention_fields(self)
 
     @property
     def ffn_size(self) -> int:
@@ -136,6 +151,9 @@ class ModelSpec:
             norms = 2 * h
             positions = 0
             final_norm = h
+        if self.multi_latent_attention:
+            attn = mla_parameters(self)
+        attn += sink_parameters(self)
         mlp = self._mlp_parameters(self.ffn_size)
         if self.is_moe:  # the router's gate (with a bias in a GPT layer), then every expert's MLP
             mlp = self.num_experts * (h + (1 if gpt else 0)) + self.num_experts * self._mlp_parameters(self.expert_ffn_size)

@@ -32,10 +32,8 @@ class Feature:
 
 
 REFUSED = (
-    Feature("sliding-window attention", "--window-size", "window_size", "window_size"),
     Feature("query/key layer norm", "--qk-layernorm", "qk_layernorm", "qk_layernorm"),
     Feature("query/key L2 norm", "--qk-l2-norm", "qk_l2_norm", "qk_l2_norm"),
-    Feature("multi-latent attention", "--multi-latent-attention", "multi_latent_attention", "multi_latent_attention"),
     Feature("multi-token prediction", "--mtp-num-layers", "mtp_num_layers", "mtp_num_layers"),
     Feature("a residual stream in fp32", "--fp32-residual-connection", "fp32_residual_connection",
             "fp32_residual_connection"),

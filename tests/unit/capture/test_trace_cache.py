@@ -9,7 +9,7 @@ import os
 import pytest
 
 from vtrain_plugin.capture import disk_cache, megatron_chunk
-from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
+from vtrain_plugin.capture.chunk import ChunkTrace, named_shape_key, shape_key
 from vtrain_plugin.capture.tracer import clear_cache, trace
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import Block, BlockKind
@@ -30,6 +30,11 @@ MODEL_VARIANTS = {"family": "llama", "hidden_size": 128, "num_attention_heads": 
 MOE_MODEL = dataclasses.replace(MODEL, num_experts=4)
 MOE_MODEL_VARIANTS = {"moe_router_topk": 1, "moe_ffn_hidden_size": 128, "moe_routing_skew": 2.0}
 MODEL_FIELDS_REFUSED = {"moe_shared_expert_intermediate_size"}  # always unset: any value is a ConfigError
+# Each changes the key of a (multi-latent, windowed) attention model's chunk; off, they are not in the key.
+ATTENTION_MODEL = dataclasses.replace(MODEL, family="llama", multi_latent_attention=True, window_size=(8, 0))
+ATTENTION_VARIANTS = {"multi_latent_attention": False, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_head_dim": 8,
+                      "qk_pos_emb_head_dim": 8, "v_head_dim": 8, "window_size": (4, 0), "window_attn_skip_freq": 2,
+                      "softmax_type": "learnable"}
 PLAN_VARIANTS = {"tensor_parallel": 4, "sequence_parallel": True, "micro_batch_size": 2, "recompute": "full",
                  "pipeline_parallel": 2, "context_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 1,
                  "moe_token_dispatcher": "allgather"}
@@ -128,7 +133,7 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     model_fields = {f.name for f in dataclasses.fields(ModelSpec)}
     plan_fields = {f.name for f in dataclasses.fields(ParallelPlan)}
     assert model_fields == (set(MODEL_VARIANTS) | set(MOE_MODEL_VARIANTS) | set(MODEL_FIELDS_NOT_IN_KEY)
-                            | MODEL_FIELDS_REFUSED)
+                            | MODEL_FIELDS_REFUSED | set(ATTENTION_VARIANTS))
     assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
                            | {"virtual_pipeline"})
     paths = {disk_cache.entry_path(KEY)}
@@ -142,7 +147,13 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
         paths.add(disk_cache.entry_path(shape_key(MODEL, dataclasses.replace(PLAN, **{name: value}), True, True, 2)))
     paths |= {disk_cache.entry_path(shape_key(MODEL, PLAN, *role)) for role in
               ((True, False, 2), (False, True, 2), (True, True, 1))}
-    assert len(paths) == 1 + len(MODEL_VARIANTS) + len(MOE_MODEL_VARIANTS) + len(PLAN_VARIANTS) + 3
+    for name, value in ATTENTION_VARIANTS.items():
+        model = dataclasses.replace(ATTENTION_MODEL, **{name: value})
+        paths.add(disk_cache.entry_path(shape_key(model, PLAN, True, True, 2)))
+    assert len(paths) == 1 + len(MODEL_VARIANTS) + len(MOE_MODEL_VARIANTS) + len(PLAN_VARIANTS) + 3 \
+        + len(ATTENTION_VARIANTS)
+    # off, the attention variants leave a model's key as it was before they existed
+    assert not set(ATTENTION_VARIANTS) & set(named_shape_key(KEY)["model"])
     same = [shape_key(dataclasses.replace(MODEL, **MODEL_FIELDS_NOT_IN_KEY), PLAN, True, True, 2),
             shape_key(MODEL, dataclasses.replace(PLAN, **PLAN_FIELDS_NOT_IN_KEY), True, True, 2)]
     assert all(k == KEY for k in same)

@@ -27,6 +27,7 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.megatron.launch_script import LaunchCommand
 from vtrain_plugin.specs.megatron.flags import (
     MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, UNSUPPORTED_FLAGS, UNSUPPORTED_SCRIPTS, Arity)
+from vtrain_plugin.specs.megatron.attention import consumed_by_attention
 from vtrain_plugin.specs.megatron.model import Given, model_fields, positive_int, recompute_mode
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.model_features import REFUSED, unmodelled_warning
@@ -196,7 +197,7 @@ def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> Megatro
         if flag in UNSUPPORTED_FLAGS:
             raise _unsupported(_shown(flag, value), UNSUPPORTED_FLAGS[flag])
         row = _FIELD_OF.get(flag)
-        if row is None:
+        if row is None or flag in consumed_by_attention(given):
             continue
         converted = row.convert(flag, value)
         if row.field is None and converted != row.inactive:

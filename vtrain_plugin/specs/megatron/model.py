@@ -16,6 +16,7 @@ from typing import Any
 
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.megatron.attention import attention_fields
 from vtrain_plugin.specs.model import Family
 from vtrain_plugin.specs.model_features import QKV_BIAS, layer_note, not_modelled
 from vtrain_plugin.specs.parallel import Recompute
@@ -84,7 +85,7 @@ def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: in
         out["ffn_hidden_size"] = int(4 * hidden * 2 / 3 / 64) * 64
     else:
         out["ffn_hidden_size"] = 4 * hidden
-    if "--kv-channels" in given:
+    if "--kv-channels" in given and not given.get("--multi-latent-attention"):  # MLA has its own head dims
         kv = positive_int("--kv-channels", given["--kv-channels"])
         if kv * heads != hidden:
             raise ConfigError(f"--kv-channels {kv}: a head dimension other than --hidden-size / "
@@ -98,6 +99,7 @@ def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: in
     for flag in ("--hidden-dropout", "--attention-dropout"):
         note = layer_note(f"{flag} {given.get(flag, 0.1)}", family, "dropout", _fraction(flag, given.get(flag, 0.1)))
         notes.extend([note] if note else [])
+    out.update(attention_fields(given, notes))
     balancing = given.get("--moe-router-load-balancing-type", MOE_LOAD_BALANCING)
     if balancing != MOE_LOAD_BALANCING:
         notes.append(f"--moe-router-load-balancing-type {balancing} (vtrain's router: {MOE_LOAD_BALANCING})")
