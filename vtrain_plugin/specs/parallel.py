@@ -190,6 +190,14 @@ CP_LAYOUT_RULES: tuple[LayoutRule, ...] = (
         message=lambda p, m: (f"tensor_parallel_size ({p.tensor_parallel}) must divide seq_length / "
                               f"context_parallel_size ({m.seq_length} / {p.context_parallel} = "
                               f"{m.seq_length // p.context_parallel}) with sequence parallelism")),
+    # The CP attention is synthesized from a layer's score GEMM as causal attention over one head dim
+    # (cost/comm/context_parallel.py): neither MLA's two head dims nor a window's scores yet.
+    LayoutRule(
+        name="cp with mla or windows",
+        broken=lambda p, m: p.context_parallel > 1 and (m.multi_latent_attention or m.window_size is not None),
+        message=lambda p, m: (f"context_parallel_size ({p.context_parallel}) with "
+                              f"{'multi-latent attention' if m.multi_latent_attention else 'sliding-window attention'}"
+                              f": context-parallel attention of that kind is not modelled by vtrain yet")),
 )
 
 

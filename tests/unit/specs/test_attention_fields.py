@@ -72,3 +72,13 @@ def test_a_window_from_a_plan_file_is_a_tuple():
     assert spec(window_size=[8, 0]).window_size == (8, 0)
     assert spec(window_size=[8, 0]) == spec(window_size=(8, 0))
     assert torch.is_tensor(sliding_window_causal_mask(4, 4, (1, 0)))
+
+
+def test_context_parallelism_with_mla_or_a_window_is_refused_by_name():
+    plan = ParallelPlan(context_parallel=2)
+    for fields, what in ((dict(window_size=(8, 0)), "sliding-window attention"),
+                         (dict(multi_latent_attention=True), "multi-latent attention")):
+        with pytest.raises(ConfigError) as err:
+            plan.check_fits(spec(**fields))
+        assert str(err.value) == (f"context_parallel_size (2) with {what}: context-parallel attention of that kind "
+                                  f"is not modelled by vtrain yet")

@@ -11,7 +11,9 @@ traced group (module, phase)               kernel of the stack                  
 =========================================  ================================================  ===========
 core attention fwd (``core_attention`` and  ``te.fused_attention`` (FlashAttention-2/3 or      e(2Q + 2K)
 its children: baddbmm, fp32 softmax, mask,  cuDNN): one kernel, no materialised scores;       + 4 b h s
-dropout, bmm, context copy, GQA expansion)  FLOPs 4 b h s^2 d / 2 (the causal half)
+dropout, bmm, context copy, GQA expansion,  FLOPs 4 b h s^2 d / 2 (the causal half; MLA:      (+ e h with
+a window's mask, the sink column)           2 b h (s^2 / 2)(d_qk + d_v); a window: its        sinks)
+                                            in-window scores instead of s^2 / 2)
 core attention bwd (4 bmm, softmax and      ``te.fused_attention_backward``: one kernel,      e(4Q + 4K)
 dropout backward, scaling, GQA reduction)   FLOPs 2.5 x forward (scores recomputed)           + 4 b h s
 native_layer_norm (and backward)            ``te.layer_norm`` (as traced)                     as traced
@@ -57,7 +59,10 @@ from vtrain_plugin.cost.lowering.fusion import (FORWARD_PHASES, bias_dropout_add
 FP32 = 4
 ATTENTION_CAUSAL_FRACTION = 0.5  # of the score matrix a causal kernel computes
 ATTENTION_BACKWARD_FLOPS = 2.5  # x forward: 5 matmuls of the score size against the forward's 2
-LINEAR_MODULES = (".linear_qkv", ".linear_proj", ".linear_fc1", ".linear_fc2")
+LINEAR_MODULES = (".linear_qkv", ".linear_proj", ".linear_fc1", ".linear_fc2",
+                  # multi-latent attention's projections (TE linears in megatron-core's MLA spec)
+                  ".linear_q_proj", ".linear_q_down_proj", ".linear_q_up_proj", ".linear_kv_down_proj",
+                  ".linear_kv_up_proj")
 _ATTENTION_UNIT = ".core_attention"
 WINDOW_MASK_OP = "aten.triu.default"  # the sliding-window mask's first op (stand_ins.sliding_window_causal_mask)
 
