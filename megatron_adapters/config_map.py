@@ -63,7 +63,6 @@ UNMODELLED = (
                "the flex token dispatcher (DeepEP / HybridEP)"),
     Unmodelled("fp8", _is_none, "fp8 training"),
     Unmodelled("fp4", _is_none, "fp4 training"),
-    Unmodelled("pipeline_model_parallel_layout", _is_none, "custom pipeline layouts"),
     Unmodelled("tp_comm_overlap", _is_false, "TP communication overlap"),
     Unmodelled("cpu_offloading", _is_false, "activation offloading to the CPU"),
     Unmodelled("fine_grained_activation_offloading", _is_false, "activation offloading to the CPU"),
@@ -183,7 +182,9 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
     stated = {
         "tensor_parallel": ("tensor_model_parallel_size", config.tensor_model_parallel_size or 1),
         "pipeline_parallel": ("pipeline_model_parallel_size", config.pipeline_model_parallel_size or 1),
-        "virtual_pipeline": ("virtual_pipeline_model_parallel_size", config.virtual_pipeline_model_parallel_size or 1),
+        "virtual_pipeline": ("virtual_pipeline_model_parallel_size", config.virtual_pipeline_model_parallel_size
+                             or getattr(config.pipeline_model_parallel_layout, "virtual_pipeline_model_parallel_size",
+                                        None) or 1),
         "sequence_parallel": ("sequence_parallel", bool(config.sequence_parallel)),
         "recompute": ("recompute_granularity", _recompute(config)),
         "decoder_first_pipeline_num_layers": ("num_layers_in_first_pipeline_stage",
@@ -195,6 +196,7 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
         "account_for_loss_in_pipeline_split": (
             "account_for_loss_in_pipeline_split", bool(getattr(config, "account_for_loss_in_pipeline_split", False))),
         "context_parallel": ("context_parallel_size", getattr(config, "context_parallel_size", None) or 1),
+        "pipeline_layout": ("pipeline_model_parallel_layout", _layout(config)),
         "cp_comm_type": ("cp_comm_type", _cp_comm_type(config)),
         "expert_parallel": ("expert_model_parallel_size", getattr(config, "expert_model_parallel_size", None) or 1),
     }
@@ -215,6 +217,19 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
             raise ConfigError(f"parallel.{name} ({_show(ours)}) != TransformerConfig.{field} ({_show(value)}): "
                               f"pass a plan that agrees with the config, or parallel=None to use the config's")
     return plan
+
+
+def _layout(config: Any) -> str | None:
+    """The config's pipeline layout as a layout string (megatron-core holds it as a
+    ``PipelineParallelLayerLayout``: its ``layout`` is ``[pp_rank][vp_rank]`` lists of layer types)."""
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is None or isinstance(layout, str):
+        return layout
+    symbols = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
+    rows = layout.layout
+    stages = ["".join(symbols.get(getattr(t, "name", str(t)), "?") for t in rows[rank][chunk])
+              for chunk in range(len(rows[0])) for rank in range(len(rows))]
+    return "|".join(stages)
 
 
 def _recompute(config: Any) -> Recompute:

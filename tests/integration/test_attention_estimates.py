@@ -227,3 +227,33 @@ def test_the_cli_estimates_mla_from_arguments_as_from_a_plan_file(tmp_path, run_
     assert from_args["memory_gib_per_stage"] == from_file["memory_gib_per_stage"]
     mha = estimate(run_config_from_dict(plan_file()))  # the same heads without MLA: another estimate
     assert mha.peak_memory_gib != pytest.approx(from_file["peak_memory_gib"], rel=1e-9)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pipeline layouts (DeepSeek-V3 / Kimi K2 publish 61 layers over PP x VP stages)
+# ------------------------------------------------------------------------------------------------
+
+LAYOUT = "Et|tt|t|L"  # PP 2 x VP 2: virtual stages (chunk 0: ranks 0, 1; chunk 1: ranks 0, 1), the last the loss alone
+
+
+def test_a_layout_reads_alike_on_every_path_and_places_the_layers():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_adapters.config_map import parallel_plan_from_transformer_config
+
+    flags = FLAGS.replace("--global-batch-size 8", "--global-batch-size 4")
+    from_args = run_config_from_megatron_args(
+        f"{flags} --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout '{LAYOUT}'", gpus=2, cluster=CLUSTER)
+    from_plan = run_config_from_dict({**plan_file(), "parallel": {"pipeline_parallel": 2, "virtual_pipeline": 2,
+                                                                  "pipeline_layout": LAYOUT},
+                                      "training": {"global_batch_size": 4, "schedule": "interleaved_1f1b"}})
+    cfg = TransformerConfig(num_layers=4, hidden_size=H, num_attention_heads=N, pipeline_model_parallel_size=2,
+                            pipeline_dtype=torch.bfloat16, pipeline_model_parallel_layout=LAYOUT)
+    from_config = parallel_plan_from_transformer_config(cfg, None)
+    assert from_args.parallel == from_plan.parallel == from_config
+    assert from_config.virtual_pipeline == 2 and from_config.pipeline_layout == LAYOUT
+    assert from_plan.parallel.chunk_layers(from_plan.model) == ((1, 1), (2, 0))
+    graph = vtrain.trace(from_plan.model, from_plan.parallel)
+    laid_out = {(s.pipeline_rank, s.chunk): sum(b.count for b in layers(s)) for s in graph.stages}
+    assert laid_out == {(0, 0): 1, (1, 0): 2, (0, 1): 1, (1, 1): 0}
+    assert estimate(from_args).iteration_time_ms == estimate(from_plan).iteration_time_ms > 0

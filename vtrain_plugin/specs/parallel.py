@@ -53,6 +53,9 @@ class ParallelPlan:
     decoder_last_pipeline_num_layers: int | None = None
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # Or Megatron-Core's layout string (pipeline_model_parallel_layout, e.g. "Et|(tt|)*30L"): each
+    # virtual stage's embedding (E), layers (t) and loss (L), PP x VP stages in virtual-stage order.
+    pipeline_layout: str | None = None
     # Context parallelism: each sequence split over context_parallel ranks (Megatron-Core's
     # context_parallel_size; see vtrain_plugin.cost.comm.context_parallel), K/V exchanged by cp_comm_type.
     context_parallel: int = 1
@@ -101,6 +104,11 @@ class ParallelPlan:
         if uneven and accounted:
             raise ConfigError(f"parallel.{uneven[0]} cannot be combined with parallel.{accounted[0]} "
                               f"(Megatron-Core allows one form of uneven pipeline split)")
+        if self.pipeline_layout is not None:
+            v.string("parallel.pipeline_layout", self.pipeline_layout)
+            if uneven or accounted:
+                raise ConfigError(f"parallel.pipeline_layout cannot be combined with parallel.{(uneven + accounted)[0]} "
+                                  f"(the layout places every layer, the embedding and the loss itself)")
 
     @property
     def world_size(self) -> int:

@@ -46,6 +46,8 @@ PLAN_FIELDS_NOT_IN_KEY = {"data_parallel": 16, "account_for_embedding_in_pipelin
 # Uneven first / last stages (they need several stages) pick each chunk's layer count, i.e. the
 # layers built (a field of the key), not the trace of a chunk role.
 UNEVEN_SPLIT_NOT_IN_KEY = {"decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1}
+# A layout picks each chunk's layer count as those do (Et|tL: one layer per stage of PP 2).
+LAYOUT_NOT_IN_KEY = {"pipeline_layout": "Et|tL"}
 
 
 @pytest.fixture
@@ -135,7 +137,7 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     assert model_fields == (set(MODEL_VARIANTS) | set(MOE_MODEL_VARIANTS) | set(MODEL_FIELDS_NOT_IN_KEY)
                             | MODEL_FIELDS_REFUSED | set(ATTENTION_VARIANTS))
     assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
-                           | {"virtual_pipeline"})
+                           | {"virtual_pipeline"} | set(LAYOUT_NOT_IN_KEY))
     paths = {disk_cache.entry_path(KEY)}
     for name, value in MODEL_VARIANTS.items():
         model = dataclasses.replace(MODEL, **{name: value})
@@ -162,6 +164,8 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     assert shape_key(MODEL, pp2, False, True, 2) == shape_key(MODEL, pp8, False, True, 2)
     uneven = dataclasses.replace(pp2, **UNEVEN_SPLIT_NOT_IN_KEY)
     assert shape_key(MODEL, uneven, False, True, 1) == shape_key(MODEL, pp2, False, True, 1)
+    laid_out = dataclasses.replace(pp2, **LAYOUT_NOT_IN_KEY)
+    assert shape_key(MODEL, laid_out, False, True, 1) == shape_key(MODEL, pp2, False, True, 1)
 
 
 @pytest.mark.parametrize("package", ["vtrain", "torch", "megatron-core"])
