@@ -147,6 +147,8 @@ def attention_fields_of_config(config: Any) -> dict[str, Any]:
         raise not_modelled("TransformerConfig.softmax_type='off-by-one'", "an off-by-one softmax")
     if softmax != "vanilla":
         out["softmax_type"] = softmax
+    if getattr(config, "mtp_num_layers", None):  # multi-token prediction (not an attention variant; read here too)
+        out["mtp_num_layers"] = config.mtp_num_layers
     return out
 
 

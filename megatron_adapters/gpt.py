@@ -105,6 +105,8 @@ def attention_config_fields(model: ModelSpec) -> dict:
         fields["window_attn_skip_freq"] = 2 if mixes_windows(model) else model.window_attn_skip_freq
     if model.softmax_type != "vanilla":
         fields["softmax_type"] = model.softmax_type
+    if model.mtp_num_layers is not None:
+        fields["mtp_num_layers"] = model.mtp_num_layers
     return fields
 
 
@@ -134,6 +136,14 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
 
             layer.submodules.mlp = moe_layer_spec(model)
         block = TransformerBlockSubmodules(layer_specs=[layer] * layers_per_chunk, layer_norm=SequenceParallelNorm)
+        mtp = None
+        if model.mtp_num_layers is not None and role.post_process:  # the MTP block, on the last stage
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            mtp = get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False)
+            for mtp_layer in mtp.layer_specs:  # torch's norms, which the local spec refuses under SP
+                mtp_layer.submodules.enorm = mtp_layer.submodules.hnorm = SequenceParallelNorm
+                mtp_layer.submodules.layer_norm = SequenceParallelNorm
         gpt = GPTModel(
             config=config,
             transformer_layer_spec=block,
@@ -144,6 +154,7 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
             share_embeddings_and_output_weights=model.tied,
             position_embedding_type="rope" if llama else "learned_absolute",
             vp_stage=role.chunk if plan.virtual_pipeline > 1 else None,
+            **({"mtp_block_spec": mtp} if mtp is not None else {}),
         )
     _cast_parameters(gpt, torch_dtype(model.dtype))
     if model.is_moe:
@@ -183,13 +194,16 @@ def run_training_step(gpt, model: ModelSpec, plan: ParallelPlan, role: ChunkRole
         optimizer = MixedPrecisionAdamW(gpt.parameters(), adam, found_inf=assume_finite)
         if not role.pre_process:
             gpt.set_input_tensor(torch.zeros(stage_input_shape(model, plan), dtype=dtype, requires_grad=True))
+        # the token ids reach the last stage too when it holds MTP layers (they embed the next tokens)
+        ids = role.pre_process or (role.post_process and model.mtp_num_layers is not None)
         batch = MicroBatch(
-            tokens=torch.zeros(b, s, dtype=torch.long) if role.pre_process else None,
-            position_ids=torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s) if role.pre_process else None,
+            tokens=torch.zeros(b, s, dtype=torch.long) if ids else None,
+            position_ids=torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s) if ids else None,
             attention_mask=torch.ones(1, 1, s, s, dtype=torch.bool),
             labels=torch.zeros(b, s, dtype=torch.long) if role.post_process else None,
             loss_mask=torch.ones(b, s, dtype=torch.float32) if role.post_process else None,
             output_grad=None if role.post_process else torch.ones(stage_input_shape(model, plan), dtype=dtype))
+        _mtp_loss_tracker(model)
     global_module = _global_ops_module(optimizer.params, recorder)
     seed_module = LOSS if role.post_process else ""
     scopes = StepScopes(
@@ -202,7 +216,20 @@ def run_training_step(gpt, model: ModelSpec, plan: ParallelPlan, role: ChunkRole
     )
     forward_backward(gpt, batch, num_microbatches=1, loss_scale=optimizer.loss_scale, scopes=scopes)
     optimizer.step(scopes)
+    _mtp_loss_tracker(None)
 
+
+def _mtp_loss_tracker(model: ModelSpec | None) -> None:
+    """megatron-core's MTP loss logging keeps a process-wide buffer (``MTPLossLoggingHelper.tracker``)
+    that the first step allocates and the training loop zeroes after logging: in a steady iteration it
+    exists before the step. Made so before recording (``model``), dropped after (None), so every trace
+    is the same and no fake tensor outlives its trace."""
+    if model is None or model.mtp_num_layers is not None:
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        MTPLossLoggingHelper.tracker.clear()
+        if model is not None:
+            MTPLossLoggingHelper.tracker["values"] = torch.zeros(model.mtp_num_layers)
 
 def _global_ops_module(params, recorder) -> str:
     """The module the optimizer's global ops (found-inf reset, total norm, clip coefficient) are

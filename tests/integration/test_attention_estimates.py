@@ -1,6 +1,6 @@
-"""Multi-latent attention, sliding windows and attention sinks: traced from megatron-core's own
-layers, lowered to TransformerEngine's fused attention, estimated, and read alike from a ModelSpec,
-a megatron-core config, Megatron-LM arguments and a plan file."""
+"""Multi-latent attention, sliding windows, attention sinks, multi-token prediction and pipeline
+layouts: traced from megatron-core's own layers, lowered to TransformerEngine's kernels, estimated,
+and read alike from a ModelSpec, a megatron-core config, Megatron-LM arguments and a plan file."""
 
 import json
 from dataclasses import replace
@@ -201,7 +201,8 @@ def plan_file(**fields) -> dict:
 @pytest.mark.parametrize("flags, mla, fields", [
     (MLA_FLAGS, True, MLA),
     (WINDOW_FLAGS, False, WINDOW_FIELDS),
-], ids=["mla", "window-and-sinks"])
+    ("--mtp-num-layers 1 --mtp-loss-scaling-factor 0.1", False, dict(mtp_num_layers=1)),
+], ids=["mla", "window-and-sinks", "mtp"])
 def test_every_input_path_gives_the_same_model_and_estimate(flags, mla, fields):
     from_args = run_config_from_megatron_args(f"{FLAGS} {flags}", gpus=1, cluster=CLUSTER)
     from_plan = run_config_from_dict(plan_file(**{k: list(v) if isinstance(v, tuple) else v
@@ -257,3 +258,39 @@ def test_a_layout_reads_alike_on_every_path_and_places_the_layers():
     laid_out = {(s.pipeline_rank, s.chunk): sum(b.count for b in layers(s)) for s in graph.stages}
     assert laid_out == {(0, 0): 1, (1, 0): 2, (0, 1): 1, (1, 1): 0}
     assert estimate(from_args).iteration_time_ms == estimate(from_plan).iteration_time_ms > 0
+
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-token prediction, on the last stage
+# ------------------------------------------------------------------------------------------------
+
+
+def test_mtp_layers_are_traced_in_the_head_of_the_last_stage():
+    model = spec(mtp_num_layers=1)
+    graph = vtrain.trace(model, ParallelPlan(pipeline_parallel=2))
+    first, last = graph.stages
+    assert [(b.name, b.count) for b in layers(first)] == [(b.name, b.count) for b in layers(last)] == \
+        [("decoder.layers.0", 2)]
+    assert not any("mtp." in n.module for b in first.blocks for n in b.nodes)
+    (head,) = [b for b in last.blocks if b.kind is BlockKind.HEAD]
+    projection = [n for n in head.nodes if isinstance(n, OpNode) and n.phase is Phase.FORWARD
+                  and n.module == "mtp.layers.0.eh_proj" and n.key.op == "aten.mm.default"]
+    assert [n.key.input_shapes for n in projection] == [((S, 2 * H), (2 * H, H))]  # [embedding; hidden] -> hidden
+    # the MTP layer's attention is TE's fused kernel too
+    assert fused(head, FWD).module == "mtp.layers.0.transformer_layer.self_attention.core_attention"
+    # one stage: the traced parameters are the model's (with PP the last stage holds an embedding copy too)
+    assert total_parameters(vtrain.trace(model, ParallelPlan())) == model.num_parameters
+    # under sequence parallelism (DeepSeek-V3's TP 2 + SP): MTP's norms are torch's, as the layers'
+    sp = vtrain.trace(model, ParallelPlan(tensor_parallel=2, sequence_parallel=True))
+    assert any(n.module == "mtp.layers.0.eh_proj" for b in sp.stages[0].blocks for n in b.nodes)
+
+
+def test_mtp_adds_time_and_memory_on_the_last_stage_only():
+    plan = ParallelPlan(pipeline_parallel=2)
+    plain = estimate(vtrain.trace(spec(), plan), cluster=CLUSTER, global_batch_size=8)
+    mtp = estimate(vtrain.trace(spec(mtp_num_layers=1), plan), cluster=CLUSTER, global_batch_size=8)
+    assert mtp.iteration_time_ms > plain.iteration_time_ms
+    assert mtp.memory_gib[0] == plain.memory_gib[0]
+    assert mtp.memory_gib[1].weights_gib > plain.memory_gib[1].weights_gib
+    assert mtp.memory_gib[1].activations_gib > plain.memory_gib[1].activations_gib

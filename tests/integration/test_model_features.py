@@ -53,7 +53,6 @@ def refusal(call) -> str:
      "an off-by-one softmax"),
     ("--qk-layernorm", dict(GPT, qk_layernorm=True), "qk_layernorm", True, "query/key layer norm"),
     ("--qk-l2-norm", dict(GPT, qk_l2_norm=True), "qk_l2_norm", True, "query/key L2 norm"),
-    ("--mtp-num-layers 1", dict(GPT, mtp_num_layers=1), "mtp_num_layers", 1, "multi-token prediction"),
     ("--fp32-residual-connection", dict(GPT, fp32_residual_connection=True), "fp32_residual_connection", True,
      "a residual stream in fp32"),
     (f"{SWIGLU} --add-qkv-bias", dict(LLAMA, add_qkv_bias=True), None, None,

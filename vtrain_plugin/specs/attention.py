@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 MLA_DEFAULTS = {"kv_lora_rank": 32, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128}
 MLA_FIELDS = ("q_lora_rank", *MLA_DEFAULTS)
 SOFTMAX_TYPES = ("vanilla", "learnable")  # "off-by-one": a fixed zero logit, not modelled yet
-# ModelSpec fields of this module: a chunk trace's key leaves them out while at these values, so a
-# model without the variants keeps the key it had before they existed.
+# ModelSpec fields of this module (and multi-token prediction's): a chunk trace's key leaves them out
+# while at these values, so a model without them keeps the key it had before they existed.
 OFF = {"multi_latent_attention": False, **dict.fromkeys(MLA_FIELDS), "window_size": None,
-       "window_attn_skip_freq": None, "softmax_type": "vanilla"}
+       "window_attn_skip_freq": None, "softmax_type": "vanilla", "mtp_num_layers": None}
 
 
 def check_attention_fields(model: ModelSpec) -> None:

@@ -63,6 +63,10 @@ class ModelSpec:
     window_size: tuple[int, int] | None = None
     window_attn_skip_freq: int | None = None
     softmax_type: str = "vanilla"
+    # Multi-token prediction (megatron-core's MTP block on the last pipeline stage): this many MTP
+    # layers, each a transformer layer of the model's kind after its embedding and hidden norms and
+    # projection, sharing the embedding and output layer. None: off.
+    mtp_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", Family(v.one_of("model.family", self.family, [f.value for f in Family])))
@@ -88,6 +92,8 @@ class ModelSpec:
                               "rotate pairs of channels, so a Llama head dimension must be even")
         check_moe_fields(self)
         check_attention_fields(self)
+        if self.mtp_num_layers is not None:
+            v.positive_int("model.mtp_num_layers", self.mtp_num_layers)
 
     @property
     def ffn_size(self) -> int:
@@ -158,7 +164,9 @@ class ModelSpec:
         if self.is_moe:  # the router's gate (with a bias in a GPT layer), then every expert's MLP
             mlp = self.num_experts * (h + (1 if gpt else 0)) + self.num_experts * self._mlp_parameters(self.expert_ffn_size)
         embed = self.vocab_size * h * (1 if self.tied else 2)
-        return self.num_layers * (attn + mlp + norms) + embed + positions + final_norm
+        # an MTP layer: its embedding and hidden norms, the projection of both (2h -> h), a layer, its final norm
+        mtp = (self.mtp_num_layers or 0) * (3 * final_norm + 2 * h * h + attn + mlp + norms)
+        return self.num_layers * (attn + mlp + norms) + embed + positions + final_norm + mtp
 
     def _mlp_parameters(self, f: int) -> int:
         h = self.hidden_size

@@ -34,7 +34,6 @@ class Feature:
 REFUSED = (
     Feature("query/key layer norm", "--qk-layernorm", "qk_layernorm", "qk_layernorm"),
     Feature("query/key L2 norm", "--qk-l2-norm", "qk_l2_norm", "qk_l2_norm"),
-    Feature("multi-token prediction", "--mtp-num-layers", "mtp_num_layers", "mtp_num_layers"),
     Feature("a residual stream in fp32", "--fp32-residual-connection", "fp32_residual_connection",
             "fp32_residual_connection"),
 )

@@ -206,6 +206,12 @@ CP_LAYOUT_RULES: tuple[LayoutRule, ...] = (
         message=lambda p, m: (f"context_parallel_size ({p.context_parallel}) with "
                               f"{'multi-latent attention' if m.multi_latent_attention else 'sliding-window attention'}"
                               f": context-parallel attention of that kind is not modelled by vtrain yet")),
+    # The CP attention replaces the core attention of the folded layers only, not of the head's MTP layers.
+    LayoutRule(
+        name="cp with mtp",
+        broken=lambda p, m: p.context_parallel > 1 and m.mtp_num_layers is not None,
+        message=lambda p, m: (f"context_parallel_size ({p.context_parallel}) with multi-token prediction "
+                              f"(mtp_num_layers {m.mtp_num_layers}) is not modelled by vtrain yet")),
 )
 
 

@@ -21,7 +21,7 @@ ConfigError that shows the arithmetic.
 Or a layout (``pipeline_layout``, Megatron-Core's ``pipeline_model_parallel_layout``, as
 ``PipelineParallelLayerLayout`` reads it): one string per virtual stage, ``|`` between them, in the
 order ``chunk * pp + rank``, of ``E`` (the embedding, first), ``t`` (a transformer layer), ``m`` (a
-multi-token-prediction layer: not modelled yet) and ``L`` (the loss, last); ``(...)*n`` and ``x*n``
+multi-token-prediction layer: in the last stage, before the loss) and ``L`` (the loss, last); ``(...)*n`` and ``x*n``
 repeat, commas are cosmetic. DeepSeek-V3: ``Et|(tt|)*30mL`` over PP 8 x VP 4.
 """
 
@@ -79,8 +79,12 @@ def _layout_error(plan: ParallelPlan, model: ModelSpec) -> str | None:
     if len(stages) != pp * vp:
         return (f"{shown} has {len(stages)} stages, not pipeline_parallel ({pp}) x virtual_pipeline ({vp}) = "
                 f"{pp * vp}")
-    if "m" in flat:
-        return f"{shown}: multi-token prediction layers (m) are not modelled by vtrain yet"
+    mtp = model.mtp_num_layers or 0
+    if flat.count("m") != mtp:
+        return f"{shown} places {flat.count('m')} multi-token prediction layers (m), not mtp_num_layers ({mtp})"
+    if mtp and not stages[-1].rstrip("L").endswith("m" * mtp):
+        return (f"{shown}: vtrain models the multi-token prediction layers (m) in the last stage, before the loss "
+                f"(L), as megatron-core places them by default")
     if flat.count("E") != 1 or not flat.startswith("E") or flat.count("L") != 1 or not flat.endswith("L"):
         return f"{shown}: the embedding (E) must come first and the loss (L) last, once each"
     if flat.count("t") != model.num_layers:

@@ -34,7 +34,7 @@ MODEL_FIELDS_REFUSED = {"moe_shared_expert_intermediate_size"}  # always unset: 
 ATTENTION_MODEL = dataclasses.replace(MODEL, family="llama", multi_latent_attention=True, window_size=(8, 0))
 ATTENTION_VARIANTS = {"multi_latent_attention": False, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_head_dim": 8,
                       "qk_pos_emb_head_dim": 8, "v_head_dim": 8, "window_size": (4, 0), "window_attn_skip_freq": 2,
-                      "softmax_type": "learnable"}
+                      "softmax_type": "learnable", "mtp_num_layers": 1}
 PLAN_VARIANTS = {"tensor_parallel": 4, "sequence_parallel": True, "micro_batch_size": 2, "recompute": "full",
                  "pipeline_parallel": 2, "context_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 1,
                  "moe_token_dispatcher": "allgather"}

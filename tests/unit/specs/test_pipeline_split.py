@@ -13,11 +13,12 @@ from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
 
-def model(layers: int) -> ModelSpec:
-    return ModelSpec(family="llama", num_layers=layers, hidden_size=1024, num_attention_heads=8, seq_length=128)
+def model(layers: int, mtp: int | None = None) -> ModelSpec:
+    return ModelSpec(family="llama", num_layers=layers, hidden_size=1024, num_attention_heads=8, seq_length=128,
+                     mtp_num_layers=mtp)
 
 
-def megatron_layers(layers: int, plan: ParallelPlan) -> list[list[int]]:
+def megatron_layers(layers: int, plan: ParallelPlan, mtp: int | None = None) -> list[list[int]]:
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -30,7 +31,7 @@ def megatron_layers(layers: int, plan: ParallelPlan) -> list[list[int]]:
         num_layers_in_last_pipeline_stage=plan.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=plan.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=plan.account_for_loss_in_pipeline_split,
-        pipeline_model_parallel_layout=plan.pipeline_layout)
+        pipeline_model_parallel_layout=plan.pipeline_layout, mtp_num_layers=mtp)
     if plan.pipeline_layout is not None:  # megatron-core's own parse ([pp_rank][vp_rank]), read without a world
         from megatron.core.transformer.enums import LayerType
 
@@ -131,8 +132,8 @@ def test_embedding_and_loss_slots_are_a_no_op_without_a_pipeline():
 
 
 @pytest.mark.parametrize("layout, message", [
-    ("Et|(tt|)*30mL", "parallel.pipeline_layout 'Et|(tt|)*30mL': multi-token prediction layers (m) are not "
-                      "modelled by vtrain yet"),
+    ("Et|(tt|)*30mL", "parallel.pipeline_layout 'Et|(tt|)*30mL' places 1 multi-token prediction layers (m), not "
+                      "mtp_num_layers (0)"),
     ("Et|(tt|)*29L", "parallel.pipeline_layout 'Et|(tt|)*29L' has 31 stages, not pipeline_parallel (16) x "
                      "virtual_pipeline (2) = 32"),
     ("tE|(tt|)*30L", "parallel.pipeline_layout 'tE|(tt|)*30L': the embedding (E) must come first and the loss (L) "
@@ -146,3 +147,14 @@ def test_a_layout_that_does_not_lay_out_the_model_is_refused_in_one_line(layout,
     with pytest.raises(ConfigError) as err:
         plan.check_fits(model(61))
     assert str(err.value) == message
+
+
+def test_deepseek_v3s_layout_with_its_mtp_layer_is_megatron_cores():
+    plan = ParallelPlan(pipeline_parallel=8, virtual_pipeline=4, pipeline_layout="Et|(tt|)*30mL")
+    assert [list(chunks) for chunks in plan.chunk_layers(model(61, mtp=1))] == megatron_layers(61, plan, mtp=1)
+    with pytest.raises(ConfigError) as err:  # megatron-core's "standalone" MTP stage, apart from the loss
+        ParallelPlan(pipeline_parallel=8, virtual_pipeline=4, pipeline_layout="Et|(tt|)*29ttm|L").check_fits(
+            model(61, mtp=1))
+    assert str(err.value) == ("parallel.pipeline_layout 'Et|(tt|)*29ttm|L': vtrain models the multi-token "
+                              "prediction layers (m) in the last stage, before the loss (L), as megatron-core places "
+                              "them by default")

@@ -62,7 +62,8 @@ ATTENTION_BACKWARD_FLOPS = 2.5  # x forward: 5 matmuls of the score size against
 LINEAR_MODULES = (".linear_qkv", ".linear_proj", ".linear_fc1", ".linear_fc2",
                   # multi-latent attention's projections (TE linears in megatron-core's MLA spec)
                   ".linear_q_proj", ".linear_q_down_proj", ".linear_q_up_proj", ".linear_kv_down_proj",
-                  ".linear_kv_up_proj")
+                  ".linear_kv_up_proj",
+                  ".eh_proj")  # an MTP layer's projection of its embedding and hidden states
 _ATTENTION_UNIT = ".core_attention"
 WINDOW_MASK_OP = "aten.triu.default"  # the sliding-window mask's first op (stand_ins.sliding_window_causal_mask)
 

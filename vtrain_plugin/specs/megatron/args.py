@@ -126,6 +126,7 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--decoder-first-pipeline-num-layers", "parallel.decoder_first_pipeline_num_layers"),
     FlagField("--decoder-last-pipeline-num-layers", "parallel.decoder_last_pipeline_num_layers"),
     FlagField("--pipeline-model-parallel-layout", "parallel.pipeline_layout", convert=_as_given),
+    FlagField("--mtp-num-layers", "model.mtp_num_layers"),
     FlagField("--account-for-embedding-in-pipeline-split", "parallel.account_for_embedding_in_pipeline_split",
               convert=_as_given),
     FlagField("--account-for-loss-in-pipeline-split", "parallel.account_for_loss_in_pipeline_split",
