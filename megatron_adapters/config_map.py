@@ -55,7 +55,6 @@ UNMODELLED = (
                "the flex token dispatcher (DeepEP / HybridEP)"),
     Unmodelled("fp8", _is_none, "fp8 training"),
     Unmodelled("fp4", _is_none, "fp4 training"),
-    Unmodelled("pipeline_model_parallel_layout", _is_none, "custom pipeline layouts"),
     Unmodelled("tp_comm_overlap", _is_false, "TP communication overlap"),
     Unmodelled("cpu_offloading", _is_false, "activation offloading to the CPU"),
     Unmodelled("fine_grained_activation_offloading", _is_false, "activation offloading to the CPU"),
@@ -74,6 +73,8 @@ def is_transformer_config(value: Any) -> bool:
 def refuse_unmodelled(config: Any) -> None:
     """A ConfigError for the first field of ``config`` that vtrain cannot trace yet."""
     for rule in UNMODELLED:
+        if rule.field in consumed_attention_fields(config):
+            continue
         value = getattr(config, rule.field, None)
         if not rule.is_default(value):
             raise not_modelled(f"TransformerConfig.{rule.field}={value!r}", rule.what)
@@ -102,7 +103,43 @@ def model_spec_from_transformer_config(config: Any, *, vocab_size: int, seq_leng
         dtype=Dtype.BF16 if getattr(config, "bf16", False) else Dtype.FP16 if getattr(config, "fp16", False) else Dtype.FP32,
         **layer_fields(config),
         **hybrid,
+        **attention_fields_of_config(config),
     )
+
+
+def consumed_attention_fields(config: Any) -> frozenset[str]:
+    """Fields :func:`attention_fields_of_config` reads that :data:`UNMODELLED` would refuse:
+    ``qk_layernorm`` under MLA (the norms of its compressed query and key/value)."""
+    return frozenset({"qk_layernorm"}) if getattr(config, "multi_latent_attention", False) else frozenset()
+
+
+def attention_fields_of_config(config: Any) -> dict[str, Any]:
+    """The ModelSpec fields of the config's attention variants (:mod:`vtrain_plugin.specs.attention`):
+    multi-latent attention (an ``MLATransformerConfig``: its ranks and head dims; its rotary type and
+    YaRN factors change values only), a sliding window and its skip frequency, the softmax type."""
+    out: dict[str, Any] = {}
+    if getattr(config, "multi_latent_attention", False):
+        if not getattr(config, "qk_layernorm", False):
+            raise not_modelled("TransformerConfig.multi_latent_attention=True with qk_layernorm=False",
+                               "multi-latent attention without the norms of its compressed query and key/value")
+        out["multi_latent_attention"] = True
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            out[name] = getattr(config, name)
+    window = getattr(config, "window_size", None)
+    if window is not None:
+        out["window_size"] = tuple(window)
+        skip = getattr(config, "window_attn_skip_freq", None)
+        if skip is not None and not isinstance(skip, int):
+            raise not_modelled(f"TransformerConfig.window_attn_skip_freq={skip!r}", "a per-layer pattern of window layers")
+        out["window_attn_skip_freq"] = skip
+    softmax = getattr(config, "softmax_type", "vanilla")
+    if softmax == "off-by-one":
+        raise not_modelled("TransformerConfig.softmax_type='off-by-one'", "an off-by-one softmax")
+    if softmax != "vanilla":
+        out["softmax_type"] = softmax
+    if getattr(config, "mtp_num_layers", None):  # multi-token prediction (not an attention variant; read here too)
+        out["mtp_num_layers"] = config.mtp_num_layers
+    return out
 
 
 def _hybrid_fields(config: Any, pattern: str | None) -> dict[str, Any]:
@@ -169,7 +206,9 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
     stated = {
         "tensor_parallel": ("tensor_model_parallel_size", config.tensor_model_parallel_size or 1),
         "pipeline_parallel": ("pipeline_model_parallel_size", config.pipeline_model_parallel_size or 1),
-        "virtual_pipeline": ("virtual_pipeline_model_parallel_size", config.virtual_pipeline_model_parallel_size or 1),
+        "virtual_pipeline": ("virtual_pipeline_model_parallel_size", config.virtual_pipeline_model_parallel_size
+                             or getattr(config.pipeline_model_parallel_layout, "virtual_pipeline_model_parallel_size",
+                                        None) or 1),
         "sequence_parallel": ("sequence_parallel", bool(config.sequence_parallel)),
         "recompute": ("recompute_granularity", _recompute(config)),
         "decoder_first_pipeline_num_layers": ("num_layers_in_first_pipeline_stage",
@@ -181,6 +220,7 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
         "account_for_loss_in_pipeline_split": (
             "account_for_loss_in_pipeline_split", bool(getattr(config, "account_for_loss_in_pipeline_split", False))),
         "context_parallel": ("context_parallel_size", getattr(config, "context_parallel_size", None) or 1),
+        "pipeline_layout": ("pipeline_model_parallel_layout", _layout(config)),
         "cp_comm_type": ("cp_comm_type", _cp_comm_type(config)),
         "expert_parallel": ("expert_model_parallel_size", getattr(config, "expert_model_parallel_size", None) or 1),
     }
@@ -201,6 +241,19 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
             raise ConfigError(f"parallel.{name} ({_show(ours)}) != TransformerConfig.{field} ({_show(value)}): "
                               f"pass a plan that agrees with the config, or parallel=None to use the config's")
     return plan
+
+
+def _layout(config: Any) -> str | None:
+    """The config's pipeline layout as a layout string (megatron-core holds it as a
+    ``PipelineParallelLayerLayout``: its ``layout`` is ``[pp_rank][vp_rank]`` lists of layer types)."""
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is None or isinstance(layout, str):
+        return layout
+    symbols = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
+    rows = layout.layout
+    stages = ["".join(symbols.get(getattr(t, "name", str(t)), "?") for t in rows[rank][chunk])
+              for chunk in range(len(rows[0])) for rank in range(len(rows))]
+    return "|".join(stages)
 
 
 def _recompute(config: Any) -> Recompute:

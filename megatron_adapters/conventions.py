@@ -41,7 +41,10 @@ FINAL_LAYERNORM = "decoder.final_layernorm"
 OUTPUT_LAYER = "output_layer"
 LOSS = "loss"  # not megatron-core's: megatron_adapters.gpt gives GPTModel's loss computation this name
 FINAL_NORM = "decoder.final_norm"  # a Mamba hybrid's (MambaStack's) final norm
-HEAD_MODULES = (FINAL_LAYERNORM, FINAL_NORM, OUTPUT_LAYER, LOSS)
+# Multi-token prediction (megatron-core's MultiTokenPredictionBlock, ``mtp.layers.<i>``): built on the
+# last stage with the output layer, once per model, so it belongs to the head, not to the folded layers.
+MTP = "mtp"
+HEAD_MODULES = (FINAL_LAYERNORM, FINAL_NORM, OUTPUT_LAYER, LOSS, MTP)
 # A layer's core attention (DotProductAttention in the local spec: scores, softmax, dropout, context;
 # TransformerEngine's fused attention in the TE spec), under the layer: ``<layer>.self_attention.core_attention``.
 CORE_ATTENTION = ".self_attention.core_attention"
@@ -61,8 +64,11 @@ def split_layer_module(name: str) -> tuple[str, int, str] | None:
 
     ``decoder.layers.3.mlp.linear_fc1`` splits into ``("decoder.layers", 3, ".mlp.linear_fc1")``
     and the layer itself, ``decoder.layers.3``, into ``("decoder.layers", 3, "")``: ``rest`` keeps
-    its leading dot, and ``f"{prefix}.{index}"`` names the layer.
+    its leading dot, and ``f"{prefix}.{index}"`` names the layer. The MTP layers (``mtp.layers.0``)
+    are the head's (:data:`MTP`): None.
     """
+    if name == MTP or name.startswith(MTP + "."):  # the head's MTP layers (see MTP)
+        return None
     m = _LAYER.match(name)
     return (m.group("prefix"), int(m.group("index")), m.group("rest")) if m else None
 
@@ -96,6 +102,8 @@ def is_layer_module(name: str) -> bool:
 
 def is_core_attention_module(name: str) -> bool:
     """Whether ``name`` is a layer's core attention or a module inside it (its softmax, its dropout)."""
+    if name.startswith(MTP + "."):  # an MTP layer's transformer layer: mtp.layers.<i>.transformer_layer...
+        return CORE_ATTENTION in name
     split = split_layer_module(name)
     return split is not None and (split[2] == CORE_ATTENTION or split[2].startswith(CORE_ATTENTION + "."))
 

@@ -45,7 +45,7 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
     every layer of a chunk is built from the same spec, so a traced chunk of two layers (verified
     identical) stands for a chunk of any number of them.
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     dtype = torch_dtype(model.dtype)
     recompute: dict = {}
@@ -62,7 +62,9 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
     from megatron_adapters.hybrid import hybrid_config_fields  # Mamba hybrids: megatron_adapters/hybrid.py
 
     hybrid = hybrid_config_fields(model)
-    return TransformerConfig(
+    attention = attention_config_fields(model)
+    config_class = MLATransformerConfig if model.multi_latent_attention else TransformerConfig
+    return config_class(
         num_layers=layers_per_chunk * plan.num_model_chunks,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_size,
@@ -97,7 +99,33 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         **recompute,
         **moe,
         **hybrid,
+        **attention,
     )
+
+
+def attention_config_fields(model: ModelSpec) -> dict:
+    """The TransformerConfig / MLATransformerConfig fields of ``model``'s attention variants (none
+    when off). A model that alternates windowed and full layers is traced with a window on every
+    other layer (``window_attn_skip_freq=2``: two consecutive layers are one of each kind, whatever
+    the chunk's first layer number), and the tracer counts each kind per stage from the model's own
+    frequency (:mod:`vtrain_plugin.specs.attention`)."""
+    from vtrain_plugin.specs.attention import mixes_windows, mla_dim
+
+    fields: dict = {}
+    if model.multi_latent_attention:
+        # MLA's rotary embedding is YaRN (Megatron-LM's --rope-type for MLA), whose scaling factors
+        # change the frequencies' values only.
+        fields.update(q_lora_rank=model.q_lora_rank, rope_type="yarn",
+                      **{name: mla_dim(model, name)
+                         for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")})
+    if model.window_size is not None:
+        fields["window_size"] = model.window_size
+        fields["window_attn_skip_freq"] = 2 if mixes_windows(model) else model.window_attn_skip_freq
+    if model.softmax_type != "vanilla":
+        fields["softmax_type"] = model.softmax_type
+    if model.mtp_num_layers is not None:
+        fields["mtp_num_layers"] = model.mtp_num_layers
+    return fields
 
 
 def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers_per_chunk: int,
@@ -120,11 +148,16 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
     config = transformer_config(model, plan, layers_per_chunk=layers_per_chunk)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        layer = get_gpt_layer_local_spec(normalization=model.layer.normalization.value,
-                                         qk_layernorm=model.qk_layernorm, qk_l2_norm=model.qk_l2_norm)
+        if model.multi_latent_attention:  # TE's core-attention signature: a stand-in (stand_ins.py)
+            from megatron_adapters.stand_ins import mla_layer_spec
+
+            layer = mla_layer_spec(normalization=model.layer.normalization.value, qk_layernorm=True)  # latent norms
+        else:
+            layer = get_gpt_layer_local_spec(normalization=model.layer.normalization.value,
+                                             qk_layernorm=model.qk_layernorm, qk_l2_norm=model.qk_l2_norm)
         layer.submodules.input_layernorm = SequenceParallelNorm
         layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
-        if model.qk_layernorm:  # torch's norm refuses sequence parallelism, which the QK norms never see
+        if model.qk_layernorm and not model.multi_latent_attention:  # torch's norm refuses SP, which QK norms never see
             layer.submodules.self_attention.submodules.q_layernorm = SequenceParallelNorm
             layer.submodules.self_attention.submodules.k_layernorm = SequenceParallelNorm
         if model.qk_l2_norm:
@@ -141,6 +174,14 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
             kinds = layer_kinds if layer_kinds is not None else (True,) * layers_per_chunk
             layers = [moe_layer if moe else layer for moe in kinds]
         block = TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelNorm)
+        mtp = None
+        if model.mtp_num_layers is not None and role.post_process:  # the MTP block, on the last stage
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            mtp = get_gpt_mtp_block_spec(config, layers[-1], use_transformer_engine=False)  # the last layer's kind
+            for mtp_layer in mtp.layer_specs:  # torch's norms, which the local spec refuses under SP
+                mtp_layer.submodules.enorm = mtp_layer.submodules.hnorm = SequenceParallelNorm
+                mtp_layer.submodules.layer_norm = SequenceParallelNorm
         gpt = GPTModel(
             config=config,
             transformer_layer_spec=block,
@@ -152,6 +193,7 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
             position_embedding_type=model.layer.position_embedding_type.value,
             rotary_percent=model.rotary_percent,
             vp_stage=role.chunk if plan.virtual_pipeline > 1 else None,
+            **({"mtp_block_spec": mtp} if mtp is not None else {}),
         )
     _cast_parameters(gpt, torch_dtype(model.dtype))
     if model.is_moe:
@@ -191,13 +233,16 @@ def run_training_step(gpt, model: ModelSpec, plan: ParallelPlan, role: ChunkRole
         optimizer = MixedPrecisionAdamW(gpt.parameters(), adam, found_inf=assume_finite)
         if not role.pre_process:
             gpt.set_input_tensor(torch.zeros(stage_input_shape(model, plan), dtype=dtype, requires_grad=True))
+        # the token ids reach the last stage too when it holds MTP layers (they embed the next tokens)
+        ids = role.pre_process or (role.post_process and model.mtp_num_layers is not None)
         batch = MicroBatch(
-            tokens=torch.zeros(b, s, dtype=torch.long) if role.pre_process else None,
-            position_ids=torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s) if role.pre_process else None,
+            tokens=torch.zeros(b, s, dtype=torch.long) if ids else None,
+            position_ids=torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s) if ids else None,
             attention_mask=torch.ones(1, 1, s, s, dtype=torch.bool),
             labels=torch.zeros(b, s, dtype=torch.long) if role.post_process else None,
             loss_mask=torch.ones(b, s, dtype=torch.float32) if role.post_process else None,
             output_grad=None if role.post_process else torch.ones(stage_input_shape(model, plan), dtype=dtype))
+        _mtp_loss_tracker(model)
     global_module = _global_ops_module(optimizer.params, recorder)
     seed_module = LOSS if role.post_process else ""
     scopes = StepScopes(
@@ -210,7 +255,20 @@ def run_training_step(gpt, model: ModelSpec, plan: ParallelPlan, role: ChunkRole
     )
     forward_backward(gpt, batch, num_microbatches=1, loss_scale=optimizer.loss_scale, scopes=scopes)
     optimizer.step(scopes)
+    _mtp_loss_tracker(None)
 
+
+def _mtp_loss_tracker(model: ModelSpec | None) -> None:
+    """megatron-core's MTP loss logging keeps a process-wide buffer (``MTPLossLoggingHelper.tracker``)
+    that the first step allocates and the training loop zeroes after logging: in a steady iteration it
+    exists before the step. Made so before recording (``model``), dropped after (None), so every trace
+    is the same and no fake tensor outlives its trace."""
+    if model is None or model.mtp_num_layers is not None:
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        MTPLossLoggingHelper.tracker.clear()
+        if model is not None:
+            MTPLossLoggingHelper.tracker["values"] = torch.zeros(model.mtp_num_layers)
 
 def _global_ops_module(params, recorder) -> str:
     """The module the optimizer's global ops (found-inf reset, total norm, clip coefficient) are

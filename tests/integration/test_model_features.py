@@ -55,16 +55,15 @@ def refusal(call) -> str:
 
 
 @pytest.mark.parametrize("flags, config, plan_key, plan_value, what", [
-    ("--window-size 16,0", dict(GPT, window_size=(16, 0)), "window_size", [16, 0], "sliding-window attention"),
-    ("--multi-latent-attention", dict(GPT, multi_latent_attention=True), "multi_latent_attention", True,
-     "multi-latent attention"),
-    ("--mtp-num-layers 1", dict(GPT, mtp_num_layers=1), "mtp_num_layers", 1, "multi-token prediction"),
+    ("--softmax-type off-by-one", dict(GPT, softmax_type="off-by-one"), "softmax_type", "off-by-one",
+     "an off-by-one softmax"),
     ("--fp32-residual-connection", dict(GPT, fp32_residual_connection=True), "fp32_residual_connection", True,
      "a residual stream in fp32"),
     ("--position-embedding-type yarn", None, "position_embedding_type", "yarn", "YaRN rotary embeddings"),
 ])
 def test_a_refused_feature_is_refused_alike_on_every_path(caplog, flags, config, plan_key, plan_value, what):
-    """Regression: --window-size was accepted with a warning while TransformerConfig.window_size was refused."""
+    """Regression: --window-size was accepted with a warning while TransformerConfig.window_size was refused
+    (windows are modelled now: tests/integration/test_attention_estimates.py)."""
     expected = f"{what} is not modelled by vtrain yet"
     assert refusal(lambda: from_args(flags)) == expected
     if config is not None:  # the position embedding is a GPTModel argument, not a config field

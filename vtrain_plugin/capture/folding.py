@@ -4,6 +4,8 @@ Layers are folded only when verified identical: same kernels, shapes, phases, co
 module paths (with the layer index removed), in the same order. A layer that differs keeps a block
 of its own. A chunk that mixes MoE and dense layers has a template per kind, each counted as many
 times as the chunk holds that kind (:func:`fold_layer_kinds`).
+A chunk that alternates sliding-window and full-attention layers folds into one template of each
+kind (:func:`fold_window_kinds`), counted from the stage's layer numbers.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveNode, Node, OpNode, ParallelGroup)
-from megatron_adapters.conventions import (EMBEDDING, SHARED_BY_CORE_ATTENTION, is_embedding_module, is_head_module,
-                                          split_layer_module)
+from megatron_adapters.conventions import (EMBEDDING, SHARED_BY_CORE_ATTENTION, is_core_attention_module,
+                                          is_embedding_module, is_head_module, split_layer_module)
+from vtrain_plugin.core.errors import TraceError
 from vtrain_plugin.capture.records import OpRecord, Record
 
 
@@ -157,3 +160,33 @@ def fold_hybrid_layers(blocks: Sequence[Block], kinds: str, pattern: str) -> lis
 def layers_identical(blocks: Sequence[Block]) -> bool:
     layers = [b for b in blocks if b.kind is BlockKind.LAYER]
     return all(_signature(b) == _signature(layers[0]) for b in layers[1:])
+
+
+WINDOW_MASK_OP = "aten.triu.default"  # the sliding-window mask a windowed layer builds at every forward
+
+
+def is_windowed(block: Block) -> bool:
+    """Whether a traced layer block has sliding-window attention: its core attention builds the
+    window's mask (:func:`megatron_adapters.stand_ins.sliding_window_causal_mask`) in forward."""
+    return any(isinstance(n, OpNode) and n.key.op == WINDOW_MASK_OP and is_core_attention_module(n.module)
+               for n in block.nodes)
+
+
+def fold_window_kinds(blocks: Sequence[Block], total_layers: int, windowed: int) -> list[Block]:
+    """Fold the traced layers of a chunk that alternates windowed and full-attention layers into one
+    template of each kind, counted ``windowed`` and ``total_layers - windowed``; a kind with no layer in
+    this chunk is left out. The traced layers of each kind must be identical."""
+    layers = [b for b in blocks if b.kind is BlockKind.LAYER]
+    others_before = [b for b in blocks if b.kind in (BlockKind.EMBEDDING, BlockKind.STAGE)]
+    others_after = [b for b in blocks if b.kind is BlockKind.HEAD]
+    kinds: dict[bool, list[Block]] = {}
+    for b in layers:
+        kinds.setdefault(is_windowed(b), []).append(b)
+    if set(kinds) != {True, False}:
+        raise TraceError(f"a chunk of windowed and full-attention layers traced {len(layers)} layer(s) of one kind")
+    for kind, group in kinds.items():
+        if any(_signature(b) != _signature(group[0]) for b in group[1:]):
+            raise TraceError(f"the traced {'windowed' if kind else 'full-attention'} layers differ")
+    counts = {True: windowed, False: total_layers - windowed}
+    folded = [replace(kinds[kind][0], count=counts[kind]) for kind in (True, False) if counts[kind]]
+    return others_before + folded + others_after

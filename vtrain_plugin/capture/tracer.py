@@ -33,6 +33,7 @@ from vtrain_plugin.capture.child_trace import Role, trace_chunks
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import OpGraph, StageGraph
 from vtrain_plugin.specs.hybrid import stage_patterns, traced_kinds
+from vtrain_plugin.specs.attention import mixes_windows, windowed_layers
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
@@ -130,9 +131,13 @@ def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, i
     none); chunks of one role share a trace."""
     roles = []
     kinds_of = _chunk_layer_kinds(model, plan) if model.has_dense_layers_between_moe else {}
+    # Windowed and full-attention layers alternate: at least one of each is traced (two consecutive
+    # layers), and each stage counts its own of each kind from its layer numbers.
+    fewest = 2 if mixes_windows(model) else 1
     for rank, chunk, num_layers in chunks:
         role = chunk_role(plan, rank, chunk)
-        built: int | tuple[bool, ...] = max(1, num_layers if traced_layers is None else min(num_layers, traced_layers))
+        built: int | tuple[bool, ...] = max(fewest, num_layers if traced_layers is None
+                                            else min(num_layers, traced_layers))
         if kinds_of:
             built = _built_kinds(kinds_of[rank, chunk], built, traced_layers is None)
         if model.is_hybrid:  # one layer of each kind, whatever the stage (megatron_adapters/hybrid.py)
@@ -143,7 +148,10 @@ def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, i
         patterns = stage_patterns(plan, model)
         return tuple(_assemble_hybrid_stage(traces[role], model, rank, patterns[rank])
                      for role, (rank, _, _) in zip(roles, chunks, strict=True))
-    return tuple(_assemble_stage(traces[role], rank, chunk, num_layers, kinds_of.get((rank, chunk)))
+    first = first_layer_numbers(model, plan) if fewest == 2 else None
+    return tuple(_assemble_stage(traces[role], rank, chunk, num_layers, kinds_of.get((rank, chunk)),
+                                 windowed=None if first is None else windowed_layers(model, first[rank][chunk],
+                                                                                     num_layers))
                  for role, (rank, chunk, num_layers) in zip(roles, chunks, strict=True))
 
 
@@ -169,6 +177,19 @@ def _built_kinds(kinds: tuple[bool, ...], built: int, every_layer: bool) -> tupl
         return kinds or (True,)
     present = tuple(dict.fromkeys(sorted(kinds)))
     return present if len(present) > 1 else (present[0] if present else True,) * built
+
+
+def first_layer_numbers(model: ModelSpec, plan: ParallelPlan) -> tuple[tuple[int, ...], ...]:
+    """The number (1-based, over the whole model) of the first layer of each ``[pipeline_rank][chunk]``:
+    megatron-core numbers layers in the order of the virtual stages, chunk by chunk, rank by rank."""
+    layers = plan.chunk_layers(model)
+    first = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]
+    number = 1
+    for chunk in range(plan.virtual_pipeline):
+        for rank in range(plan.pipeline_parallel):
+            first[rank][chunk] = number
+            number += layers[rank][chunk]
+    return tuple(tuple(row) for row in first)
 
 
 def _chunk_traces(model: ModelSpec, plan: ParallelPlan, roles: list[Role]) -> dict[Role, ChunkTrace]:
@@ -207,15 +228,22 @@ def _remember(key: tuple, traced: ChunkTrace) -> None:
 
 
 def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int,
-                    kinds: tuple[bool, ...] | None = None) -> StageGraph:
+                    kinds: tuple[bool, ...] | None = None, *, windowed: int | None = None) -> StageGraph:
     """One stage's graph from its role's trace: layers folded to the chunk's count (to the count of
-    each kind, MoE and dense, with ``kinds``), parameters per block. Stages of one role share their
-    blocks' node tuples, so each is costed once."""
-    key = per_chunk if kinds is None else kinds
+    each kind, MoE and dense, with ``kinds``; ``windowed`` of them with a sliding window, when the
+    model alternates), parameters per block. Stages of one role share their blocks' node tuples, so
+    each is costed once."""
+    key: int | tuple = per_chunk if kinds is None else kinds
+    if windowed is not None:
+        key = (per_chunk, windowed)
     blocks = traced.folded.get(key)
     if blocks is None:
-        folded = folding.fold_layers(traced.blocks, per_chunk) if kinds is None else \
-            folding.fold_layer_kinds(traced.blocks, kinds)
+        if kinds is not None:
+            folded = folding.fold_layer_kinds(traced.blocks, kinds)
+        elif windowed is not None:
+            folded = folding.fold_window_kinds(traced.blocks, per_chunk, windowed)
+        else:
+            folded = folding.fold_layers(traced.blocks, per_chunk)
         blocks = traced.folded[key] = tuple(
             replace(block, num_parameters=sum(traced.params_by_block.get(block.name, ()))
                     + sum(traced.expert_params_by_block.get(block.name, ())),

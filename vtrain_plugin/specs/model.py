@@ -15,6 +15,7 @@ from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.dtypes import MODEL_DTYPES, Dtype
 from vtrain_plugin.specs import hybrid, limits
+from vtrain_plugin.specs.attention import check_attention_fields, mla_parameters, sink_parameters
 from vtrain_plugin.specs.model_features import POSITIONS_NOT_MODELLED, not_modelled
 
 
@@ -152,6 +153,23 @@ class ModelSpec:
     mamba_head_dim: int | None = None
     mamba_num_groups: int | None = None
     mamba_num_heads: int | None = None
+    # Attention variants (vtrain_plugin/specs/attention.py): megatron-core's multi-latent attention
+    # (MLA: the ranks and head dims below, None: Megatron-LM's defaults), sliding windows (tokens back,
+    # tokens ahead; full attention on every window_attn_skip_freq-th layer) and attention sinks
+    # (softmax_type "learnable": one learned logit per head). Off by default.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: queries projected without compression
+    kv_lora_rank: int | None = None
+    qk_head_dim: int | None = None
+    qk_pos_emb_head_dim: int | None = None
+    v_head_dim: int | None = None
+    window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: int | None = None
+    softmax_type: str = "vanilla"
+    # Multi-token prediction (megatron-core's MTP block on the last pipeline stage): this many MTP
+    # layers, each a transformer layer of the model's kind after its embedding and hidden norms and
+    # projection, sharing the embedding and output layer. None: off.
+    mtp_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", Family(v.one_of("model.family", self.family, [f.value for f in Family])))
@@ -178,6 +196,9 @@ class ModelSpec:
         check_layer_fields(self)
         check_moe_fields(self)
         check_hybrid_fields(self)
+        check_attention_fields(self)
+        if self.mtp_num_layers is not None:
+            v.positive_int("model.mtp_num_layers", self.mtp_num_layers)
 
     @property
     def ffn_size(self) -> int:
@@ -304,8 +325,15 @@ class ModelSpec:
                 moe_mlp += self.num_experts
             if self.moe_shared_expert_intermediate_size is not None:
                 moe_mlp += self._mlp_parameters(self.moe_shared_expert_intermediate_size)
+        if self.multi_latent_attention:  # MLA's own projections and latent norms
+            attn, qk_norms = mla_parameters(self), 0
+        attn += sink_parameters(self)
         moe_layers = self.num_moe_layers
         embed = self.vocab_size * h * (1 if self.tied else 2)
+        # an MTP layer: its embedding and hidden norms, the projection of both (2h -> h), a layer of the
+        # model's kind, its final norm
+        mtp = (self.mtp_num_layers or 0) * (3 * norm * h + 2 * h * h + attn + qk_norms + 2 * norm * h
+                                            + (moe_mlp if self.is_moe else dense_mlp))
         if self.is_hybrid:
             counts = hybrid.layer_counts(self.hybrid_layer_pattern or "")
             return (counts[hybrid.MAMBA] * (norm * h + self._mamba_mixer_parameters())
@@ -313,7 +341,7 @@ class ModelSpec:
                     + counts[hybrid.MLP] * (norm * h + dense_mlp)
                     + embed + positions + norm * h)
         return (self.num_layers * (attn + qk_norms + 2 * norm * h) + moe_layers * moe_mlp
-                + (self.num_layers - moe_layers) * dense_mlp + embed + positions + norm * h)
+                + (self.num_layers - moe_layers) * dense_mlp + embed + positions + norm * h + mtp)
 
     def _mamba_mixer_parameters(self) -> int:
         """megatron-core's MambaMixer: in_proj (z, x, B, C, dt), depthwise conv1d with bias, dt_bias,
@@ -390,7 +418,7 @@ def check_layer_fields(model: ModelSpec) -> None:
         object.__setattr__(model, "qk_layernorm", False)  # megatron-core's spec builds the L2 norm then
     if layer.position_embedding_type is not PositionEmbedding.ROPE:
         object.__setattr__(model, "rotary_percent", 1.0)  # Megatron ignores it without RoPE
-    elif model.rotary_dim % 2 or model.rotary_dim == 0:
+    elif (model.rotary_dim % 2 or model.rotary_dim == 0) and not model.multi_latent_attention:  # MLA: its rope dim
         what = "the head dim (kv_channels)" if model.rotary_percent == 1 else \
             f"the rotated channels int(kv_channels x rotary_percent) = int({model.head_dim} x {model.rotary_percent:g})"
         raise ConfigError(f"model: {what} = {model.rotary_dim} must be even and positive: rotary position "

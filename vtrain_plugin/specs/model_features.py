@@ -26,9 +26,6 @@ class Feature:
 
 
 REFUSED = (
-    Feature("sliding-window attention", "--window-size", "window_size", "window_size"),
-    Feature("multi-latent attention", "--multi-latent-attention", "multi_latent_attention", "multi_latent_attention"),
-    Feature("multi-token prediction", "--mtp-num-layers", "mtp_num_layers", "mtp_num_layers"),
     Feature("a residual stream in fp32", "--fp32-residual-connection", "fp32_residual_connection",
             "fp32_residual_connection"),
 )

@@ -53,6 +53,9 @@ class ParallelPlan:
     decoder_last_pipeline_num_layers: int | None = None
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # Or Megatron-Core's layout string (pipeline_model_parallel_layout, e.g. "Et|(tt|)*30L"): each
+    # virtual stage's embedding (E), layers (t) and loss (L), PP x VP stages in virtual-stage order.
+    pipeline_layout: str | None = None
     # Context parallelism: each sequence split over context_parallel ranks (Megatron-Core's
     # context_parallel_size; see vtrain_plugin.cost.comm.context_parallel), K/V exchanged by cp_comm_type.
     context_parallel: int = 1
@@ -101,6 +104,11 @@ class ParallelPlan:
         if uneven and accounted:
             raise ConfigError(f"parallel.{uneven[0]} cannot be combined with parallel.{accounted[0]} "
                               f"(Megatron-Core allows one form of uneven pipeline split)")
+        if self.pipeline_layout is not None:
+            v.string("parallel.pipeline_layout", self.pipeline_layout)
+            if uneven or accounted:
+                raise ConfigError(f"parallel.pipeline_layout cannot be combined with parallel.{(uneven + accounted)[0]} "
+                                  f"(the layout places every layer, the embedding and the loss itself)")
 
     @property
     def world_size(self) -> int:
@@ -190,6 +198,20 @@ CP_LAYOUT_RULES: tuple[LayoutRule, ...] = (
         message=lambda p, m: (f"tensor_parallel_size ({p.tensor_parallel}) must divide seq_length / "
                               f"context_parallel_size ({m.seq_length} / {p.context_parallel} = "
                               f"{m.seq_length // p.context_parallel}) with sequence parallelism")),
+    # The CP attention is synthesized from a layer's score GEMM as causal attention over one head dim
+    # (cost/comm/context_parallel.py): neither MLA's two head dims nor a window's scores yet.
+    LayoutRule(
+        name="cp with mla or windows",
+        broken=lambda p, m: p.context_parallel > 1 and (m.multi_latent_attention or m.window_size is not None),
+        message=lambda p, m: (f"context_parallel_size ({p.context_parallel}) with "
+                              f"{'multi-latent attention' if m.multi_latent_attention else 'sliding-window attention'}"
+                              f": context-parallel attention of that kind is not modelled by vtrain yet")),
+    # The CP attention replaces the core attention of the folded layers only, not of the head's MTP layers.
+    LayoutRule(
+        name="cp with mtp",
+        broken=lambda p, m: p.context_parallel > 1 and m.mtp_num_layers is not None,
+        message=lambda p, m: (f"context_parallel_size ({p.context_parallel}) with multi-token prediction "
+                              f"(mtp_num_layers {m.mtp_num_layers}) is not modelled by vtrain yet")),
 )
 
 

@@ -17,9 +17,17 @@ checks of ``TransformerConfig.__post_init__``) splits the decoder's layers in on
 With a virtual pipeline each rank's layers are divided evenly over its ``vp`` chunks. The two
 uneven forms cannot be combined (as in Megatron-Core). A split that does not divide raises a
 ConfigError that shows the arithmetic.
+
+Or a layout (``pipeline_layout``, Megatron-Core's ``pipeline_model_parallel_layout``, as
+``PipelineParallelLayerLayout`` reads it): one string per virtual stage, ``|`` between them, in the
+order ``chunk * pp + rank``, of ``E`` (the embedding, first), ``t`` (a transformer layer), ``m`` (a
+multi-token-prediction layer: in the last stage, before the loss) and ``L`` (the loss, last); ``(...)*n`` and ``x*n``
+repeat, commas are cosmetic. DeepSeek-V3: ``Et|(tt|)*30mL`` over PP 8 x VP 4.
 """
 
 from __future__ import annotations
+
+import re
 
 from typing import TYPE_CHECKING
 
@@ -51,7 +59,49 @@ def stage_layers(plan: ParallelPlan, model: ModelSpec) -> tuple[tuple[int, ...],
     return layers
 
 
+def layout_stages(layout: str) -> list[str]:
+    """The virtual stages of a layout string, repetitions unrolled (Megatron-Core's parse_str_to_list)."""
+    text = layout.replace(",", "").replace(" ", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
+    return text.split("|")
+
+
+def _layout_error(plan: ParallelPlan, model: ModelSpec) -> str | None:
+    """Why ``plan.pipeline_layout`` does not lay out ``model`` over the plan's stages, or None."""
+    layout, pp, vp = plan.pipeline_layout, plan.pipeline_parallel, plan.virtual_pipeline
+    stages = layout_stages(layout)
+    shown = f"parallel.pipeline_layout {layout!r}"
+    flat = "".join(stages)
+    unknown = sorted(set(flat) - set("EtmL"))
+    if unknown:
+        return f"{shown}: {unknown[0]!r} is none of E (embedding), t (layer), m (multi-token prediction), L (loss)"
+    if len(stages) != pp * vp:
+        return (f"{shown} has {len(stages)} stages, not pipeline_parallel ({pp}) x virtual_pipeline ({vp}) = "
+                f"{pp * vp}")
+    mtp = model.mtp_num_layers or 0
+    if flat.count("m") != mtp:
+        return f"{shown} places {flat.count('m')} multi-token prediction layers (m), not mtp_num_layers ({mtp})"
+    if mtp and not stages[-1].rstrip("L").endswith("m" * mtp):
+        return (f"{shown}: vtrain models the multi-token prediction layers (m) in the last stage, before the loss "
+                f"(L), as megatron-core places them by default")
+    if flat.count("E") != 1 or not flat.startswith("E") or flat.count("L") != 1 or not flat.endswith("L"):
+        return f"{shown}: the embedding (E) must come first and the loss (L) last, once each"
+    if flat.count("t") != model.num_layers:
+        return f"{shown} places {flat.count('t')} layers (t), not num_layers ({model.num_layers})"
+    return None
+
+
+def _layout_layers(plan: ParallelPlan) -> list[list[int]]:
+    """Layers of ``[pipeline_rank][chunk]`` of a checked layout."""
+    stages, pp = layout_stages(plan.pipeline_layout), plan.pipeline_parallel
+    return [[stages[chunk * pp + rank].count("t") for chunk in range(plan.virtual_pipeline)] for rank in range(pp)]
+
+
 def _per_rank(plan: ParallelPlan, model: ModelSpec) -> tuple[tuple[int, ...], str | None]:
+    if plan.pipeline_layout is not None:
+        error = _layout_error(plan, model)
+        return ((), error) if error else (tuple(sum(chunks) for chunks in _layout_layers(plan)), None)
     pp, total = plan.pipeline_parallel, model.num_layers
     first, last = plan.decoder_first_pipeline_num_layers, plan.decoder_last_pipeline_num_layers
     if first is None and last is None:
@@ -82,6 +132,8 @@ def _per_chunk(plan: ParallelPlan, model: ModelSpec) -> tuple[tuple[tuple[int, .
     per_rank, error = _per_rank(plan, model)
     if error:
         return (), error
+    if plan.pipeline_layout is not None:
+        return tuple(tuple(chunks) for chunks in _layout_layers(plan)), None
     pp, vp = plan.pipeline_parallel, plan.virtual_pipeline
     for rank, n in enumerate(per_rank):
         if n % vp:

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from vtrain_plugin.capture import disk_cache, megatron_chunk
-from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
+from vtrain_plugin.capture.chunk import ChunkTrace, named_shape_key, shape_key
 from vtrain_plugin.capture.tracer import clear_cache, trace
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import Block, BlockKind
@@ -51,6 +51,11 @@ NO_BIAS_MODEL = dataclasses.replace(MODEL, add_bias_linear=False)
 HYBRID_MODEL = dataclasses.replace(MODEL, hybrid_layer_pattern="M*", mamba_head_dim=16, mamba_num_groups=2)
 HYBRID_MODEL_VARIANTS = {"hybrid_layer_pattern": "*M", "mamba_state_dim": 32, "mamba_head_dim": 32,
                          "mamba_num_groups": 4, "mamba_num_heads": 4}
+# Each changes the key of a (multi-latent, windowed) attention model's chunk; off, they are not in the key.
+ATTENTION_MODEL = dataclasses.replace(MODEL, family="llama", multi_latent_attention=True, window_size=(8, 0))
+ATTENTION_VARIANTS = {"multi_latent_attention": False, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_head_dim": 8,
+                      "qk_pos_emb_head_dim": 8, "v_head_dim": 8, "window_size": (4, 0), "window_attn_skip_freq": 2,
+                      "softmax_type": "learnable", "mtp_num_layers": 1}
 PLAN_VARIANTS = {"tensor_parallel": 4, "sequence_parallel": True, "micro_batch_size": 2, "recompute": "full",
                  "pipeline_parallel": 2, "context_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 1,
                  "moe_token_dispatcher": "allgather"}
@@ -62,6 +67,8 @@ PLAN_FIELDS_NOT_IN_KEY = {"data_parallel": 16, "account_for_embedding_in_pipelin
 # Uneven first / last stages (they need several stages) pick each chunk's layer count, i.e. the
 # layers built (a field of the key), not the trace of a chunk role.
 UNEVEN_SPLIT_NOT_IN_KEY = {"decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1}
+# A layout picks each chunk's layer count as those do (Et|tL: one layer per stage of PP 2).
+LAYOUT_NOT_IN_KEY = {"pipeline_layout": "Et|tL"}
 
 
 @pytest.fixture
@@ -150,9 +157,9 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     plan_fields = {f.name for f in dataclasses.fields(ParallelPlan)}
     assert model_fields == (set(MODEL_VARIANTS) | set(MOE_MODEL_VARIANTS) | set(HYBRID_MODEL_VARIANTS)
                             | set(MODEL_FIELDS_NOT_IN_KEY) | MODEL_FIELDS_REFUSED | set(LAYER_VARIANTS)
-                            | {"rotary_percent", "add_qkv_bias"})
+                            | {"rotary_percent", "add_qkv_bias"} | set(ATTENTION_VARIANTS))
     assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
-                           | {"virtual_pipeline"})
+                           | {"virtual_pipeline"} | set(LAYOUT_NOT_IN_KEY))
     paths = {disk_cache.entry_path(KEY)}
     for name, value in MODEL_VARIANTS.items():
         model = dataclasses.replace(MODEL, **{name: value})
@@ -172,8 +179,13 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
         paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(MODEL, **{name: value}), PLAN, True, True, 2)))
     paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(ROPE_MODEL, rotary_percent=0.5), PLAN, True, True, 2)))
     paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(NO_BIAS_MODEL, add_qkv_bias=True), PLAN, True, True, 2)))
+    for name, value in ATTENTION_VARIANTS.items():
+        model = dataclasses.replace(ATTENTION_MODEL, **{name: value})
+        paths.add(disk_cache.entry_path(shape_key(model, PLAN, True, True, 2)))
     assert len(paths) == (1 + len(MODEL_VARIANTS) + len(MOE_MODEL_VARIANTS) + 1 + len(HYBRID_MODEL_VARIANTS)
-                          + len(PLAN_VARIANTS) + 3 + len(LAYER_VARIANTS) + 2)
+                          + len(PLAN_VARIANTS) + 3 + len(LAYER_VARIANTS) + 2 + len(ATTENTION_VARIANTS))
+    # off, the attention variants leave a model's key as it was before they existed
+    assert not set(ATTENTION_VARIANTS) & set(named_shape_key(KEY)["model"])
     # the family's own choices spelled out: the family's key, as before the fields existed
     gpt = dict(normalization="LayerNorm", activation="gelu", gated_linear_unit=False, add_bias_linear=True,
                hidden_dropout=0.1, attention_dropout=0.1, position_embedding_type="learned_absolute",
@@ -197,6 +209,8 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     assert shape_key(MODEL, pp2, False, True, 2) == shape_key(MODEL, pp8, False, True, 2)
     uneven = dataclasses.replace(pp2, **UNEVEN_SPLIT_NOT_IN_KEY)
     assert shape_key(MODEL, uneven, False, True, 1) == shape_key(MODEL, pp2, False, True, 1)
+    laid_out = dataclasses.replace(pp2, **LAYOUT_NOT_IN_KEY)
+    assert shape_key(MODEL, laid_out, False, True, 1) == shape_key(MODEL, pp2, False, True, 1)
 
 
 @pytest.mark.parametrize("package", ["vtrain", "torch", "megatron-core"])

@@ -55,8 +55,15 @@ def test_core_attention_modules():
         assert not is_core_attention_module(name)
 
 
+def test_mtp_layers_are_the_heads_not_folded_layers():
+    for name in ("mtp", "mtp.layers.0", "mtp.layers.0.eh_proj", "mtp.layers.1.transformer_layer.mlp"):
+        assert is_head_module(name) and not is_layer_module(name)
+    assert is_core_attention_module("mtp.layers.0.transformer_layer.self_attention.core_attention")
+    assert not is_core_attention_module("mtp.layers.0.transformer_layer.self_attention.linear_qkv")
+
+
 def test_embedding_and_head_modules():
-    assert HEAD_MODULES == ("decoder.final_layernorm", "output_layer", "loss")
+    assert HEAD_MODULES == ("decoder.final_layernorm", "output_layer", "loss", "mtp")
     assert TIED_WEIGHT_OWNERS == ("embedding.word_embeddings", "output_layer")
     for name in ("embedding", "embedding.word_embeddings", "embedding.position_embeddings",
                  "embedding.embedding_dropout"):

@@ -13,11 +13,12 @@ from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
 
-def model(layers: int) -> ModelSpec:
-    return ModelSpec(family="llama", num_layers=layers, hidden_size=1024, num_attention_heads=8, seq_length=128)
+def model(layers: int, mtp: int | None = None) -> ModelSpec:
+    return ModelSpec(family="llama", num_layers=layers, hidden_size=1024, num_attention_heads=8, seq_length=128,
+                     mtp_num_layers=mtp)
 
 
-def megatron_layers(layers: int, plan: ParallelPlan) -> list[list[int]]:
+def megatron_layers(layers: int, plan: ParallelPlan, mtp: int | None = None) -> list[list[int]]:
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -29,7 +30,13 @@ def megatron_layers(layers: int, plan: ParallelPlan) -> list[list[int]]:
         num_layers_in_first_pipeline_stage=plan.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=plan.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=plan.account_for_embedding_in_pipeline_split,
-        account_for_loss_in_pipeline_split=plan.account_for_loss_in_pipeline_split)
+        account_for_loss_in_pipeline_split=plan.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=plan.pipeline_layout, mtp_num_layers=mtp)
+    if plan.pipeline_layout is not None:  # megatron-core's own parse ([pp_rank][vp_rank]), read without a world
+        from megatron.core.transformer.enums import LayerType
+
+        return [[stage.count(LayerType.decoder) for stage in rank]
+                for rank in config.pipeline_model_parallel_layout.layout]
     return [[get_num_layers_to_build(config, vp_stage=c if vp > 1 else None, pp_rank=r) for c in range(vp)]
             for r in range(plan.pipeline_parallel)]
 
@@ -51,6 +58,12 @@ RECIPES = [
                  id="loss only vp2"),
     pytest.param(6, ParallelPlan(pipeline_parallel=4, virtual_pipeline=2, account_for_embedding_in_pipeline_split=True,
                                  account_for_loss_in_pipeline_split=True), id="embedding-only and loss-only chunks"),
+    # layouts (pipeline_layout): Kimi K2's as published, DeepSeek-V3's without its MTP slot, one uneven
+    pytest.param(61, ParallelPlan(pipeline_parallel=16, virtual_pipeline=2, pipeline_layout="Et|(tt|)*30L"),
+                 id="kimi-k2 layout pp16 vp2"),
+    pytest.param(61, ParallelPlan(pipeline_parallel=8, virtual_pipeline=4, pipeline_layout="Et|(tt|)*30L"),
+                 id="deepseek-v3 layout pp8 vp4 without mtp"),
+    pytest.param(7, ParallelPlan(pipeline_parallel=4, pipeline_layout="Ett,t|t*2|t|tL"), id="uneven layout"),
 ]
 
 
@@ -116,3 +129,32 @@ def test_split_fields_are_validated(kwargs, message):
 def test_embedding_and_loss_slots_are_a_no_op_without_a_pipeline():
     plan = ParallelPlan(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
     assert plan.chunk_layers(model(5)) == ((5,),)
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("Et|(tt|)*30mL", "parallel.pipeline_layout 'Et|(tt|)*30mL' places 1 multi-token prediction layers (m), not "
+                      "mtp_num_layers (0)"),
+    ("Et|(tt|)*29L", "parallel.pipeline_layout 'Et|(tt|)*29L' has 31 stages, not pipeline_parallel (16) x "
+                     "virtual_pipeline (2) = 32"),
+    ("tE|(tt|)*30L", "parallel.pipeline_layout 'tE|(tt|)*30L': the embedding (E) must come first and the loss (L) "
+                     "last, once each"),
+    ("Et|(tt|)*29|tL", "parallel.pipeline_layout 'Et|(tt|)*29|tL' places 60 layers (t), not num_layers (61)"),
+    ("Ex|(tt|)*30L", "parallel.pipeline_layout 'Ex|(tt|)*30L': 'x' is none of E (embedding), t (layer), m "
+                     "(multi-token prediction), L (loss)"),
+])
+def test_a_layout_that_does_not_lay_out_the_model_is_refused_in_one_line(layout, message):
+    plan = ParallelPlan(pipeline_parallel=16, virtual_pipeline=2, pipeline_layout=layout)
+    with pytest.raises(ConfigError) as err:
+        plan.check_fits(model(61))
+    assert str(err.value) == message
+
+
+def test_deepseek_v3s_layout_with_its_mtp_layer_is_megatron_cores():
+    plan = ParallelPlan(pipeline_parallel=8, virtual_pipeline=4, pipeline_layout="Et|(tt|)*30mL")
+    assert [list(chunks) for chunks in plan.chunk_layers(model(61, mtp=1))] == megatron_layers(61, plan, mtp=1)
+    with pytest.raises(ConfigError) as err:  # megatron-core's "standalone" MTP stage, apart from the loss
+        ParallelPlan(pipeline_parallel=8, virtual_pipeline=4, pipeline_layout="Et|(tt|)*29ttm|L").check_fits(
+            model(61, mtp=1))
+    assert str(err.value) == ("parallel.pipeline_layout 'Et|(tt|)*29ttm|L': vtrain models the multi-token "
+                              "prediction layers (m) in the last stage, before the loss (L), as megatron-core places "
+                              "them by default")

@@ -14,6 +14,8 @@ kernels that stack launches for it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import math
 from collections.abc import Callable, Sequence
 
@@ -47,11 +49,14 @@ def dtype_nbytes(node: OpNode, index: int = 0) -> int:
 
 
 def fused(op: str, like: OpNode, shape: Sequence[int], nbytes: int, dtype: str = "float16", *,
-          flops: int = 0, input_shapes: Sequence[Sequence[int]] | None = None) -> OpNode:
+          flops: int = 0, input_shapes: Sequence[Sequence[int]] | None = None,
+          args: tuple[tuple[str, Any], ...] = ()) -> OpNode:
     """A kernel of the stack standing for a group of traced ops starting with ``like`` (its phase
-    and module); ``shape`` is its output, and its only input unless ``input_shapes`` says more."""
+    and module); ``shape`` is its output, and its only input unless ``input_shapes`` says more;
+    ``args`` are the kernel's arguments that change its work beyond its shapes (part of its key)."""
     inputs = (tuple(shape),) if input_shapes is None else tuple(tuple(s) for s in input_shapes)
-    return OpNode(key=KernelKey(op=op, input_shapes=inputs, dtypes=(dtype,) * len(inputs)), phase=like.phase,
+    return OpNode(key=KernelKey(op=op, input_shapes=inputs, dtypes=(dtype,) * len(inputs), args=args),
+                  phase=like.phase,
                   module=like.module, output_shapes=(tuple(shape),), flops=flops, nbytes=nbytes)
 
 

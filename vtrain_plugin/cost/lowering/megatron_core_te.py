@@ -11,7 +11,9 @@ traced group (module, phase)               kernel of the stack                  
 =========================================  ================================================  ===========
 core attention fwd (``core_attention`` and  ``te.fused_attention`` (FlashAttention-2/3 or      e(2Q + 2K)
 its children: baddbmm, fp32 softmax, mask,  cuDNN): one kernel, no materialised scores;       + 4 b h s
-dropout, bmm, context copy, GQA expansion)  FLOPs 4 b h s^2 d / 2 (the causal half)
+dropout, bmm, context copy, GQA expansion,  FLOPs 4 b h s^2 d / 2 (the causal half; MLA:      (+ e h with
+a window's mask, the sink column)           2 b h (s^2 / 2)(d_qk + d_v); a window: its        sinks)
+                                            in-window scores instead of s^2 / 2)
 core attention bwd (4 bmm, softmax and      ``te.fused_attention_backward``: one kernel,      e(4Q + 4K)
 dropout backward, scaling, GQA reduction)   FLOPs 2.5 x forward (scores recomputed)           + 4 b h s
 native_layer_norm (and backward)            ``te.layer_norm`` (as traced)                     as traced
@@ -61,7 +63,7 @@ backward) is gone: the grouped GEMM writes one tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import re
 
@@ -75,8 +77,13 @@ from vtrain_plugin.cost.lowering.fusion import (FORWARD_PHASES, bias_dropout_add
 FP32 = 4
 ATTENTION_CAUSAL_FRACTION = 0.5  # of the score matrix a causal kernel computes
 ATTENTION_BACKWARD_FLOPS = 2.5  # x forward: 5 matmuls of the score size against the forward's 2
-LINEAR_MODULES = (".linear_qkv", ".linear_proj", ".linear_fc1", ".linear_fc2")
+LINEAR_MODULES = (".linear_qkv", ".linear_proj", ".linear_fc1", ".linear_fc2",
+                  # multi-latent attention's projections (TE linears in megatron-core's MLA spec)
+                  ".linear_q_proj", ".linear_q_down_proj", ".linear_q_up_proj", ".linear_kv_down_proj",
+                  ".linear_kv_up_proj",
+                  ".eh_proj")  # an MTP layer's projection of its embedding and hidden states
 _ATTENTION_UNIT = ".core_attention"
+WINDOW_MASK_OP = "aten.triu.default"  # the sliding-window mask's first op (stand_ins.sliding_window_causal_mask)
 
 _RMSNORM_FWD_OPS = ("_to_copy", "pow", "mean", "add_", "rsqrt", "mul", "mul", "_to_copy")
 _RMSNORM_BWD_OPS = ("_to_copy", "mul", "mul", "sum", "_to_copy", "mul", "mul", "sum", "pow", "mul", "mul", "div",
@@ -108,26 +115,28 @@ def attention_unit(module: str) -> str:
 def megatron_core_te(nodes: Sequence[Node]) -> tuple[Node, ...]:
     """The block's nodes as Megatron-Core with TransformerEngine runs them (see the module doc); a
     Mamba layer's mixer as mamba_ssm's kernels (:mod:`vtrain_plugin.cost.lowering.mamba`)."""
+    windows = window_widths(nodes)
     mixers = mamba.mixer_dims(nodes)
     if not mixers:
-        return _merge_loss_all_reduces(lower_block(nodes, _map_group, _map_optimizer, unit=attention_unit))
+        return _merge_loss_all_reduces(lower_block(nodes, lambda group: _map_group(group, windows), _map_optimizer,
+                                                   unit=attention_unit))
 
     def rule(group: list[OpNode]) -> list[Node]:
         unit = mamba.mixer_unit(group[0].module)
         if mamba.is_mixer_unit(unit):
             return mamba.lower_mixer(group, mixers.get(unit)) or group
-        return _map_group(group)
+        return _map_group(group, windows)
 
     return _merge_loss_all_reduces(lower_block(nodes, rule, _map_optimizer,
                                                unit=lambda module: mamba.mixer_unit(attention_unit(module))))
 
 
-def _map_group(group: list[OpNode]) -> list[Node]:
+def _map_group(group: list[OpNode], windows: Mapping[str, int] | None = None) -> list[Node]:
     first = group[0]
     dtype = first.key.dtypes[0] if first.key.dtypes else "float32"
     module, forward = first.module, first.phase in FORWARD_PHASES
     if module.endswith(_ATTENTION_UNIT):
-        return _attention(group) or group
+        return _attention(group, windows) or group
     for rule in (dropout, bias_dropout_add, bias_gelu):
         mapped = rule(group, dtype)
         if mapped is not None:
@@ -156,8 +165,17 @@ def is_layer_norm_slot(module: str) -> bool:
     return leaf == "norm" and is_layer_root(head)
 
 
-def _attention(group: list[OpNode]) -> list[Node] | None:
-    """The core-attention unit of one phase as one fused kernel; None when it is not recognised."""
+def _attention(group: list[OpNode], windows: Mapping[str, int] | None = None) -> list[Node] | None:
+    """The core-attention unit of one phase as one fused kernel; None when it is not recognised.
+
+    The score GEMM contracts over the query/key head dim ``dqk`` and the context GEMM over the value
+    head dim ``dv`` (equal but for multi-latent attention); the kernel computes the scores it does
+    not mask (:func:`scored_pairs`: half the score matrix under the causal mask, the in-window ones
+    under a sliding window, whose width ``windows`` gives per unit); ``2 dqk + 2 dv`` FLOPs each
+    (score and context), ``2.5`` times that backward. Attention sinks (a learnable softmax offset,
+    one more softmax column per head) add the sinks' values read forward and their gradient written
+    backward, and no GEMM work.
+    """
     found = names(group)
     forward = group[0].phase in FORWARD_PHASES
     if forward and not (found.count("baddbmm") == 1 and found.count("bmm") == 1 and "_softmax" in found):
@@ -165,28 +183,74 @@ def _attention(group: list[OpNode]) -> list[Node] | None:
     if not forward and not (found.count("bmm") == 4 and "_softmax_backward_data" in found):
         return None
     softmax = next(n for n in group if op_name(n) in ("_softmax", "_softmax_backward_data"))
-    b, heads, sq, sk = softmax.key.input_shapes[0]
-    gemm = next(n for n in group if op_name(n) in ("baddbmm", "bmm"))
-    d = gemm.key.input_shapes[1][-1] if forward else _head_dim(group, sq, sk)
-    expanded = [n.key.input_shapes[0] for n in group if len(n.key.input_shapes[0]) == 5]  # GQA: (s, b, g, h/g, d)
+    b, heads, sq, columns = softmax.key.input_shapes[0]
+    sinks = _has_sinks(group, forward)
+    sk = columns - sinks
+    gemms = [n for n in group if op_name(n) in ("baddbmm", "bmm")]
+    gemm = gemms[0]
+    if forward:
+        dqk, dv = gemm.key.input_shapes[1][-1], gemms[1].key.input_shapes[1][-1]
+    else:  # dV and dP contract over dv, dQ and dK over dqk: sq sk (2 dqk + 2 dv) multiply-adds per head
+        dqk_dv = sum(_bmm_multiply_adds(n) for n in gemms) // (2 * b * heads * sq * sk)
+        dv = gemms[0].key.input_shapes[1][-1]  # autograd runs the context GEMM's backward first: dV = Pᵀ dO
+        dqk = dqk_dv - dv
+    expanded = [n.key.input_shapes[0] for n in group if n.key.input_shapes and len(n.key.input_shapes[0]) == 5]  # GQA: (s, b, g, h/g, d)
     groups = expanded[0][2] if expanded else heads
     dtype = gemm.key.dtypes[0]
     e = element_nbytes(dtype)
-    q, k, lse = b * sq * heads * d, b * sk * groups * d, FP32 * b * heads * sq
-    flops = round(4 * b * heads * sq * sk * d * ATTENTION_CAUSAL_FRACTION)
-    inputs = ((sq, b, heads, d), (sk, b, groups, d), (sk, b, groups, d))
+    window = (windows or {}).get(attention_unit(group[0].module))
+    pairs = scored_pairs(sq, sk, window)
+    qo, kv, lse = b * sq * heads * (dqk + dv), b * sk * groups * (dqk + dv), FP32 * b * heads * sq
+    sink_nbytes = e * heads * sinks
+    flops = round(2 * b * heads * pairs * (dqk + dv))
+    inputs = ((sq, b, heads, dqk), (sk, b, groups, dqk), (sk, b, groups, dv))
+    # TE's arguments for the window and the sinks: kernels of the same shapes that do other work
+    args = (*((("window_size", (window, 0)),) if window is not None else ()),
+            *((("softmax_type", "learnable"),) if sinks else ()))
     if forward:
-        return [fused("te.fused_attention.default", gemm, (sq, b, heads, d), e * (2 * q + 2 * k) + lse, dtype,
-                      flops=flops, input_shapes=inputs)]
-    return [fused("te.fused_attention_backward.default", gemm, (sq, b, heads, d), e * (4 * q + 4 * k) + lse, dtype,
-                  flops=round(ATTENTION_BACKWARD_FLOPS * flops), input_shapes=inputs)]
+        return [fused("te.fused_attention.default", gemm, (sq, b, heads, dv), e * (qo + kv) + lse + sink_nbytes,
+                      dtype, flops=flops, input_shapes=inputs, args=args)]
+    return [fused("te.fused_attention_backward.default", gemm, (sq, b, heads, dqk),
+                  e * 2 * (qo + kv) + lse + 2 * sink_nbytes, dtype, flops=round(ATTENTION_BACKWARD_FLOPS * flops),
+                  input_shapes=inputs, args=args)]
 
 
-def _head_dim(group: list[OpNode], sq: int, sk: int) -> int:
-    """The head dim of a backward unit: the edge of its batched GEMMs' operands that is no sequence
-    length (the sequence length itself when the two are equal)."""
-    edges = {edge for n in group if op_name(n) == "bmm" for shape in n.key.input_shapes for edge in shape[1:]}
-    return min(edges - {sq, sk}, default=sq)
+def scored_pairs(sq: int, sk: int, window: int | None = None) -> float:
+    """The (query, key) scores a causal fused-attention kernel computes: half the score matrix
+    (``ATTENTION_CAUSAL_FRACTION``, as Megatron counts causal attention), or, under a sliding window
+    of ``window`` keys back that is narrower than the keys, exactly the in-window pairs: query ``i``
+    (the last ``sq`` of ``sk`` positions) attends to the keys ``i - window .. i``."""
+    if window is None or window >= sk - 1:
+        return sq * sk * ATTENTION_CAUSAL_FRACTION
+    offset = sk - sq  # query i sits at key position i + offset
+    full = min(window, offset) + 1  # key distances 0 .. offset: every query has that key
+    tail = max(0, min(window, offset + sq - 1) - offset)  # distances offset + t: sq - t queries
+    return full * sq + tail * sq - tail * (tail + 1) // 2
+
+
+def window_widths(nodes: Sequence[Node]) -> dict[str, int]:
+    """The sliding window (keys back) of each core-attention unit that has one, from the mask its
+    forward builds (:func:`megatron_adapters.stand_ins.sliding_window_causal_mask`: ``triu`` of the
+    ``[sq, sk]`` ones at diagonal ``sk - sq - window``)."""
+    widths: dict[str, int] = {}
+    for node in nodes:
+        if isinstance(node, OpNode) and node.key.op == WINDOW_MASK_OP and _ATTENTION_UNIT in node.module:
+            sq, sk = node.key.input_shapes[0]
+            widths[attention_unit(node.module)] = sk - sq - dict(node.key.args)["diagonal"]
+    return widths
+
+
+def _has_sinks(group: list[OpNode], forward: bool) -> int:
+    """1 when the unit's softmax has a sink column (``softmax_type="learnable"``): forward, the
+    ``cat`` of the scores and one column; backward, the ``sum`` of that column's gradient."""
+    name = "cat" if forward else "sum"
+    return int(any(op_name(n) == name and n.key.input_shapes[-1][-1] == 1 and len(n.key.input_shapes[-1]) == 4
+                   for n in group))
+
+
+def _bmm_multiply_adds(node: OpNode) -> int:
+    (batch, m, k), (_, _, n) = node.key.input_shapes[:2]
+    return batch * m * k * n
 
 
 def _norm(group: list[OpNode]) -> list[Node]:
@@ -328,7 +392,7 @@ def fused_attention_saved_delta(nodes: Sequence[Node]) -> int:
     dropped = kept(softmax, 0) + kept(context, 0)
     if "bernoulli_" in by_name:
         dropped += kept(by_name["bernoulli_"], 0)
-    expanded = [n for n in forward if len(n.key.input_shapes[0]) == 5]  # GQA: (s, b, g, h/g, d) clones
+    expanded = [n for n in forward if n.key.input_shapes and len(n.key.input_shapes[0]) == 5]  # GQA: (s, b, g, h/g, d) clones
     added = FP32 * b * heads * sq
     for clone in expanded:
         s, batch, groups, _, d = clone.key.input_shapes[0]

@@ -6,7 +6,8 @@ traced local spec keeps, module by module (bytes per block instance and micro-ba
 The trace records each saving module's bytes (``Block.saved_by_module``); for a norm input of ``n``
 elements of ``e`` bytes in rows of ``h`` and an FC1 output of ``f`` elements:
 
-- a layer's norms (``input_layernorm``, ``pre_mlp_layernorm``) and the final one: TE's fused norm
+- a layer's norms (``input_layernorm``, ``pre_mlp_layernorm``; multi-latent attention's
+  ``q_layernorm`` and ``kv_layernorm``) and the final one: TE's fused norm
   (inside ``TELayerNormColumnParallelLinear``, or ``TENorm``) keeps its input and fp32 row statistics,
   ``e n + 4 n / h`` (RMSNorm's ``rstd``) or ``e n + 8 n / h`` (LayerNorm's ``mu`` and ``rsigma``);
   torch's RMSNorm as traced keeps two fp32 copies of its input besides. The norm's output is kept
@@ -30,7 +31,8 @@ from vtrain_plugin.core.graph import Block, OpNode, Phase
 from vtrain_plugin.cost.lowering.fusion import dtype_nbytes, numel, op_name
 from vtrain_plugin.cost.lowering.fp8 import FP8_NBYTES
 from vtrain_plugin.cost.lowering.megatron_core_te import FP32, LINEAR_MODULES, is_layer_norm_slot
-NORMS = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm", "final_norm", "q_layernorm", "k_layernorm")
+NORMS = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm", "final_norm", "q_layernorm", "k_layernorm",
+         "kv_layernorm")  # kv_layernorm: MLA's latent norm, fused into its up projection by TE
 KEPT_BESIDE_FP8 = ".linear_proj"  # its input, the attention's output, is kept by the attention too
 
 

@@ -28,11 +28,13 @@ from vtrain_plugin.specs.megatron.launch_script import LaunchCommand
 from vtrain_plugin.specs.megatron.flags import (
     MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, UNSUPPORTED_FLAGS, UNSUPPORTED_SCRIPTS, Arity)
 from vtrain_plugin.specs.megatron.hybrid_args import hybrid_fields
+from vtrain_plugin.specs.megatron.attention import consumed_by_attention
 from vtrain_plugin.specs.megatron.model import Given, model_fields, positive_int, recompute_mode
 from vtrain_plugin.specs.megatron.moe_flags import capacity_factor, moe_layer_freq, number
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.model_features import REFUSED, unmodelled_warning
 from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
+from vtrain_plugin.specs.pipeline_split import layout_stages
 from vtrain_plugin.specs.reliability import CheckpointMode, ReliabilitySpec
 from vtrain_plugin.specs.training import GradReduce, ScheduleKind, SoftwareStack, TrainingSpec
 
@@ -134,7 +136,8 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--fp4-format", None, None, "fp4 training", _as_given),
     FlagField("--decoder-first-pipeline-num-layers", "parallel.decoder_first_pipeline_num_layers"),
     FlagField("--decoder-last-pipeline-num-layers", "parallel.decoder_last_pipeline_num_layers"),
-    FlagField("--pipeline-model-parallel-layout", None, None, "an uneven pipeline split", _as_given),
+    FlagField("--pipeline-model-parallel-layout", "parallel.pipeline_layout", convert=_as_given),
+    FlagField("--mtp-num-layers", "model.mtp_num_layers"),
     FlagField("--account-for-embedding-in-pipeline-split", "parallel.account_for_embedding_in_pipeline_split",
               convert=_as_given),
     FlagField("--account-for-loss-in-pipeline-split", "parallel.account_for_loss_in_pipeline_split",
@@ -207,7 +210,7 @@ def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> Megatro
         if flag in UNSUPPORTED_FLAGS:
             raise _unsupported(_shown(flag, value), UNSUPPORTED_FLAGS[flag])
         row = _FIELD_OF.get(flag)
-        if row is None:
+        if row is None or flag in consumed_by_attention(given):
             continue
         converted = row.convert(flag, value)
         if row.field is None and converted != row.inactive:
@@ -304,6 +307,12 @@ def _virtual_pipeline(given: Given, num_layers: int, pp: int) -> int:
     """Virtual stages per pipeline rank; the embedding and the loss count as layers when they are in
     the split (``--account-for-embedding/loss-in-pipeline-split``), as in Megatron-LM."""
     per_stage_flag, per_rank_flag = "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"
+    if "--pipeline-model-parallel-layout" in given:  # Megatron-LM takes the virtual stages from the layout
+        given_too = [f for f in (per_stage_flag, per_rank_flag) if f in given]
+        if given_too:
+            raise ConfigError(f"--pipeline-model-parallel-layout with {given_too[0]}: the layout gives the virtual "
+                              f"stages")
+        return max(1, len(layout_stages(given["--pipeline-model-parallel-layout"])) // pp)
     if per_stage_flag in given and per_rank_flag in given:
         raise ConfigError(f"give {per_stage_flag} or {per_rank_flag}, not both")
     if per_rank_flag in given:

@@ -27,6 +27,7 @@ no-position-embedding! make-vocab-size-divisible-by normalization norm-epsilon a
 apply-residual-connection-post-layernorm! openai-gelu! squared-relu! swiglu! onnx-safe
 bert-no-binary-head! num-experts untie-embeddings-and-output-weights! multi-latent-attention!
 mtp-num-layers mtp-loss-scaling-factor qk-layernorm! qk-l2-norm! window-size window-attn-skip-freq
+softmax-type enable-gpt-oss!
 is-hybrid-model! hybrid-attention-ratio hybrid-mlp-ratio hybrid-override-pattern hybrid-layer-pattern
 mamba-state-dim mamba-head-dim mamba-num-groups mamba-num-heads disable-mamba-mem-eff-path!
 heterogeneous-layers-config-path heterogeneous-layers-config-encoded-json

@@ -14,6 +14,7 @@ from typing import Any
 
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.megatron.attention import attention_fields
 from vtrain_plugin.specs.model import Activation, Family, PositionEmbedding
 from vtrain_plugin.specs.model_features import POSITIONS_NOT_MODELLED, not_modelled
 from vtrain_plugin.specs.parallel import Recompute
@@ -86,6 +87,7 @@ def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: in
         notes.append(f"--num-query-groups {given['--num-query-groups']} without --group-query-attention "
                      f"(Megatron-LM ignores it)")
     _position_table(given, out["position_embedding_type"], out["seq_length"], notes)
+    out.update(attention_fields(given, notes))
     balancing = given.get("--moe-router-load-balancing-type", MOE_LOAD_BALANCING)
     if balancing != MOE_LOAD_BALANCING:
         notes.append(f"--moe-router-load-balancing-type {balancing} (vtrain's router: {MOE_LOAD_BALANCING})")

@@ -357,7 +357,14 @@ def test_mapped_training_flags():
     ("--cross-entropy-fusion-impl triton", "--cross-entropy-fusion-impl must be native or te, got 'triton'"),
     ("--fp16 --accumulate-allreduce-grads-in-fp32", "--accumulate-allreduce-grads-in-fp32 with --fp16: fp32 "
                                                    "gradients of an fp16 model are not modelled by vtrain yet"),
-    ("--window-size 128,0", "--window-size 128,0: sliding-window attention is not modelled by vtrain yet"),
+    ("--window-size 128,0 --window-attn-skip-freq [0]*3+[1]", "--window-attn-skip-freq [0]*3+[1]: a per-layer "
+                                                               "pattern of window layers is not modelled by vtrain yet"),
+    ("--multi-latent-attention", "--multi-latent-attention without --qk-layernorm: multi-latent attention without "
+                                 "the norms of its compressed query and key/value is not modelled by vtrain yet"),
+    ("--enable-gpt-oss --softmax-type learnable", "--enable-gpt-oss without --window-size: vtrain reads GPT-OSS's "
+                                                  "attention from the flags it stands for; state them (GPT-OSS: "
+                                                  "--softmax-type learnable --window-size 127,0 "
+                                                  "--window-attn-skip-freq 2)"),
     ("--enable-cuda-graph", "--enable-cuda-graph: CUDA graphs is not modelled by vtrain yet"),
     ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graphs is not modelled by vtrain yet"),
     ("--main-grads-dtype bf16", "--main-grads-dtype bf16: optimizer state in another dtype than fp32 is not modelled "
