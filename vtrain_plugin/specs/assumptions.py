@@ -44,7 +44,35 @@ def moe_assumptions(model: ModelSpec, plan: ParallelPlan) -> tuple[str, ...]:
     return tuple(lines)
 
 
-SOURCES: tuple[Source, ...] = (moe_assumptions,)
+def attention_assumptions(model: ModelSpec, plan: ParallelPlan) -> tuple[str, ...]:
+    """The attention variants that megatron-core cannot build on a CPU without a stand-in, and the
+    kernel counts vtrain assumes for them (megatron_adapters/stand_ins.py)."""
+    lines = []
+    if model.multi_latent_attention:
+        lines.append("MLA traced through a core-attention stand-in with TransformerEngine's signature; its fused "
+                     "attention priced over the query/key and value head dims (not measured)")
+    if model.window_size is not None:
+        lines.append(f"sliding window {model.window_size[0]} tokens back: the fused kernel priced at exactly the "
+                     f"in-window scores (the real kernel computes whole tiles); its mask built on the CPU by a "
+                     f"stand-in")
+    if model.softmax_type == "learnable":
+        lines.append("attention sinks: one learned logit per head, no GEMM work, the sinks read and their "
+                     "gradient written")
+    if model.mtp_num_layers is not None:
+        lines.append(f"multi-token prediction: {model.mtp_num_layers} MTP layer(s) on the last pipeline stage; its "
+                     f"embedding copy is not gradient-synchronised with the first stage's")
+    return tuple(lines)
+
+
+def hybrid_assumptions(model: ModelSpec, plan: ParallelPlan) -> tuple[str, ...]:
+    """A Mamba hybrid's mixer: a stand-in traced, its kernels modelled from their math."""
+    if not model.is_hybrid:
+        return ()
+    return ("Mamba-2 mixer traced through a stand-in of megatron-core's MambaMixer (mamba_ssm needs CUDA); "
+            "its causal-conv1d, chunked-scan and gated-norm kernels priced from their math, never measured",)
+
+
+SOURCES: tuple[Source, ...] = (moe_assumptions, attention_assumptions, hybrid_assumptions)
 
 
 def assumptions(model: ModelSpec | None, plan: ParallelPlan) -> tuple[str, ...]:
