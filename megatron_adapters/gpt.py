@@ -94,7 +94,7 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         add_qkv_bias=model.add_qkv_bias,
         hidden_dropout=layer.hidden_dropout,
         attention_dropout=layer.attention_dropout,
-        qk_layernorm=model.qk_layernorm,
+        qk_layernorm=model.qk_layernorm or model.multi_latent_attention,  # MLA: its latent norms
         qk_l2_norm=model.qk_l2_norm,
         **recompute,
         **moe,

@@ -411,6 +411,9 @@ def check_layer_fields(model: ModelSpec) -> None:
     if model.kv_channels == model.hidden_size // model.num_attention_heads \
             and model.kv_channels * model.num_attention_heads == model.hidden_size:
         object.__setattr__(model, "kv_channels", None)
+    if model.multi_latent_attention:  # MLA has head dims and latent norms of its own (specs/attention.py)
+        object.__setattr__(model, "kv_channels", None)
+        object.__setattr__(model, "qk_layernorm", False)
     layer = model.layer
     if layer.add_bias_linear:
         object.__setattr__(model, "add_qkv_bias", False)  # the QKV bias is there anyway

@@ -63,12 +63,12 @@ def test_mtp_layers_are_the_heads_not_folded_layers():
 
 
 def test_embedding_and_head_modules():
-    assert HEAD_MODULES == ("decoder.final_layernorm", "output_layer", "loss", "mtp")
+    assert HEAD_MODULES == ("decoder.final_layernorm", "decoder.final_norm", "output_layer", "loss", "mtp")
     assert TIED_WEIGHT_OWNERS == ("embedding.word_embeddings", "output_layer")
     for name in ("embedding", "embedding.word_embeddings", "embedding.position_embeddings",
                  "embedding.embedding_dropout"):
         assert is_embedding_module(name) and not is_head_module(name) and not is_layer_module(name)
-    for name in ("decoder.final_layernorm", "output_layer", "loss"):
+    for name in ("decoder.final_layernorm", "decoder.final_norm", "output_layer", "loss", "mtp.layers.0"):
         assert is_head_module(name) and not is_embedding_module(name)
     for name in ("", "decoder", "decoder.layers.0.input_layernorm", "rotary_pos_emb", "optimizer"):
         assert not is_embedding_module(name) and not is_head_module(name)
