@@ -19,19 +19,25 @@ from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.model_features import POSITIONS_NOT_MODELLED, not_modelled
 
 
-def find_gpt_model(model: Any) -> Any | None:
-    """The megatron-core GPTModel ``model`` is or wraps (the first chunk of a list of chunks), else None."""
-    if "megatron.core.models.gpt" not in sys.modules:
-        return None  # no GPTModel was ever built in this process
-    from megatron.core.models.gpt import GPTModel
-
+def find_built_model(model: Any, package: str, class_name: str) -> Any | None:
+    """The megatron-core model of class ``package.class_name`` that ``model`` is or wraps (the first
+    chunk of a list of chunks), else None; None too when ``package`` was never imported (no such
+    model was built in this process)."""
+    if package not in sys.modules:
+        return None
+    cls = getattr(sys.modules[package], class_name)
     if isinstance(model, (list, tuple)) and model:
-        chunks = [find_gpt_model(chunk) for chunk in model]
+        chunks = [find_built_model(chunk, package, class_name) for chunk in model]
         return chunks[0] if all(chunk is not None for chunk in chunks) else None
     wrappers = _wrapper_types()
     while isinstance(model, wrappers):
         model = model.module
-    return model if isinstance(model, GPTModel) else None
+    return model if isinstance(model, cls) else None
+
+
+def find_gpt_model(model: Any) -> Any | None:
+    """The megatron-core GPTModel ``model`` is or wraps (the first chunk of a list of chunks), else None."""
+    return find_built_model(model, "megatron.core.models.gpt", "GPTModel")
 
 
 def _wrapper_types() -> tuple[type, ...]:

@@ -19,7 +19,6 @@ A MambaModel a training script built is read as the ModelSpec it describes
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 from dataclasses import replace
 from typing import Any
@@ -76,19 +75,9 @@ def build_hybrid_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole):
 
 def find_mamba_model(model: Any) -> Any | None:
     """The megatron-core MambaModel ``model`` is or wraps (the first chunk of a list), else None."""
-    if "megatron.core.models.mamba" not in sys.modules:
-        return None  # no MambaModel was ever built in this process
-    from megatron.core.models.mamba import MambaModel
+    from megatron_adapters.gpt_model import find_built_model
 
-    from megatron_adapters.gpt_model import _wrapper_types
-
-    if isinstance(model, (list, tuple)) and model:
-        chunks = [find_mamba_model(chunk) for chunk in model]
-        return chunks[0] if all(chunk is not None for chunk in chunks) else None
-    wrappers = _wrapper_types()
-    while isinstance(model, wrappers):
-        model = model.module
-    return model if isinstance(model, MambaModel) else None
+    return find_built_model(model, "megatron.core.models.mamba", "MambaModel")
 
 
 def model_spec_of_mamba_model(mamba: Any, *, seq_length: int) -> ModelSpec:

@@ -29,7 +29,8 @@ from vtrain_plugin.specs.megatron.flags import (
     MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, UNSUPPORTED_FLAGS, UNSUPPORTED_SCRIPTS, Arity)
 from vtrain_plugin.specs.megatron.hybrid_args import hybrid_fields
 from vtrain_plugin.specs.megatron.attention import consumed_by_attention
-from vtrain_plugin.specs.megatron.model import Given, model_fields, positive_int, recompute_mode
+from vtrain_plugin.specs.megatron.flag_values import positive_int
+from vtrain_plugin.specs.megatron.model import Given, model_fields, recompute_mode
 from vtrain_plugin.specs.megatron.moe_flags import capacity_factor, moe_layer_freq, number
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.model_features import REFUSED, unmodelled_warning

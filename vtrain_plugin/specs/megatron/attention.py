@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.megatron.flag_values import positive_int
 from vtrain_plugin.specs.model_features import not_modelled
 
 MLA_FLAGS = {"--q-lora-rank": "q_lora_rank", "--kv-lora-rank": "kv_lora_rank", "--qk-head-dim": "qk_head_dim",
@@ -41,7 +42,7 @@ def attention_fields(given: Mapping[str, Any], notes: list[str]) -> dict[str, An
             raise not_modelled("--multi-latent-attention without --qk-layernorm",
                                "multi-latent attention without the norms of its compressed query and key/value")
         out["multi_latent_attention"] = True
-        out.update({name: _positive(flag, given[flag]) for flag, name in MLA_FLAGS.items() if flag in given})
+        out.update({name: positive_int(flag, given[flag]) for flag, name in MLA_FLAGS.items() if flag in given})
     else:
         ignored = [flag for flag in MLA_FLAGS if flag in given]
         if ignored:
@@ -72,14 +73,6 @@ def attention_fields(given: Mapping[str, Any], notes: list[str]) -> dict[str, An
     return out
 
 
-def _positive(flag: str, text: Any) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{flag} must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{flag} must be a positive integer, got {value}")
-    return value
 
 
 def _window(text: Any) -> tuple[int, int]:

@@ -16,7 +16,8 @@ from typing import Any
 
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.hybrid import allocate_pattern, check_pattern
-from vtrain_plugin.specs.megatron.model import Given, positive_int
+from vtrain_plugin.specs.megatron.flag_values import positive_int
+from vtrain_plugin.specs.megatron.model import Given
 
 PATTERN_FLAGS = ("--hybrid-layer-pattern", "--hybrid-override-pattern")
 RATIO_FLAGS = ("--hybrid-attention-ratio", "--hybrid-mlp-ratio")

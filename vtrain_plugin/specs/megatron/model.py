@@ -15,6 +15,7 @@ from typing import Any
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.megatron.attention import attention_fields
+from vtrain_plugin.specs.megatron.flag_values import positive_int
 from vtrain_plugin.specs.model import Activation, Family, PositionEmbedding
 from vtrain_plugin.specs.model_features import POSITIONS_NOT_MODELLED, not_modelled
 from vtrain_plugin.specs.parallel import Recompute
@@ -37,16 +38,6 @@ HF_TOKENIZER_SIZES = {
 }
 MOE_LOAD_BALANCING = "aux_loss"  # the router's loss vtrain traces (megatron_adapters.moe.LOAD_BALANCING)
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's default --make-vocab-size-divisible-by, which ModelSpec pads to
-
-
-def positive_int(flag: str, text: Any) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{flag} must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{flag} must be a positive integer, got {value}")
-    return value
 
 
 def _fraction(flag: str, text: Any) -> float:
