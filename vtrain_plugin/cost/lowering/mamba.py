@@ -109,12 +109,18 @@ class MixerDims:
                    chunk=chunk, d_conv=d_conv, dtype=bmms[_CB].key.dtypes[0])
 
 
-def _forward_kernels(d: MixerDims) -> list[tuple[str, int, int]]:
+def _sizes(d: MixerDims) -> tuple[int, int, int, int, int, int, int]:
+    """Bytes per element and the element counts the mixer's kernels read and write: x (heads x head
+    dim per token), B/C (groups x state), dt (heads), the chunk states, C^T B per chunk, the conv input."""
     e = element_nbytes(d.dtype)
     x, bc, t = d.batch * d.seq * d.heads * d.head_dim, d.batch * d.seq * d.groups * d.state, d.batch * d.seq * d.heads
     s = d.batch * d.chunks * d.heads * d.head_dim * d.state
     cb = d.batch * d.chunks * d.groups * d.chunk * d.chunk
-    conv = d.batch * d.seq * d.conv_dim
+    return e, x, bc, t, s, cb, d.batch * d.seq * d.conv_dim
+
+
+def _forward_kernels(d: MixerDims) -> list[tuple[str, int, int]]:
+    e, x, bc, t, s, cb, conv = _sizes(d)
     return [
         ("causal_conv1d_fwd", 2 * conv * d.d_conv, 2 * e * conv),
         *_scan_forward(d, e, x, bc, t, s, cb),
@@ -134,11 +140,7 @@ def _scan_forward(d: MixerDims, e: int, x: int, bc: int, t: int, s: int, cb: int
 
 
 def _backward_kernels(d: MixerDims) -> list[tuple[str, int, int]]:
-    e = element_nbytes(d.dtype)
-    x, bc, t = d.batch * d.seq * d.heads * d.head_dim, d.batch * d.seq * d.groups * d.state, d.batch * d.seq * d.heads
-    s = d.batch * d.chunks * d.heads * d.head_dim * d.state
-    cb = d.batch * d.chunks * d.groups * d.chunk * d.chunk
-    conv = d.batch * d.seq * d.conv_dim
+    e, x, bc, t, s, cb, conv = _sizes(d)
     return [
         ("causal_conv1d_fwd", 2 * conv * d.d_conv, 2 * e * conv),  # recomputed
         ("gated_rms_norm_bwd", 0, 5 * e * x + FP32 * d.batch * d.seq * d.groups),
