@@ -26,7 +26,8 @@ from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.megatron.launch_script import LaunchCommand
 from vtrain_plugin.specs.megatron.flags import (
-    MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, UNSUPPORTED_FLAGS, UNSUPPORTED_SCRIPTS, Arity)
+    ALIASES, MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, TABLE, UNSUPPORTED_FLAGS, UNSUPPORTED_SCRIPTS, Arity,
+    Effect, releases)
 from vtrain_plugin.specs.megatron.hybrid_args import hybrid_fields
 from vtrain_plugin.specs.megatron.attention import consumed_by_attention
 from vtrain_plugin.specs.megatron.flag_values import positive_int
@@ -211,6 +212,8 @@ def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> Megatro
         if flag in UNSUPPORTED_FLAGS:
             raise _unsupported(_shown(flag, value), UNSUPPORTED_FLAGS[flag])
         row = _FIELD_OF.get(flag)
+        if row is None and TABLE[flag].effect is Effect.REFUSED and not TABLE[flag].at_default(value):
+            raise ConfigError(f"{_shown(flag, value)}: {TABLE[flag].reason} is not modelled by vtrain yet")
         if row is None or flag in consumed_by_attention(given):
             continue
         converted = row.convert(flag, value)
@@ -432,8 +435,12 @@ def parse_flags(argv: Sequence[str]) -> dict[str, Any]:
         flag = word.partition("=")[0]
         close = difflib.get_close_matches(flag, MEGATRON_FLAGS, n=1, cutoff=0.8)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ConfigError(f"unknown argument {flag}: not a Megatron-LM argument vtrain knows{hint}")
-    given = {flag: value for flag, value in vars(namespace).items() if value is not None}
+        scanned = releases()
+        raise ConfigError(f"unknown argument {flag}: no Megatron-LM release from {scanned[0]} to {scanned[-1]} has "
+                          f"it{hint}")
+    parsed = {ALIASES.get(flag, flag): value for flag, value in vars(namespace).items() if value is not None}
+    order = [ALIASES.get(word.partition("=")[0], word.partition("=")[0]) for word in argv if word.startswith("--")]
+    given = {flag: parsed[flag] for flag in dict.fromkeys(order) if flag in parsed}  # in command-line order
     for flag, replacement in RETIRED_FLAGS.items():
         if flag in given:
             raise ConfigError(f"{flag} is retired in Megatron-LM; use {replacement}")

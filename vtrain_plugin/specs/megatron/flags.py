@@ -1,225 +1,168 @@
-"""The command-line arguments of Megatron-LM's ``pretrain_gpt.py``, as data.
+"""Every command-line flag of Megatron-LM's ``pretrain_gpt.py`` and ``pretrain_mamba.py``, and what
+vtrain does with it.
 
-Re-typed from ``megatron/training/arguments.py`` (Megatron-LM core_r0.12 to 0.16; the megatron-core
-wheel does not ship ``megatron/training``), grouped as that file groups them. Each word is one flag
-without its leading ``--``: ``name`` takes one value, ``name!`` is a switch (store_true or
-store_false), ``name*`` takes a list of values. A flag missing here is refused as "not a Megatron-LM
-argument vtrain knows": add it to its group.
+The flags are data: ``data/flags_by_release.csv`` lists the 976 flags of every release from
+core_r0.8.0 to main (spelling, dest, arity, default, the releases that have them), extracted from
+Megatron-LM's own sources (``data/README.md``). ``data/flag_effects.csv`` gives each flag one
+:class:`Effect` and its reason. A flag in no release is refused as unknown, naming the nearest
+spelling; every other flag is read the same way whichever release the user runs.
 
-:data:`PERFORMANCE_FLAGS` are the flags that change the speed or memory of training by a
-second-order amount that vtrain does not model; they are accepted and listed in one warning. Flags
-that shape the plan are mapped in
-:mod:`vtrain_plugin.specs.megatron.args`; every other flag (logging, checkpointing, data paths,
-learning-rate schedule...) changes nothing vtrain predicts and is accepted silently.
+Why a table: a command line from any release must be read without editing, and a flag must never be
+accepted as free when it changes what a GPU does. The table makes each decision visible and tested
+(``tests/unit/specs/megatron/test_flag_table.py``): the no-effect class cannot hold a field of
+TransformerConfig, the optimizer or DDP, and every flag a reader module names is modelled or refused.
 """
 
 from __future__ import annotations
 
-from enum import Enum
-
-_NETWORK_SIZE = """
-num-layers encoder-num-layers decoder-num-layers hidden-size ffn-hidden-size num-attention-heads
-attention-backend kv-channels group-query-attention! num-query-groups max-position-embeddings
-position-embedding-type relative-attention-num-buckets relative-attention-max-distance
-use-rotary-position-embeddings! rotary-base rotary-percent rotary-interleaved!
-rotary-seq-len-interpolation-factor use-rope-scaling! rope-scaling-factor no-rope-freq mrope-section*
-no-position-embedding! make-vocab-size-divisible-by normalization norm-epsilon apply-layernorm-1p!
-apply-residual-connection-post-layernorm! openai-gelu! squared-relu! swiglu! onnx-safe
-bert-no-binary-head! num-experts untie-embeddings-and-output-weights! multi-latent-attention!
-mtp-num-layers mtp-loss-scaling-factor qk-layernorm! qk-l2-norm! window-size window-attn-skip-freq
-softmax-type enable-gpt-oss!
-is-hybrid-model! hybrid-attention-ratio hybrid-mlp-ratio hybrid-override-pattern hybrid-layer-pattern
-mamba-state-dim mamba-head-dim mamba-num-groups mamba-num-heads disable-mamba-mem-eff-path!
-heterogeneous-layers-config-path heterogeneous-layers-config-encoded-json
-"""
-_REGULARIZATION = """
-attention-dropout hidden-dropout weight-decay start-weight-decay end-weight-decay weight-decay-incr-style
-clip-grad adam-beta1 adam-beta2 adam-eps sgd-momentum
-"""
-_TRAINING = """
-micro-batch-size batch-size global-batch-size rampup-batch-size* decrease-batch-size-if-needed!
-recompute-activations! recompute-granularity check-for-nan-in-loss-and-grad!
-no-check-for-nan-in-loss-and-grad! check-for-spiky-loss! check-for-large-grads!
-distribute-saved-activations! recompute-method recompute-num-layers recompute-modules*
-no-clone-scatter-output-in-embedding! profile! profile-step-start profile-step-end profile-ranks*
-iterations-to-skip* result-rejected-tracker-filename disable-gloo-process-groups! use-pytorch-profiler!
-record-memory-history! memory-snapshot-path tp-comm-overlap! tp-comm-overlap-cfg
-disable-tp-comm-overlap-ag! disable-tp-comm-overlap-rs! tp-comm-overlap-rs-dgrad!
-disable-tp-comm-bulk-dgrad! disable-tp-comm-bulk-wgrad! disable-tp-comm-split-ag!
-disable-tp-comm-split-rs! tp-comm-bootstrap-backend use-cpu-initialization! empty-unused-memory-level
-deterministic-mode! check-weight-hash-across-dp-replicas-interval calculate-per-token-loss! train-iters
-train-samples log-interval exit-interval exit-duration-in-mins exit-signal-handler! exit-signal
-tensorboard-dir no-masked-softmax-fusion! no-bias-gelu-fusion! no-bias-swiglu-fusion!
-use-fused-weighted-squared-relu! no-bias-dropout-fusion! no-rope-fusion! cross-entropy-loss-fusion!
-cross-entropy-fusion-impl use-flash-attn! disable-bias-linear! add-qkv-bias! optimizer
-optimizer-cpu-offload! optimizer-offload-fraction use-torch-optimizer-for-cpu-offload!
-overlap-cpu-optimizer-d2h-h2d! no-pin-cpu-grads! no-pin-cpu-params! dataloader-type
-no-async-tensor-model-parallel-allreduce! no-persist-layer-norm! sequence-parallel!
-no-gradient-accumulation-fusion! use-mcore-models! use-legacy-models! manual-gc! manual-gc-interval
-no-manual-gc-eval! pipeline-model-parallel-comm-backend high-priority-stream-groups* spec*
-yaml-cfg enable-experimental! delay-wgrad-compute!
-"""
-_INITIALIZATION = """
-seed data-parallel-random-init! init-method-std embedding-init-method-std init-method-xavier-uniform!
-"""
-_LEARNING_RATE = """
-lr lr-decay-style lr-wsd-decay-style lr-decay-iters lr-decay-samples lr-wsd-decay-samples
-lr-wsd-decay-iters lr-warmup-fraction lr-warmup-iters lr-warmup-samples lr-warmup-init warmup min-lr
-override-opt_param-scheduler! use-checkpoint-opt_param-scheduler! decoupled-lr decoupled-min-lr
-"""
-_CHECKPOINTING = """
-save save-interval save-retain-interval no-save-optim! no-save-rng! load no-load-optim!
-load-main-params-from-ckpt! no-load-rng! non-persistent-save-interval non-persistent-ckpt-type
-non-persistent-global-ckpt-dir non-persistent-local-ckpt-dir non-persistent-local-ckpt-algo finetune!
-pretrained-checkpoint ckpt-step no-initialization! use-checkpoint-args! use-mp-args-from-checkpoint-args!
-use-tokenizer-model-from-checkpoint-args! exit-on-missing-checkpoint! use-dist-ckpt!
-use-persistent-ckpt-worker! auto-detect-ckpt-format! dist-ckpt-format ckpt-format ckpt-convert-format
-ckpt-convert-save ckpt-convert-update-legacy-dist-opt-format! ckpt-fully-parallel-save!
-no-ckpt-fully-parallel-save! async-save! ckpt-fully-parallel-load! ckpt-assume-constant-structure!
-dist-ckpt-strictness load-model-opt-format!
-"""
-_MIXED_PRECISION = """
-fp16! bf16! grad-reduce-in-bf16! loss-scale initial-loss-scale min-loss-scale loss-scale-window
-hysteresis fp32-residual-connection! apply-query-key-layer-scaling! attention-softmax-in-fp32!
-accumulate-allreduce-grads-in-fp32! fp16-lm-cross-entropy! disable-bf16-reduced-precision-matmul!
-reuse-grad-buf-for-mxfp8-param-ag! main-grads-dtype main-params-dtype exp-avg-dtype exp-avg-sq-dtype
-use-precision-aware-optimizer!
-"""
-_TRANSFORMER_ENGINE = """
-fp8-format fp8-recipe fp8-margin fp8-interval fp8-amax-history-len fp8-amax-compute-algo no-fp8-wgrad!
-transformer-impl fp8-param-gather! first-last-layers-bf16! num-layers-at-start-in-bf16
-num-layers-at-end-in-bf16 te-rng-tracker! inference-rng-tracker! fp4-format fp4-recipe fp4-param!
-"""
-_DISTRIBUTED = """
-tensor-model-parallel-size pipeline-model-parallel-size decoder-first-pipeline-num-layers
-decoder-last-pipeline-num-layers pipeline-model-parallel-layout model-parallel-size
-num-layers-per-virtual-pipeline-stage num-virtual-stages-per-pipeline-rank
-microbatch-group-size-per-virtual-pipeline-stage no-overlap-p2p-communication!
-overlap-p2p-communication-warmup-flush! distributed-backend distributed-timeout-minutes
-overlap-grad-reduce! defer-embedding-wgrad-compute! wgrad-deferral-limit no-align-grad-reduce!
-ddp-num-buckets ddp-bucket-size ddp-pad-buckets-for-high-nccl-busbw! ddp-average-in-collective!
-overlap-param-gather! overlap-param-gather-with-optimizer-step! no-align-param-gather!
-no-scatter-gather-tensors-in-pipeline! use-ring-exchange-p2p! local-rank lazy-mpu-init
-account-for-embedding-in-pipeline-split! account-for-loss-in-pipeline-split! use-distributed-optimizer!
-num-distributed-optimizer-instances use-nccl-ub! use-sharp! use-custom-fsdp! use-megatron-fsdp!
-data-parallel-sharding-strategy init-model-with-meta-device! use-torch-fsdp2!
-torch-fsdp2-no-reshard-after-forward! suggested-communication-unit-size keep-fp8-transpose-cache!
-context-parallel-size cp-comm-type* hierarchical-context-parallel-sizes* nccl-communicator-config-path
-use-tp-pp-dp-mapping! encoder-tensor-model-parallel-size encoder-pipeline-model-parallel-size
-pipeline-model-parallel-split-rank enable-cuda-graph! cuda-graph-impl cuda-graph-scope
-cuda-graph-warmup-steps external-cuda-graph!
-"""
-_VALIDATION = """
-eval-iters eval-interval test-mode! skip-train! full-validation! multiple-validation-sets!
-"""
-_DATA_AND_TOKENIZER = """
-data-path* split train-data-path* valid-data-path* test-data-path* data-args-path
-per-split-data-args-path data-cache-path mock-data! seq-length encoder-seq-length decoder-seq-length
-retriever-seq-length sample-rate mask-prob short-seq-prob num-workers reset-position-ids!
-reset-attention-mask! eod-mask-loss! no-create-attention-mask-in-dataloader! num-dataset-builder-threads
-object-storage-cache-path mid-level-dataset-surplus no-mmap-bin-files! s3-cache-path sft!
-sft-tokenizer-prompt-format fim-data! fim-rate fim-spm-rate fim-split-sample fim-fragment-rate
-fim-no-prefix vocab-size vocab-file merge-file vocab-extra-ids tokenizer-type tokenizer-model
-tokenizer-metadata tokenizer-special-tokens* tokenizer-hf-use-fast! tokenizer-hf-include-special-tokens!
-tokenizer-sentencepiece-legacy! trust-remote-code! legacy-tokenizer! tiktoken-pattern
-tiktoken-num-special-tokens tiktoken-special-tokens*
-"""
-_MOE = """
-expert-model-parallel-size expert-tensor-parallel-size moe-ffn-hidden-size
-moe-shared-expert-intermediate-size moe-shared-expert-overlap! moe-layer-freq moe-grouped-gemm!
-moe-use-legacy-grouped-gemm! moe-router-load-balancing-type moe-router-dtype moe-router-score-function
-moe-router-topk moe-router-pre-softmax! moe-router-num-groups moe-router-group-topk
-moe-router-topk-scaling-factor moe-router-enable-expert-bias! moe-router-bias-update-rate
-moe-router-force-load-balancing! moe-router-padding-for-fp8! moe-router-fusion! moe-aux-loss-coeff
-moe-z-loss-coeff moe-input-jitter-eps moe-per-layer-logging! moe-token-dispatcher-type moe-enable-deepep!
-moe-deepep-num-sms moe-permute-fusion! moe-extended-tp! moe-use-upcycling! moe-upcycling-granularity
-moe-token-drop-policy moe-expert-capacity-factor moe-pad-expert-input-to-capacity! moe-layer-recompute!
-moe-apply-probs-on-input!
-"""
-_MLA = """
-q-lora-rank kv-lora-rank qk-head-dim qk-pos-emb-head-dim v-head-dim rotary-scaling-factor mscale
-mscale-all-dim cache-mla-latents!
-"""
-_LOGGING = """
-log-params-norm! log-num-zeros-in-grad! log-throughput! log-progress! timing-log-level log-energy!
-barrier-with-L1-time! timing-log-option tensorboard-log-interval tensorboard-queue-size
-log-timers-to-tensorboard! no-log-loss-scale-to-tensorboard! log-validation-ppl-to-tensorboard!
-log-memory-to-tensorboard! log-world-size-to-tensorboard! wandb-project wandb-exp-name wandb-save-dir
-wandb-entity logging-level log-straggler! disable-straggler-on-startup! straggler-ctrlr-port
-straggler-minmax-count run-workload-inspector-server! no-one-logger! one-logger-project
-one-logger-run-name one-logger-async! app-tag-run-name app-tag-run-version config-logger-dir
-enable-ft-package! calc-ft-timeouts! inprocess-restart! adlr-autoresume! adlr-autoresume-interval
-error-injection-rate error-injection-type rerun-mode disable-msc!
-"""
-_INFERENCE = """
-inference-batch-times-seqlen-threshold max-tokens-to-oom output-bert-embeddings! bert-embedder-type
-flash-decode! inference-max-requests inference-max-seq-length inference-dynamic-batching!
-"""
-_GROUPS = (_NETWORK_SIZE, _REGULARIZATION, _TRAINING, _INITIALIZATION, _LEARNING_RATE, _CHECKPOINTING,
-           _MIXED_PRECISION, _TRANSFORMER_ENGINE, _DISTRIBUTED, _VALIDATION, _DATA_AND_TOKENIZER, _MOE, _MLA,
-           _LOGGING, _INFERENCE)
+import csv
+from dataclasses import dataclass
+from enum import Enum, StrEnum
+from functools import lru_cache
+from importlib import resources
+from typing import Any
 
 
 class Arity(Enum):
-    SWITCH = 0  # store_true / store_false
+    SWITCH = 0  # store_true / store_false / one side of a BooleanOptionalAction
     ONE = 1  # one value
-    LIST = 2  # nargs='*' or '+'
+    LIST = 2  # nargs '*', '+' or a count
 
 
-def _read(groups: tuple[str, ...]) -> dict[str, Arity]:
-    flags: dict[str, Arity] = {}
-    for group in groups:
-        for word in group.split():
-            arity = {"!": Arity.SWITCH, "*": Arity.LIST}.get(word[-1], Arity.ONE)
-            name = "--" + word.rstrip("!*")
-            assert name not in flags, f"{name} listed twice"
-            flags[name] = arity
-    return flags
+class Effect(StrEnum):
+    """What a flag does to the time or memory of a training iteration, and so what vtrain does with it."""
+
+    MODELLED = "modelled"  # read into a spec field; the reason names the reader module
+    VALUE_ONLY = "value_only"  # a number inside the same kernels (a rate, an epsilon, a scale): accepted
+    OUTSIDE_STEP = "outside_step"  # read only outside the training iteration (start-up, inference, evaluation)
+    IGNORED = "ignored"  # parsed and ignored by Megatron-LM, or set by it from other flags
+    NO_EFFECT = "no_effect"  # changes neither time nor memory; the reason is one of NO_EFFECT_REASONS
+    SECOND_ORDER = "second_order"  # a few per cent of a kernel class at most: accepted and named in one warning
+    REFUSED = "refused"  # changes time or memory and is not priced: refused unless at Megatron-LM's default
+    OTHER_MODEL = "other_model"  # only another model family (BERT, T5, RETRO) takes it: refused
+    RETIRED = "retired"  # Megatron-LM itself refuses it; the reason names the flag that replaced it
 
 
-MEGATRON_FLAGS: dict[str, Arity] = _read(_GROUPS)
-
-# Flags that change the speed or memory of training by a second-order amount, or in a way vtrain
-# already assumes: accepted, and listed in one warning. A flag with a first-order effect that vtrain
-# does not model is refused instead (megatron_args.FIELDS); one it models is mapped there.
-PERFORMANCE_FLAGS = frozenset("--" + word for word in (
-    # Tunings of TransformerEngine's TP overlap, which vtrain models as a whole (training.tp_comm_overlap)
-    """tp-comm-overlap-cfg tp-comm-overlap-rs-dgrad disable-tp-comm-bulk-dgrad disable-tp-comm-bulk-wgrad
-    disable-tp-comm-split-ag disable-tp-comm-split-rs use-nccl-ub """
-    # Elementwise fusions turned off, or reduced-precision settings of small kernels: memory-bound
-    # kernels of a few per cent of a layer's time, next to GEMMs and attention that they leave alone
-    """no-masked-softmax-fusion no-bias-gelu-fusion no-bias-swiglu-fusion no-bias-dropout-fusion no-rope-fusion
-    no-persist-layer-norm no-gradient-accumulation-fusion use-fused-weighted-squared-relu
-    disable-bf16-reduced-precision-matmul attention-softmax-in-fp32 use-flash-attn """
-    # When pipeline and data-parallel transfers are issued, not their size, which vtrain times
-    """no-overlap-p2p-communication overlap-p2p-communication-warmup-flush no-align-grad-reduce
-    no-align-param-gather ddp-pad-buckets-for-high-nccl-busbw use-ring-exchange-p2p
-    no-scatter-gather-tensors-in-pipeline nccl-communicator-config-path pipeline-model-parallel-comm-backend
-    high-priority-stream-groups defer-embedding-wgrad-compute no-async-tensor-model-parallel-allreduce """
-    # The caching allocator's reserve, and the first iterations of a batch-size ramp (vtrain predicts
-    # the steady iteration)
-    """empty-unused-memory-level rampup-batch-size """
-    # MoE router and permutation kernels (small next to the experts' GEMMs); the legacy grouped GEMM
-    # (--moe-grouped-gemm itself is modelled: model.moe_grouped_gemm)
-    """moe-use-legacy-grouped-gemm moe-permute-fusion moe-router-fusion moe-router-dtype
-    moe-z-loss-coeff moe-input-jitter-eps moe-router-padding-for-fp8 moe-apply-probs-on-input"""
-).split())
-
-# Models other than a GPT decoder, which vtrain does not estimate: the flags only those take.
-UNSUPPORTED_FLAGS = {
-    **dict.fromkeys(("--bert-no-binary-head", "--output-bert-embeddings", "--bert-embedder-type"), "BERT models"),
-    **dict.fromkeys(("--decoder-num-layers", "--decoder-seq-length", "--pipeline-model-parallel-split-rank"),
-                    "encoder-decoder (T5) models"),
-    **dict.fromkeys(("--encoder-tensor-model-parallel-size", "--encoder-pipeline-model-parallel-size"),
-                    "a separately parallelised encoder (T5, vision-language models)"),
-    "--retriever-seq-length": "retrieval (RETRO) models",
+# The only reasons a flag may change nothing: what it touches is outside the GPUs' work of a step.
+NO_EFFECT_REASONS = {
+    "logging": "what is logged and how often, with no work added per step",
+    "checkpoint": "checkpoint format, location, loading or retention (checkpoint time is priced from --save-interval)",
+    "data": "data, tokenizer and dataset files and their construction",
+    "run_length": "run length, evaluation schedule and exit conditions (vtrain predicts one training iteration)",
+    "seed": "a random seed",
+    "inference": "an inference-only setting",
+    "other_entry_point": "read only by another Megatron-LM entry point (vision, retrieval, RL)",
+    "process_setup": "process start-up, timeouts, debugging and fault-tolerance plumbing",
+    "profiling": "a profiler or debugging window outside the steady iteration",
 }
+OUTSIDE_STEP_REASONS = ("startup", "inference", "evaluation")
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One Megatron-LM flag: its spelling, what argparse stores, when it exists and what vtrain does."""
+
+    name: str  # with its leading --
+    dest: str  # Megatron-LM's args attribute (a TransformerConfig field name for generated flags)
+    action: str  # argparse's action as written ('' = store)
+    arity: Arity
+    default: str  # as written in Megatron-LM's source ('' = argparse's implicit default)
+    first_release: str
+    last_release: str
+    source_file: str  # the Megatron-LM file that defines it
+    effect: Effect
+    reason: str
+
+    def at_default(self, value: Any) -> bool:
+        """Whether ``value`` (as parsed: True for a switch, a string, or a list of strings) is
+        Megatron-LM's default, so that the flag changes nothing."""
+        if self.arity is Arity.SWITCH:
+            return False  # giving a switch always changes it
+        default = self.default.strip("'\"")
+        if isinstance(value, list):
+            value = " ".join(value)
+        if default in ("", "None"):
+            return False
+        if value == default:
+            return True
+        try:
+            return float(value) == float(default)
+        except ValueError:
+            return False
+
+
+def _arity(row: dict[str, str]) -> Arity:
+    if row["action"] in ("store_true", "store_false", "argparse.BooleanOptionalAction"):
+        return Arity.SWITCH
+    return Arity.LIST if row["nargs"] else Arity.ONE
+
+
+def _read_csv(name: str) -> list[dict[str, str]]:
+    with resources.files(__package__).joinpath("data", name).open(encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+@lru_cache(maxsize=1)
+def flag_table() -> dict[str, Flag]:
+    """Every flag of every release, by spelling."""
+    effects = {row["flag"]: row for row in _read_csv("flag_effects.csv")}
+    table: dict[str, Flag] = {}
+    for row in _read_csv("flags_by_release.csv"):
+        name = row["flag"]
+        if not name.startswith("--"):  # a dataclass field Megatron-LM names without dashes: not a flag
+            continue
+        effect = effects[name]
+        table[name] = Flag(name=name, dest=row["dest"], action=row["action"], arity=_arity(row), default=row["default"],
+                           first_release=row["first_release"], last_release=row["last_release"],
+                           source_file=row["source_file"], effect=Effect(effect["effect"]), reason=effect["reason"])
+    return table
+
+
+@lru_cache(maxsize=1)
+def releases() -> tuple[str, ...]:
+    """The Megatron-LM revisions scanned, oldest first."""
+    with resources.files(__package__).joinpath("data", "flags_presence.csv").open(encoding="utf-8") as f:
+        return tuple(next(csv.reader(f))[1:])
+
+
+@lru_cache(maxsize=1)
+def flags_by_release() -> dict[str, frozenset[str]]:
+    """The flags each scanned revision has."""
+    names = releases()
+    have: dict[str, set[str]] = {name: set() for name in names}
+    for row in _read_csv("flags_presence.csv"):
+        for name in names:
+            if row[name] == "1":
+                have[name].add(row["flag"])
+    return {name: frozenset(flags) for name, flags in have.items()}
+
+
+def _aliases(table: dict[str, Flag]) -> dict[str, str]:
+    """Spellings of one setting (``--no-X`` and ``--disable-X``; ``--local_rank``): each to the oldest,
+    the one vtrain reads. Only flags with the same dest and the same action are aliases: ``--X`` / ``--no-X`` pairs of a
+    BooleanOptionalAction are opposites."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for flag in table.values():
+        if flag.action != "argparse.BooleanOptionalAction":
+            groups.setdefault((flag.dest, flag.action), []).append(flag.name)
+    order = {release: i for i, release in enumerate(releases())}
+    aliases: dict[str, str] = {}
+    for names in groups.values():
+        if len(names) > 1:  # the oldest spelling, which readers of every release know
+            canonical = min(names, key=lambda n: (order[table[n].first_release], n))
+            aliases.update({name: canonical for name in names if name != canonical})
+    return aliases
+
+
+TABLE = flag_table()
+ALIASES = _aliases(TABLE)
+MEGATRON_FLAGS: dict[str, Arity] = {name: flag.arity for name, flag in TABLE.items()}
+PERFORMANCE_FLAGS = frozenset(name for name, flag in TABLE.items() if flag.effect is Effect.SECOND_ORDER)
+UNSUPPORTED_FLAGS = {name: flag.reason for name, flag in TABLE.items() if flag.effect is Effect.OTHER_MODEL}
+RETIRED_FLAGS = {name: flag.reason for name, flag in TABLE.items() if flag.effect is Effect.RETIRED}
+
 # Megatron-LM's entry points other than pretrain_gpt.py, by the model family they train.
 UNSUPPORTED_SCRIPTS = {"pretrain_bert": "BERT models", "pretrain_t5": "encoder-decoder (T5) models",
                        "pretrain_vlm": "vision-language models",
                        "pretrain_retro": "retrieval (RETRO) models", "pretrain_ict": "retrieval (ICT) models",
-                       "pretrain_vision": "vision models"}
-
-# Retired flags that Megatron-LM still parses only to refuse them, with the flag that replaced each.
-RETIRED_FLAGS = {"--batch-size": "--micro-batch-size", "--model-parallel-size": "--tensor-model-parallel-size",
-                 "--warmup": "--lr-warmup-fraction"}
+                       "pretrain_vision": "vision models", "train_rl": "reinforcement-learning (GRPO) runs"}

@@ -79,9 +79,10 @@ def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: in
                      f"(Megatron-LM ignores it)")
     _position_table(given, out["position_embedding_type"], out["seq_length"], notes)
     out.update(attention_fields(given, notes))
-    balancing = given.get("--moe-router-load-balancing-type", MOE_LOAD_BALANCING)
-    if balancing != MOE_LOAD_BALANCING:
-        notes.append(f"--moe-router-load-balancing-type {balancing} (vtrain's router: {MOE_LOAD_BALANCING})")
+    balancing = given.get("--moe-router-load-balancing-type", [MOE_LOAD_BALANCING])  # one type, or several summed
+    balancing = [balancing] if isinstance(balancing, str) else balancing
+    if set(balancing) != {MOE_LOAD_BALANCING}:
+        notes.append(f"--moe-router-load-balancing-type {' '.join(balancing)} (vtrain's router: {MOE_LOAD_BALANCING})")
     return out
 
 

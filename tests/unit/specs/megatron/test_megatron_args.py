@@ -144,9 +144,9 @@ def test_moe_flags_set_the_experts_and_their_parallelism():
 
 
 @pytest.mark.parametrize("flags, message", [
-    ("--num-layer 4", "unknown argument --num-layer: not a Megatron-LM argument vtrain knows (did you mean "
-                      "--num-layers?)"),
-    ("--my-own-flag=3", "unknown argument --my-own-flag: not a Megatron-LM argument vtrain knows"),
+    ("--num-layer 4", "unknown argument --num-layer: no Megatron-LM release from core_r0.8.0 to main has it (did "
+                      "you mean --num-layers?)"),
+    ("--my-own-flag=3", "unknown argument --my-own-flag: no Megatron-LM release from core_r0.8.0 to main has it"),
     ("--fp16 stray", "unexpected word 'stray': not the value of a Megatron-LM flag"),
     ("--lr", "Megatron-LM arguments: argument --lr: expected one argument"),
 ])
@@ -298,7 +298,7 @@ def test_performance_flags_are_listed_with_their_values_in_one_warning():
              "--max-position-embeddings 1024 --log-interval 10 --save /ckpt --lr 3e-4 --seed 7")
     assert p.warning == (
         "Megatron-LM arguments vtrain does not model (they may change speed or memory): "
-        "--disable-tp-comm-bulk-dgrad, --use-flash-attn, --no-gradient-accumulation-fusion, "
+        "--use-flash-attn, --disable-tp-comm-bulk-dgrad, --no-gradient-accumulation-fusion, "
         "--max-position-embeddings 1024 (vtrain's position table has --seq-length 256 rows)")
 
 

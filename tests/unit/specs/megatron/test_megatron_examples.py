@@ -183,7 +183,8 @@ def test_llama3_8b_bf16_field_by_field(caplog):
     # --attention-backend fused is TE's attention as costed; --apply-layernorm-1p is the same norm kernel.
     assert [r.getMessage() for r in caplog.records] == [
         "warning: Megatron-LM arguments vtrain does not model (they may change speed or memory): "
-        "--empty-unused-memory-level 1, --sequence-parallel at TP 1 (Megatron-LM turns it off)"]
+        "--calculate-per-token-loss, --manual-gc, --empty-unused-memory-level 1, "
+        "--sequence-parallel at TP 1 (Megatron-LM turns it off)"]
 
 
 def test_mixtral_8x7b_field_by_field(tmp_path, caplog):
