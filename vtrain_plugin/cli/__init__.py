@@ -13,12 +13,13 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from vtrain_plugin.cli import cache, calibrate, cluster_sim, compare, estimate, profile, search, size, trace, validate
+from vtrain_plugin.cli import (
+    cache, calibrate, cluster_sim, compare, estimate, flags, profile, search, size, trace, validate)
 from vtrain_plugin.cli.commands import register
 from vtrain_plugin.cli.common import EXIT_USER_ERROR, cache_environment, cache_options
 from vtrain_plugin.core.errors import VTrainError
 
-MODULES = (trace, estimate, profile, validate, compare, calibrate, search, size, cluster_sim, cache)
+MODULES = (trace, estimate, profile, validate, compare, calibrate, search, size, cluster_sim, flags, cache)
 COMMANDS = register(command for module in MODULES for command in module.COMMANDS)
 
 

@@ -10,7 +10,7 @@ from vtrain_plugin.cli.commands import Command, register
 from vtrain_plugin.core.errors import ConfigError
 
 HELP_ORDER = ["trace", "estimate", "profile", "profile-comm", "profile-export", "profile-import", "validate",
-              "compare", "calibrate", "search", "size", "cluster-sim", "cache"]
+              "compare", "calibrate", "search", "size", "cluster-sim", "flags", "cache"]
 TRACING = {"trace", "estimate", "profile", "validate", "compare", "calibrate", "search", "size", "cluster-sim"}
 
 

@@ -70,6 +70,7 @@ class Flag:
     first_release: str
     last_release: str
     source_file: str  # the Megatron-LM file that defines it
+    help: str  # Megatron-LM's help text (its first 200 characters)
     effect: Effect
     reason: str
 
@@ -114,7 +115,7 @@ def flag_table() -> dict[str, Flag]:
         effect = effects[name]
         table[name] = Flag(name=name, dest=row["dest"], action=row["action"], arity=_arity(row), default=row["default"],
                            first_release=row["first_release"], last_release=row["last_release"],
-                           source_file=row["source_file"], effect=Effect(effect["effect"]), reason=effect["reason"])
+                           source_file=row["source_file"], help=row["help"], effect=Effect(effect["effect"]), reason=effect["reason"])
     return table
 
 
