@@ -104,6 +104,7 @@ account-for-embedding-in-pipeline-split! account-for-loss-in-pipeline-split! use
 num-distributed-optimizer-instances use-nccl-ub! use-sharp! use-custom-fsdp! use-megatron-fsdp!
 data-parallel-sharding-strategy init-model-with-meta-device! use-torch-fsdp2!
 torch-fsdp2-no-reshard-after-forward! suggested-communication-unit-size keep-fp8-transpose-cache!
+fsdp-double-buffer! fsdp-manual-registration! outer-dp-sharding-strategy enable-full-sharding-in-hsdp!
 context-parallel-size cp-comm-type* hierarchical-context-parallel-sizes* nccl-communicator-config-path
 use-tp-pp-dp-mapping! encoder-tensor-model-parallel-size encoder-pipeline-model-parallel-size
 pipeline-model-parallel-split-rank enable-cuda-graph! cuda-graph-impl cuda-graph-scope
@@ -185,7 +186,7 @@ MEGATRON_FLAGS: dict[str, Arity] = _read(_GROUPS)
 PERFORMANCE_FLAGS = frozenset("--" + word for word in (
     # Tunings of TransformerEngine's TP overlap, which vtrain models as a whole (training.tp_comm_overlap)
     """tp-comm-overlap-cfg tp-comm-overlap-rs-dgrad disable-tp-comm-bulk-dgrad disable-tp-comm-bulk-wgrad
-    disable-tp-comm-split-ag disable-tp-comm-split-rs use-nccl-ub """
+    disable-tp-comm-split-ag disable-tp-comm-split-rs use-nccl-ub fsdp-manual-registration """
     # Elementwise fusions turned off, or reduced-precision settings of small kernels: memory-bound
     # kernels of a few per cent of a layer's time, next to GEMMs and attention that they leave alone
     """no-masked-softmax-fusion no-bias-gelu-fusion no-bias-swiglu-fusion no-bias-dropout-fusion no-rope-fusion
