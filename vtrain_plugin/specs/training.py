@@ -174,9 +174,11 @@ class TrainingSpec:
 
     @property
     def shards_optimizer(self) -> bool:
-        """Whether the optimizer step runs on a data-parallel shard: the distributed optimizer, or
-        FSDP with any strategy but no_shard."""
-        return self.distributed_optimizer or (self.fsdp is not None and self.fsdp.sharding_strategy.shards_optimizer)
+        """Whether the optimizer step runs on a data-parallel shard: with FSDP, any strategy but
+        no_shard; else the distributed optimizer."""
+        if self.fsdp is not None:
+            return self.fsdp.sharding_strategy.shards_optimizer
+        return self.distributed_optimizer
 
     @property
     def bucket_nbytes(self) -> int:
