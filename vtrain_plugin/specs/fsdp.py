@@ -96,6 +96,19 @@ class FsdpSettings:
         return d
 
     @property
+    def label(self) -> str:
+        """One word for reports: ``megatron:optim_grads_params``, ``torch``."""
+        if self.implementation is FsdpImplementation.TORCH:
+            return "torch" + ("" if self.reshard_after_forward else ":no_reshard")
+        return f"megatron:{self.sharding_strategy.value}" + (":double_buffer" if self.double_buffer else "")
+
+    def assumptions(self) -> tuple[str, ...]:
+        """What the estimate takes for granted about this FSDP (see vtrain_plugin.specs.assumptions)."""
+        return (f"FSDP ({self.label}): every block (embedding, each layer, output layer) is one unit; its "
+                f"all-gathers and reduce-scatters share one link, issued as megatron-core 0.16 issues them, "
+                f"and bucket padding is left out",)
+
+    @property
     def prefetches_one_layer(self) -> bool:
         """Whether at most one layer is gathered ahead: Megatron-FSDP's double buffer, or torch FSDP2
         (whose next layer's all-gather is issued while the current one computes)."""

@@ -44,7 +44,7 @@ def fsdp_settings(given: Given) -> FsdpSettings | None:
             owner = "--use-megatron-fsdp" if needs == "megatron" else TORCH_FSDP_FLAG
             raise ConfigError(f"{flag} needs {owner}")
     if instances > 1:
-        what = "HSDP (FSDP inside replicas)" if implementation else "several distributed-optimizer instances"
+        what = "HSDP (FSDP inside replicas)" if implementation else "a distributed optimizer in several instances"
         raise ConfigError(f"{INSTANCES_FLAG} {instances}: {what} is not modelled by vtrain yet")
     if implementation is None:  # Megatron-LM reads the sharding strategy only with FSDP
         return None
