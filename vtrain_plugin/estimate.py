@@ -86,6 +86,7 @@ class Estimate:
     software_stack: str  # the kernels assumed (TrainingSpec.stack_for)
     fp8: str | None = None  # FP8 format of the GEMMs (TrainingSpec.fp8); MFU stays against the model dtype's peak
     distributed_optimizer: bool = False  # Megatron-Core's distributed optimizer (TrainingSpec.distributed_optimizer)
+    fsdp: str | None = None  # FSDP implementation and strategy (FsdpSettings.label); None: DDP
     cost_usd: float | None  # of this iteration, at the cluster's price per GPU-hour
     measured_fraction: float  # share of kernel time from measured profiles (0..1)
     memory_gib: tuple[RankMemory, ...]  # per pipeline rank, see vtrain_plugin.cost.memory
@@ -168,6 +169,7 @@ class Estimate:
             "software_stack": self.software_stack,
             "fp8": self.fp8,
             "distributed_optimizer": self.distributed_optimizer,
+            "fsdp": self.fsdp,
             "cost_usd": self.cost_usd,
             "measured_fraction": self.measured_fraction,
             "peak_memory_gib": self.peak_memory_gib,
@@ -316,6 +318,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         software_stack=stack.value,
         fp8=None if training.fp8 is None else training.fp8.value,
         distributed_optimizer=training.distributed_optimizer,
+        fsdp=None if training.fsdp is None else training.fsdp.label,
         cost_usd=None if price is None else price * gpus * seconds / SECONDS_PER_HOUR,
         measured_fraction=costing.provenance.measured_fraction,
         largest_unmeasured=unmeasured,
@@ -328,7 +331,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         price_per_gpu_hour_usd=price,
         checkpoint=checkpoint_size(graph),
         reliability=training.reliability,
-        assumptions=assumptions(graph.model, plan),
+        assumptions=assumptions(graph.model, plan) + (training.fsdp.assumptions() if training.fsdp else ()),
         timeline=result.timeline,
     )
 

@@ -251,6 +251,7 @@ def plan_lines(run: RunConfig, result: Estimate) -> list[str]:
         f"gradients in {training.grad_dtype(model.dtype).value}), "
         f"distributed optimizer {on[result.distributed_optimizer]}"
         + (", parameter all-gather overlapped" if training.overlap_param_gather else "")
+        + ("" if result.fsdp is None else f", FSDP {result.fsdp}")
         + f", TP comm overlap {on[training.tp_comm_overlap]}, stack {result.software_stack}"
         + ("" if result.fp8 is None else f", fp8 {result.fp8} ({training.fp8_recipe.value} scaling"
            + (", FP8 weights)" if training.fp8_param_gather else ")")),

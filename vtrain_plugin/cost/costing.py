@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.core.graph import ParallelGroup, Phase
+from vtrain_plugin.core.graph import CollectiveKind, ParallelGroup, Phase
 from vtrain_plugin.cost.comm.collectives import CommModel
 from vtrain_plugin.cost.comm.overlap import exposed_ns
 from vtrain_plugin.cost.comm.dp_buckets import BlockGradients, ZeroRuntime, dp_buckets, zero_buckets
+from vtrain_plugin.cost.comm.fsdp import FsdpUnit, exposed_per_microbatch, prefetch_units
 from vtrain_plugin.cost.kernels.host_device import SegmentTime, segment_sums, segment_times, sequence, then
 from vtrain_plugin.cost.kernels.timer import KernelTimer
 from vtrain_plugin.cost.comm.moe_dispatch import MOE_GROUPS
@@ -62,9 +63,9 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
     parallel = prepared.graph.parallel
     training.check_plan(parallel)
     pp = parallel.pipeline_parallel
-    if prepared.distributed_optimizer != training.distributed_optimizer:
-        raise ConfigError(f"the graph was prepared with distributed_optimizer={prepared.distributed_optimizer}, "
-                          f"the training spec says {training.distributed_optimizer}")
+    if prepared.distributed_optimizer != training.shards_optimizer:
+        raise ConfigError(f"the graph was prepared with a sharded optimizer={prepared.distributed_optimizer}, "
+                          f"the training spec says {training.shards_optimizer}")
     provenance = Provenance()
     chunks: list[ChunkWork] = []
     optimizer = [0.0] * pp
@@ -169,8 +170,13 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     reduces, gathers = _gradient_buckets(gradients, prepared, comm, training, ParallelGroup.DP)
     expert_reduces, expert_gathers = _gradient_buckets(expert_gradients, prepared, comm, training,
                                                        ParallelGroup.EXPERT_DP)
+    fsdp_forward = fsdp_backward = 0.0
+    if training.fsdp is not None:
+        fsdp_forward, fsdp_backward = _fsdp_exposed(gradients, expert_gradients, prepared, comm, training)
     work = ChunkWork(
-        forward_ns=totals[Phase.FORWARD] + constants.microbatch_overhead_ns, backward_ns=totals[Phase.BACKWARD],
+        forward_ns=totals[Phase.FORWARD] + constants.microbatch_overhead_ns + fsdp_forward,
+        backward_ns=totals[Phase.BACKWARD] + fsdp_backward,
+        dp_comm_forward_ns=fsdp_forward, dp_comm_backward_ns=fsdp_backward,
         recompute_ns=totals[Phase.RECOMPUTE], tp_comm_forward_ns=tp[Phase.FORWARD],
         tp_comm_backward_ns=tp[Phase.BACKWARD] + tp[Phase.RECOMPUTE], cp_comm_forward_ns=cp[Phase.FORWARD],
         cp_comm_backward_ns=cp[Phase.BACKWARD] + cp[Phase.RECOMPUTE], ep_comm_forward_ns=ep[Phase.FORWARD],
@@ -189,10 +195,46 @@ def _gradient_buckets(gradients: Sequence[BlockGradients], prepared: PreparedSta
     split by expert parallelism: Megatron-Core's DDP keeps them in buffers of their own) and, with
     the distributed optimizer, its parameter all-gathers."""
     runtime, stage = prepared.runtime, prepared.stage
+    fsdp = training.fsdp
+    if fsdp is not None and fsdp.sharding_strategy.shards_parameters:
+        return (), ()  # every collective per micro-batch: _fsdp_exposed
     if runtime.distributed_optimizer and runtime.group_size(group) > 1:
         zero = ZeroRuntime.of(runtime, pipeline_rank=stage.pipeline_rank, chunk=stage.chunk, group=group)
-        return zero_buckets(gradients, comm, training, zero)
+        reduces, gathers = zero_buckets(gradients, comm, training, zero)
+        if fsdp is not None and fsdp.sharding_strategy.shards_gradients:
+            return (), gathers  # reduce-scattered per micro-batch: _fsdp_exposed
+        return reduces, gathers
     return dp_buckets(gradients, comm, training, stage.pipeline_rank, group), ()
+
+
+def _fsdp_exposed(gradients: Sequence[BlockGradients], expert_gradients: Sequence[BlockGradients],
+                  prepared: PreparedStage, comm: CommModel, training: TrainingSpec) -> tuple[float, float]:
+    """(forward, backward) time one micro-batch of the stage waits for FSDP's per-unit collectives
+    (:mod:`vtrain_plugin.cost.comm.fsdp`): every block instance a unit, its dense parameters over DP,
+    its experts' over expert DP, one link."""
+    rank = prepared.stage.pipeline_rank
+    runtime = prepared.runtime
+
+    def unit_comm(kind: CollectiveKind, block: BlockGradients, expert: BlockGradients, grads: bool) -> float:
+        total = 0.0
+        for parts, group in ((block, ParallelGroup.DP), (expert, ParallelGroup.EXPERT_DP)):
+            if grads:
+                nbytes = parts.grad_nbytes
+            else:
+                widths = parts.gather_nbytes or (runtime.param_dtype.nbytes,) * len(parts.param_numels)
+                nbytes = sum(n * w for n, w in zip(parts.param_numels, widths))
+            total += comm.time_ns(kind, nbytes, group, pipeline_rank=rank)
+        return total
+
+    units: list[FsdpUnit] = []
+    numels: list[int] = []
+    for block, expert in zip(gradients, expert_gradients):
+        unit = FsdpUnit(forward_ns=block.forward_ns, backward_ns=block.backward_ns,
+                        gather_ns=unit_comm(CollectiveKind.ALL_GATHER, block, expert, grads=False),
+                        reduce_ns=unit_comm(CollectiveKind.REDUCE_SCATTER, block, expert, grads=True))
+        units.extend([unit] * block.count)
+        numels.extend([sum(block.param_numels) + sum(expert.param_numels)] * block.count)
+    return exposed_per_microbatch(units, training.fsdp, prefetch_units(training.fsdp, numels))
 
 
 def _busy(t: SegmentTime) -> float:

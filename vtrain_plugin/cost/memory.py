@@ -17,6 +17,13 @@ parameters of its chunks:
   ``theoretical_memory_usage`` that is 18 bytes per parameter, or ``6 + 12 / DP``; the parameters
   of experts split by expert parallelism are sharded over the expert DP group instead
   (:func:`~vtrain_plugin.cost.comm.optimizer_shard.optimizer_shards`);
+- with FSDP (:mod:`vtrain_plugin.cost.comm.fsdp`) each of weights, gradients and optimizer state is
+  divided by the group its strategy shards it over (DP x CP; expert DP for the experts split by
+  expert parallelism), and the units gathered or not yet reduce-scattered are added back whole: the
+  gathered weights of the most consecutive units held at once, counted with the weights, and their
+  unsharded gradients, counted with the gradients (Megatron-FSDP's own buffers: the model-weight
+  buffer in the model dtype, the main-grad buffer in the gradient dtype, the fp32 main-weight buffer
+  and Adam's moments, ``ParamAndGradBuffer._init_each_parameter_group_buffers``);
 - activations: what the forward of one micro-batch keeps for backward on each chunk (the saved
   tensors of the real model, captured while tracing), at the schedule's peak of micro-batches in
   flight: the most activation bytes the rank holds at once when walking its task order (1F1B:
@@ -41,9 +48,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from vtrain_plugin.core.dtypes import Dtype
-from vtrain_plugin.core.graph import OpGraph
+from vtrain_plugin.core.graph import OpGraph, StageGraph
 from vtrain_plugin.core.units import GIB
+from vtrain_plugin.cost.comm.fsdp import StateShards, state_shards, working_set_units
 from vtrain_plugin.cost.comm.optimizer_shard import optimizer_shards
+from vtrain_plugin.specs.fsdp import FsdpSettings
 from vtrain_plugin.specs.training import grad_dtype, optimizer_bytes_per_parameter
 
 RESERVED_GIB = 2.0  # CUDA context, NCCL buffers, library workspaces (see the module doc)
@@ -78,27 +87,56 @@ class RankMemory:
 
 
 def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: bool = False,
-                gradients: Dtype | None = None) -> tuple[RankMemory, ...]:
+                gradients: Dtype | None = None, fsdp: FsdpSettings | None = None) -> tuple[RankMemory, ...]:
     """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule;
-    ``gradients``: the run's gradient dtype (None: Megatron-LM's default for the model dtype)."""
+    ``gradients``: the run's gradient dtype (None: Megatron-LM's default for the model dtype);
+    ``fsdp``: the run's FSDP (None: DDP, with the distributed optimizer or not)."""
     dtype = graph.dtype
     gradients = gradients or grad_dtype(dtype)
     plan = graph.parallel
-    shards, expert_shards = optimizer_shards(plan, distributed_optimizer)
+    dense_group, expert_group = optimizer_shards(plan, True)
+    if fsdp is None:
+        shards, expert_shards = optimizer_shards(plan, distributed_optimizer)
+        dense_states, expert_states = StateShards(1, 1, shards), StateShards(1, 1, expert_shards)
+    else:
+        dense_states, expert_states = state_shards(fsdp, dense_group), state_shards(fsdp, expert_group)
     per_param = optimizer_bytes_per_parameter(dtype)
     params = [0] * plan.pipeline_parallel
     experts = [0] * plan.pipeline_parallel
+    held = [(0, 0)] * plan.pipeline_parallel  # FSDP: elements of the units gathered, of their gradients
     chunks: list[list[int]] = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]
     for stage in graph.stages:
         params[stage.pipeline_rank] += stage.num_parameters
         experts[stage.pipeline_rank] += stage.num_expert_parameters
         chunks[stage.pipeline_rank][stage.chunk] = stage.activation_nbytes
+        if fsdp is not None:
+            held[stage.pipeline_rank] = tuple(map(max, held[stage.pipeline_rank], _fsdp_held(stage, fsdp)))
     out = []
     for rank, count in enumerate(params):
         activations, inflight = peak_live(rank, chunks[rank])
-        optimizer = (count - experts[rank]) * (per_param / shards) + experts[rank] * (per_param / expert_shards)
-        tensors = RankMemory(weights_gib=count * dtype.nbytes / GIB, gradients_gib=count * gradients.nbytes / GIB,
-                             optimizer_gib=optimizer / GIB, activations_gib=activations / GIB,
+        dense, expert = count - experts[rank], experts[rank]
+
+        def sharded(per_element: float, field: str) -> float:
+            return (dense * per_element / getattr(dense_states, field)
+                    + expert * per_element / getattr(expert_states, field))
+
+        held_weights, held_grads = held[rank]
+        tensors = RankMemory(weights_gib=(sharded(dtype.nbytes, "weights") + held_weights * dtype.nbytes) / GIB,
+                             gradients_gib=(sharded(gradients.nbytes, "gradients")
+                                            + held_grads * gradients.nbytes) / GIB,
+                             optimizer_gib=sharded(per_param, "optimizer") / GIB, activations_gib=activations / GIB,
                              inflight_microbatches=inflight)
         out.append(replace(tensors, allowance_gib=RESERVED_GIB + FRAGMENTATION * tensors.tensors_gib))
     return tuple(out)
+
+
+def _fsdp_held(stage: StageGraph, fsdp: FsdpSettings) -> tuple[int, int]:
+    """Elements of the most consecutive units (blocks, forward order) of ``stage`` held gathered at
+    once, and of those whose gradients are held unsharded (:func:`working_set_units`)."""
+    numels = [b.num_parameters for b in stage.blocks for _ in range(b.count)]
+    weight_units, grad_units = working_set_units(fsdp, numels)
+
+    def window(units: int) -> int:
+        return max((sum(numels[i:i + units]) for i in range(len(numels))), default=0) if units else 0
+
+    return window(weight_units), window(grad_units)

@@ -163,9 +163,9 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
 
 def prepare_run(graph: OpGraph, stack: SoftwareStack | str, training: TrainingSpec,
                 measured: Mapping[KernelKey, float] | None = None) -> PreparedGraph:
-    """:func:`prepare` with the options of ``training``: FP8, the distributed optimizer, the
-    gradient dtype and the FP8 parameter all-gather."""
-    return prepare(graph, stack, measured, fp8=training.fp8_settings, distributed_optimizer=training.distributed_optimizer,
+    """:func:`prepare` with the options of ``training``: FP8, the optimizer on a data-parallel
+    shard (the distributed optimizer, or FSDP's), the gradient dtype and the FP8 parameter all-gather."""
+    return prepare(graph, stack, measured, fp8=training.fp8_settings, distributed_optimizer=training.shards_optimizer,
                    grads=training.grad_dtype(graph.dtype), fp8_param_gather=training.fp8_param_gather)
 
 

@@ -44,13 +44,19 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
                         + te_saved_delta(block, fp8=fp8) + mixer_saved_delta(block, mixer_dims(block.nodes)))
                 for block in stage.blocks if block.name != SHARED_BY_CORE_ATTENTION))
             for stage in graph.stages))
+    fsdp = None if training is None else training.fsdp
     memory = rank_memory(graph, peak_live, distributed_optimizer=training is not None and training.distributed_optimizer,
-                         gradients=None if training is None else training.grad_dtype(graph.dtype))
+                         gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp)
     if not fp8:
         return memory
     # per element of a linear weight: its FP8 copy and transpose, less its model-dtype copy when the
     # FP8 copy is the parameter itself
     per_element = 2 * FP8_NBYTES - (graph.dtype.nbytes if training.fp8_param_gather else 0)
+    if fsdp is not None and fsdp.sharding_strategy.shards_parameters:
+        # FSDP keeps the shard only: in FP8 instead of the model dtype with fp8_param_gather; TE's FP8
+        # copies and transposes of a gathered unit live while it computes (not counted)
+        shards = graph.parallel.grad_reduce_group_size
+        per_element = (FP8_NBYTES - graph.dtype.nbytes) / shards if training.fp8_param_gather else 0
     linear = [0] * graph.parallel.pipeline_parallel
     for stage in graph.stages:
         linear[stage.pipeline_rank] += sum(b.count * fp8_weight_numel(b.nodes) for b in stage.blocks)

@@ -54,6 +54,10 @@ class ChunkWork:
     # TP collectives, reported apart.
     ep_comm_forward_ns: float = 0.0
     ep_comm_backward_ns: float = 0.0
+    # Shares spent waiting for FSDP's per-unit all-gathers and reduce-scatters (cost.comm.fsdp),
+    # reported as DP communication.
+    dp_comm_forward_ns: float = 0.0
+    dp_comm_backward_ns: float = 0.0
     p2p_forward_ns: float = 0.0  # send of the output activation to the next virtual stage
     p2p_backward_ns: float = 0.0  # send of the input gradient to the previous virtual stage
     dp_buckets: tuple[DpBucket, ...] = ()
@@ -62,7 +66,8 @@ class ChunkWork:
     def __post_init__(self) -> None:
         for name in ("forward_ns", "backward_ns", "recompute_ns", "tp_comm_forward_ns",
                      "tp_comm_backward_ns", "cp_comm_forward_ns", "cp_comm_backward_ns", "ep_comm_forward_ns",
-                     "ep_comm_backward_ns", "p2p_forward_ns", "p2p_backward_ns"):
+                     "ep_comm_backward_ns", "dp_comm_forward_ns", "dp_comm_backward_ns", "p2p_forward_ns",
+                     "p2p_backward_ns"):
             v.non_negative_number(f"chunk_work.{name}", getattr(self, name))
         if self.tp_comm_forward_ns > self.forward_ns:
             raise ConfigError(f"chunk_work.tp_comm_forward_ns ({self.tp_comm_forward_ns}) must not "
@@ -70,17 +75,20 @@ class ChunkWork:
         if self.tp_comm_backward_ns > self.backward_ns + self.recompute_ns:
             raise ConfigError(f"chunk_work.tp_comm_backward_ns ({self.tp_comm_backward_ns}) must not "
                               f"exceed backward_ns + recompute_ns ({self.backward_ns + self.recompute_ns})")
-        comm_forward = self.tp_comm_forward_ns + self.cp_comm_forward_ns + self.ep_comm_forward_ns
+        comm_forward = (self.tp_comm_forward_ns + self.cp_comm_forward_ns + self.ep_comm_forward_ns
+                        + self.dp_comm_forward_ns)
         if comm_forward > self.forward_ns:
-            raise ConfigError(f"chunk_work.tp_comm_forward_ns + cp_comm_forward_ns + ep_comm_forward_ns "
-                              f"({self.tp_comm_forward_ns} + {self.cp_comm_forward_ns} + {self.ep_comm_forward_ns} = "
-                              f"{comm_forward}) must not exceed forward_ns ({self.forward_ns})")
-        comm_backward = self.tp_comm_backward_ns + self.cp_comm_backward_ns + self.ep_comm_backward_ns
+            raise ConfigError(f"chunk_work.tp_comm_forward_ns + cp_comm_forward_ns + ep_comm_forward_ns + "
+                              f"dp_comm_forward_ns ({self.tp_comm_forward_ns} + {self.cp_comm_forward_ns} + "
+                              f"{self.ep_comm_forward_ns} + {self.dp_comm_forward_ns} = {comm_forward}) must not "
+                              f"exceed forward_ns ({self.forward_ns})")
+        comm_backward = (self.tp_comm_backward_ns + self.cp_comm_backward_ns + self.ep_comm_backward_ns
+                         + self.dp_comm_backward_ns)
         if comm_backward > self.backward_ns + self.recompute_ns:
-            raise ConfigError(f"chunk_work.tp_comm_backward_ns + cp_comm_backward_ns + ep_comm_backward_ns "
-                              f"({self.tp_comm_backward_ns} + {self.cp_comm_backward_ns} + {self.ep_comm_backward_ns} = "
-                              f"{comm_backward}) must not exceed backward_ns + recompute_ns "
-                              f"({self.backward_ns + self.recompute_ns})")
+            raise ConfigError(f"chunk_work.tp_comm_backward_ns + cp_comm_backward_ns + ep_comm_backward_ns + "
+                              f"dp_comm_backward_ns ({self.tp_comm_backward_ns} + {self.cp_comm_backward_ns} + "
+                              f"{self.ep_comm_backward_ns} + {self.dp_comm_backward_ns} = {comm_backward}) must not "
+                              f"exceed backward_ns + recompute_ns ({self.backward_ns + self.recompute_ns})")
         object.__setattr__(self, "dp_buckets", tuple(self.dp_buckets))
         object.__setattr__(self, "param_gathers", tuple(self.param_gathers))
 

@@ -25,7 +25,8 @@ of its duration) before that bucket is gathered. This issues every gather as ear
 Per-rank breakdowns partition the iteration time: compute (TP collectives, and the MoE layers' EP
 collectives, split out by the chunks' shares, proportionally over backward and recompute), exposed
 PP comm (waiting for a send after its producer finished), exposed DP comm (gradients not reduced
-when compute ends, parameters not gathered when needed or gathered after the optimizer step),
+when compute ends, parameters not gathered when needed or gathered after the optimizer step, and
+FSDP's per-layer collectives not hidden behind the layers, the chunks' ``dp_comm`` shares),
 embedding sync,
 optimizer, and bubble (every other idle time: pipeline fill and drain, waiting for other ranks).
 """
@@ -112,21 +113,22 @@ def simulate(work: PipelineWork, *, record_timeline: bool = False, reference: bo
 
     ranks = []
     for r in range(pp):
-        forward = backward = recompute = tp = cp = ep = 0.0
+        forward = backward = recompute = tp = cp = ep = fsdp = 0.0
         for c in range(vp):
             chunk = chunks[c * pp + r]
             fb = chunk.backward_ns + chunk.recompute_ns
-            keep = (1.0 - (chunk.tp_comm_backward_ns + chunk.cp_comm_backward_ns + chunk.ep_comm_backward_ns) / fb
-                    if fb else 1.0)
+            keep = (1.0 - (chunk.tp_comm_backward_ns + chunk.cp_comm_backward_ns + chunk.ep_comm_backward_ns
+                           + chunk.dp_comm_backward_ns) / fb if fb else 1.0)
             forward += m * (chunk.forward_ns - chunk.tp_comm_forward_ns - chunk.cp_comm_forward_ns
-                            - chunk.ep_comm_forward_ns)
+                            - chunk.ep_comm_forward_ns - chunk.dp_comm_forward_ns)
             backward += m * chunk.backward_ns * keep
             recompute += m * chunk.recompute_ns * keep
             tp += m * (chunk.tp_comm_forward_ns + chunk.tp_comm_backward_ns)
             cp += m * (chunk.cp_comm_forward_ns + chunk.cp_comm_backward_ns)
             ep += m * (chunk.ep_comm_forward_ns + chunk.ep_comm_backward_ns)
+            fsdp += m * (chunk.dp_comm_forward_ns + chunk.dp_comm_backward_ns)
         embedding = work.embedding_sync_ns if r in (0, pp - 1) else 0.0
-        dp = grads_ready[r] - compute_end[r] + gate_wait[r] + after_step[r]
+        dp = grads_ready[r] - compute_end[r] + gate_wait[r] + after_step[r] + fsdp
         busy = forward + backward + recompute + tp + cp + ep + pp_wait[r] + dp + embedding + work.optimizer_ns[r]
         ranks.append(RankBreakdown(
             forward_ns=forward, backward_ns=backward, recompute_ns=recompute, tp_comm_ns=tp, cp_comm_ns=cp,

@@ -14,6 +14,7 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import MEGABYTE
 from vtrain_plugin.specs import limits
 from vtrain_plugin.specs.cluster import GpuArchitecture
+from vtrain_plugin.specs.fsdp import FsdpImplementation, FsdpSettings
 from vtrain_plugin.specs.model import Family, ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.reliability import ReliabilitySpec
@@ -99,6 +100,8 @@ class TrainingSpec:
     # TransformerEngine's userbuffers: the all-gather / reduce-scatter of sequence parallelism
     # overlapped with the GEMMs they feed (Megatron-Core's --tp-comm-overlap; needs SP).
     tp_comm_overlap: bool = False
+    # Fully sharded data parallelism (Megatron-FSDP or torch FSDP2, vtrain_plugin.specs.fsdp); None: DDP.
+    fsdp: FsdpSettings | None = None
     # Failures, restarts and checkpoints of the whole run (a plan file's top-level ``reliability``
     # section): the expected days and cost beside the failure-free ones; None: failures off.
     reliability: ReliabilitySpec | None = field(default_factory=ReliabilitySpec)
@@ -137,6 +140,7 @@ class TrainingSpec:
                 raise ConfigError(f"training.overlap_param_gather requires training.grad_reduce: overlap "
                                   f"(got {self.grad_reduce.value}), as Megatron-LM does")
         v.boolean("training.tp_comm_overlap", self.tp_comm_overlap)
+        object.__setattr__(self, "fsdp", FsdpSettings.of(self.fsdp))
         if self.reliability is not None and not isinstance(self.reliability, ReliabilitySpec):
             raise ConfigError(f"training.reliability must be a ReliabilitySpec or None (in a plan file, a top-level "
                               f"reliability section), got {type(self.reliability).__name__}")
@@ -158,10 +162,23 @@ class TrainingSpec:
             raise ConfigError("training.tp_comm_overlap requires parallel.sequence_parallel (got false): "
                               "TransformerEngine overlaps the all-gather / reduce-scatter of sequence "
                               "parallelism with the GEMMs they feed")
+        if (self.fsdp is not None and self.fsdp.implementation is FsdpImplementation.TORCH
+                and plan.pipeline_parallel > 1):
+            raise ConfigError(f"training.fsdp.implementation torch with parallel.pipeline_parallel "
+                              f"{plan.pipeline_parallel}: torch FSDP2 does not run with pipeline parallelism in "
+                              f"Megatron-LM")
         if plan.context_parallel > 1 and self.software_stack not in (None, SoftwareStack.MEGATRON_CORE_TE):
             raise ConfigError(f"parallel.context_parallel {plan.context_parallel} needs training.software_stack "
                               f"megatron_core_te (got {self.software_stack.value}): megatron-core runs "
                               f"context-parallel attention only through TransformerEngine")
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Whether the optimizer step runs on a data-parallel shard: with FSDP, any strategy but
+        no_shard; else the distributed optimizer."""
+        if self.fsdp is not None:
+            return self.fsdp.sharding_strategy.shards_optimizer
+        return self.distributed_optimizer
 
     @property
     def bucket_nbytes(self) -> int:
@@ -212,6 +229,7 @@ class TrainingSpec:
         d["software_stack"] = None if self.software_stack is None else self.software_stack.value
         d["fp8"] = None if self.fp8 is None else self.fp8.value
         d["fp8_recipe"] = self.fp8_recipe.value
+        d["fsdp"] = None if self.fsdp is None else self.fsdp.to_dict()
         return d
 
 

@@ -28,6 +28,7 @@ from vtrain_plugin.specs.megatron.launch_script import LaunchCommand
 from vtrain_plugin.specs.megatron.flags import (
     ALIASES, MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, TABLE, UNSUPPORTED_FLAGS, UNSUPPORTED_SCRIPTS, Arity,
     Effect, releases)
+from vtrain_plugin.specs.megatron.fsdp_args import checked_only, fsdp_settings
 from vtrain_plugin.specs.megatron.hybrid_args import hybrid_fields
 from vtrain_plugin.specs.megatron.attention import consumed_by_attention
 from vtrain_plugin.specs.megatron.flag_values import positive_int
@@ -127,10 +128,11 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--moe-layer-recompute", None, False, "recompute of MoE layers", _as_given),
     FlagField("--use-distributed-optimizer", "training.distributed_optimizer", convert=_as_given),
     FlagField("--overlap-param-gather", "training.overlap_param_gather", convert=_as_given),
-    FlagField("--num-distributed-optimizer-instances", None, 1, "the distributed optimizer"),
-    FlagField("--use-torch-fsdp2", None, False, "FSDP", _as_given),
-    FlagField("--use-custom-fsdp", None, False, "FSDP", _as_given),
-    FlagField("--use-megatron-fsdp", None, False, "FSDP", _as_given),
+    # FSDP: read together by fsdp_args.fsdp_settings
+    *(FlagField(flag, None, None, "", checked_only) for flag in (
+        "--num-distributed-optimizer-instances", "--use-torch-fsdp2", "--use-custom-fsdp", "--use-megatron-fsdp",
+        "--data-parallel-sharding-strategy", "--fsdp-double-buffer", "--suggested-communication-unit-size",
+        "--torch-fsdp2-no-reshard-after-forward", "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp")),
     FlagField("--optimizer-cpu-offload", None, False, "optimizer offloading", _as_given),
     FlagField("--optimizer", None, "adam", "an optimizer other than Adam", _as_given),
     FlagField("--fp8-format", "training.fp8", convert=_as_given),
@@ -355,6 +357,7 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
         raise ConfigError("--accumulate-allreduce-grads-in-fp32 with --fp16: fp32 gradients of an fp16 model are "
                           "not modelled by vtrain yet")
     values["reliability"] = _reliability(given)
+    values["fsdp"] = fsdp_settings(given)
     if given.get("--overlap-grad-reduce"):
         values["grad_reduce"] = GradReduce.OVERLAP
     training = TrainingSpec(**values)

@@ -1,0 +1,61 @@
+"""The fully sharded data parallelism a Megatron-LM command line asks for, as ``TrainingSpec.fsdp``.
+
+``--use-megatron-fsdp`` (``--use-custom-fsdp`` before 0.14) or ``--use-torch-fsdp2`` turn it on;
+``--data-parallel-sharding-strategy``, ``--fsdp-double-buffer``, ``--suggested-communication-unit-size``
+and ``--torch-fsdp2-no-reshard-after-forward`` tune it. Why here and not in the flag table: these
+flags decide one setting together, and some of them mean something only with FSDP on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.fsdp import FsdpImplementation, FsdpSettings, ShardingStrategy
+from vtrain_plugin.specs.megatron.flag_values import positive_int
+from vtrain_plugin.specs.megatron.model import Given
+
+MEGATRON_FSDP_FLAGS = ("--use-megatron-fsdp", "--use-custom-fsdp")
+TORCH_FSDP_FLAG = "--use-torch-fsdp2"
+STRATEGY_FLAG = "--data-parallel-sharding-strategy"
+INSTANCES_FLAG = "--num-distributed-optimizer-instances"
+# Flags that tune Megatron-FSDP or torch FSDP2 and mean nothing without them.
+_TUNING_FLAGS = {"--fsdp-double-buffer": "megatron", "--suggested-communication-unit-size": "megatron",
+                 "--outer-dp-sharding-strategy": "megatron", "--enable-full-sharding-in-hsdp": "megatron",
+                 "--torch-fsdp2-no-reshard-after-forward": "torch"}
+
+
+def checked_only(flag: str, value: Any) -> Any:
+    """The FlagField converter of the flags :func:`fsdp_settings` reads: None (nothing for the table
+    to set)."""
+    return None
+
+
+def fsdp_settings(given: Given) -> FsdpSettings | None:
+    """The FSDP settings of the command line ``given``; None when it runs DDP."""
+    megatron = next((flag for flag in MEGATRON_FSDP_FLAGS if given.get(flag)), None)
+    torch = bool(given.get(TORCH_FSDP_FLAG))
+    instances = positive_int(INSTANCES_FLAG, given.get(INSTANCES_FLAG, 1))
+    if megatron and torch:
+        raise ConfigError(f"{megatron} with {TORCH_FSDP_FLAG}: one FSDP implementation at a time")
+    implementation = "megatron" if megatron else "torch" if torch else None
+    for flag, needs in _TUNING_FLAGS.items():
+        if given.get(flag) and implementation != needs:
+            owner = "--use-megatron-fsdp" if needs == "megatron" else TORCH_FSDP_FLAG
+            raise ConfigError(f"{flag} needs {owner}")
+    if instances > 1:
+        what = "HSDP (FSDP inside replicas)" if implementation else "a distributed optimizer in several instances"
+        raise ConfigError(f"{INSTANCES_FLAG} {instances}: {what} is not modelled by vtrain yet")
+    if implementation is None:  # Megatron-LM reads the sharding strategy only with FSDP
+        return None
+    if implementation == "torch":
+        return FsdpSettings(implementation=FsdpImplementation.TORCH,
+                            reshard_after_forward=not given.get("--torch-fsdp2-no-reshard-after-forward"))
+    strategy = given.get(STRATEGY_FLAG, ShardingStrategy.OPTIM_GRADS_PARAMS.value)
+    if strategy not in [s.value for s in ShardingStrategy]:
+        raise ConfigError(f"{STRATEGY_FLAG} must be one of {', '.join(s.value for s in ShardingStrategy)}, "
+                          f"got {strategy!r}")
+    unit = "--suggested-communication-unit-size"
+    return FsdpSettings(implementation=FsdpImplementation.MEGATRON, sharding_strategy=ShardingStrategy(strategy),
+                        double_buffer=bool(given.get("--fsdp-double-buffer")),
+                        communication_unit_elements=positive_int(unit, given[unit]) if unit in given else None)
