@@ -38,7 +38,7 @@ from vtrain_plugin.sim.engine import BREAKDOWN_FIELDS, RankBreakdown, SimResult,
 from vtrain_plugin.sim.run_totals import TrainTotals, train_totals
 from vtrain_plugin.sim.schedules import build_schedule
 from vtrain_plugin.sim.timeline import Timeline, write_chrome_trace
-from vtrain_plugin.specs.assumptions import assumptions
+from vtrain_plugin.specs.assumptions import assumptions, training_assumptions
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.run import RunConfig
@@ -329,7 +329,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         price_per_gpu_hour_usd=price,
         checkpoint=checkpoint_size(graph),
         reliability=training.reliability,
-        assumptions=assumptions(graph.model, plan),
+        assumptions=assumptions(graph.model, plan) + training_assumptions(training),
         timeline=result.timeline,
     )
 

@@ -109,8 +109,8 @@ class Layout:
         match ParallelGroup(group):
             case ParallelGroup.TP | ParallelGroup.CP as dim:
                 offset, step, size = base, stride[dim], sizes[dim]
-            case ParallelGroup.DP if sizes[ParallelGroup.CP] > 1 and stride[ParallelGroup.DP] != (
-                    stride[ParallelGroup.CP] * sizes[ParallelGroup.CP]):  # CP and DP apart: two progressions
+            case ParallelGroup.DP if stride[ParallelGroup.DP] != stride[ParallelGroup.CP] * sizes[ParallelGroup.CP]:
+                # pipeline ranks between CP and DP (tp_pp_dp_mapping): two progressions
                 return _grid_placement(base, stride[ParallelGroup.CP], sizes[ParallelGroup.CP],
                                        stride[ParallelGroup.DP], sizes[ParallelGroup.DP], self.gpus_per_node)
             case ParallelGroup.DP:
@@ -141,6 +141,9 @@ def _grid_placement(offset: int, inner_stride: int, inner: int, outer_stride: in
     """Placement of ranks ``offset + inner_stride * i + outer_stride * j`` (``i < inner``, ``j < outer``):
     the data-parallel group with context parallelism when pipeline ranks lie between CP and DP
     (``--use-tp-pp-dp-mapping``); counted rank by rank, once per layout."""
+    if inner == 1 or outer == 1:
+        return _progression_placement(offset, outer_stride if inner == 1 else inner_stride, inner * outer,
+                                      gpus_per_node)
     counts: dict[int, int] = {}
     for j in range(outer):
         for i in range(inner):
