@@ -145,6 +145,12 @@ RANK_ORDER: tuple[ParallelGroup, ...] = (ParallelGroup.TP, ParallelGroup.CP, Par
                                          ParallelGroup.PP)  # fastest first
 EXPERT_RANK_ORDER: tuple[ParallelGroup, ...] = (ParallelGroup.EXPERT_TP, ParallelGroup.EP, ParallelGroup.EXPERT_DP,
                                                 ParallelGroup.PP)
+# Megatron-LM's --use-tp-pp-dp-mapping: initialize_model_parallel(order="tp-cp-ep-pp-dp"), pipeline
+# before data parallelism, in both numberings.
+TP_PP_DP_RANK_ORDER: tuple[ParallelGroup, ...] = (ParallelGroup.TP, ParallelGroup.CP, ParallelGroup.PP,
+                                                  ParallelGroup.DP)
+TP_PP_DP_EXPERT_RANK_ORDER: tuple[ParallelGroup, ...] = (ParallelGroup.EXPERT_TP, ParallelGroup.EP, ParallelGroup.PP,
+                                                         ParallelGroup.EXPERT_DP)
 
 
 def rank_strides(sizes: Mapping[ParallelGroup, int], order: tuple[ParallelGroup, ...] = RANK_ORDER
@@ -163,14 +169,15 @@ def rank_strides(sizes: Mapping[ParallelGroup, int], order: tuple[ParallelGroup,
     return strides
 
 
-def global_rank(coordinates: Mapping[ParallelGroup, int], sizes: Mapping[ParallelGroup, int]) -> int:
+def global_rank(coordinates: Mapping[ParallelGroup, int], sizes: Mapping[ParallelGroup, int],
+                order: tuple[ParallelGroup, ...] = RANK_ORDER) -> int:
     """The global rank of the rank at ``coordinates`` (its rank along each dimension, 0 for one left out)."""
-    unknown = set(coordinates) - set(RANK_ORDER)
+    unknown = set(coordinates) - set(order)
     if unknown:
-        raise ConfigError(f"ranks are numbered along {', '.join(RANK_ORDER)}, not {', '.join(sorted(unknown))}")
-    strides = rank_strides(sizes)
+        raise ConfigError(f"ranks are numbered along {', '.join(order)}, not {', '.join(sorted(unknown))}")
+    strides = rank_strides(sizes, order)
     rank = 0
-    for dim in RANK_ORDER:
+    for dim in order:
         r, size = coordinates.get(dim, 0), sizes.get(dim, 1)
         if not 0 <= r < size:
             raise ConfigError(f"{dim}_rank must be in [0, {size}), got {r}")

@@ -38,7 +38,7 @@ from vtrain_plugin.sim.engine import BREAKDOWN_FIELDS, RankBreakdown, SimResult,
 from vtrain_plugin.sim.run_totals import TrainTotals, train_totals
 from vtrain_plugin.sim.schedules import build_schedule
 from vtrain_plugin.sim.timeline import Timeline, write_chrome_trace
-from vtrain_plugin.specs.assumptions import assumptions
+from vtrain_plugin.specs.assumptions import assumptions, training_assumptions
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.run import RunConfig
@@ -272,7 +272,8 @@ def predict(prepared: PreparedGraph, *, cluster: ClusterSpec, training: Training
     plan = prepared.graph.parallel
     device = get_device(cluster.gpu)
     efficiency = cluster.network_efficiency if cluster.network_efficiency is not None else constants.network_efficiency
-    comm = CommModel.for_plan(cluster, plan, measured_comm=measured_comm, network_efficiency=efficiency)
+    comm = CommModel.for_plan(cluster, plan, measured_comm=measured_comm, network_efficiency=efficiency,
+                              ring_only=training.deterministic)
     num_microbatches = training.num_microbatches(plan.data_parallel, plan.micro_batch_size)
     timer = KernelTimer(device, constants, slowdown=slowest_gpu_factor(constants.gpu_speed_spread, plan.world_size))
     costing = cost(prepared, timer=timer, comm=comm, training=training,
@@ -331,7 +332,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         price_per_gpu_hour_usd=price,
         checkpoint=checkpoint_size(graph),
         reliability=training.reliability,
-        assumptions=assumptions(graph.model, plan) + (training.fsdp.assumptions() if training.fsdp else ()),
+        assumptions=assumptions(graph.model, plan) + training_assumptions(training),
         timeline=result.timeline,
     )
 

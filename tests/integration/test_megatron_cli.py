@@ -115,3 +115,17 @@ def test_the_llama3_8b_fp8_recipe_is_costed_with_fp8_weights_and_bf16_gradients(
     assert round(tensors, 1) == 75.0 and round(stage["total"], 1) == 80.7 and not plan["fits_in_memory"]
     assert memory.startswith("memory per GPU (peak stage): 80.7 GiB of 80 GiB, DOES NOT FIT with the allowance "
                              "(the tensors alone, 75.0 GiB, fit) (weights 15.0,")
+
+
+def test_deterministic_mode_with_unfused_attention_is_priced_not_refused(run_cli):
+    # the shape of NVIDIA's functional tests (gpt3_mcore_te_*_deterministic), shrunk
+    flags = ("--num-layers 2 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 "
+             "--micro-batch-size 2 --global-batch-size 16 --vocab-size 1000 --tensor-model-parallel-size 2 "
+             "--transformer-impl transformer_engine --bf16 --deterministic-mode --attention-backend unfused "
+             "--use-tp-pp-dp-mapping --use-distributed-optimizer --use-precision-aware-optimizer "
+             "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16")
+    proc = run_cli("estimate", "--megatron-args", flags, "--gpus", "8", "--format", "json", check=True)
+    result = json.loads(proc.stdout)
+    assert result["iteration_time_ms"] > 0 and result["software_stack"] == "megatron_core_te"
+    assert any(line.startswith("deterministic mode") for line in result["assumptions"])
+    assert any(line.startswith("unfused attention") for line in result["assumptions"])

@@ -11,7 +11,9 @@ parameters of its chunks:
   distributed optimizer all-gathers into: no copy besides); TransformerEngine's FP8 weights are
   :mod:`vtrain_plugin.cost.stack_memory`'s;
 - optimizer state: fp32 main weights (when the model dtype is narrower) and Adam's two fp32
-  moments, ``P x 12`` bytes in fp16/bf16, divided by DP with the distributed optimizer (ZeRO-1
+  moments, ``P x 12`` bytes in fp16/bf16 (another optimizer or state dtype: the bytes of
+  :meth:`~vtrain_plugin.specs.optimizer.OptimizerSpec.state_nbytes`; Muon's 2-D layer weights keep
+  one fp32 momentum instead of two moments), divided by DP with the distributed optimizer (ZeRO-1
   shards exactly these over Megatron-Core's data-parallel group, DP x CP ranks with context
   parallelism; weights and gradients stay whole). With Megatron-LM's
   ``theoretical_memory_usage`` that is 18 bytes per parameter, or ``6 + 12 / DP``; the parameters
@@ -50,10 +52,13 @@ from dataclasses import dataclass, replace
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import OpGraph, StageGraph
 from vtrain_plugin.core.units import GIB
+from megatron_adapters.conventions import is_expert_module
 from vtrain_plugin.cost.comm.fsdp import StateShards, state_shards, working_set_units
 from vtrain_plugin.cost.comm.optimizer_shard import optimizer_shards
+from vtrain_plugin.cost.lowering.optimizer_step import muon_matrices
 from vtrain_plugin.specs.fsdp import FsdpSettings
-from vtrain_plugin.specs.training import grad_dtype, optimizer_bytes_per_parameter
+from vtrain_plugin.specs.optimizer import OptimizerKind, OptimizerSpec
+from vtrain_plugin.specs.training import grad_dtype
 
 RESERVED_GIB = 2.0  # CUDA context, NCCL buffers, library workspaces (see the module doc)
 FRAGMENTATION = 0.05  # of the tensors' bytes: the caching allocator's fragmentation
@@ -87,12 +92,15 @@ class RankMemory:
 
 
 def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: bool = False,
-                gradients: Dtype | None = None, fsdp: FsdpSettings | None = None) -> tuple[RankMemory, ...]:
+                gradients: Dtype | None = None, fsdp: FsdpSettings | None = None,
+                optimizer: OptimizerSpec | None = None) -> tuple[RankMemory, ...]:
     """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule;
     ``gradients``: the run's gradient dtype (None: Megatron-LM's default for the model dtype);
-    ``fsdp``: the run's FSDP (None: DDP, with the distributed optimizer or not)."""
+    ``fsdp``: the run's FSDP (None: DDP, with the distributed optimizer or not);
+    ``optimizer``: the run's (None: Adam in fp32)."""
     dtype = graph.dtype
     gradients = gradients or grad_dtype(dtype)
+    optimizer = optimizer or OptimizerSpec()
     plan = graph.parallel
     dense_group, expert_group = optimizer_shards(plan, True)
     if fsdp is None:
@@ -100,10 +108,12 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
         dense_states, expert_states = StateShards(1, 1, shards), StateShards(1, 1, expert_shards)
     else:
         dense_states, expert_states = state_shards(fsdp, dense_group), state_shards(fsdp, expert_group)
-    per_param = optimizer_bytes_per_parameter(dtype)
+    per_param = optimizer.state_nbytes(dtype.nbytes, matrix=False)
+    per_matrix_element = optimizer.state_nbytes(dtype.nbytes, matrix=True)
     params = [0] * plan.pipeline_parallel
     experts = [0] * plan.pipeline_parallel
     held = [(0, 0)] * plan.pipeline_parallel  # FSDP: elements of the units gathered, of their gradients
+    matrices = [[0, 0] for _ in range(plan.pipeline_parallel)]  # Muon's 2-D weights: dense, experts
     chunks: list[list[int]] = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]
     for stage in graph.stages:
         params[stage.pipeline_rank] += stage.num_parameters
@@ -111,20 +121,28 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
         chunks[stage.pipeline_rank][stage.chunk] = stage.activation_nbytes
         if fsdp is not None:
             held[stage.pipeline_rank] = tuple(map(max, held[stage.pipeline_rank], _fsdp_held(stage, fsdp)))
+        if optimizer.kind is OptimizerKind.MUON:
+            for block in stage.blocks:
+                for module, (rows, columns) in muon_matrices(block.nodes):
+                    matrices[stage.pipeline_rank][is_expert_module(module)] += block.count * rows * columns
     out = []
     for rank, count in enumerate(params):
         activations, inflight = peak_live(rank, chunks[rank])
         dense, expert = count - experts[rank], experts[rank]
+        dense_matrices, expert_matrices = matrices[rank]
 
         def sharded(per_element: float, field: str) -> float:
             return (dense * per_element / getattr(dense_states, field)
                     + expert * per_element / getattr(expert_states, field))
 
+        saved = per_param - per_matrix_element  # per element of a Muon matrix, against Adam
+        optimizer_nbytes = ((dense * per_param - dense_matrices * saved) / dense_states.optimizer
+                            + (expert * per_param - expert_matrices * saved) / expert_states.optimizer)
         held_weights, held_grads = held[rank]
         tensors = RankMemory(weights_gib=(sharded(dtype.nbytes, "weights") + held_weights * dtype.nbytes) / GIB,
                              gradients_gib=(sharded(gradients.nbytes, "gradients")
                                             + held_grads * gradients.nbytes) / GIB,
-                             optimizer_gib=sharded(per_param, "optimizer") / GIB, activations_gib=activations / GIB,
+                             optimizer_gib=optimizer_nbytes / GIB, activations_gib=activations / GIB,
                              inflight_microbatches=inflight)
         out.append(replace(tensors, allowance_gib=RESERVED_GIB + FRAGMENTATION * tensors.tensors_gib))
     return tuple(out)

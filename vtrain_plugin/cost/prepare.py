@@ -34,10 +34,13 @@ from vtrain_plugin.cost.comm.context_parallel import ContextParallel, model_flop
 from vtrain_plugin.cost.kernels.host_device import Segment
 from vtrain_plugin.cost.kernels.model import KernelBatch
 from vtrain_plugin.cost.kernels.timer import measured_ns
+from vtrain_plugin.cost.lowering.deterministic import deterministic_kernels
+from vtrain_plugin.cost.lowering.optimizer_step import optimizer_step
 from vtrain_plugin.cost.lowering.stacks import map_nodes
 from vtrain_plugin.cost.comm.moe_dispatch import MOE_GROUPS
 from vtrain_plugin.cost.comm.optimizer_shard import optimizer_shards, shard_optimizer
 from vtrain_plugin.cost.comm.runtime_collectives import RuntimeCollectives, runtime_collectives
+from vtrain_plugin.specs.optimizer import OptimizerSpec
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack, TrainingSpec
 
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE, Phase.OPTIMIZER)
@@ -125,11 +128,12 @@ _roles: OrderedDict[tuple, PreparedRole] = OrderedDict()
 
 def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[KernelKey, float] | None = None, *,
             fp8: Fp8Settings | None = None, distributed_optimizer: bool = False, grads: Dtype | None = None,
-            fp8_param_gather: bool = False) -> PreparedGraph:
+            fp8_param_gather: bool = False, kernels: KernelOptions | None = None) -> PreparedGraph:
     """Lay ``graph`` out for costing under ``stack`` (GEMMs in FP8 with ``fp8``), with ``measured``
     kernel durations (ns), Megatron-Core's ``distributed_optimizer`` or not, gradients reduced in
     ``grads`` and FP8 weights all-gathered with ``fp8_param_gather``
-    (:func:`vtrain_plugin.cost.comm.runtime_collectives.runtime_collectives`)."""
+    (:func:`vtrain_plugin.cost.comm.runtime_collectives.runtime_collectives`); ``kernels``: the
+    run's optimizer, deterministic mode and attention backend (None: Adam, TE's fused attention)."""
     stack = SoftwareStack(stack)
     shards = optimizer_shards(graph.parallel, distributed_optimizer)
     cp = ContextParallel.of(graph)
@@ -138,6 +142,9 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
     ordered = sorted(graph.stages, key=lambda s: s.chunk * pp + s.pipeline_rank)
     tied = graph.model is not None and graph.model.tied
     options = _moe_options(graph)
+    if kernels is not None and kernels != KernelOptions():
+        options = (*options, replace(kernels, tensor_parallel=graph.parallel.tensor_parallel,
+                                     expert_tensor_parallel=graph.parallel.expert_tp))
     roles: dict[tuple, PreparedRole] = {}
     runtimes: dict[tuple, RuntimeCollectives] = {}
     stages = []
@@ -164,9 +171,12 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
 def prepare_run(graph: OpGraph, stack: SoftwareStack | str, training: TrainingSpec,
                 measured: Mapping[KernelKey, float] | None = None) -> PreparedGraph:
     """:func:`prepare` with the options of ``training``: FP8, the optimizer on a data-parallel
-    shard (the distributed optimizer, or FSDP's), the gradient dtype and the FP8 parameter all-gather."""
+    shard (the distributed optimizer, or FSDP's), the gradient dtype, the FP8 parameter all-gather and
+    the kernel options (optimizer, deterministic kernels, unfused attention)."""
     return prepare(graph, stack, measured, fp8=training.fp8_settings, distributed_optimizer=training.shards_optimizer,
-                   grads=training.grad_dtype(graph.dtype), fp8_param_gather=training.fp8_param_gather)
+                   grads=training.grad_dtype(graph.dtype), fp8_param_gather=training.fp8_param_gather,
+                   kernels=KernelOptions(optimizer=training.optimizer, deterministic=training.deterministic,
+                                         unfused_attention=training.unfused_attention))
 
 
 def _moe_options(graph: OpGraph) -> tuple:
@@ -185,15 +195,30 @@ class MoeOptions:
     shared_expert_overlap: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class KernelOptions:
+    """What of the training spec changes a role's kernels besides FP8 and the stack: the optimizer
+    (:mod:`vtrain_plugin.cost.lowering.optimizer_step`), deterministic mode
+    (:mod:`vtrain_plugin.cost.lowering.deterministic`) and TE's unfused attention; the TP sizes
+    Muon gathers its weights over (filled by :func:`prepare`)."""
+
+    optimizer: OptimizerSpec = OptimizerSpec()
+    deterministic: bool = False
+    unfused_attention: bool = False
+    tensor_parallel: int = 1
+    expert_tensor_parallel: int = 1
+
+
 def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
           cp: ContextParallel | None, measured: Mapping[KernelKey, float] | None, key: tuple,
           options: tuple = ()) -> PreparedRole:
-    moe = options[0] if options else MoeOptions()
+    moe = next((o for o in options if isinstance(o, MoeOptions)), MoeOptions())
+    kernels = next((o for o in options if isinstance(o, KernelOptions)), KernelOptions())
     if measured:
-        return _prepare_role(blocks, stack, fp8, shards, cp, measured, moe)
+        return _prepare_role(blocks, stack, fp8, shards, cp, measured, moe, kernels)
     role = _roles.get(key)
     if role is None:
-        role = _roles[key] = _prepare_role(blocks, stack, fp8, shards, cp, {}, moe)
+        role = _roles[key] = _prepare_role(blocks, stack, fp8, shards, cp, {}, moe, kernels)
         if len(_roles) > _ROLE_CACHE_SIZE:
             _roles.popitem(last=False)
     else:
@@ -203,7 +228,7 @@ def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | No
 
 def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
                   cp: ContextParallel | None, measured: Mapping[KernelKey, float],
-                  moe: MoeOptions = MoeOptions()) -> PreparedRole:
+                  moe: MoeOptions = MoeOptions(), kernels: KernelOptions = KernelOptions()) -> PreparedRole:
     rows: list[OpNode | None] = []
     phases: list[Phase] = []
     comm_rows: list[CommRow] = []
@@ -212,7 +237,15 @@ def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setti
         layer = block.kind is BlockKind.LAYER
         nodes = cp.layer_nodes(block.nodes) if cp is not None and layer else block.nodes
         by_phase: dict[Phase, list[OpNode | CollectiveNode]] = {p: [] for p in PHASES}
-        for node in shard_optimizer(map_nodes(nodes, stack, fp8, grouped_experts=moe.grouped_experts), *shards):
+        mapped = map_nodes(nodes, stack, fp8, grouped_experts=moe.grouped_experts,
+                           unfused_attention=kernels.unfused_attention)
+        if kernels.deterministic:
+            mapped = deterministic_kernels(mapped)
+        mapped = optimizer_step(shard_optimizer(mapped, *shards), kernels.optimizer, traced=block.nodes,
+                                tensor_parallel=kernels.tensor_parallel,
+                                expert_tensor_parallel=kernels.expert_tensor_parallel, shards=shards[0],
+                                expert_shards=shards[1])
+        for node in mapped:
             if isinstance(node, OpNode):
                 if node.launches_kernel:
                     by_phase[node.phase].append(node)

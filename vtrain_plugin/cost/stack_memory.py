@@ -1,6 +1,7 @@
 """What the software stack changes in the memory the trace measured (:mod:`vtrain_plugin.cost.memory`).
 
-The trace records megatron-core's local spec; a stack with fused attention (``megatron_core_te``)
+The trace records megatron-core's local spec; a stack with fused attention (``megatron_core_te``,
+unless ``training.unfused_attention``: then :func:`~vtrain_plugin.cost.lowering.megatron_core_te.unfused_attention_saved_delta`)
 keeps no score-sized tensors for backward (:func:`~vtrain_plugin.cost.lowering.megatron_core_te.fused_attention_saved_delta`:
 one layer's activations go from quadratic to linear in the sequence length) and no causal mask (the
 local spec's softmax keeps the ``s x s`` mask the layers of a chunk share, traced as the stage block
@@ -26,7 +27,7 @@ from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.lowering.mamba import mixer_dims, mixer_saved_delta
 from vtrain_plugin.cost.lowering.fp8 import FP8_NBYTES, fp8_weight_numel
-from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta
+from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta, unfused_attention_saved_delta
 from vtrain_plugin.cost.memory import PeakLive, RankMemory, rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
@@ -37,16 +38,19 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
     """:func:`~vtrain_plugin.cost.memory.rank_memory` of ``graph`` as ``stack`` runs it with the
     options of ``training`` (FP8, FP8 weights, gradient dtype, distributed optimizer; None: none)."""
     fp8 = training is not None and training.fp8 is not None
+    attention_delta = (unfused_attention_saved_delta if training is not None and training.unfused_attention
+                       else fused_attention_saved_delta)
     if stack is SoftwareStack.MEGATRON_CORE_TE:
         graph = replace(graph, stages=tuple(
             replace(stage, blocks=tuple(
-                replace(block, activation_nbytes=block.activation_nbytes + fused_attention_saved_delta(block.nodes)
+                replace(block, activation_nbytes=block.activation_nbytes + attention_delta(block.nodes)
                         + te_saved_delta(block, fp8=fp8) + mixer_saved_delta(block, mixer_dims(block.nodes)))
                 for block in stage.blocks if block.name != SHARED_BY_CORE_ATTENTION))
             for stage in graph.stages))
     fsdp = None if training is None else training.fsdp
     memory = rank_memory(graph, peak_live, distributed_optimizer=training is not None and training.distributed_optimizer,
-                         gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp)
+                         gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
+                         optimizer=None if training is None else training.optimizer)
     if not fp8:
         return memory
     # per element of a linear weight: its FP8 copy and transpose, less its model-dtype copy when the

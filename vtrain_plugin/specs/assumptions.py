@@ -14,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.optimizer import OptimizerKind
 from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.training import TrainingSpec
 
 Source = Callable[[ModelSpec, ParallelPlan], tuple[str, ...]]
 
@@ -73,6 +75,23 @@ def hybrid_assumptions(model: ModelSpec, plan: ParallelPlan) -> tuple[str, ...]:
 
 
 SOURCES: tuple[Source, ...] = (moe_assumptions, attention_assumptions, hybrid_assumptions)
+
+
+def training_assumptions(training: TrainingSpec) -> tuple[str, ...]:
+    """What FSDP, deterministic mode and the optimizer are priced with rather than measured."""
+    lines = list(training.fsdp.assumptions()) if training.fsdp else []
+    if training.deterministic:
+        lines.append("deterministic mode: NCCL pinned to the ring algorithm (NCCL_ALGO=Ring); TE's deterministic "
+                     "attention backward priced at 1.1 x the fused one (a bound of [1.0, 1.2] from its ordered dQ "
+                     "accumulation, not validated on any GPU); embedding and MoE unpermute backward as traced")
+    if training.optimizer.kind is OptimizerKind.MUON:
+        lines.append(f"Muon: {training.optimizer.muon_ns_steps} Newton-Schulz steps in bf16 on each 2-D layer "
+                     f"weight, TP shards all-gathered in fp32 (duplicated mode), QKV orthogonalised as one matrix; "
+                     f"priced from the GEMM model, not measured")
+    if training.unfused_attention:
+        lines.append("unfused attention: score and context GEMMs as traced, Megatron's fused masked softmax and "
+                     "dropout kernels")
+    return tuple(lines)
 
 
 def assumptions(model: ModelSpec | None, plan: ParallelPlan) -> tuple[str, ...]:

@@ -66,8 +66,12 @@ class ParallelPlan:
     expert_parallel: int = 1
     expert_tensor_parallel: int | None = None
     moe_token_dispatcher: TokenDispatcher = TokenDispatcher.ALLTOALL
+    # Ranks numbered tp-cp-ep-pp-dp instead of megatron-core's default tp-cp-ep-dp-pp (Megatron-LM's
+    # --use-tp-pp-dp-mapping): pipeline stages of one replica sit closer, data-parallel peers farther.
+    tp_pp_dp_mapping: bool = False
 
     def __post_init__(self) -> None:
+        v.boolean("parallel.tp_pp_dp_mapping", self.tp_pp_dp_mapping)
         for name in ("tensor_parallel", "context_parallel", "pipeline_parallel", "data_parallel"):
             limits.WORLD_SIZE.positive_int(f"parallel.{name}", getattr(self, name))
         limits.WORLD_SIZE.check_derived(

@@ -16,6 +16,7 @@ from vtrain_plugin.specs import limits
 from vtrain_plugin.specs.cluster import GpuArchitecture
 from vtrain_plugin.specs.fsdp import FsdpImplementation, FsdpSettings
 from vtrain_plugin.specs.model import Family, ModelSpec
+from vtrain_plugin.specs.optimizer import OptimizerSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.reliability import ReliabilitySpec
 
@@ -105,8 +106,26 @@ class TrainingSpec:
     # Failures, restarts and checkpoints of the whole run (a plan file's top-level ``reliability``
     # section): the expected days and cost beside the failure-free ones; None: failures off.
     reliability: ReliabilitySpec | None = field(default_factory=ReliabilitySpec)
+    # The optimizer and its state dtypes (vtrain_plugin.specs.optimizer); a plan file gives a mapping.
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    # Megatron-LM's --deterministic-mode: NCCL pinned to ring, TE's deterministic attention backward,
+    # deterministic embedding backward (vtrain_plugin.cost.lowering.deterministic).
+    deterministic: bool = False
+    # TransformerEngine's unfused attention (--attention-backend unfused or local): score and context
+    # GEMMs, a fused masked softmax and dropout, the score-sized tensors kept for backward.
+    unfused_attention: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.optimizer, dict):
+            object.__setattr__(self, "optimizer", OptimizerSpec(**self.optimizer))
+        if not isinstance(self.optimizer, OptimizerSpec):
+            raise ConfigError(f"training.optimizer must be an OptimizerSpec or a mapping, got "
+                              f"{type(self.optimizer).__name__}")
+        v.boolean("training.deterministic", self.deterministic)
+        v.boolean("training.unfused_attention", self.unfused_attention)
+        if self.optimizer.precision_aware and not self.distributed_optimizer:
+            raise ConfigError("training.optimizer.precision_aware requires training.distributed_optimizer: true "
+                              "(megatron-core's OptimizerConfig asserts it)")
         limits.GLOBAL_BATCH_SIZE.positive_int("training.global_batch_size", self.global_batch_size)
         object.__setattr__(self, "schedule", ScheduleKind(
             v.one_of("training.schedule", self.schedule, [s.value for s in ScheduleKind])))
@@ -153,7 +172,8 @@ class TrainingSpec:
     def grad_dtype(self, dtype: Dtype) -> Dtype:
         """The dtype this run accumulates and data-parallel reduces the gradients of a ``dtype``
         model in: :func:`grad_dtype`, or bf16 with ``grad_reduce_in_bf16``."""
-        return Dtype.BF16 if self.grad_reduce_in_bf16 and dtype is Dtype.BF16 else grad_dtype(dtype)
+        bf16 = self.grad_reduce_in_bf16 or self.optimizer.main_grads == "bf16"
+        return Dtype.BF16 if bf16 and dtype is Dtype.BF16 else grad_dtype(dtype)
 
     def check_plan(self, plan: ParallelPlan) -> None:
         """Raise ConfigError when this run's options need what ``plan`` lacks, or ``plan`` needs
@@ -230,6 +250,7 @@ class TrainingSpec:
         d["fp8"] = None if self.fp8 is None else self.fp8.value
         d["fp8_recipe"] = self.fp8_recipe.value
         d["fsdp"] = None if self.fsdp is None else self.fsdp.to_dict()
+        d["optimizer"]["kind"] = self.optimizer.kind.value
         return d
 
 

@@ -8,7 +8,7 @@ Alpha-beta per link tier, with NCCL's algorithms:
   tensor, the gathered output, the reduce-scatter input);
 * tree all-reduce across nodes (NCCL's double binary tree): ``S / (0.5 * 0.92 * B)`` plus
   ``2((g-1) alpha_intra + log2(k) alpha_inter)``, the ratios of NCCL's ``tuning.cc``; the faster of
-  ring and tree is used, as NCCL's tuner does;
+  ring and tree is used, as NCCL's tuner does, unless ``ring_only`` (``NCCL_ALGO=Ring``);
 * broadcast (pipelined ring): ``S / B`` plus ``n-1`` steps; all-to-all: the share sent inside the
   node over NVLink and the share sent out over the node's NICs move concurrently, plus one latency
   of the slowest tier per peer.
@@ -77,6 +77,10 @@ class CommModel:
     measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None  # (kind, group size) -> table
     network_efficiency: float = 1.0  # fraction of the nominal inter-node bandwidth reached, (0, 1]
     context_parallel: int = 1
+    # NCCL pinned to the ring algorithm (NCCL_ALGO=Ring, as Megatron-LM's --deterministic-mode runs):
+    # no tree all-reduce across nodes.
+    ring_only: bool = False
+    tp_pp_dp_mapping: bool = False  # the plan's rank order (Layout.tp_pp_dp_mapping)
     layout: Layout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -89,16 +93,17 @@ class CommModel:
             tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
             data_parallel=self.data_parallel, gpus_per_node=self.cluster.gpus_per_node,
             context_parallel=self.context_parallel, expert_parallel=self.expert_parallel,
-            expert_tensor_parallel=self.expert_tensor_parallel))
+            expert_tensor_parallel=self.expert_tensor_parallel, tp_pp_dp_mapping=self.tp_pp_dp_mapping))
 
     @classmethod
     def for_plan(cls, cluster: ClusterSpec, plan: ParallelPlan, *,
                  measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None,
-                 network_efficiency: float = 1.0) -> CommModel:
+                 network_efficiency: float = 1.0, ring_only: bool = False) -> CommModel:
         return cls(cluster=cluster, tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
                    data_parallel=plan.data_parallel, expert_parallel=plan.expert_parallel,
                    expert_tensor_parallel=plan.expert_tp, measured_comm=measured_comm,
-                   network_efficiency=network_efficiency, context_parallel=plan.context_parallel)
+                   network_efficiency=network_efficiency, context_parallel=plan.context_parallel, ring_only=ring_only,
+                   tp_pp_dp_mapping=plan.tp_pp_dp_mapping)
 
     def rank_signatures(self) -> tuple[tuple, ...]:
         """Per pipeline rank, everything :meth:`time_ns` depends on besides the message: every
@@ -135,7 +140,9 @@ class CommModel:
         match kind:
             case CollectiveKind.ALL_REDUCE:
                 ring = 2 * (n - 1) / n * nbytes / bw + self._latency_ns(2 * (n - 1), placement)
-                return min(ring, self._tree_all_reduce_ns(nbytes, placement)) if placement.spans_nodes else ring
+                if not placement.spans_nodes or self.ring_only:
+                    return ring
+                return min(ring, self._tree_all_reduce_ns(nbytes, placement))
             case CollectiveKind.ALL_GATHER | CollectiveKind.REDUCE_SCATTER:
                 return (n - 1) / n * nbytes / bw + self._latency_ns(n - 1, placement)
             case CollectiveKind.BROADCAST:

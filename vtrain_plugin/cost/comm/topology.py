@@ -1,7 +1,8 @@
 """Where the ranks of a 3D-parallel job sit, and how many nodes each communication group spans.
 
 Ranks are numbered and placed on nodes as :mod:`megatron_adapters.conventions` records megatron-core
-does it (tensor parallelism fastest, then context, then data, then pipeline parallelism)::
+does it (tensor parallelism fastest, then context, then data, then pipeline parallelism; with
+``tp_pp_dp_mapping`` pipeline before data, in both numberings, and the strides below follow)::
 
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)),    node = rank // gpus_per_node
 
@@ -27,7 +28,8 @@ from functools import lru_cache
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.graph import ParallelGroup
-from megatron_adapters.conventions import EXPERT_RANK_ORDER, global_rank, node_of, rank_strides
+from megatron_adapters.conventions import (EXPERT_RANK_ORDER, RANK_ORDER, TP_PP_DP_EXPERT_RANK_ORDER,
+                                           TP_PP_DP_RANK_ORDER, global_rank, node_of, rank_strides)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,6 +55,7 @@ class Layout:
     context_parallel: int = 1
     expert_parallel: int = 1
     expert_tensor_parallel: int = 1
+    tp_pp_dp_mapping: bool = False  # Megatron-LM's --use-tp-pp-dp-mapping (conventions.TP_PP_DP_RANK_ORDER)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "gpus_per_node", "context_parallel",
@@ -82,9 +85,17 @@ class Layout:
                 ParallelGroup.EXPERT_DP: self.tensor_parallel * self.context_parallel * self.data_parallel // (etp * ep),
                 ParallelGroup.PP: self.pipeline_parallel}
 
+    @property
+    def order(self) -> tuple[ParallelGroup, ...]:
+        return TP_PP_DP_RANK_ORDER if self.tp_pp_dp_mapping else RANK_ORDER
+
+    @property
+    def expert_order(self) -> tuple[ParallelGroup, ...]:
+        return TP_PP_DP_EXPERT_RANK_ORDER if self.tp_pp_dp_mapping else EXPERT_RANK_ORDER
+
     def rank(self, *, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0) -> int:
         return global_rank({ParallelGroup.TP: tp_rank, ParallelGroup.CP: cp_rank, ParallelGroup.DP: dp_rank,
-                            ParallelGroup.PP: pp_rank}, self.sizes)
+                            ParallelGroup.PP: pp_rank}, self.sizes, self.order)
 
     def node_of(self, rank: int) -> int:
         return node_of(rank, self.gpus_per_node)
@@ -93,11 +104,15 @@ class Layout:
         """Placement of ``group`` of the representative rank of pipeline stage ``pipeline_rank``."""
         base = self.rank(pp_rank=pipeline_rank)
         sizes = self.sizes
-        stride = rank_strides(sizes)
+        stride = rank_strides(sizes, self.order)
         pp = sizes[ParallelGroup.PP]
         match ParallelGroup(group):
             case ParallelGroup.TP | ParallelGroup.CP as dim:
                 offset, step, size = base, stride[dim], sizes[dim]
+            case ParallelGroup.DP if stride[ParallelGroup.DP] != stride[ParallelGroup.CP] * sizes[ParallelGroup.CP]:
+                # pipeline ranks between CP and DP (tp_pp_dp_mapping): two progressions
+                return _grid_placement(base, stride[ParallelGroup.CP], sizes[ParallelGroup.CP],
+                                       stride[ParallelGroup.DP], sizes[ParallelGroup.DP], self.gpus_per_node)
             case ParallelGroup.DP:
                 offset, step, size = base, stride[ParallelGroup.CP], sizes[ParallelGroup.CP] * sizes[ParallelGroup.DP]
             case ParallelGroup.PP:
@@ -106,7 +121,7 @@ class Layout:
                 offset, step, size = 0, stride[ParallelGroup.PP] * max(pp - 1, 1), min(pp, 2)
             case ParallelGroup.EXPERT_TP | ParallelGroup.EP | ParallelGroup.EXPERT_DP as dim:
                 expert = self.expert_sizes
-                offset, step, size = base, rank_strides(expert, EXPERT_RANK_ORDER)[dim], expert[dim]
+                offset, step, size = base, rank_strides(expert, self.expert_order)[dim], expert[dim]
             case ParallelGroup.EXPERT_TP_EP:
                 offset, step, size = base, 1, self.expert_tensor_parallel * self.expert_parallel
         return _progression_placement(offset, step, size, self.gpus_per_node)
@@ -118,6 +133,24 @@ class Layout:
         """
         dst = (src_pipeline_rank + 1) % self.pipeline_parallel
         return self.node_of(self.rank(pp_rank=src_pipeline_rank)) != self.node_of(self.rank(pp_rank=dst))
+
+
+@lru_cache(maxsize=256)
+def _grid_placement(offset: int, inner_stride: int, inner: int, outer_stride: int, outer: int,
+                    gpus_per_node: int) -> GroupPlacement:
+    """Placement of ranks ``offset + inner_stride * i + outer_stride * j`` (``i < inner``, ``j < outer``):
+    the data-parallel group with context parallelism when pipeline ranks lie between CP and DP
+    (``--use-tp-pp-dp-mapping``); counted rank by rank, once per layout."""
+    if inner == 1 or outer == 1:
+        return _progression_placement(offset, outer_stride if inner == 1 else inner_stride, inner * outer,
+                                      gpus_per_node)
+    counts: dict[int, int] = {}
+    for j in range(outer):
+        for i in range(inner):
+            node = (offset + inner_stride * i + outer_stride * j) // gpus_per_node
+            counts[node] = counts.get(node, 0) + 1
+    return GroupPlacement(size=inner * outer, num_nodes=len(counts), gpus_per_node=min(counts.values()),
+                          max_gpus_per_node=max(counts.values()))
 
 
 @lru_cache(maxsize=4096)

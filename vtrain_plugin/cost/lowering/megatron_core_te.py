@@ -71,8 +71,10 @@ from megatron_adapters.conventions import is_mlp_module
 from vtrain_plugin.core.dtypes import element_nbytes
 from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, KernelKey, Node, OpNode, ParallelGroup, Phase
 from vtrain_plugin.cost.lowering import mamba
-from vtrain_plugin.cost.lowering.fusion import (FORWARD_PHASES, bias_dropout_add, bias_gelu, dropout, dtype_nbytes, fused,
-                                       is_layer_root, lower_block, names, numel, op_name, replace_runs)
+from vtrain_plugin.cost.lowering.fusion import (FORWARD_PHASES, MASK_NBYTES, bias_dropout_add, bias_gelu, dropout,
+                                                dtype_nbytes, fused, is_layer_root, lower_block, names, numel, op_name,
+                                                replace_runs)
+from vtrain_plugin.cost.lowering.megatron_deepspeed import scaled_masked_softmax
 
 FP32 = 4
 ATTENTION_CAUSAL_FRACTION = 0.5  # of the score matrix a causal kernel computes
@@ -112,11 +114,17 @@ def attention_unit(module: str) -> str:
     return head + found if found else module
 
 
-def megatron_core_te(nodes: Sequence[Node]) -> tuple[Node, ...]:
+def megatron_core_te(nodes: Sequence[Node], *, unfused_attention: bool = False) -> tuple[Node, ...]:
     """The block's nodes as Megatron-Core with TransformerEngine runs them (see the module doc); a
-    Mamba layer's mixer as mamba_ssm's kernels (:mod:`vtrain_plugin.cost.lowering.mamba`)."""
+    Mamba layer's mixer as mamba_ssm's kernels (:mod:`vtrain_plugin.cost.lowering.mamba`). With
+    ``unfused_attention`` (TE's ``UnfusedDotProductAttention``, ``--attention-backend unfused``) the
+    core attention runs as traced but for Megatron's fused scale-mask-softmax and dropout
+    (:func:`unfused_attention_kernels`)."""
     windows = window_widths(nodes)
     mixers = mamba.mixer_dims(nodes)
+    if unfused_attention and not mixers:
+        return _merge_loss_all_reduces(lower_block(nodes, lambda group: unfused_attention_kernels(group)
+                                                   or _map_group(group, windows), _map_optimizer))
     if not mixers:
         return _merge_loss_all_reduces(lower_block(nodes, lambda group: _map_group(group, windows), _map_optimizer,
                                                    unit=attention_unit))
@@ -157,6 +165,39 @@ def _map_group(group: list[OpNode], windows: Mapping[str, int] | None = None) ->
     if module.endswith("loss"):
         return _cross_entropy(group)
     return group
+
+
+def unfused_attention_kernels(group: list[OpNode]) -> list[Node] | None:
+    """A run of TE's unfused attention, one module at a time: the score and context GEMMs (and the
+    context copy) as traced, the softmax as Megatron's fused ``scaled_upper_triang_masked_softmax``
+    (TE's ``FusedScaleMaskSoftmax`` runs the same kernel), the dropout as ``native_dropout``; None
+    for a run outside the core attention."""
+    module = group[0].module
+    if _ATTENTION_UNIT not in module:
+        return None
+    if module.endswith(_ATTENTION_UNIT):
+        return list(group)
+    dtype = group[0].key.dtypes[0] if group[0].key.dtypes else "float16"
+    return scaled_masked_softmax(group) or dropout(group, dtype) or list(group)
+
+
+def unfused_attention_saved_delta(nodes: Sequence[Node]) -> int:
+    """What TE's unfused attention keeps for backward minus what the trace kept (bytes per
+    micro-batch; 0 when the attention is recomputed): the fused softmax keeps its output in the model
+    dtype instead of the traced fp32 softmax, and the fused dropout a one-byte mask instead of the
+    traced mask in the model dtype. The probabilities the context GEMM reads are kept by both."""
+    attention = [n for n in nodes if isinstance(n, OpNode) and n.launches_kernel and _ATTENTION_UNIT in n.module]
+    if any(n.phase is Phase.RECOMPUTE for n in attention):
+        return 0
+    by_name = {op_name(n): n for n in attention if n.phase is Phase.FORWARD}
+    delta = 0
+    if "_softmax" in by_name and "bmm" in by_name:
+        softmax = by_name["_softmax"]
+        delta += numel(softmax.key.input_shapes[0]) * (dtype_nbytes(by_name["bmm"]) - dtype_nbytes(softmax))
+    if "bernoulli_" in by_name:
+        mask = by_name["bernoulli_"]
+        delta += numel(mask.key.input_shapes[0]) * (MASK_NBYTES - dtype_nbytes(mask))
+    return delta
 
 
 def is_layer_norm_slot(module: str) -> bool:

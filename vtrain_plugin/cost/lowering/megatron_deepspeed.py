@@ -60,7 +60,8 @@ _LAYER_NORM = {"native_layer_norm": "apex.fused_layer_norm_affine.default",
                "native_layer_norm_backward": "apex.fused_layer_norm_affine_backward.default"}
 
 
-def _softmax(group: list[OpNode]) -> list[Node] | None:
+def scaled_masked_softmax(group: list[OpNode]) -> list[Node] | None:
+    """Megatron's fused causal scale-mask-softmax (and its backward) for a ``scale_mask_softmax`` run."""
     first = group[0]
     if not first.module.endswith("scale_mask_softmax"):
         return None
@@ -75,7 +76,7 @@ def _softmax(group: list[OpNode]) -> list[Node] | None:
 
 def _map_group(group: list[OpNode]) -> list[Node]:
     """One run of kernels of one module and phase, as Megatron-DeepSpeed runs it."""
-    for rule in (_softmax, dropout, bias_dropout_add, bias_gelu):
+    for rule in (scaled_masked_softmax, dropout, bias_dropout_add, bias_gelu):
         mapped = rule(group)
         if mapped is not None:
             return mapped

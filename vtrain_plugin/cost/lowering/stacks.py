@@ -40,10 +40,15 @@ def register_stack(stack: SoftwareStack) -> Callable[[Mapping], Mapping]:
 
 
 def map_nodes(nodes: Sequence[Node], stack: SoftwareStack | str, fp8: Fp8Settings | None = None, *,
-              grouped_experts: bool = False) -> tuple[Node, ...]:
+              grouped_experts: bool = False, unfused_attention: bool = False) -> tuple[Node, ...]:
     """The node sequence of one block as ``stack`` runs it (in FP8 with ``fp8``; with
-    ``grouped_experts``, each MoE layer's experts as grouped GEMMs: :func:`group_expert_kernels`)."""
-    mapped = _MAPPINGS.get(stack)(nodes)
+    ``grouped_experts``, each MoE layer's experts as grouped GEMMs: :func:`group_expert_kernels`;
+    with ``unfused_attention``, TransformerEngine's unfused attention: the other stacks run
+    unfused attention anyway)."""
+    if unfused_attention and str(stack) == SoftwareStack.MEGATRON_CORE_TE:
+        mapped = megatron_core_te(nodes, unfused_attention=True)
+    else:
+        mapped = _MAPPINGS.get(stack)(nodes)
     if fp8 is not None:
         if str(stack) not in FP8_STACKS:
             raise ConfigError(f"training.fp8 {fp8.format.value!r} needs software_stack megatron_core_te (got {stack})")

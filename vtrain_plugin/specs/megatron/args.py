@@ -35,6 +35,7 @@ from vtrain_plugin.specs.megatron.flag_values import positive_int
 from vtrain_plugin.specs.megatron.model import Given, model_fields, recompute_mode
 from vtrain_plugin.specs.megatron.moe_flags import capacity_factor, moe_layer_freq, number
 from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.optimizer import OptimizerSpec
 from vtrain_plugin.specs.model_features import REFUSED, unmodelled_warning
 from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
 from vtrain_plugin.specs.pipeline_split import layout_stages
@@ -63,14 +64,29 @@ def _cross_entropy_impl(flag: str, value: Any) -> str:
     return "native"
 
 
-def _attention_backend(flag: str, value: Any) -> str:
-    """TransformerEngine's fused (flash or cuDNN) attention is what megatron_core_te costs; auto
-    picks one of them. The unfused backends are not modelled."""
+def _attention_backend(flag: str, value: Any) -> bool:
+    """Whether the attention is unfused (training.unfused_attention): TransformerEngine's fused (flash
+    or cuDNN) attention is what megatron_core_te costs, auto picks one of them; unfused (TE's
+    UnfusedDotProductAttention) and local (megatron-core's DotProductAttention) run the same
+    score GEMM, fused masked softmax, dropout and context GEMM."""
     if value not in ("auto", "flash", "fused", "unfused", "local"):
         raise ConfigError(f"{flag} must be one of auto, flash, fused, unfused, local, got {value!r}")
-    if value in ("unfused", "local"):
-        raise ConfigError(f"{flag} {value}: unfused attention under TransformerEngine is not modelled by vtrain yet")
-    return "auto"
+    return value in ("unfused", "local")
+
+
+def _optimizer(flag: str, value: Any) -> str:
+    """Adam, SGD and Muon (dist_muon: Muon under the distributed optimizer, as Megatron-LM now spells
+    it ``--optimizer muon --use-distributed-optimizer``)."""
+    kinds = {"adam": "adam", "sgd": "sgd", "muon": "muon", "dist_muon": "muon"}
+    if value not in kinds:
+        raise ConfigError(f"{flag} {value}: only adam, sgd, muon and dist_muon are modelled by vtrain")
+    return kinds[value]
+
+
+def _state_dtype(flag: str, value: Any) -> str:
+    if value not in ("fp32", "fp16", "bf16", "fp8"):
+        raise ConfigError(f"{flag} must be one of fp32, fp16, bf16, fp8, got {value!r}")
+    return value
 
 
 def _dispatcher(flag: str, value: Any) -> Any:
@@ -134,7 +150,11 @@ FIELDS: tuple[FlagField, ...] = (
         "--data-parallel-sharding-strategy", "--fsdp-double-buffer", "--suggested-communication-unit-size",
         "--torch-fsdp2-no-reshard-after-forward", "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp")),
     FlagField("--optimizer-cpu-offload", None, False, "optimizer offloading", _as_given),
-    FlagField("--optimizer", None, "adam", "an optimizer other than Adam", _as_given),
+    FlagField("--optimizer", "optimizer.kind", convert=_optimizer),
+    FlagField("--muon-num-ns-steps", "optimizer.muon_ns_steps"),
+    FlagField("--muon-tp-mode", None, "duplicated", "Muon with TP shards orthogonalised other than whole", _as_given),
+    FlagField("--muon-fp32-matmul-prec", None, "medium", "Muon's Newton-Schulz GEMMs at another fp32 precision",
+              _as_given),
     FlagField("--fp8-format", "training.fp8", convert=_as_given),
     FlagField("--fp8-recipe", "training.fp8_recipe", convert=_as_given),
     FlagField("--fp4-format", None, None, "fp4 training", _as_given),
@@ -152,7 +172,7 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--cross-entropy-loss-fusion", "training.cross_entropy_fusion", convert=_as_given),
     # Checked only: their accepted values convert to the inactive one, the others are refused in convert.
     FlagField("--cross-entropy-fusion-impl", None, "native", "", _cross_entropy_impl),
-    FlagField("--attention-backend", None, "auto", "", _attention_backend),
+    FlagField("--attention-backend", "training.unfused_attention", convert=_attention_backend),
     FlagField("--spec", None, None, "a custom layer spec", _as_given),
     FlagField("--disable-tp-comm-overlap-ag", None, None, "TP overlap without its all-gather overlap", _as_given),
     FlagField("--disable-tp-comm-overlap-rs", None, None, "TP overlap without its reduce-scatter overlap", _as_given),
@@ -161,19 +181,19 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--delay-wgrad-compute", None, None, "weight-gradient GEMMs delayed to overlap expert communication",
               _as_given),
     FlagField("--ddp-num-buckets", None, None, "a DDP bucket count (--ddp-bucket-size is modelled)"),
-    FlagField("--use-tp-pp-dp-mapping", None, None, "the TP-PP-DP rank order", _as_given),
+    FlagField("--use-tp-pp-dp-mapping", "parallel.tp_pp_dp_mapping", convert=_as_given),
     FlagField("--use-sharp", None, None, "in-network (SHARP) reductions", _as_given),
     FlagField("--enable-cuda-graph", None, None, "CUDA graphs", _as_given),
     FlagField("--external-cuda-graph", None, None, "CUDA graphs", _as_given),
     FlagField("--cuda-graph-impl", None, "none", "CUDA graphs", _as_given),
-    FlagField("--deterministic-mode", None, None, "deterministic kernels", _as_given),
+    FlagField("--deterministic-mode", "training.deterministic", convert=_as_given),
     FlagField("--distribute-saved-activations", None, None, "recompute inputs distributed over TP", _as_given),
     FlagField("--fp16-lm-cross-entropy", None, None, "a cross-entropy on fp16 logits", _as_given),
-    FlagField("--use-precision-aware-optimizer", None, None, "the precision-aware optimizer", _as_given),
-    FlagField("--main-grads-dtype", None, "fp32", "optimizer state in another dtype than fp32", _as_given),
-    FlagField("--main-params-dtype", None, "fp32", "optimizer state in another dtype than fp32", _as_given),
-    FlagField("--exp-avg-dtype", None, "fp32", "optimizer state in another dtype than fp32", _as_given),
-    FlagField("--exp-avg-sq-dtype", None, "fp32", "optimizer state in another dtype than fp32", _as_given),
+    FlagField("--use-precision-aware-optimizer", "optimizer.precision_aware", convert=_as_given),
+    FlagField("--main-grads-dtype", "optimizer.main_grads", convert=_state_dtype),
+    FlagField("--main-params-dtype", "optimizer.main_params", convert=_state_dtype),
+    FlagField("--exp-avg-dtype", "optimizer.exp_avg", convert=_state_dtype),
+    FlagField("--exp-avg-sq-dtype", "optimizer.exp_avg_sq", convert=_state_dtype),
     FlagField("--overlap-param-gather-with-optimizer-step", None, None,
               "the parameter all-gather overlapped with the optimizer step", _as_given),
     *(FlagField(feature.flag, None, None, feature.what, _as_given) for feature in REFUSED),
@@ -209,7 +229,8 @@ def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> Megatro
     _refuse_entry_point(command.script)
     given = parse_flags(command.megatron_args)
     stack, stack_reason = software_stack(given)
-    values: dict[str, dict[str, Any]] = {"model": {}, "parallel": {}, "training": {"software_stack": stack}}
+    values: dict[str, dict[str, Any]] = {"model": {}, "parallel": {}, "training": {"software_stack": stack},
+                                         "optimizer": {}}
     for flag, value in given.items():
         if flag in UNSUPPORTED_FLAGS:
             raise _unsupported(_shown(flag, value), UNSUPPORTED_FLAGS[flag])
@@ -235,6 +256,7 @@ def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> Megatro
     values["model"].update(model_fields(given, values["model"], tensor_parallel=tp, notes=notes, assumed=assumed))
     model = ModelSpec(**values["model"])
     parallel = _parallel(given, values["parallel"], model, num_gpus, notes)
+    values["training"]["optimizer"] = OptimizerSpec(**values["optimizer"])
     training = _training(given, values["training"], model, parallel, stack_reason)
     return MegatronPlan(model=model, parallel=parallel, training=training, unmodelled=tuple(notes),
                         stack_reason=stack_reason, assumed=tuple(assumed))
@@ -358,6 +380,9 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
                           "not modelled by vtrain yet")
     values["reliability"] = _reliability(given)
     values["fsdp"] = fsdp_settings(given)
+    if given.get("--deterministic-mode") and given.get("--cross-entropy-loss-fusion"):
+        raise ConfigError("--deterministic-mode with --cross-entropy-loss-fusion: Megatron-LM refuses them together "
+                          "(the fused cross-entropy is not deterministic)")
     if given.get("--overlap-grad-reduce"):
         values["grad_reduce"] = GradReduce.OVERLAP
     training = TrainingSpec(**values)

@@ -99,7 +99,12 @@ def test_layer_features_other_than_the_familys_are_modelled_not_noted():
     ("--moe-router-topk 2", "model.moe_router_topk needs model.num_experts (a mixture-of-experts model)"),
     ("--fp8-format e4m3 --fp8-recipe mxfp8", "training.fp8_recipe must be one of delayed, tensorwise; got 'mxfp8'"),
     ("--overlap-param-gather", "training.overlap_param_gather requires training.distributed_optimizer: true"),
-    ("--optimizer sgd", "--optimizer sgd: an optimizer other than Adam is not modelled by vtrain yet"),
+    ("--optimizer lion", "--optimizer lion: only adam, sgd, muon and dist_muon are modelled by vtrain"),
+    ("--use-precision-aware-optimizer", "training.optimizer.precision_aware requires training.distributed_optimizer: "
+                                        "true (megatron-core's OptimizerConfig asserts it)"),
+    ("--optimizer sgd --use-precision-aware-optimizer --use-distributed-optimizer",
+     "training.optimizer.precision_aware requires kind adam (got sgd): only TransformerEngine's FusedAdam keeps "
+     "state in other dtypes"),
     ("--decoder-first-pipeline-num-layers 2", "parallel.decoder_first_pipeline_num_layers requires "
                                               "pipeline_parallel > 1 (got 1)"),
     ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 "
@@ -114,6 +119,18 @@ def test_layer_features_other_than_the_familys_are_modelled_not_noted():
 ])
 def test_refusals_are_one_line(flags, message):
     assert error(flags) == message
+
+
+def test_deterministic_unfused_attention_optimizers_and_rank_order_set_their_fields():
+    p = plan("--bf16 --deterministic-mode --attention-backend unfused --use-tp-pp-dp-mapping --use-distributed-optimizer "
+             "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype fp8 --main-grads-dtype bf16")
+    assert p.training.deterministic and p.training.unfused_attention and p.parallel.tp_pp_dp_mapping
+    assert (p.training.optimizer.precision_aware, p.training.optimizer.exp_avg, p.training.optimizer.exp_avg_sq,
+            p.training.optimizer.main_grads) == (True, "bf16", "fp8", "bf16")
+    assert p.training.grad_dtype(Dtype.BF16) is Dtype.BF16  # bf16 main grads: the gradient buffer in bf16
+    assert plan("--attention-backend local").training.unfused_attention
+    assert not plan("--attention-backend flash").training.unfused_attention
+    assert plan("--optimizer dist_muon --bf16").training.optimizer.kind == "muon"
 
 
 def test_context_parallelism_and_tp_comm_overlap_set_their_fields():
@@ -352,8 +369,9 @@ def test_mapped_training_flags():
     ("--transformer-impl inference_optimized", "--transformer-impl inference_optimized: inference layers are not "
                                                "supported by vtrain (it estimates training)"),
     ("--fp8-param-gather", "training.fp8_param_gather requires training.fp8 (FP8 weights exist only in FP8 training)"),
-    ("--attention-backend unfused", "--attention-backend unfused: unfused attention under TransformerEngine is not "
-                                    "modelled by vtrain yet"),
+    ("--deterministic-mode --cross-entropy-loss-fusion", "--deterministic-mode with --cross-entropy-loss-fusion: "
+                                                        "Megatron-LM refuses them together (the fused cross-entropy "
+                                                        "is not deterministic)"),
     ("--cross-entropy-fusion-impl triton", "--cross-entropy-fusion-impl must be native or te, got 'triton'"),
     ("--fp16 --accumulate-allreduce-grads-in-fp32", "--accumulate-allreduce-grads-in-fp32 with --fp16: fp32 "
                                                    "gradients of an fp16 model are not modelled by vtrain yet"),
@@ -367,8 +385,8 @@ def test_mapped_training_flags():
                                                   "--window-attn-skip-freq 2)"),
     ("--enable-cuda-graph", "--enable-cuda-graph: CUDA graphs is not modelled by vtrain yet"),
     ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graphs is not modelled by vtrain yet"),
-    ("--main-grads-dtype bf16", "--main-grads-dtype bf16: optimizer state in another dtype than fp32 is not modelled "
-                                "by vtrain yet"),
+    ("--main-grads-dtype bf16", "training.optimizer.main_grads bf16 requires training.optimizer.precision_aware "
+                                "(megatron-core keeps optimizer state in fp32 otherwise)"),
     ("--disable-tp-comm-overlap-ag", "--disable-tp-comm-overlap-ag: TP overlap without its all-gather overlap is not "
                                      "modelled by vtrain yet"),
     ("--ddp-num-buckets 4", "--ddp-num-buckets 4: a DDP bucket count (--ddp-bucket-size is modelled) is not modelled "
