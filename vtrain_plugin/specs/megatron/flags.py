@@ -134,7 +134,8 @@ moe-router-force-load-balancing! moe-router-padding-for-fp8! moe-router-fusion! 
 moe-z-loss-coeff moe-input-jitter-eps moe-per-layer-logging! moe-token-dispatcher-type moe-enable-deepep!
 moe-deepep-num-sms moe-permute-fusion! moe-extended-tp! moe-use-upcycling! moe-upcycling-granularity
 moe-token-drop-policy moe-expert-capacity-factor moe-pad-expert-input-to-capacity! moe-layer-recompute!
-moe-apply-probs-on-input!
+moe-apply-probs-on-input! moe-flex-dispatcher-backend moe-flex-dispatcher-num-sms moe-hybridep-num-sms
+overlap-moe-expert-parallel-comm!
 """
 _MLA = """
 q-lora-rank kv-lora-rank qk-head-dim qk-pos-emb-head-dim v-head-dim rotary-scaling-factor mscale
