@@ -93,3 +93,34 @@ def test_flex_kernels_slow_the_compute_they_overlap(graphs):
     few, many = (estimate(trace(MOE, replace(plan, moe_flex_num_sms=n)), cluster=cluster, training=training)
                  for n in (8, 100))
     assert few.iteration_time_ms < many.iteration_time_ms
+
+
+def test_the_same_plan_from_a_transformer_config_a_plan_file_and_flags():
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_adapters.config_map import parallel_plan_from_transformer_config
+    from vtrain_plugin.specs.megatron.args import megatron_plan
+    from vtrain_plugin.specs.megatron.launch_script import read_command_line
+    from vtrain_plugin.specs.plan_file import parse_plan
+
+    expected = ParallelPlan(data_parallel=1, expert_parallel=4, moe_token_dispatcher="flex",
+                            moe_flex_dispatcher_backend="hybridep", moe_flex_num_sms=24,
+                            overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    config = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, bf16=True,
+                               gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                               num_moe_experts=8, expert_model_parallel_size=4, moe_token_dispatcher_type="flex",
+                               moe_flex_dispatcher_backend="hybridep", moe_hybridep_num_sms=24,
+                               overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    assert parallel_plan_from_transformer_config(config, None) == expected
+    fields = {"expert_parallel": 4, "moe_token_dispatcher": "flex", "moe_flex_dispatcher_backend": "hybridep",
+              "moe_flex_num_sms": 24, "overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True}
+    plan_file = parse_plan({"model": {"family": "llama", "num_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+                                      "seq_length": 128, "vocab_size": 512, "num_experts": 8},
+                            "parallel": fields, "training": {"global_batch_size": 8}})
+    assert plan_file.parallel == expected
+    flags = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 128 --vocab-size 512 --bf16 "
+             "--micro-batch-size 1 --num-experts 8 --expert-model-parallel-size 4 --moe-token-dispatcher-type flex "
+             "--moe-flex-dispatcher-backend hybridep --moe-hybridep-num-sms 24 --overlap-moe-expert-parallel-comm "
+             "--delay-wgrad-compute")
+    assert megatron_plan(read_command_line(flags), gpus=4).parallel == replace(expected, data_parallel=4)
