@@ -4,7 +4,8 @@ Fields are read by attribute, so no megatron type leaks out. Every field that ch
 graph is either honoured (dims, GQA, head dim, dtype, the layer's normalization, activation, gated
 MLP, linear and QKV biases, dropout and QK norms, TP, CP and its communication, PP, virtual
 pipeline, SP, recompute, uneven pipeline splits, MoE experts, top-k and expert FFN, expert parallel
-and expert TP sizes, the token dispatcher, the MoE features of
+and expert TP sizes, the token dispatcher (flex: its backend and SMs), the EP all-to-all overlap and
+delayed weight gradients, the MoE features of
 :data:`vtrain_plugin.specs.model.MOE_FEATURE_DEFAULTS`: shared experts, dense layers between MoE
 layers, grouped-GEMM experts, router variants, token dropping) or refused with a one-line
 :class:`ConfigError` naming it (fp8 / fp4, multi-token prediction, MoE latent projections, custom
@@ -28,7 +29,8 @@ from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.model import MOE_FEATURE_DEFAULTS, Activation, Family, ModelSpec
 from vtrain_plugin.specs.model_features import REFUSED, not_modelled
-from vtrain_plugin.specs.parallel import CpCommType, ParallelPlan, Recompute, TokenDispatcher
+from vtrain_plugin.specs.parallel import (
+    FLEX_DEFAULT_NUM_SMS, CpCommType, FlexBackend, ParallelPlan, Recompute, TokenDispatcher)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +53,6 @@ def _is_false(value: Any) -> bool:
 UNMODELLED = (
     Unmodelled("moe_latent_size", _is_none, "MoE latent projections"),
     Unmodelled("moe_permute_fusion", _is_false, "fused MoE permutation"),
-    Unmodelled("moe_token_dispatcher_type", lambda value: value in (None, "alltoall", "allgather"),
-               "the flex token dispatcher (DeepEP / HybridEP)"),
     Unmodelled("fp8", _is_none, "fp8 training"),
     Unmodelled("fp4", _is_none, "fp4 training"),
     Unmodelled("tp_comm_overlap", _is_false, "TP communication overlap"),
@@ -232,6 +232,7 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
                                             None if etp == stated["tensor_parallel"][1] else etp)
         stated["moe_token_dispatcher"] = ("moe_token_dispatcher_type",
                                           TokenDispatcher(config.moe_token_dispatcher_type))
+        stated.update(_moe_comm_fields(config))
     if plan is None:
         return ParallelPlan(**{name: value for name, (_, value) in stated.items()})
     defaults = ParallelPlan()
@@ -241,6 +242,19 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
             raise ConfigError(f"parallel.{name} ({_show(ours)}) != TransformerConfig.{field} ({_show(value)}): "
                               f"pass a plan that agrees with the config, or parallel=None to use the config's")
     return plan
+
+
+def _moe_comm_fields(config: Any) -> dict[str, tuple[str, Any]]:
+    """The flex dispatcher's backend and the SMs of that backend (megatron-core's default: None), the
+    EP all-to-all overlap and the delayed weight gradients, as (config field, plan value)."""
+    backend = FlexBackend(getattr(config, "moe_flex_dispatcher_backend", "deepep") or "deepep")
+    sms_field = f"moe_{backend.value}_num_sms"
+    sms = getattr(config, sms_field, None)
+    return {"moe_flex_dispatcher_backend": ("moe_flex_dispatcher_backend", backend),
+            "moe_flex_num_sms": (sms_field, None if sms in (None, FLEX_DEFAULT_NUM_SMS[backend]) else sms),
+            "overlap_moe_expert_parallel_comm": ("overlap_moe_expert_parallel_comm",
+                                                 bool(getattr(config, "overlap_moe_expert_parallel_comm", False))),
+            "delay_wgrad_compute": ("delay_wgrad_compute", bool(getattr(config, "delay_wgrad_compute", False)))}
 
 
 def _layout(config: Any) -> str | None:
@@ -292,6 +306,6 @@ def _cp_comm_type(config: Any) -> CpCommType:
 
 
 def _show(value: Any) -> str:
-    if isinstance(value, (Recompute, CpCommType, TokenDispatcher)):
+    if isinstance(value, (Recompute, CpCommType, TokenDispatcher, FlexBackend)):
         return value.value
     return repr(value) if isinstance(value, bool) else str(value)

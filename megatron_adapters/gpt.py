@@ -197,9 +197,10 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
         )
     _cast_parameters(gpt, torch_dtype(model.dtype))
     if model.is_moe:
+        from megatron_adapters.flex_routing import flex_dispatch
         from megatron_adapters.moe import prepare_moe_layers
 
-        prepare_moe_layers(gpt, model.moe_routing_skew)
+        prepare_moe_layers(gpt, model.moe_routing_skew, flex_dispatch(model, plan))
     return gpt
 
 

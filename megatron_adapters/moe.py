@@ -13,6 +13,14 @@ the local experts; the dispatchers below take them from the routing assumption o
 the dropless permutation's ``masked_select``, runs as the ``nonzero`` + gather it is on the GPU with
 its count known (:func:`_masked_select`). Nothing is synthesized: the all-to-all and the expert
 GEMMs are megatron's, with the shapes the assumption gives.
+
+The flex dispatcher is megatron-core's ``MoEFlexTokenDispatcher`` with one stand-in: its fused
+DeepEP / HybridEP kernels need CUDA, so :class:`AssumedFlexManager` runs what megatron's DeepEP
+manager runs around them (the top-k of the routing map, the conversion of the received indices to
+a per-expert map, megatron's permutation) and, for each fused dispatch or combine, one all-to-all
+over expert TP x EP of the bytes DeepEP moves: a rank's tokens, each once per destination rank
+(:meth:`megatron_adapters.flex_routing.FlexDispatch.ranks_hit`), priced as DeepEP's
+kernels by :func:`vtrain_plugin.cost.comm.moe_dispatch.flex_time_ns`.
 """
 
 from __future__ import annotations
@@ -29,10 +37,11 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
+from megatron_adapters.flex_routing import FlexDispatch
 from megatron_adapters.moe_routing import DispatchCounts, expert_token_counts
 from vtrain_plugin.core.errors import ConfigError, TraceError
 from vtrain_plugin.specs.model import ModelSpec
-from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
 
 LOAD_BALANCING_LOSS = "load_balancing_loss"  # the name TopKRouter logs its auxiliary loss under
 # Megatron-LM's Mixtral / DeepSeek recipes: auxiliary load-balancing loss with coefficient 1e-2.
@@ -46,9 +55,12 @@ def moe_config_fields(model: ModelSpec, plan: ParallelPlan) -> dict:
     them (:func:`moe_feature_fields`)."""
     if not model.is_moe:
         return {}
+    # megatron-core cannot build the flex dispatcher without DeepEP: the layer is built with the
+    # all-to-all one, which prepare_moe_layers replaces by the flex stand-in.
+    built = "alltoall" if plan.moe_token_dispatcher is TokenDispatcher.FLEX else plan.moe_token_dispatcher.value
     return dict(num_moe_experts=model.num_experts, moe_router_topk=model.router_topk,
                 moe_ffn_hidden_size=model.expert_ffn_size, expert_model_parallel_size=plan.expert_parallel,
-                expert_tensor_parallel_size=plan.expert_tp, moe_token_dispatcher_type=plan.moe_token_dispatcher.value,
+                expert_tensor_parallel_size=plan.expert_tp, moe_token_dispatcher_type=built,
                 moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
                 moe_router_pre_softmax=model.router_topk == 1, **LOAD_BALANCING, **moe_feature_fields(model, plan))
 
@@ -89,12 +101,13 @@ def moe_layer_spec(model: ModelSpec):
                                            moe_grouped_gemm=False)
 
 
-def prepare_moe_layers(module: torch.nn.Module, skew: float) -> None:
+def prepare_moe_layers(module: torch.nn.Module, skew: float, flex: FlexDispatch | None = None) -> None:
     """Make the MoE layers under ``module`` traceable as a steady-state step (build it under the
     fake mode that runs the step).
 
     Each layer gets a token dispatcher of the same kind and process groups that takes its token
-    counts from the routing assumption with skew ``skew``. Megatron's per-layer log of the
+    counts from the routing assumption with skew ``skew`` (with ``flex``, the flex dispatcher over
+    the same groups, :class:`AssumedFlexDispatcher`). Megatron's per-layer log of the
     load-balancing loss (a global of moe_utils) is allocated here: its training loop allocates it at
     the first step and only zeroes it later, and a log left by an earlier trace holds tensors of
     another fake mode.
@@ -111,6 +124,11 @@ def prepare_moe_layers(module: torch.nn.Module, skew: float) -> None:
         kind = {dispatchers.MoEAlltoAllTokenDispatcher: AssumedAlltoAllDispatcher,
                 dispatchers.MoEAllGatherTokenDispatcher: AssumedAllGatherDispatcher}[type(built)]
         groups = ProcessGroupCollection(ep=built.ep_group, expt_tp=built.tp_group, tp_ep=built.tp_ep_group)
+        if flex is not None:
+            layer.token_dispatcher = AssumedFlexDispatcher(layer.num_local_experts, layer.local_expert_indices,
+                                                           config=layer.config, pg_collection=groups,
+                                                           routing_skew=skew, flex=flex)
+            continue
         layer.token_dispatcher = kind(layer.num_local_experts, layer.local_expert_indices, config=layer.config,
                                       pg_collection=groups, routing_skew=skew)
 
@@ -179,6 +197,110 @@ class AssumedAllGatherDispatcher(dispatchers.MoEAllGatherTokenDispatcher):
                                           int(tokens_per_expert.sum()))
         self.routing_map = None
         return permuted, tokens_per_expert, self.local_probs
+
+
+class AssumedFlexDispatcher(dispatchers.MoEFlexTokenDispatcher):
+    """megatron-core's flex dispatcher with :class:`AssumedFlexManager` for its DeepEP manager."""
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection, routing_skew: float,
+                 flex: FlexDispatch):
+        dispatchers.MoETokenDispatcher.__init__(self, config=config, pg_collection=pg_collection)
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = local_expert_indices
+        self._comm_manager = AssumedFlexManager(self, routing_skew, flex)
+
+
+class AssumedFlexManager(dispatchers._DeepepManager):
+    """megatron-core 0.16's ``_DeepepManager`` with its fused kernels as one all-to-all each (see
+    the module doc) and the received token counts from the routing assumption."""
+
+    def __init__(self, dispatcher: AssumedFlexDispatcher, routing_skew: float, flex: FlexDispatch):
+        self.group = dispatcher.tp_ep_group
+        self.num_local_experts = dispatcher.num_local_experts
+        self.config = dispatcher.config
+        self.router_topk = dispatcher.tp_size * self.config.moe_router_topk
+        self.num_experts = dispatcher.tp_size * self.config.num_moe_experts
+        self.router_dtype = self.config.moe_router_dtype
+        self.capacity_factor = self.config.moe_expert_capacity_factor
+        self.permute_fusion = False
+        self.token_indices = self.token_probs = self.handle = None
+        self.ep_size, self.etp_size = dispatcher.ep_size, dispatcher.tp_size
+        self.routing_skew = routing_skew
+        self.ranks_hit = flex.ranks_hit()
+
+    def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's fused dispatch: the tokens each destination rank receives (once per rank), their
+        top-k indices and probabilities (fp32, as DeepEP takes them), the counts per local expert."""
+        self.num_tokens = hidden_states.size(0)
+        received = max(1, round(self.num_tokens * self.ranks_hit))
+        self.received = received
+        per_expert = _routed_counts(self.num_tokens, self.config, self.routing_skew)
+        self.tokens_per_expert = DispatchCounts(per_expert=per_expert, ep=self.ep_size,
+                                                etp=self.etp_size).tokens_per_local_expert
+        self.dispatched_indices = self.token_indices.new_empty(received, self.router_topk)
+        self.dispatched_probs = _CarriedAlong.apply(self.token_probs.float(), received)
+        return _FlexAllToAll.apply(hidden_states, received, received, self.group)
+
+    def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's fused combine: the experts' outputs back to their tokens' ranks, summed there."""
+        return _FlexAllToAll.apply(hidden_states, self.received, self.num_tokens, self.group)
+
+    def get_permuted_hidden_states_by_experts(self, hidden_states):
+        """megatron's conversion of the received top-k indices to a per-local-expert map (its
+        unfused variant selects with data-dependent masks; here one scatter of the same size), then
+        its permutation by local expert with the count the assumption gives."""
+        routing_map = torch.zeros(self.received, self.num_local_experts, dtype=torch.bool,
+                                  device=hidden_states.device)
+        routing_map = routing_map.scatter(1, self.dispatched_indices.clamp(0, self.num_local_experts - 1), True)
+        probs = torch.zeros(self.received, self.num_local_experts, dtype=torch.float32, device=hidden_states.device)
+        probs = probs.scatter(1, self.dispatched_indices.clamp(0, self.num_local_experts - 1), self.dispatched_probs)
+        self.dispatched_routing_map = routing_map
+        self.hidden_shape_before_permute = hidden_states.shape
+        hidden_states, permuted_probs, self.reversed_mapping_for_combine = _permute(
+            hidden_states, routing_map, probs=probs, num_out_tokens=int(self.tokens_per_expert.sum()))
+        return hidden_states, permuted_probs
+
+    def get_number_of_tokens_per_expert(self):
+        return self.tokens_per_expert
+
+
+class _FlexAllToAll(torch.autograd.Function):
+    """One fused DeepEP kernel as the all-to-all of its volume: ``wire_rows`` rows of the hidden size
+    over ``group`` (the tokens received, once per destination rank), ``out_rows`` rows out; its
+    backward is the kernel of the other direction (dispatch's is a combine and vice versa)."""
+
+    @staticmethod
+    def forward(ctx, tokens, wire_rows, out_rows, group):
+        ctx.wire_rows, ctx.in_rows, ctx.group = wire_rows, tokens.size(0), group
+        return _exchange(tokens, wire_rows, out_rows, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad.contiguous(), ctx.wire_rows, ctx.in_rows, ctx.group), None, None, None
+
+
+class _CarriedAlong(torch.autograd.Function):
+    """What DeepEP's dispatch sends in the same kernel as the tokens (their top-k probabilities, a
+    few bytes per token): ``rows`` rows out, its gradient back in the combine; no op of its own."""
+
+    @staticmethod
+    def forward(ctx, values, rows):
+        ctx.shape = values.shape
+        return values.new_empty(rows, values.size(-1))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_empty(ctx.shape), None
+
+
+def _exchange(tokens: torch.Tensor, wire_rows: int, out_rows: int, group) -> torch.Tensor:
+    hidden = tokens.size(-1)
+    send = tokens if tokens.size(0) == wire_rows else tokens.new_empty(wire_rows, hidden)
+    received = tokens.new_empty(wire_rows, hidden)
+    size = group.size()
+    splits = [wire_rows // size + (1 if i < wire_rows % size else 0) for i in range(size)]
+    torch.distributed.all_to_all_single(received, send, splits, splits, group=group)
+    return received if out_rows == wire_rows else tokens.new_empty(out_rows, hidden)
 
 
 def _routed_counts(tokens: int, config, skew: float) -> tuple[int, ...]:

@@ -17,6 +17,8 @@ the all-to-all and to split tokens among local experts; vtrain supplies them fro
   ``ceil(tokens * topk / experts * c)`` pairs from each rank, and drops the rest; padded to
   capacity, it takes exactly that many.
 
+The flex dispatcher's volume under the same assumption is :mod:`megatron_adapters.flex_routing`'s.
+
 Nothing here imports megatron-core; :mod:`megatron_adapters.moe` hands these counts to megatron's
 token dispatchers.
 """

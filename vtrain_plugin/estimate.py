@@ -273,7 +273,7 @@ def predict(prepared: PreparedGraph, *, cluster: ClusterSpec, training: Training
     device = get_device(cluster.gpu)
     efficiency = cluster.network_efficiency if cluster.network_efficiency is not None else constants.network_efficiency
     comm = CommModel.for_plan(cluster, plan, measured_comm=measured_comm, network_efficiency=efficiency,
-                              ring_only=training.deterministic)
+                              ring_only=training.deterministic, model=prepared.graph.model)
     num_microbatches = training.num_microbatches(plan.data_parallel, plan.micro_batch_size)
     timer = KernelTimer(device, constants, slowdown=slowest_gpu_factor(constants.gpu_speed_spread, plan.world_size))
     costing = cost(prepared, timer=timer, comm=comm, training=training,

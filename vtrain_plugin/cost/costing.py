@@ -29,9 +29,11 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CollectiveKind, ParallelGroup, Phase
 from vtrain_plugin.cost.comm.collectives import CommModel
 from vtrain_plugin.cost.comm.overlap import exposed_ns
+from vtrain_plugin.cost.comm.ep_overlap import OverlapParts, pair_saving_ns, steady_pairs
 from vtrain_plugin.cost.comm.dp_buckets import BlockGradients, ZeroRuntime, dp_buckets, zero_buckets
 from vtrain_plugin.cost.comm.fsdp import FsdpUnit, exposed_per_microbatch, prefetch_units
 from vtrain_plugin.cost.kernels.host_device import SegmentTime, segment_sums, segment_times, sequence, then
+from vtrain_plugin.cost.kernels.op_classes import OpClass, classify
 from vtrain_plugin.cost.kernels.timer import KernelTimer
 from vtrain_plugin.cost.comm.moe_dispatch import MOE_GROUPS
 from vtrain_plugin.cost.prepare import PHASES, PreparedGraph, PreparedStage
@@ -80,7 +82,8 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
         key = (id(stage.role), id(stage.runtime), placements[rank], rank == 0 and chunk == 0, chunk > 0)
         staged = costed.get(key)
         if staged is None:
-            staged = costed[key] = _stage_cost(stage, timer, comm, training, num_microbatches, explain)
+            staged = costed[key] = _stage_cost(stage, timer, comm, training, num_microbatches, explain,
+                                               _ep_overlap(parallel, timer))
         provenance.add(staged.provenance)
         chunks.append(staged.work)
         optimizer[rank] += staged.optimizer_ns
@@ -93,8 +96,27 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
     return Costing(work=work, provenance=provenance, flops=dict(prepared.flops))
 
 
+@dataclass(frozen=True, slots=True)
+class _EpOverlap:
+    """The plan's EP all-to-all overlap (:mod:`vtrain_plugin.cost.comm.ep_overlap`)."""
+
+    delay_wgrad: bool
+    comm_sm_share: float  # of the device's SMs the dispatch kernels occupy while compute runs beside them
+    pipeline_parallel: int
+    virtual_pipeline: int
+
+
+def _ep_overlap(parallel, timer: KernelTimer) -> _EpOverlap | None:
+    if not parallel.overlap_moe_expert_parallel_comm:
+        return None
+    flex = parallel.moe_token_dispatcher.value == "flex"
+    share = min(1.0, parallel.flex_num_sms / timer.device.sm_count) if flex else 0.0
+    return _EpOverlap(delay_wgrad=parallel.delay_wgrad_compute, comm_sm_share=share,
+                      pipeline_parallel=parallel.pipeline_parallel, virtual_pipeline=parallel.virtual_pipeline)
+
+
 def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, training: TrainingSpec,
-                num_microbatches: int, explain: bool) -> StageCost:
+                num_microbatches: int, explain: bool, ep_overlap: _EpOverlap | None = None) -> StageCost:
     stage, role = prepared.stage, prepared.role
     rank = stage.pipeline_rank
     constants = timer.constants
@@ -150,6 +172,26 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         cp[s.phase] += s.count * cp_comm[i]
         ep[s.phase] += s.count * ep_comm[i]
 
+    forward_total = totals[Phase.FORWARD] + constants.microbatch_overhead_ns
+    backward_total = totals[Phase.BACKWARD]
+    ep_forward, ep_backward = ep[Phase.FORWARD], ep[Phase.BACKWARD] + ep[Phase.RECOMPUTE]
+    if ep_overlap is not None and ep_forward + ep_backward > 0:
+        moe_ns, expert_gemm_ns = _moe_mlp_ns(role, device, is_comm, is_ep, segments)
+        parts = OverlapParts(
+            forward_other_ns=max(0.0, forward_total - moe_ns[Phase.FORWARD] - ep_forward),
+            forward_moe_ns=moe_ns[Phase.FORWARD],
+            backward_other_ns=max(0.0, backward_total + totals[Phase.RECOMPUTE] - moe_ns[Phase.BACKWARD] - ep_backward),
+            backward_moe_ns=moe_ns[Phase.BACKWARD], backward_expert_gemm_ns=expert_gemm_ns,
+            ep_forward_ns=ep_forward, ep_backward_ns=ep_backward)
+        saving = pair_saving_ns(parts, delay_wgrad=ep_overlap.delay_wgrad, comm_sm_share=ep_overlap.comm_sm_share)
+        saving *= steady_pairs(pipeline_parallel=ep_overlap.pipeline_parallel,
+                               virtual_pipeline=ep_overlap.virtual_pipeline, num_microbatches=num_microbatches,
+                               pipeline_rank=rank)
+        saved_forward = saving * ep_forward / (ep_forward + ep_backward)
+        saved_backward = min(saving - saved_forward, backward_total, ep_backward)
+        forward_total, ep_forward = forward_total - saved_forward, ep_forward - saved_forward
+        backward_total, ep_backward = backward_total - saved_backward, ep_backward - saved_backward
+
     runtime = prepared.runtime
     sync_ns = max((comm.time_ns(n.kind, n.nbytes, n.group, pipeline_rank=rank) for n in runtime.embedding_sync),
                   default=0.0)
@@ -174,13 +216,12 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     if training.fsdp is not None:
         fsdp_forward, fsdp_backward = _fsdp_exposed(gradients, expert_gradients, prepared, comm, training)
     work = ChunkWork(
-        forward_ns=totals[Phase.FORWARD] + constants.microbatch_overhead_ns + fsdp_forward,
-        backward_ns=totals[Phase.BACKWARD] + fsdp_backward,
+        forward_ns=forward_total + fsdp_forward, backward_ns=backward_total + fsdp_backward,
         dp_comm_forward_ns=fsdp_forward, dp_comm_backward_ns=fsdp_backward,
         recompute_ns=totals[Phase.RECOMPUTE], tp_comm_forward_ns=tp[Phase.FORWARD],
         tp_comm_backward_ns=tp[Phase.BACKWARD] + tp[Phase.RECOMPUTE], cp_comm_forward_ns=cp[Phase.FORWARD],
-        cp_comm_backward_ns=cp[Phase.BACKWARD] + cp[Phase.RECOMPUTE], ep_comm_forward_ns=ep[Phase.FORWARD],
-        ep_comm_backward_ns=ep[Phase.BACKWARD] + ep[Phase.RECOMPUTE],
+        cp_comm_backward_ns=cp[Phase.BACKWARD] + cp[Phase.RECOMPUTE], ep_comm_forward_ns=ep_forward,
+        ep_comm_backward_ns=ep_backward,
         p2p_forward_ns=p2p[Phase.FORWARD], p2p_backward_ns=p2p[Phase.BACKWARD],
         dp_buckets=sorted(reduces + expert_reduces, key=lambda b: b.ready_fraction),
         param_gathers=sorted(gathers + expert_gathers, key=lambda g: g.need_fraction))
@@ -235,6 +276,28 @@ def _fsdp_exposed(gradients: Sequence[BlockGradients], expert_gradients: Sequenc
         units.extend([unit] * block.count)
         numels.extend([sum(block.param_numels) + sum(expert.param_numels)] * block.count)
     return exposed_per_microbatch(units, training.fsdp, prefetch_units(training.fsdp, numels))
+
+
+def _moe_mlp_ns(role, device: np.ndarray, is_comm: np.ndarray, is_ep: np.ndarray, segments
+                ) -> tuple[dict[Phase, float], float]:
+    """Per phase (recompute counted with backward), the compute of one micro-batch inside the MoE
+    layers' MLPs (the ``.mlp`` modules of the blocks with EP collectives), and the backward time of
+    their experts' GEMMs."""
+    in_mlp = np.array([n is not None and ".mlp" in n.module for n in role.nodes], bool)
+    expert_gemm = np.array([n is not None and ".mlp.experts" in n.module and classify(n.op) is OpClass.GEMM
+                            for n in role.nodes], bool)
+    has_ep = segment_sums(is_ep.astype(float), segments) > 0
+    mlp = segment_sums(np.where(in_mlp & ~is_comm, device, 0.0), segments)
+    gemms = segment_sums(np.where(expert_gemm, device, 0.0), segments)
+    out = dict.fromkeys(PHASES, 0.0)
+    expert_gemm_ns = 0.0
+    for i, s in enumerate(segments):
+        if has_ep[i]:
+            out[s.phase] += s.count * mlp[i]
+            if s.phase is Phase.BACKWARD:
+                expert_gemm_ns += s.count * gemms[i]
+    return {Phase.FORWARD: out[Phase.FORWARD], Phase.BACKWARD: out[Phase.BACKWARD] + out[Phase.RECOMPUTE]}, \
+        expert_gemm_ns
 
 
 def _busy(t: SegmentTime) -> float:

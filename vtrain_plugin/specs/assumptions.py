@@ -43,6 +43,26 @@ def moe_assumptions(model: ModelSpec, plan: ParallelPlan) -> tuple[str, ...]:
     if model.moe_shared_expert_overlap:
         lines.append("MoE shared expert overlap: the forward dispatch and combine all-to-alls hidden behind the "
                      "shared expert's GEMMs")
+    return tuple(lines) + moe_comm_assumptions(model, plan)
+
+
+def moe_comm_assumptions(model: ModelSpec, plan: ParallelPlan) -> tuple[str, ...]:
+    """The flex dispatcher's stand-in and constants, and the EP all-to-all overlap's step model."""
+    lines = []
+    if plan.moe_token_dispatcher.value == "flex":
+        lines.append(f"MoE flex dispatcher ({plan.moe_flex_dispatcher_backend.value}) traced as one all-to-all per "
+                     f"dispatch / combine of each token once per destination rank under balanced routing; timed "
+                     f"at the fractions of nominal NVLink and NIC rates DeepEP measured on H800, not validated on "
+                     f"other GPUs"
+                     + ("; HybridEP priced with DeepEP's bandwidths" if plan.moe_flex_dispatcher_backend.value
+                        == "hybridep" else ""))
+    if plan.overlap_moe_expert_parallel_comm:
+        sms = (f"compute beside them loses the {plan.flex_num_sms} SMs of the flex kernels"
+               if plan.moe_token_dispatcher.value == "flex" else "NCCL's SMs not counted")
+        lines.append("EP all-to-all overlap: steady-state forward/backward pairs merged in megatron-core's four "
+                     "steps, dispatch and combine each half of a phase's EP time" +
+                     (", expert weight gradients half of their backward GEMM time" if plan.delay_wgrad_compute
+                      else "") + f"; {sms}")
     return tuple(lines)
 
 

@@ -27,6 +27,18 @@ class TokenDispatcher(StrEnum):
 
     ALLTOALL = "alltoall"  # all-to-all over the EP group, all-gather / reduce-scatter over expert TP
     ALLGATHER = "allgather"  # all-gather of every token over expert TP x EP, reduce-scatter back
+    FLEX = "flex"  # fused dispatch / combine over expert TP x EP (DeepEP or HybridEP kernels)
+
+
+class FlexBackend(StrEnum):
+    """The kernels of the flex dispatcher (megatron-core's ``moe_flex_dispatcher_backend``)."""
+
+    DEEPEP = "deepep"
+    HYBRIDEP = "hybridep"
+
+
+# megatron-core's moe_deepep_num_sms and moe_hybridep_num_sms defaults: SMs the flex kernels occupy.
+FLEX_DEFAULT_NUM_SMS = {FlexBackend.DEEPEP: 20, FlexBackend.HYBRIDEP: 16}
 
 
 class Recompute(StrEnum):
@@ -69,6 +81,15 @@ class ParallelPlan:
     # Ranks numbered tp-cp-ep-pp-dp instead of megatron-core's default tp-cp-ep-dp-pp (Megatron-LM's
     # --use-tp-pp-dp-mapping): pipeline stages of one replica sit closer, data-parallel peers farther.
     tp_pp_dp_mapping: bool = False
+    # The flex dispatcher's kernels and the SMs they occupy (None: megatron-core's default for the
+    # backend, FLEX_DEFAULT_NUM_SMS); see vtrain_plugin.cost.comm.moe_dispatch.
+    moe_flex_dispatcher_backend: FlexBackend = FlexBackend.DEEPEP
+    moe_flex_num_sms: int | None = None
+    # megatron-core's combined 1F1B: the EP all-to-alls of one micro-batch's forward run beside
+    # another's backward compute and vice versa; delay_wgrad_compute also moves the experts'
+    # weight-gradient GEMMs after the backward dispatch so that they hide it (cost.comm.ep_overlap).
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
 
     def __post_init__(self) -> None:
         v.boolean("parallel.tp_pp_dp_mapping", self.tp_pp_dp_mapping)
@@ -87,6 +108,7 @@ class ParallelPlan:
             limits.WORLD_SIZE.positive_int("parallel.expert_tensor_parallel", self.expert_tensor_parallel)
         object.__setattr__(self, "moe_token_dispatcher", TokenDispatcher(v.one_of(
             "parallel.moe_token_dispatcher", str(self.moe_token_dispatcher), [d.value for d in TokenDispatcher])))
+        self._check_moe_comm_fields()
         object.__setattr__(self, "recompute", Recompute(
             v.one_of("parallel.recompute", self.recompute, [r.value for r in Recompute])))
         if self.sequence_parallel and self.tensor_parallel == 1:
@@ -94,6 +116,38 @@ class ParallelPlan:
         if self.virtual_pipeline > 1 and self.pipeline_parallel == 1:
             raise ConfigError("parallel.virtual_pipeline > 1 requires pipeline_parallel > 1 (got 1)")
         self._check_split_fields()
+
+    def _check_moe_comm_fields(self) -> None:
+        """The flex dispatcher's settings and megatron-core's rules for the EP overlap (its
+        TransformerConfig checks; those that need the model are LAYOUT_RULES)."""
+        object.__setattr__(self, "moe_flex_dispatcher_backend", FlexBackend(v.one_of(
+            "parallel.moe_flex_dispatcher_backend", str(self.moe_flex_dispatcher_backend),
+            [b.value for b in FlexBackend])))
+        if self.moe_flex_num_sms is not None:
+            limits.WORLD_SIZE.positive_int("parallel.moe_flex_num_sms", self.moe_flex_num_sms)
+        overlap = v.boolean("parallel.overlap_moe_expert_parallel_comm", self.overlap_moe_expert_parallel_comm)
+        if v.boolean("parallel.delay_wgrad_compute", self.delay_wgrad_compute) and not overlap:
+            raise ConfigError("parallel.delay_wgrad_compute requires parallel.overlap_moe_expert_parallel_comm "
+                              "(megatron-core's rule)")
+        if not overlap:
+            return
+        if self.expert_parallel == 1:
+            raise ConfigError("parallel.overlap_moe_expert_parallel_comm requires expert_parallel > 1 (got 1)")
+        if self.moe_token_dispatcher is TokenDispatcher.ALLGATHER:
+            raise ConfigError("parallel.overlap_moe_expert_parallel_comm requires moe_token_dispatcher alltoall "
+                              "or flex (got allgather)")
+        if self.pipeline_parallel > 1 and self.virtual_pipeline == 1:
+            raise ConfigError(f"parallel.overlap_moe_expert_parallel_comm with pipeline_parallel "
+                              f"({self.pipeline_parallel}) > 1 requires virtual_pipeline > 1 (megatron-core "
+                              f"overlaps the all-to-alls in the interleaved schedule only)")
+        if self.recompute is Recompute.FULL:
+            raise ConfigError("parallel.overlap_moe_expert_parallel_comm cannot be combined with recompute full "
+                              "(megatron-core's rule)")
+
+    @property
+    def flex_num_sms(self) -> int:
+        """SMs the flex dispatcher's kernels occupy: the one given, else megatron-core's default."""
+        return self.moe_flex_num_sms or FLEX_DEFAULT_NUM_SMS[self.moe_flex_dispatcher_backend]
 
     def _check_split_fields(self) -> None:
         uneven = [name for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
@@ -164,6 +218,7 @@ class ParallelPlan:
         d["recompute"] = self.recompute.value
         d["cp_comm_type"] = self.cp_comm_type.value
         d["moe_token_dispatcher"] = self.moe_token_dispatcher.value
+        d["moe_flex_dispatcher_backend"] = self.moe_flex_dispatcher_backend.value
         return d
 
 
@@ -247,11 +302,34 @@ MOE_LAYOUT_RULES: tuple[LayoutRule, ...] = (
         message=lambda p, m: (f"expert_tensor_parallel ({p.expert_tp}) must be 1 for a gpt-family MoE model: "
                               f"megatron-core supports expert linear biases only without expert TP")),
     LayoutRule(
+        name="flex needs tp*ep > 1",
+        broken=lambda p, m: (m.is_moe and p.moe_token_dispatcher is TokenDispatcher.FLEX
+                             and p.expert_parallel * p.expert_tp == 1),
+        message=lambda p, m: ("parallel.moe_token_dispatcher flex requires expert_parallel * expert_tensor_parallel "
+                              "> 1 (megatron-core's rule)")),
+    LayoutRule(
+        name="ep overlap model",
+        broken=lambda p, m: p.overlap_moe_expert_parallel_comm and _ep_overlap_error(m, p) is not None,
+        message=lambda p, m: _ep_overlap_error(m, p) or ""),
+    LayoutRule(
         name="moe tp needs sp",
         broken=lambda p, m: m.is_moe and p.tensor_parallel > 1 and not p.sequence_parallel,
         message=lambda p, m: (f"a mixture-of-experts model with tensor_parallel ({p.tensor_parallel}) > 1 needs "
                               f"sequence_parallel (megatron-core refuses to train MoE layers under TP without it)")),
 )
+
+
+def _ep_overlap_error(model: ModelSpec, plan: ParallelPlan) -> str | None:
+    """What of ``model`` megatron-core refuses with overlap_moe_expert_parallel_comm, or None."""
+    if model.moe_shared_expert_overlap:
+        return "parallel.overlap_moe_expert_parallel_comm cannot be combined with model.moe_shared_expert_overlap"
+    if model.dtype.value not in ("bf16", "fp16"):
+        return f"parallel.overlap_moe_expert_parallel_comm requires a bf16 or fp16 model (got {model.dtype.value})"
+    if model.mtp_num_layers is not None and model.mtp_num_layers > 1:
+        return f"parallel.overlap_moe_expert_parallel_comm allows mtp_num_layers 1 at most (got {model.mtp_num_layers})"
+    if model.mtp_num_layers == 1 and plan.pipeline_parallel == 1:
+        return "parallel.overlap_moe_expert_parallel_comm with mtp_num_layers 1 requires pipeline_parallel > 1"
+    return None
 
 
 def _has_mamba(model: ModelSpec) -> bool:

@@ -67,6 +67,10 @@ PLAN_FIELDS_NOT_IN_KEY = {"data_parallel": 16, "account_for_embedding_in_pipelin
 # Uneven first / last stages (they need several stages) pick each chunk's layer count, i.e. the
 # layers built (a field of the key), not the trace of a chunk role.
 UNEVEN_SPLIT_NOT_IN_KEY = {"decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1}
+# The flex dispatcher's kernels and the EP overlap change how a MoE chunk is costed, not its trace.
+EP_PLAN = ParallelPlan(data_parallel=2, expert_parallel=2)
+EP_COMM_NOT_IN_KEY = {"moe_flex_dispatcher_backend": "hybridep", "moe_flex_num_sms": 24,
+                      "overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True}
 # A layout picks each chunk's layer count as those do (Et|tL: one layer per stage of PP 2).
 LAYOUT_NOT_IN_KEY = {"pipeline_layout": "Et|tL"}
 
@@ -159,7 +163,9 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
                             | set(MODEL_FIELDS_NOT_IN_KEY) | MODEL_FIELDS_REFUSED | set(LAYER_VARIANTS)
                             | {"rotary_percent", "add_qkv_bias"} | set(ATTENTION_VARIANTS))
     assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
-                           | {"virtual_pipeline"} | set(LAYOUT_NOT_IN_KEY))
+                           | {"virtual_pipeline"} | set(LAYOUT_NOT_IN_KEY) | set(EP_COMM_NOT_IN_KEY))
+    assert shape_key(MOE_MODEL, dataclasses.replace(EP_PLAN, **EP_COMM_NOT_IN_KEY), True, True, 2) == \
+        shape_key(MOE_MODEL, EP_PLAN, True, True, 2)
     paths = {disk_cache.entry_path(KEY)}
     for name, value in MODEL_VARIANTS.items():
         model = dataclasses.replace(MODEL, **{name: value})

@@ -30,3 +30,15 @@ def test_a_hybrid_says_its_mixer_is_a_stand_in():
                        hybrid_layer_pattern="M*-")
     (line,) = assumptions(hybrid, PLAN)
     assert line.startswith("Mamba-2 mixer traced through a stand-in") and "never measured" in line
+
+
+def test_flex_and_ep_overlap_state_their_constants():
+    from vtrain_plugin.specs.parallel import ParallelPlan
+    moe = ModelSpec(**LLAMA, num_experts=8)
+    plan = ParallelPlan(data_parallel=4, expert_parallel=4, moe_token_dispatcher="flex",
+                        overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    lines = [line for line in assumptions(moe, plan) if "flex" in line or "EP all-to-all" in line]
+    assert len(lines) == 2
+    assert "not validated on other GPUs" in lines[0] and "20 SMs" in lines[1] and "weight gradients" in lines[1]
+    assert not [line for line in assumptions(moe, ParallelPlan(data_parallel=4, expert_parallel=4))
+                if "flex" in line or "EP all-to-all" in line]

@@ -52,12 +52,15 @@ import numpy as np
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.hardware.nccl import NcclTable, load_table_set
+from megatron_adapters.flex_routing import FlexDispatch, flex_dispatch
+from vtrain_plugin.cost.comm.moe_dispatch import flex_time_ns
 from vtrain_plugin.cost.comm.topology import GroupPlacement, Layout
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CollectiveKind, ParallelGroup
 
 if TYPE_CHECKING:
     from vtrain_plugin.specs.cluster import ClusterSpec
+    from vtrain_plugin.specs.model import ModelSpec
     from vtrain_plugin.specs.parallel import ParallelPlan
 
 # NCCL tuning.cc: tree all-reduce reaches 92% of the ring's bus bandwidth and its algorithm
@@ -81,6 +84,9 @@ class CommModel:
     # no tree all-reduce across nodes.
     ring_only: bool = False
     tp_pp_dp_mapping: bool = False  # the plan's rank order (Layout.tp_pp_dp_mapping)
+    # The flex token dispatcher's routing: its all-to-alls over expert TP x EP are DeepEP's / HybridEP's
+    # (vtrain_plugin.cost.comm.moe_dispatch), not NCCL's. None: no flex dispatcher.
+    flex: FlexDispatch | None = None
     layout: Layout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -98,8 +104,12 @@ class CommModel:
     @classmethod
     def for_plan(cls, cluster: ClusterSpec, plan: ParallelPlan, *,
                  measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None,
-                 network_efficiency: float = 1.0, ring_only: bool = False) -> CommModel:
-        return cls(cluster=cluster, tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
+                 network_efficiency: float = 1.0, ring_only: bool = False,
+                 model: ModelSpec | None = None) -> CommModel:
+        """The comm model of ``plan`` on ``cluster``; ``model`` gives the routing a flex dispatcher's
+        time depends on (needed with ``plan.moe_token_dispatcher`` flex)."""
+        return cls(flex=None if model is None else flex_dispatch(model, plan), cluster=cluster,
+                   tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
                    data_parallel=plan.data_parallel, expert_parallel=plan.expert_parallel,
                    expert_tensor_parallel=plan.expert_tp, measured_comm=measured_comm,
                    network_efficiency=network_efficiency, context_parallel=plan.context_parallel, ring_only=ring_only,
@@ -133,6 +143,12 @@ class CommModel:
         n = placement.size
         if n == 1 or nbytes == 0:
             return 0.0
+        flex_kernel = kind is CollectiveKind.ALL_TO_ALL and ParallelGroup(group) is ParallelGroup.EXPERT_TP_EP
+        if self.flex is not None and flex_kernel:
+            c = self.cluster
+            return flex_time_ns(nbytes, placement, self.flex, nvlink_bytes_per_ns=c.intra_node_bytes_per_ns,
+                                nic_bytes_per_ns=c.inter_node_bytes_per_ns / c.gpus_per_node,
+                                intra_latency_ns=c.intra_node_latency_ns, inter_latency_ns=c.inter_node_latency_ns)
         measured = self._measured_ns(kind, nbytes, placement)
         if measured is not None:
             return measured

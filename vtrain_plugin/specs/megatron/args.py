@@ -33,7 +33,7 @@ from vtrain_plugin.specs.megatron.hybrid_args import hybrid_fields
 from vtrain_plugin.specs.megatron.attention import consumed_by_attention
 from vtrain_plugin.specs.megatron.flag_values import positive_int
 from vtrain_plugin.specs.megatron.model import Given, model_fields, recompute_mode
-from vtrain_plugin.specs.megatron.moe_flags import capacity_factor, moe_layer_freq, number
+from vtrain_plugin.specs.megatron.moe_flags import capacity_factor, flex_dispatcher_fields, moe_layer_freq, number
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.optimizer import OptimizerSpec
 from vtrain_plugin.specs.model_features import REFUSED, unmodelled_warning
@@ -89,13 +89,6 @@ def _state_dtype(flag: str, value: Any) -> str:
     return value
 
 
-def _dispatcher(flag: str, value: Any) -> Any:
-    """The dispatcher as given (ParallelPlan checks the name); flex is not modelled."""
-    if value == "flex":
-        raise ConfigError(f"{flag} flex: the flex token dispatcher (DeepEP / HybridEP) is not modelled by vtrain yet")
-    return value
-
-
 @dataclass(frozen=True, slots=True)
 class FlagField:
     """A flag that sets one spec field as given (``"section.field"``), or that shapes the plan in a way
@@ -126,7 +119,10 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--moe-ffn-hidden-size", "model.moe_ffn_hidden_size"),
     FlagField("--expert-model-parallel-size", "parallel.expert_parallel"),
     FlagField("--expert-tensor-parallel-size", "parallel.expert_tensor_parallel"),
-    FlagField("--moe-token-dispatcher-type", "parallel.moe_token_dispatcher", convert=_dispatcher),
+    FlagField("--moe-token-dispatcher-type", "parallel.moe_token_dispatcher", convert=_as_given),
+    FlagField("--moe-flex-dispatcher-backend", "parallel.moe_flex_dispatcher_backend", convert=_as_given),
+    FlagField("--overlap-moe-expert-parallel-comm", "parallel.overlap_moe_expert_parallel_comm", convert=_as_given),
+    FlagField("--delay-wgrad-compute", "parallel.delay_wgrad_compute", convert=_as_given),
     # MoE layer features (megatron-core's MoELayer builds them; ModelSpec checks them)
     FlagField("--moe-shared-expert-intermediate-size", "model.moe_shared_expert_intermediate_size"),
     FlagField("--moe-shared-expert-overlap", "model.moe_shared_expert_overlap", convert=_as_given),
@@ -140,7 +136,6 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--moe-expert-capacity-factor", "model.moe_expert_capacity_factor", convert=capacity_factor),
     FlagField("--moe-pad-expert-input-to-capacity", "model.moe_pad_expert_input_to_capacity", convert=_as_given),
     FlagField("--moe-token-drop-policy", "model.moe_token_drop_policy", convert=_as_given),
-    FlagField("--moe-enable-deepep", None, False, "the flex token dispatcher (DeepEP / HybridEP)", _as_given),
     FlagField("--moe-layer-recompute", None, False, "recompute of MoE layers", _as_given),
     FlagField("--use-distributed-optimizer", "training.distributed_optimizer", convert=_as_given),
     FlagField("--overlap-param-gather", "training.overlap_param_gather", convert=_as_given),
@@ -178,8 +173,6 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--disable-tp-comm-overlap-rs", None, None, "TP overlap without its reduce-scatter overlap", _as_given),
     FlagField("--microbatch-group-size-per-virtual-pipeline-stage", None, None,
               "an interleaved schedule with micro-batch groups other than the pipeline size"),
-    FlagField("--delay-wgrad-compute", None, None, "weight-gradient GEMMs delayed to overlap expert communication",
-              _as_given),
     FlagField("--ddp-num-buckets", None, None, "a DDP bucket count (--ddp-bucket-size is modelled)"),
     FlagField("--use-tp-pp-dp-mapping", "parallel.tp_pp_dp_mapping", convert=_as_given),
     FlagField("--use-sharp", None, None, "in-network (SHARP) reductions", _as_given),
@@ -322,6 +315,7 @@ def _parallel(given: Given, values: dict[str, Any], model: ModelSpec, num_gpus: 
     values["recompute"] = recompute_mode(given, model.num_layers, pp * values["virtual_pipeline"])
     if model.is_moe:  # Megatron-LM's default dispatcher
         values.setdefault("moe_token_dispatcher", TokenDispatcher.ALLGATHER)
+        values.update(flex_dispatcher_fields(given))
     return ParallelPlan(**values)
 
 

@@ -1,5 +1,5 @@
 """The values of Megatron-LM's MoE flags that are no plain integer: the layer pattern, the
-capacity factor, a scaling factor.
+capacity factor, a scaling factor; the flex dispatcher's flags, which several spell.
 
 ``--moe-layer-freq`` takes an integer or a Python list expression (``"([0]*3+[1]*58)"``), which
 Megatron-LM evaluates; vtrain reads the same expressions without ``eval``: integer lists, their
@@ -12,6 +12,7 @@ import ast
 from typing import Any
 
 from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.megatron.flag_values import positive_int
 
 
 def number(flag: str, text: Any) -> float:
@@ -57,3 +58,24 @@ def _evaluate(flag: str, text: str, node: ast.AST) -> int | list[int]:
             return left + right
     raise ConfigError(f"{flag} {text}: must be an integer or a Python list such as ([0]*3+[1]*58) "
                       f"(lists of integers, + and * only)")
+
+
+def flex_dispatcher_fields(given: dict[str, Any]) -> dict[str, Any]:
+    """The flex dispatcher's ParallelPlan fields from its flags: the deprecated ``--moe-enable-deepep``
+    (megatron-core: only with ``--moe-token-dispatcher-type flex``, and not with the hybridep
+    backend), and the SMs of the active backend (``--moe-flex-dispatcher-num-sms``, else
+    ``--moe-deepep-num-sms`` or ``--moe-hybridep-num-sms``; the other backend's flag changes nothing)."""
+    out: dict[str, Any] = {}
+    backend = given.get("--moe-flex-dispatcher-backend", "deepep")
+    if given.get("--moe-enable-deepep"):
+        if given.get("--moe-token-dispatcher-type") != "flex":
+            raise ConfigError("--moe-enable-deepep requires --moe-token-dispatcher-type flex (megatron-core's rule)")
+        if backend != "deepep":
+            raise ConfigError(f"--moe-enable-deepep with --moe-flex-dispatcher-backend {backend}: one backend only "
+                              f"(megatron-core's rule)")
+    backend_sms = {"deepep": "--moe-deepep-num-sms", "hybridep": "--moe-hybridep-num-sms"}.get(backend)
+    for flag in ("--moe-flex-dispatcher-num-sms", backend_sms):
+        if given.get(flag) is not None:
+            out["moe_flex_num_sms"] = positive_int(flag, given[flag])
+            break
+    return out

@@ -12,7 +12,7 @@ from vtrain_plugin.specs.megatron.launch_script import read_command_line
 from vtrain_plugin.specs.megatron.args import FIELDS, MegatronPlan, megatron_plan
 from vtrain_plugin.specs.megatron.flags import MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, UNSUPPORTED_FLAGS, Arity
 from vtrain_plugin.specs.model import Family
-from vtrain_plugin.specs.parallel import Recompute, TokenDispatcher
+from vtrain_plugin.specs.parallel import FlexBackend, Recompute, TokenDispatcher
 from vtrain_plugin.specs.training import Fp8Format, Fp8Recipe, GradReduce, ScheduleKind, SoftwareStack
 
 BASE = "--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 256 --micro-batch-size 2 --vocab-size 1000"
@@ -92,10 +92,20 @@ def test_layer_features_other_than_the_familys_are_modelled_not_noted():
     ("--num-experts 8 --moe-router-enable-expert-bias", "model.moe_router_enable_expert_bias needs "
                                                         "model.moe_router_score_function sigmoid (megatron-core's "
                                                         "aux-loss-free routing)"),
-    ("--num-experts 8 --moe-token-dispatcher-type flex",
-     "--moe-token-dispatcher-type flex: the flex token dispatcher (DeepEP / HybridEP) is not modelled by vtrain yet"),
+    ("--num-experts 8 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend ncclep",
+     "parallel.moe_flex_dispatcher_backend must be one of deepep, hybridep; got 'ncclep'"),
+    ("--num-experts 8 --moe-enable-deepep", "--moe-enable-deepep requires --moe-token-dispatcher-type flex "
+                                            "(megatron-core's rule)"),
+    ("--num-experts 8 --expert-model-parallel-size 2 --delay-wgrad-compute",
+     "parallel.delay_wgrad_compute requires parallel.overlap_moe_expert_parallel_comm (megatron-core's rule)"),
+    ("--num-experts 8 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
+     "--overlap-moe-expert-parallel-comm --pipeline-model-parallel-size 2",
+     "parallel.overlap_moe_expert_parallel_comm with pipeline_parallel (2) > 1 requires virtual_pipeline > 1 "
+     "(megatron-core overlaps the all-to-alls in the interleaved schedule only)"),
+    ("--num-experts 8 --expert-model-parallel-size 2 --overlap-moe-expert-parallel-comm",
+     "parallel.overlap_moe_expert_parallel_comm requires moe_token_dispatcher alltoall or flex (got allgather)"),
     ("--num-experts 8 --moe-token-dispatcher-type ring", "parallel.moe_token_dispatcher must be one of alltoall, "
-                                                         "allgather; got 'ring'"),
+                                                         "allgather, flex; got 'ring'"),
     ("--moe-router-topk 2", "model.moe_router_topk needs model.num_experts (a mixture-of-experts model)"),
     ("--fp8-format e4m3 --fp8-recipe mxfp8", "training.fp8_recipe must be one of delayed, tensorwise; got 'mxfp8'"),
     ("--overlap-param-gather", "training.overlap_param_gather requires training.distributed_optimizer: true"),
@@ -158,6 +168,18 @@ def test_moe_flags_set_the_experts_and_their_parallelism():
     assert (defaults.model.router_topk, defaults.parallel.expert_parallel, defaults.parallel.expert_tp,
             defaults.parallel.moe_token_dispatcher) == (2, 1, 1, TokenDispatcher.ALLGATHER)  # Megatron-LM's
     assert plan().parallel.moe_token_dispatcher is TokenDispatcher.ALLTOALL  # a dense model: unused
+
+
+def test_flex_dispatcher_and_ep_overlap_flags():
+    moe = "--num-experts 8 --expert-model-parallel-size 4 --moe-token-dispatcher-type flex "
+    p = plan(moe + "--moe-enable-deepep --moe-deepep-num-sms 24 --moe-hybridep-num-sms 8 "
+                   "--overlap-moe-expert-parallel-comm --delay-wgrad-compute")
+    assert (p.parallel.moe_token_dispatcher, p.parallel.moe_flex_dispatcher_backend, p.parallel.flex_num_sms,
+            p.parallel.overlap_moe_expert_parallel_comm, p.parallel.delay_wgrad_compute) == (
+        TokenDispatcher.FLEX, FlexBackend.DEEPEP, 24, True, True)  # the other backend's SMs change nothing
+    hybrid = plan(moe + "--moe-flex-dispatcher-backend hybridep").parallel
+    assert (hybrid.moe_flex_dispatcher_backend, hybrid.flex_num_sms) == (FlexBackend.HYBRIDEP, 16)  # megatron's default
+    assert plan(moe + "--moe-flex-dispatcher-num-sms 32 --moe-deepep-num-sms 24").parallel.flex_num_sms == 32
 
 
 @pytest.mark.parametrize("flags, message", [
