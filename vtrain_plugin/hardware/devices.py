@@ -26,14 +26,15 @@ from vtrain_plugin.specs.cluster import GpuArchitecture
 
 # Short names a config may use for a preset (vTrain's ``gpu_name``), matched case-insensitively.
 ALIASES = {"a100": "a100-sxm4-80gb", "h100": "h100-sxm", "h200": "h200-sxm", "b200": "b200-sxm"}
+# gb200 and gb300 are preset names themselves (no SXM / memory variants to tell apart).
 
 _MEMORY_TOKEN = re.compile(r"^\d+gb$")
 _NOT_SXM = ("pcie", "nvl")
 _POSITIVE_FIELDS = ("peak_fp16_tflop_per_s", "peak_bf16_tflop_per_s", "peak_tf32_tflop_per_s",
-                    "peak_fp32_tflop_per_s", "peak_fp8_tflop_per_s", "hbm_bandwidth_gbytes_per_s",
+                    "peak_fp32_tflop_per_s", "peak_fp8_tflop_per_s", "peak_fp4_tflop_per_s", "hbm_bandwidth_gbytes_per_s",
                     "memory_gibibytes", "l2_cache_mebibytes", "nvlink_gbytes_per_s_per_direction",
                     "gemm_ceiling_bf16_tflop_per_s", "host_link_gbytes_per_s_per_direction")
-_OPTIONAL_FIELDS = ("peak_fp8_tflop_per_s", "gemm_ceiling_bf16_tflop_per_s", "host_link_gbytes_per_s_per_direction")
+_OPTIONAL_FIELDS = ("peak_fp8_tflop_per_s", "peak_fp4_tflop_per_s", "gemm_ceiling_bf16_tflop_per_s", "host_link_gbytes_per_s_per_direction")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +50,7 @@ class DeviceSpec:
     peak_tf32_tflop_per_s: float  # fp32 matmuls on tensor cores (TF32)
     peak_fp32_tflop_per_s: float  # CUDA cores, non-tensor
     peak_fp8_tflop_per_s: float | None = None  # None: no fp8 tensor cores
+    peak_fp4_tflop_per_s: float | None = None  # None: no fp4 (NVFP4) tensor cores
     # The highest dense bf16 GEMM rate measured on the device (a public brute-force shape search;
     # ``reference`` says which): the physical ceiling of any calibrated GEMM efficiency. None: no
     # tensor cores (a CPU).
@@ -102,6 +104,17 @@ class DeviceSpec:
                               f"has none (these have: {with_fp8})")
 
     @property
+    def has_fp4(self) -> bool:
+        """Whether the device has fp4 (NVFP4) tensor cores (Blackwell)."""
+        return self.peak_fp4_tflop_per_s is not None
+
+    @property
+    def has_block_scaled_fp8(self) -> bool:
+        """Whether the tensor cores apply per-block scales themselves (MXFP8: Blackwell's block-scaled
+        MMA); Hopper runs fp8 with per-tensor scales, or with block scales applied by the GEMM's epilogue."""
+        return self.architecture is GpuArchitecture.BLACKWELL
+
+    @property
     def host_copy_gbytes_per_s(self) -> float:
         """Copies from device to host memory: over the host link, or within memory on a CPU."""
         return self.host_link_gbytes_per_s_per_direction or self.hbm_bandwidth_gbytes_per_s
@@ -136,6 +149,10 @@ class DeviceSpec:
             if self.peak_fp8_tflop_per_s is None:
                 raise ConfigError(f"device {self.name!r} has no fp8 tensor cores (dtype {dtype!r})")
             rate = self.peak_fp8_tflop_per_s
+        elif kind is Dtype.FP4:
+            if self.peak_fp4_tflop_per_s is None:
+                raise ConfigError(f"device {self.name!r} has no fp4 tensor cores (dtype {dtype!r})")
+            rate = self.peak_fp4_tflop_per_s
         else:
             rate = self.peak_fp16_tflop_per_s if kind is Dtype.FP16 else self.peak_bf16_tflop_per_s
         return tflop_per_s_to_flop_per_ns(rate)
