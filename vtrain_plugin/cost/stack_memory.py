@@ -16,6 +16,7 @@ TransformerEngine in FP8 (or FP4) keeps a quantised copy of each linear weight a
 ``fp8_param_gather`` those FP8 weights are the parameters themselves (TE's ``Float8Tensor``, one
 byte per element, its transpose kept beside it, Megatron-Core's ``post_all_gather_processing``): the
 linear weights have no model-dtype copy (their fp32 main weights are the optimizer's, as always).
+CUDA graphs add their static buffers to the allowance (:func:`~vtrain_plugin.cost.cuda_graphs.graph_pool_gib`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import replace
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
+from vtrain_plugin.cost.cuda_graphs import graph_pool_gib
 from vtrain_plugin.cost.lowering.mamba import mixer_dims, mixer_saved_delta
 from vtrain_plugin.cost.lowering.fp8 import fp8_weight_numel, quantisation
 from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta
@@ -50,6 +52,9 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
             for stage in graph.stages))
     memory = rank_memory(graph, peak_live, distributed_optimizer=training is not None and training.distributed_optimizer,
                          gradients=None if training is None else training.grad_dtype(graph.dtype))
+    if training is not None:
+        pools = graph_pool_gib(graph, training)
+        memory = tuple(replace(m, allowance_gib=m.allowance_gib + pools[rank]) for rank, m in enumerate(memory))
     if not fp8:
         return memory
     # per element of a linear weight: its quantised copy and transpose with their scales, less its

@@ -70,6 +70,18 @@ class Fp8Settings:
     recipe: Fp8Recipe | Fp4Recipe = Fp8Recipe.DELAYED
 
 
+class CudaGraphImpl(StrEnum):
+    """Who captures CUDA graphs (Megatron-LM's --cuda-graph-impl)."""
+
+    NONE = "none"
+    LOCAL = "local"  # megatron-core's CudaGraphManager (--enable-cuda-graph)
+    TRANSFORMER_ENGINE = "transformer_engine"  # TE's make_graphed_callables (--external-cuda-graph)
+
+
+# megatron-core 0.16's CudaGraphScope; no scope: every transformer layer whole.
+CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
+
+
 class GradReduce(StrEnum):
     AFTER_BACKWARD = "after_backward"  # one all-reduce after the last backward (Megatron-DeepSpeed)
     OVERLAP = "overlap"  # bucketed, launched during the last backward (Megatron DDP overlap_grad_reduce)
@@ -101,6 +113,11 @@ class TrainingSpec:
     # None: none. Not with fp8 (megatron-core refuses both at once).
     fp4: Fp4Format | None = None
     fp4_recipe: Fp4Recipe = Fp4Recipe.NVFP4
+    # CUDA graphs: the host launches the kernels of the captured parts as one graph each
+    # (vtrain_plugin.cost.cuda_graphs); cuda_graph_scope names them (CUDA_GRAPH_SCOPES; empty: each
+    # transformer layer whole, megatron-core's default).
+    cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.NONE
+    cuda_graph_scope: tuple[str, ...] = ()
     # Gradients of a bf16 model accumulated and data-parallel reduced in bf16 rather than fp32
     # (Megatron-LM's --grad-reduce-in-bf16, megatron-core DDP's grad_reduce_in_fp32=False); see grad_dtype.
     grad_reduce_in_bf16: bool = False
@@ -142,6 +159,13 @@ class TrainingSpec:
         if v.boolean("training.fp8_param_gather", self.fp8_param_gather) and self.fp8 is None:
             raise ConfigError("training.fp8_param_gather requires training.fp8 (FP8 weights exist only in FP8 training)")
         v.boolean("training.grad_reduce_in_bf16", self.grad_reduce_in_bf16)
+        object.__setattr__(self, "cuda_graph_impl", CudaGraphImpl(
+            v.one_of("training.cuda_graph_impl", self.cuda_graph_impl, [i.value for i in CudaGraphImpl])))
+        object.__setattr__(self, "cuda_graph_scope", tuple(
+            v.one_of("training.cuda_graph_scope", scope, CUDA_GRAPH_SCOPES) for scope in self.cuda_graph_scope))
+        if "full_iteration" in self.cuda_graph_scope and self.cuda_graph_impl is CudaGraphImpl.TRANSFORMER_ENGINE:
+            raise ConfigError("training.cuda_graph_scope full_iteration needs training.cuda_graph_impl local "
+                              "(megatron-core captures a whole iteration only with its own graphs)")
         v.boolean("training.cross_entropy_fusion", self.cross_entropy_fusion)
         object.__setattr__(self, "fp8_recipe", Fp8Recipe(
             v.one_of("training.fp8_recipe", self.fp8_recipe, [r.value for r in Fp8Recipe])))
@@ -254,6 +278,8 @@ class TrainingSpec:
         d["fp8_recipe"] = self.fp8_recipe.value
         d["fp4"] = None if self.fp4 is None else self.fp4.value
         d["fp4_recipe"] = self.fp4_recipe.value
+        d["cuda_graph_impl"] = self.cuda_graph_impl.value
+        d["cuda_graph_scope"] = list(self.cuda_graph_scope)
         return d
 
 

@@ -97,7 +97,8 @@ def test_layer_features_other_than_the_familys_are_modelled_not_noted():
     ("--num-experts 8 --moe-token-dispatcher-type ring", "parallel.moe_token_dispatcher must be one of alltoall, "
                                                          "allgather; got 'ring'"),
     ("--moe-router-topk 2", "model.moe_router_topk needs model.num_experts (a mixture-of-experts model)"),
-    ("--fp8-format e4m3 --fp8-recipe mxfp8", "training.fp8_recipe must be one of delayed, tensorwise; got 'mxfp8'"),
+    ("--fp8-format e4m3 --fp8-recipe custom", "training.fp8_recipe must be one of delayed, tensorwise, mxfp8, "
+                                              "blockwise; got 'custom'"),
     ("--overlap-param-gather", "training.overlap_param_gather requires training.distributed_optimizer: true"),
     ("--optimizer sgd", "--optimizer sgd: an optimizer other than Adam is not modelled by vtrain yet"),
     ("--decoder-first-pipeline-num-layers 2", "parallel.decoder_first_pipeline_num_layers requires "
@@ -365,8 +366,8 @@ def test_mapped_training_flags():
                                                   "attention from the flags it stands for; state them (GPT-OSS: "
                                                   "--softmax-type learnable --window-size 127,0 "
                                                   "--window-attn-skip-freq 2)"),
-    ("--enable-cuda-graph", "--enable-cuda-graph: CUDA graphs is not modelled by vtrain yet"),
-    ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graphs is not modelled by vtrain yet"),
+    ("--fp4-format e2m1 --fp4-param", "--fp4-param: FP4 parameters (all-gathered in FP4) is not modelled by "
+                                       "vtrain yet"),
     ("--main-grads-dtype bf16", "--main-grads-dtype bf16: optimizer state in another dtype than fp32 is not modelled "
                                 "by vtrain yet"),
     ("--disable-tp-comm-overlap-ag", "--disable-tp-comm-overlap-ag: TP overlap without its all-gather overlap is not "
