@@ -21,6 +21,7 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey, OpGraph, Phase
 from vtrain_plugin.core.units import GIB, MS_PER_S, NS_PER_MS, NS_PER_S, SECONDS_PER_DAY, SECONDS_PER_HOUR
 from vtrain_plugin.cost.checkpoint import CheckpointSize, checkpoint_size
+from vtrain_plugin.cost.lowering.fp8 import recipe_assumptions
 from vtrain_plugin.cost.comm.collectives import CommModel
 from vtrain_plugin.cost.comm.context_parallel import ContextParallel
 from vtrain_plugin.cost.comm.context_parallel import model_flops as blocks_model_flops
@@ -237,9 +238,10 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
     """
     if isinstance(graph_or_run, RunConfig):
         run = graph_or_run
-        graph = trace(run.model, run.parallel)
         cluster = cluster or run.cluster
         training = training or run.training
+        get_device(cluster.gpu).require_recipe(training)  # before tracing: the GPU cannot run it
+        graph = trace(run.model, run.parallel)
     else:
         graph = graph_or_run
         if cluster is None:
@@ -253,8 +255,7 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
         measured = kernels if measured is None else measured
         measured_comm = tables if measured_comm is None else measured_comm
     device = get_device(cluster.gpu)
-    if training.fp8 is not None:
-        device.require_fp8("training.fp8", training.fp8.value)
+    device.require_recipe(training)
     stack = training.stack_for(graph.model, device.architecture, graph.parallel)
     calibration = calibration_for(device.name, stack)
     prepared = prepare_run(graph, stack, training, measured)
@@ -332,7 +333,8 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         price_per_gpu_hour_usd=price,
         checkpoint=checkpoint_size(graph),
         reliability=training.reliability,
-        assumptions=assumptions(graph.model, plan) + training_assumptions(training),
+        assumptions=(assumptions(graph.model, plan) + training_assumptions(training)
+                     + device.unvalidated_rates(training) + recipe_assumptions(training.fp8_settings)),
         timeline=result.timeline,
     )
 

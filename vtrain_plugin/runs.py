@@ -121,7 +121,6 @@ def with_gpu(run: RunConfig, gpu: str) -> RunConfig:
 
 
 def _checked(run: RunConfig) -> RunConfig:
-    """The checks that need the hardware data: FP8 needs a GPU with fp8 tensor cores."""
-    if run.training.fp8 is not None:
-        get_device(run.cluster.gpu).require_fp8("training.fp8", run.training.fp8.value)
+    """The checks that need the hardware data: a low-precision recipe needs tensor cores that run it."""
+    get_device(run.cluster.gpu).require_recipe(run.training)
     return run

@@ -13,7 +13,7 @@ PLAN = {
     "cluster": {"preset": "dgx-h100"},
 }
 NO_FP8 = ("training.fp8 'hybrid' needs fp8 tensor cores; a100-sxm4-80gb (ampere) has none "
-          "(these have: b200-sxm, h100-sxm, h200-sxm)")
+          "(these have: b200-sxm, gb200, gb300, h100-sxm, h200-sxm; the GPU is --gpu, or cluster.gpu of a plan)")
 
 
 def write(tmp_path, name, data):

@@ -12,7 +12,8 @@ when that is not modelled), blocking with their whole time or, when they run bes
 and all-gather buckets), pipeline transfers and the tied-embedding synchronisation.
 Each task (a forward, a recompute, a backward of one micro-batch on one chunk) starts with the
 pipeline empty, as after Megatron's synchronisation around pipeline transfers, and each forward also
-pays ``microbatch_overhead_ns`` of host work outside the model. Host time is spent per kernel
+pays ``microbatch_overhead_ns`` of host work outside the model. Under CUDA graphs the captured
+kernels cost the host one graph launch per region (:mod:`vtrain_plugin.cost.cuda_graphs`). Host time is spent per kernel
 (the timer's), per module call and per layer (:func:`vtrain_plugin.cost.prepare.host_calls`). Activation checkpointing recomputes
 each layer right before its backward, so one layer's recompute and backward form one pipelined unit;
 the task's time is split between the two in proportion to their stand-alone times for the breakdown.
@@ -30,6 +31,7 @@ from vtrain_plugin.core.graph import CollectiveKind, ParallelGroup, Phase
 from vtrain_plugin.cost.comm.collectives import CommModel
 from vtrain_plugin.cost.comm.overlap import exposed_ns
 from vtrain_plugin.cost.comm.ep_overlap import OverlapParts, pair_saving_ns, steady_pairs
+from vtrain_plugin.cost.cuda_graphs import graphed, graphed_host_ns
 from vtrain_plugin.cost.comm.dp_buckets import BlockGradients, ZeroRuntime, dp_buckets, zero_buckets
 from vtrain_plugin.cost.comm.fsdp import FsdpUnit, exposed_per_microbatch, prefetch_units
 from vtrain_plugin.cost.kernels.host_device import SegmentTime, segment_sums, segment_times, sequence, then
@@ -137,6 +139,11 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         is_comm[c.row] = True
         is_cp[c.row] = on_cp
         is_ep[c.row] = node.group in MOE_GROUPS
+    if graphed(training):  # captured kernels replayed by one graph launch each region
+        modules = [n.module if n is not None else "" for n in role.nodes]
+        for c in role.comm_rows:
+            modules[c.row] = c.node.module
+        host = graphed_host_ns(host, modules, role.segments, stage.blocks, training, constants.host_overhead_ns)
     if timer.device.host_runs_kernels:  # a CPU issues and runs each op: no overlap to model
         device, host = device + host, np.zeros_like(host)
     segments = role.segments

@@ -10,12 +10,14 @@ take no mask, while a checkpoint around the attention or the layer keeps it as a
 bytes stay with the chunk); its fused norms and activation functions, and in FP8 its linears, keep
 what :func:`~vtrain_plugin.cost.lowering.te_saved.te_saved_delta` says.
 
-TransformerEngine in FP8 keeps an FP8 copy of each linear weight and its transpose (the dgrad GEMM
-reads it on Hopper) across the micro-batches of an iteration
+TransformerEngine in FP8 (or FP4) keeps a quantised copy of each linear weight and its transpose
+(the dgrad GEMM reads it on Hopper), with their block scales
+(:class:`~vtrain_plugin.cost.lowering.fp8.Quantisation`), across the micro-batches of an iteration
 (:func:`~vtrain_plugin.cost.lowering.fp8.fp8_weight_numel`), counted with the weights. With
 ``fp8_param_gather`` those FP8 weights are the parameters themselves (TE's ``Float8Tensor``, one
 byte per element, its transpose kept beside it, Megatron-Core's ``post_all_gather_processing``): the
 linear weights have no model-dtype copy (their fp32 main weights are the optimizer's, as always).
+CUDA graphs add their static buffers to the allowance (:func:`~vtrain_plugin.cost.cuda_graphs.graph_pool_gib`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from dataclasses import replace
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
+from vtrain_plugin.cost.cuda_graphs import graph_pool_gib
 from vtrain_plugin.cost.lowering.mamba import mixer_dims, mixer_saved_delta
-from vtrain_plugin.cost.lowering.fp8 import FP8_NBYTES, fp8_weight_numel
+from vtrain_plugin.cost.lowering.fp8 import fp8_weight_numel, quantisation
 from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta, unfused_attention_saved_delta
 from vtrain_plugin.cost.memory import PeakLive, RankMemory, rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
@@ -37,30 +40,36 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
                       training: TrainingSpec | None = None) -> tuple[RankMemory, ...]:
     """:func:`~vtrain_plugin.cost.memory.rank_memory` of ``graph`` as ``stack`` runs it with the
     options of ``training`` (FP8, FP8 weights, gradient dtype, distributed optimizer; None: none)."""
-    fp8 = training is not None and training.fp8 is not None
+    settings = None if training is None else training.fp8_settings
+    fp8 = settings is not None
+    quantised = quantisation(settings) if fp8 else None
     attention_delta = (unfused_attention_saved_delta if training is not None and training.unfused_attention
                        else fused_attention_saved_delta)
     if stack is SoftwareStack.MEGATRON_CORE_TE:
         graph = replace(graph, stages=tuple(
             replace(stage, blocks=tuple(
                 replace(block, activation_nbytes=block.activation_nbytes + attention_delta(block.nodes)
-                        + te_saved_delta(block, fp8=fp8) + mixer_saved_delta(block, mixer_dims(block.nodes)))
+                        + te_saved_delta(block, fp8=fp8, quantised_nbytes=quantised.nbytes if fp8 else 1.0)
+                        + mixer_saved_delta(block, mixer_dims(block.nodes)))
                 for block in stage.blocks if block.name != SHARED_BY_CORE_ATTENTION))
             for stage in graph.stages))
     fsdp = None if training is None else training.fsdp
     memory = rank_memory(graph, peak_live, distributed_optimizer=training is not None and training.distributed_optimizer,
                          gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
                          optimizer=None if training is None else training.optimizer)
+    if training is not None:
+        pools = graph_pool_gib(graph, training)
+        memory = tuple(replace(m, allowance_gib=m.allowance_gib + pools[rank]) for rank, m in enumerate(memory))
     if not fp8:
         return memory
-    # per element of a linear weight: its FP8 copy and transpose, less its model-dtype copy when the
-    # FP8 copy is the parameter itself
-    per_element = 2 * FP8_NBYTES - (graph.dtype.nbytes if training.fp8_param_gather else 0)
+    # per element of a linear weight: its quantised copy and transpose with their scales, less its
+    # model-dtype copy when the FP8 copy is the parameter itself
+    per_element = 2 * quantised.weight_nbytes - (graph.dtype.nbytes if training.fp8_param_gather else 0)
     if fsdp is not None and fsdp.sharding_strategy.shards_parameters:
-        # FSDP keeps the shard only: in FP8 instead of the model dtype with fp8_param_gather; TE's FP8
-        # copies and transposes of a gathered unit live while it computes (not counted)
+        # FSDP keeps the shard only: quantised instead of the model dtype with fp8_param_gather; TE's
+        # quantised copies and transposes of a gathered unit live while it computes (not counted)
         shards = graph.parallel.grad_reduce_group_size
-        per_element = (FP8_NBYTES - graph.dtype.nbytes) / shards if training.fp8_param_gather else 0
+        per_element = (quantised.weight_nbytes - graph.dtype.nbytes) / shards if training.fp8_param_gather else 0
     linear = [0] * graph.parallel.pipeline_parallel
     for stage in graph.stages:
         linear[stage.pipeline_rank] += sum(b.count * fp8_weight_numel(b.nodes) for b in stage.blocks)

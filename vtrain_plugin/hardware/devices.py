@@ -23,17 +23,19 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.dtypes import Dtype, canonical_dtype
 from vtrain_plugin.core.units import tflop_per_s_to_flop_per_ns
 from vtrain_plugin.specs.cluster import GpuArchitecture
+from vtrain_plugin.specs.training import Fp8Recipe, TrainingSpec
 
 # Short names a config may use for a preset (vTrain's ``gpu_name``), matched case-insensitively.
 ALIASES = {"a100": "a100-sxm4-80gb", "h100": "h100-sxm", "h200": "h200-sxm", "b200": "b200-sxm"}
+# gb200 and gb300 are preset names themselves (no SXM / memory variants to tell apart).
 
 _MEMORY_TOKEN = re.compile(r"^\d+gb$")
 _NOT_SXM = ("pcie", "nvl")
 _POSITIVE_FIELDS = ("peak_fp16_tflop_per_s", "peak_bf16_tflop_per_s", "peak_tf32_tflop_per_s",
-                    "peak_fp32_tflop_per_s", "peak_fp8_tflop_per_s", "hbm_bandwidth_gbytes_per_s",
+                    "peak_fp32_tflop_per_s", "peak_fp8_tflop_per_s", "peak_fp4_tflop_per_s", "hbm_bandwidth_gbytes_per_s",
                     "memory_gibibytes", "l2_cache_mebibytes", "nvlink_gbytes_per_s_per_direction",
                     "gemm_ceiling_bf16_tflop_per_s", "host_link_gbytes_per_s_per_direction")
-_OPTIONAL_FIELDS = ("peak_fp8_tflop_per_s", "gemm_ceiling_bf16_tflop_per_s", "host_link_gbytes_per_s_per_direction")
+_OPTIONAL_FIELDS = ("peak_fp8_tflop_per_s", "peak_fp4_tflop_per_s", "gemm_ceiling_bf16_tflop_per_s", "host_link_gbytes_per_s_per_direction")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +51,7 @@ class DeviceSpec:
     peak_tf32_tflop_per_s: float  # fp32 matmuls on tensor cores (TF32)
     peak_fp32_tflop_per_s: float  # CUDA cores, non-tensor
     peak_fp8_tflop_per_s: float | None = None  # None: no fp8 tensor cores
+    peak_fp4_tflop_per_s: float | None = None  # None: no fp4 (NVFP4) tensor cores
     # The highest dense bf16 GEMM rate measured on the device (a public brute-force shape search;
     # ``reference`` says which): the physical ceiling of any calibrated GEMM efficiency. None: no
     # tensor cores (a CPU).
@@ -62,6 +65,9 @@ class DeviceSpec:
     # None: the device's memory is the host's (a CPU).
     host_link_gbytes_per_s_per_direction: float | None = None
     default_cluster: str  # the usual node of this device (a cluster preset name)
+    # Rates that rest on the datasheet alone, with no public measurement on this device to bound them
+    # (field names): an estimate that uses one says so in its assumptions (unvalidated_rates).
+    datasheet_only: tuple[str, ...] = ()
     # True when the processor that issues kernels also runs them (a CPU): host and kernel time add
     # up instead of overlapping as the CPU -> GPU launch pipeline does.
     host_runs_kernels: bool = False
@@ -79,6 +85,8 @@ class DeviceSpec:
             raise ConfigError(f"{where} gemm_ceiling_bf16_tflop_per_s ({self.gemm_ceiling_bf16_tflop_per_s:g}) "
                               f"must not exceed peak_bf16_tflop_per_s ({self.peak_bf16_tflop_per_s:g})")
         v.boolean(f"{where} host_runs_kernels", self.host_runs_kernels)
+        object.__setattr__(self, "datasheet_only", tuple(
+            v.one_of(f"{where} datasheet_only", name, _POSITIVE_FIELDS) for name in self.datasheet_only))
         if not isinstance(self.default_cluster, str) or not self.default_cluster:
             raise ConfigError(f"{where} default_cluster must be a cluster preset name, got {self.default_cluster!r}")
 
@@ -96,10 +104,49 @@ class DeviceSpec:
 
     def require_fp8(self, field: str, value: str) -> None:
         """Raise the one-line error of an fp8 setting (``field`` = ``value``) on a device without fp8."""
-        if not self.has_fp8:
-            with_fp8 = ", ".join(n for n in known_devices() if _load(n).has_fp8)
-            raise ConfigError(f"{field} {value!r} needs fp8 tensor cores; {self.name} ({self.architecture.value}) "
-                              f"has none (these have: {with_fp8})")
+        self._require(field, value, "fp8 tensor cores", "has_fp8")
+
+    def require_recipe(self, training: TrainingSpec) -> None:
+        """Raise the one-line error of a low-precision recipe of ``training`` that this device's tensor
+        cores cannot run: any FP8 without fp8 tensor cores (Ampere), MXFP8 without block-scaled fp8
+        MMA (before Blackwell), NVFP4 without fp4 tensor cores. Checked before anything is traced."""
+        if training.fp4 is not None:
+            self._require("training.fp4", training.fp4.value, f"fp4 tensor cores ({training.fp4_recipe.value})",
+                          "has_fp4")
+        if training.fp8 is None:
+            return
+        self.require_fp8("training.fp8", training.fp8.value)
+        if training.fp8_recipe is Fp8Recipe.MXFP8:
+            self._require("training.fp8_recipe", training.fp8_recipe.value,
+                          "tensor cores that apply block scales (Blackwell)", "has_block_scaled_fp8")
+
+    def unvalidated_rates(self, training: TrainingSpec) -> tuple[str, ...]:
+        """One assumption line per datasheet-only rate (``datasheet_only``) an estimate of ``training``
+        on this device uses: the GEMM ceiling always, the fp8 or fp4 peak with those GEMMs."""
+        used = ["gemm_ceiling_bf16_tflop_per_s"]
+        if training.fp8 is not None:
+            used.append("peak_fp8_tflop_per_s")
+        if training.fp4 is not None:
+            used.append("peak_fp4_tflop_per_s")
+        return tuple(f"{self.name} {name} ({getattr(self, name):g}) rests on the datasheet alone: not validated "
+                     f"on a {self.name} (no public measurement)" for name in used if name in self.datasheet_only)
+
+    def _require(self, field: str, value: str, what: str, capability: str) -> None:
+        if not getattr(self, capability):
+            able = ", ".join(n for n in known_devices() if getattr(_load(n), capability))
+            raise ConfigError(f"{field} {value!r} needs {what}; {self.name} ({self.architecture.value}) has none "
+                              f"(these have: {able}; the GPU is --gpu, or cluster.gpu of a plan)")
+
+    @property
+    def has_fp4(self) -> bool:
+        """Whether the device has fp4 (NVFP4) tensor cores (Blackwell)."""
+        return self.peak_fp4_tflop_per_s is not None
+
+    @property
+    def has_block_scaled_fp8(self) -> bool:
+        """Whether the tensor cores apply per-block scales themselves (MXFP8: Blackwell's block-scaled
+        MMA); Hopper runs fp8 with per-tensor scales, or with block scales applied by the GEMM's epilogue."""
+        return self.architecture is GpuArchitecture.BLACKWELL
 
     @property
     def host_copy_gbytes_per_s(self) -> float:
@@ -136,6 +183,10 @@ class DeviceSpec:
             if self.peak_fp8_tflop_per_s is None:
                 raise ConfigError(f"device {self.name!r} has no fp8 tensor cores (dtype {dtype!r})")
             rate = self.peak_fp8_tflop_per_s
+        elif kind is Dtype.FP4:
+            if self.peak_fp4_tflop_per_s is None:
+                raise ConfigError(f"device {self.name!r} has no fp4 tensor cores (dtype {dtype!r})")
+            rate = self.peak_fp4_tflop_per_s
         else:
             rate = self.peak_fp16_tflop_per_s if kind is Dtype.FP16 else self.peak_bf16_tflop_per_s
         return tflop_per_s_to_flop_per_ns(rate)

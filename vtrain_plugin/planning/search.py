@@ -117,6 +117,7 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     fp8 = next((f for f in (space.fp8 if space.fp8 is not None else (base.fp8,)) if f is not None), None)
     if fp8 is not None:
         get_device(cluster.gpu).require_fp8("fp8", fp8.value)
+    get_device(cluster.gpu).require_recipe(base)
     enumeration = enumerate_plans(model, space, global_batch_size=global_batch_size,
                                   budget=GpuBudget.of(gpus), training=base, gpus_per_node=cluster.gpus_per_node)
     candidates = enumeration.candidates

@@ -1,5 +1,8 @@
 """The machine a job runs on: GPUs per node and the two link tiers (NVLink/NVSwitch, network).
 
+A node is what a launch counts (a DGX, an NVL72 compute tray); the NVLink tier spans a node, or a
+rack of nodes where NVLink switches join them (``nvlink_domain_gpus``: GB200 / GB300 NVL72).
+
 Bandwidths are given the way vendors quote them (intra-node in GB/s per GPU and direction,
 inter-node in Gbit/s per node, summed over the node's NICs) and converted to bytes per nanosecond
 once, by the properties below, for the communication model. The number of nodes is not a field: it
@@ -26,13 +29,16 @@ class GpuArchitecture(StrEnum):
     CPU = "cpu"  # the local CPU as a training device (validation)
     AMPERE = "ampere"  # A100
     HOPPER = "hopper"  # H100, H200
-    BLACKWELL = "blackwell"  # B200
+    BLACKWELL = "blackwell"  # B200, GB200, GB300
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterSpec:
     gpu: str  # device preset name, e.g. "a100-sxm4-80gb" (vtrain_plugin.hardware.devices)
     gpus_per_node: int = 8
+    # GPUs that share one NVLink domain: a multiple of gpus_per_node (GB200 NVL72: 72 GPUs on NVLink
+    # switches, in compute trays of 4, a tray being the node a launch counts); None: the node.
+    nvlink_domain_gpus: int | None = None
     intra_node_bandwidth_gbytes_per_s: float  # per GPU and direction (NVLink/NVSwitch)
     intra_node_latency_us: float
     inter_node_bandwidth_gbps: float  # per node, all NICs together (e.g. 8 x 200 Gb/s = 1600)
@@ -48,6 +54,11 @@ class ClusterSpec:
         if not isinstance(self.gpu, str) or not self.gpu:
             raise ConfigError(f"cluster.gpu must be a non-empty device preset name, got {v.show(self.gpu)}")
         limits.GPUS_PER_NODE.positive_int("cluster.gpus_per_node", self.gpus_per_node)
+        if self.nvlink_domain_gpus is not None:
+            limits.GPUS_PER_NODE.positive_int("cluster.nvlink_domain_gpus", self.nvlink_domain_gpus)
+            if self.nvlink_domain_gpus % self.gpus_per_node:
+                raise ConfigError(f"cluster.nvlink_domain_gpus ({self.nvlink_domain_gpus}) must be a multiple of "
+                                  f"cluster.gpus_per_node ({self.gpus_per_node}): a node lies in one NVLink domain")
         limits.INTRA_NODE_BANDWIDTH.positive_number("cluster.intra_node_bandwidth_gbytes_per_s",
                                                     self.intra_node_bandwidth_gbytes_per_s)
         limits.INTER_NODE_BANDWIDTH.positive_number("cluster.inter_node_bandwidth_gbps", self.inter_node_bandwidth_gbps)
@@ -61,6 +72,11 @@ class ClusterSpec:
         if self.nccl_tables is not None and not isinstance(self.nccl_tables, str):
             raise ConfigError(f"cluster.nccl_tables must be a table set name, got {v.show(self.nccl_tables)}")
         v.string("cluster.name", self.name)
+
+    @property
+    def gpus_per_nvlink_domain(self) -> int:
+        """GPUs that reach each other over NVLink: the communication model's unit of placement."""
+        return self.nvlink_domain_gpus or self.gpus_per_node
 
     @property
     def intra_node_bytes_per_ns(self) -> float:

@@ -43,18 +43,45 @@ class Fp8Format(StrEnum):
 
 
 class Fp8Recipe(StrEnum):
-    """How TransformerEngine scales a tensor into FP8."""
+    """How TransformerEngine scales a tensor into FP8 (Megatron-LM's --fp8-recipe)."""
 
     DELAYED = "delayed"  # from the amax history of earlier steps, amax taken inside the cast kernels
     TENSORWISE = "tensorwise"  # current scaling: each tensor's amax computed just before its cast
+    MXFP8 = "mxfp8"  # 32-element blocks with E8M0 scales, applied by Blackwell's tensor cores
+    BLOCKWISE = "blockwise"  # DeepSeek-V3 style: 1x128 activation and 128x128 weight tiles, fp32 scales
+
+
+class Fp4Format(StrEnum):
+    """FP4 element formats (Megatron-LM's --fp4-format)."""
+
+    E2M1 = "e2m1"
+
+
+class Fp4Recipe(StrEnum):
+    """How TransformerEngine scales a tensor into FP4 (Megatron-LM's --fp4-recipe)."""
+
+    NVFP4 = "nvfp4"  # 16-element blocks with E4M3 scales and a per-tensor fp32 scale (Blackwell)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fp8Settings:
-    """FP8 GEMMs of a run (``TrainingSpec.fp8_settings``): the format and the scaling recipe."""
+    """The low-precision GEMMs of a run (``TrainingSpec.fp8_settings``): the FP8 format and the
+    scaling recipe, an FP8 recipe or, for FP4 runs, NVFP4 (format then E4M3, NVFP4's scale format)."""
 
     format: Fp8Format
-    recipe: Fp8Recipe = Fp8Recipe.DELAYED
+    recipe: Fp8Recipe | Fp4Recipe = Fp8Recipe.DELAYED
+
+
+class CudaGraphImpl(StrEnum):
+    """Who captures CUDA graphs (Megatron-LM's --cuda-graph-impl)."""
+
+    NONE = "none"
+    LOCAL = "local"  # megatron-core's CudaGraphManager (--enable-cuda-graph)
+    TRANSFORMER_ENGINE = "transformer_engine"  # TE's make_graphed_callables (--external-cuda-graph)
+
+
+# megatron-core 0.16's CudaGraphScope; no scope: every transformer layer whole.
+CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 
 
 class GradReduce(StrEnum):
@@ -84,6 +111,15 @@ class TrainingSpec:
     # distributed optimizer all-gathers them in FP8 (Megatron-LM's --fp8-param-gather, TransformerConfig's
     # fp8_param); needs fp8.
     fp8_param_gather: bool = False
+    # FP4 GEMMs (TransformerEngine's NVFP4 recipe: Megatron-LM's --fp4-format e2m1 with --fp4-recipe);
+    # None: none. Not with fp8 (megatron-core refuses both at once).
+    fp4: Fp4Format | None = None
+    fp4_recipe: Fp4Recipe = Fp4Recipe.NVFP4
+    # CUDA graphs: the host launches the kernels of the captured parts as one graph each
+    # (vtrain_plugin.cost.cuda_graphs); cuda_graph_scope names them (CUDA_GRAPH_SCOPES; empty: each
+    # transformer layer whole, megatron-core's default).
+    cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.NONE
+    cuda_graph_scope: tuple[str, ...] = ()
     # Gradients of a bf16 model accumulated and data-parallel reduced in bf16 rather than fp32
     # (Megatron-LM's --grad-reduce-in-bf16, megatron-core DDP's grad_reduce_in_fp32=False); see grad_dtype.
     grad_reduce_in_bf16: bool = False
@@ -145,9 +181,27 @@ class TrainingSpec:
         if v.boolean("training.fp8_param_gather", self.fp8_param_gather) and self.fp8 is None:
             raise ConfigError("training.fp8_param_gather requires training.fp8 (FP8 weights exist only in FP8 training)")
         v.boolean("training.grad_reduce_in_bf16", self.grad_reduce_in_bf16)
+        object.__setattr__(self, "cuda_graph_impl", CudaGraphImpl(
+            v.one_of("training.cuda_graph_impl", self.cuda_graph_impl, [i.value for i in CudaGraphImpl])))
+        object.__setattr__(self, "cuda_graph_scope", tuple(
+            v.one_of("training.cuda_graph_scope", scope, CUDA_GRAPH_SCOPES) for scope in self.cuda_graph_scope))
+        if "full_iteration" in self.cuda_graph_scope and self.cuda_graph_impl is CudaGraphImpl.TRANSFORMER_ENGINE:
+            raise ConfigError("training.cuda_graph_scope full_iteration needs training.cuda_graph_impl local "
+                              "(megatron-core captures a whole iteration only with its own graphs)")
         v.boolean("training.cross_entropy_fusion", self.cross_entropy_fusion)
         object.__setattr__(self, "fp8_recipe", Fp8Recipe(
             v.one_of("training.fp8_recipe", self.fp8_recipe, [r.value for r in Fp8Recipe])))
+        object.__setattr__(self, "fp4_recipe", Fp4Recipe(
+            v.one_of("training.fp4_recipe", self.fp4_recipe, [r.value for r in Fp4Recipe])))
+        if self.fp4 is not None:
+            object.__setattr__(self, "fp4", Fp4Format(
+                v.one_of("training.fp4", self.fp4, [f.value for f in Fp4Format])))
+            if self.fp8 is not None:
+                raise ConfigError(f"training.fp4 {self.fp4.value!r} with training.fp8 {self.fp8.value!r}: "
+                                  f"FP4 and FP8 GEMMs cannot both be on (megatron-core refuses them together)")
+            if self.software_stack not in (None, SoftwareStack.MEGATRON_CORE_TE):
+                raise ConfigError(f"training.fp4 {self.fp4.value!r} needs training.software_stack "
+                                  f"megatron_core_te (got {self.software_stack.value})")
         if self.total_tokens is not None:
             object.__setattr__(self, "total_tokens", limits.TOTAL_TOKENS.check(
                 "training.total_tokens", v.positive_finite_number("training.total_tokens", self.total_tokens)))
@@ -229,7 +283,17 @@ class TrainingSpec:
 
     @property
     def fp8_settings(self) -> Fp8Settings | None:
+        """The low-precision GEMMs (FP8, or FP4 as NVFP4 with E4M3 scales); None: the model dtype."""
+        if self.fp4 is not None:
+            return Fp8Settings(format=Fp8Format.E4M3, recipe=self.fp4_recipe)
         return None if self.fp8 is None else Fp8Settings(format=self.fp8, recipe=self.fp8_recipe)
+
+    @property
+    def low_precision(self) -> str | None:
+        """The GEMMs' low-precision recipe as a label (``fp8 hybrid (mxfp8)``, ``fp4 e2m1 (nvfp4)``)."""
+        if self.fp4 is not None:
+            return f"fp4 {self.fp4.value} ({self.fp4_recipe.value})"
+        return None if self.fp8 is None else f"fp8 {self.fp8.value} ({self.fp8_recipe.value})"
 
     def stack_for(self, model: ModelSpec | None, architecture: GpuArchitecture | str,
                   plan: ParallelPlan | None = None) -> SoftwareStack:
@@ -238,7 +302,7 @@ class TrainingSpec:
         megatron_core_te), the same for the Python API, the CLI and a search."""
         if self.software_stack is not None:
             return self.software_stack
-        if self.fp8 is not None or (plan is not None and plan.context_parallel > 1):
+        if self.fp8_settings is not None or (plan is not None and plan.context_parallel > 1):
             return SoftwareStack.MEGATRON_CORE_TE
         return default_software_stack(model, architecture)
 
@@ -251,6 +315,10 @@ class TrainingSpec:
         d["fp8_recipe"] = self.fp8_recipe.value
         d["fsdp"] = None if self.fsdp is None else self.fsdp.to_dict()
         d["optimizer"]["kind"] = self.optimizer.kind.value
+        d["fp4"] = None if self.fp4 is None else self.fp4.value
+        d["fp4_recipe"] = self.fp4_recipe.value
+        d["cuda_graph_impl"] = self.cuda_graph_impl.value
+        d["cuda_graph_scope"] = list(self.cuda_graph_scope)
         return d
 
 

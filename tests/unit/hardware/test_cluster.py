@@ -22,7 +22,7 @@ def test_presets_and_units():
 
 
 def test_unknown_preset_lists_valid_names():
-    with pytest.raises(ConfigError, match=r"unknown cluster preset 'dgx-z'; valid presets are dgx-a100, dgx-b200, dgx-h100, dgx-h200"):
+    with pytest.raises(ConfigError, match=r"unknown cluster preset 'dgx-z'; valid presets are dgx-a100, dgx-b200, dgx-h100, dgx-h200, gb200-nvl72, gb300-nvl72"):
         get_cluster_preset("dgx-z")
 
 

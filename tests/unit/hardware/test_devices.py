@@ -14,9 +14,9 @@ from vtrain_plugin.hardware.calibration import (OPTIONAL_CONSTANTS, SOFTWARE_CON
 from vtrain_plugin.hardware.clusters import cluster_preset_names, get_cluster_preset
 from vtrain_plugin.hardware.devices import DeviceSpec, get_device, known_devices
 
-PRESETS = ["a100-sxm4-40gb", "a100-sxm4-80gb", "b200-sxm", "cpu", "h100-sxm", "h200-sxm"]
+PRESETS = ["a100-sxm4-40gb", "a100-sxm4-80gb", "b200-sxm", "cpu", "gb200", "gb300", "h100-sxm", "h200-sxm"]
 ARCHITECTURES = {"a100-sxm4-40gb": "ampere", "a100-sxm4-80gb": "ampere", "b200-sxm": "blackwell", "cpu": "cpu",
-                 "h100-sxm": "hopper", "h200-sxm": "hopper"}
+                 "gb200": "blackwell", "gb300": "blackwell", "h100-sxm": "hopper", "h200-sxm": "hopper"}
 
 
 def _constants(**changes: float) -> DeviceConstants:
@@ -122,17 +122,36 @@ def test_h100_te_stack_is_fitted_on_the_published_runs_with_the_a100_software_co
         assert getattr(h100.constants, name) == pytest.approx(getattr(a100, name), rel=1e-6), name
 
 
+def test_gb200_and_gb300_spec_sheet_numbers_and_their_racks():
+    """NVL72 datasheets divided by 72 (dense: the sparse figures halved); a node is a tray of 4, the
+    NVLink domain the rack of 72; one NIC per GPU (400 Gb/s ConnectX-7, 800 Gb/s ConnectX-8)."""
+    gb200, gb300 = get_device("GB200"), get_device("GB300")
+    for spec in (gb200, gb300):
+        peaks = (spec.peak_bf16_tflop_per_s, spec.peak_fp8_tflop_per_s, spec.peak_tf32_tflop_per_s)
+        assert peaks == (2500, 5000, 1250) and spec.architecture == "blackwell"
+        assert spec.hbm_bytes_per_ns == 8000 and spec.nvlink_bytes_per_ns == 900
+        assert spec.has_fp4 and spec.has_block_scaled_fp8
+    assert (gb200.peak_fp4_tflop_per_s, gb300.peak_fp4_tflop_per_s) == (10000, 15000)
+    assert (gb200.memory_bytes, gb300.memory_bytes) == (186 * 2**30, 288 * 2**30)
+    for spec, nic_gbps in ((gb200, 400), (gb300, 800)):
+        rack = get_cluster_preset(spec.default_cluster)
+        assert (rack.gpu, rack.gpus_per_node, rack.gpus_per_nvlink_domain) == (spec.name, 4, 72)
+        assert rack.inter_node_bandwidth_gbps == 4 * nic_gbps
+    assert get_device("b200").peak_fp4_tflop_per_s == 9000
+    assert not get_device("h100").has_fp4 and not get_device("h100").has_block_scaled_fp8
+
+
 def test_fp8_needs_fp8_tensor_cores():
     get_device("h100-sxm").require_fp8("training.fp8", "hybrid")
     with pytest.raises(ConfigError) as err:
         get_device("A100").require_fp8("training.fp8", "hybrid")
     assert str(err.value) == ("training.fp8 'hybrid' needs fp8 tensor cores; a100-sxm4-80gb (ampere) has none "
-                              "(these have: b200-sxm, h100-sxm, h200-sxm)")
+                              "(these have: b200-sxm, gb200, gb300, h100-sxm, h200-sxm; the GPU is --gpu, or cluster.gpu of a plan)")
 
 
 @pytest.mark.parametrize("alias, name", [
     ("A100", "a100-sxm4-80gb"), ("a100", "a100-sxm4-80gb"), ("H100", "h100-sxm"), ("h200", "h200-sxm"),
-    ("b200", "b200-sxm"),
+    ("b200", "b200-sxm"), ("GB200", "gb200"), ("gb300", "gb300"),
     ("A100-SXM4-40GB", "a100-sxm4-40gb"), (" h100-sxm ", "h100-sxm"),
 ])
 def test_aliases_and_case_insensitive_names(alias, name):
@@ -143,7 +162,7 @@ def test_unknown_device_lists_known_names():
     with pytest.raises(ConfigError) as err:
         get_device("x")
     assert str(err.value).startswith(
-        "unknown GPU 'x'; known: a100-sxm4-40gb, a100-sxm4-80gb, b200-sxm, cpu, h100-sxm, h200-sxm")
+        "unknown GPU 'x'; known: a100-sxm4-40gb, a100-sxm4-80gb, b200-sxm, cpu, gb200, gb300, h100-sxm, h200-sxm")
 
 
 def test_spec_files_found_regardless_of_working_directory(tmp_path, monkeypatch):

@@ -25,6 +25,11 @@ DP group with tp = 8 (g = 1) and 200 GB/s for a group filling whole nodes (g = 8
 shows on such machines. Point-to-point and all-to-all traffic leaves through the sending GPU's own
 share.
 
+NVLink domains of several nodes (GB200 / GB300 NVL72: ``cluster.nvlink_domain_gpus`` 72, nodes of
+4): groups are placed on NVLink domains rather than nodes, so a group inside one rack runs at the
+NVLink rate even across its trays, and a group spanning racks crosses the network, each of its GPUs
+on its own NIC share (node bandwidth / GPUs per node), as above with ``g`` its GPUs per rack.
+
 Measured tables. ``measured_comm`` (from the profile database, see
 :func:`profiler.lookup.measured_comm_tables`) maps ``(kind, group size)`` to a table of
 that collective measured on the target device; a group inside one node with such a table (a
@@ -97,7 +102,7 @@ class CommModel:
             raise ConfigError(f"network_efficiency must lie in (0, 1], got {self.network_efficiency:g}")
         object.__setattr__(self, "layout", Layout(
             tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
-            data_parallel=self.data_parallel, gpus_per_node=self.cluster.gpus_per_node,
+            data_parallel=self.data_parallel, gpus_per_node=self.cluster.gpus_per_nvlink_domain,
             context_parallel=self.context_parallel, expert_parallel=self.expert_parallel,
             expert_tensor_parallel=self.expert_tensor_parallel, tp_pp_dp_mapping=self.tp_pp_dp_mapping))
 

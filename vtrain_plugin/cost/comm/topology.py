@@ -6,6 +6,8 @@ does it (tensor parallelism fastest, then context, then data, then pipeline para
 
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)),    node = rank // gpus_per_node
 
+A "node" here is an NVLink domain (:attr:`ClusterSpec.gpus_per_nvlink_domain`): the node of a DGX,
+the rack of an NVL72 whose trays NVLink switches join; the communication model passes its size.
 Every group is then an arithmetic progression of ranks (TP: stride 1, CP: stride tp, PP: stride
 tp*cp*dp, tied-embedding group: the first and the last pipeline rank), which is what the placement
 below works on. The DP group is the one gradients are reduced over, Megatron-Core's data-parallel group

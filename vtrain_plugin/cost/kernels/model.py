@@ -68,7 +68,7 @@ _K_FILL = 128  # per-tile fixed cost in K-loop steps
 _SPLIT_K_COST = 1024  # reducing the partial tiles of a split GEMM, in K-loop steps
 _MAX_SPLIT_K = 16
 _NO_DEVICE_TIME = frozenset({OpClass.NO_KERNEL, OpClass.HOST_SYNC})
-_TENSOR_DTYPES = (Dtype.FP16, Dtype.BF16, Dtype.FP32, Dtype.FP8)
+_TENSOR_DTYPES = (Dtype.FP16, Dtype.BF16, Dtype.FP32, Dtype.FP8, Dtype.FP4)
 
 # Positions of the (M x K) and (K x N) operands among a GEMM's tensor inputs.
 # A grouped GEMM (one kernel over the GEMMs of several experts) is tiled as a batch of them.
@@ -190,8 +190,8 @@ class KernelModel:
         self._rates = np.array([self._rate(d) for d in _TENSOR_DTYPES])
 
     def _rate(self, dtype: Dtype) -> float:
-        if dtype is Dtype.FP8 and self.device.peak_fp8_tflop_per_s is None:
-            return math.nan  # only reached by an fp8 GEMM, which tensor_flop_per_ns rejects first
+        if (dtype is Dtype.FP8 and not self.device.has_fp8) or (dtype is Dtype.FP4 and not self.device.has_fp4):
+            return math.nan  # only reached by such a GEMM, which tensor_flop_per_ns rejects first
         return self.device.tensor_flop_per_ns(dtype, allow_tf32=self.allow_tf32)
 
     def gemm_efficiencies(self, batch: np.ndarray, m: np.ndarray, n: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -219,8 +219,9 @@ class KernelModel:
         attention = kind == KernelKind.ATTENTION
         gemm = kind == KernelKind.GEMM
         if tensor.any() or gemm.any() or attention.any():
-            if np.isnan(self._rates[kernels.dtype[tensor | gemm | attention]]).any():
-                self.device.tensor_flop_per_ns("fp8")  # raises the device's "no fp8" error
+            missing = np.isnan(self._rates[kernels.dtype[tensor | gemm | attention]])
+            if missing.any():  # raises the device's "no fp8" / "no fp4" error
+                self.device.tensor_flop_per_ns(_TENSOR_DTYPES[kernels.dtype[tensor | gemm | attention][missing][0]])
             rate = self._rates[kernels.dtype]
             compute = np.where(tensor, kernels.flops / (rate * c.gemm_efficiency), compute)
             attention_efficiency = c.attention_efficiency or c.gemm_efficiency  # 0: not modelled apart

@@ -78,6 +78,7 @@ _TABLE: dict[OpClass, frozenset[str]] = {
     OpClass.COPY: frozenset({
         "copy", "_to_copy", "clone", "cat", "stack", "_copy_from", "_copy_from_and_resize", "repeat",
         "constant_pad_nd", "lift_fresh_copy", "cast_transpose", "fp8_transpose",
+        "quantize_mxfp8", "quantize_fp8_block", "quantize_nvfp4",
     }),
     OpClass.HOST_SYNC: HOST_SYNC_OPS,
     OpClass.NO_KERNEL: NO_KERNEL_OPS,

@@ -29,16 +29,16 @@ from __future__ import annotations
 
 from vtrain_plugin.core.graph import Block, OpNode, Phase
 from vtrain_plugin.cost.lowering.fusion import dtype_nbytes, numel, op_name
-from vtrain_plugin.cost.lowering.fp8 import FP8_NBYTES
 from vtrain_plugin.cost.lowering.megatron_core_te import FP32, LINEAR_MODULES, is_layer_norm_slot
 NORMS = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm", "final_norm", "q_layernorm", "k_layernorm",
          "kv_layernorm")  # kv_layernorm: MLA's latent norm, fused into its up projection by TE
 KEPT_BESIDE_FP8 = ".linear_proj"  # its input, the attention's output, is kept by the attention too
 
 
-def te_saved_delta(block: Block, *, fp8: bool) -> int:
+def te_saved_delta(block: Block, *, fp8: bool, quantised_nbytes: float = 1.0) -> int:
     """What the TE modules of one instance of ``block`` keep minus what the trace recorded for the
-    same modules (see the module doc)."""
+    same modules (see the module doc); with ``fp8``, a linear keeps its input quantised at
+    ``quantised_nbytes`` per element (data and scales: :attr:`Quantisation.nbytes`)."""
     first: dict[str, OpNode] = {}  # module -> its first forward kernel
     gemm: dict[str, OpNode] = {}  # linear module -> its forward GEMM
     for node in block.ops(Phase.FORWARD):
@@ -55,7 +55,7 @@ def te_saved_delta(block: Block, *, fp8: bool) -> int:
             fc1 = gemm[f"{module}.linear_fc1"]
             delta += dtype_nbytes(fc1) * numel(fc1.output_shapes[0]) - nbytes
         elif fp8 and module.endswith(LINEAR_MODULES) and module in gemm:
-            in_fp8 = nbytes // dtype_nbytes(gemm[module]) * FP8_NBYTES
+            in_fp8 = round(nbytes // dtype_nbytes(gemm[module]) * quantised_nbytes)
             beside = attention_keeps_its_output and module.endswith(KEPT_BESIDE_FP8)
             delta += in_fp8 if beside else in_fp8 - nbytes
     return delta

@@ -89,6 +89,19 @@ def _state_dtype(flag: str, value: Any) -> str:
     return value
 
 
+def _graph_impl(impl: str) -> Callable[[str, Any], str]:
+    """The deprecated switches of megatron-core's CUDA graphs: --enable-cuda-graph is local,
+    --external-cuda-graph transformer_engine."""
+    return lambda flag, value: impl if value else "none"
+
+
+def _graph_scopes(flag: str, value: Any) -> tuple[str, ...]:
+    """Megatron-LM's scopes, space- or comma-separated; ``full`` is the whole layer (no scope)."""
+    words = value if isinstance(value, list) else [value]
+    scopes = tuple(s for w in words for s in str(w).split(",") if s)
+    return () if scopes == ("full",) else scopes
+
+
 @dataclass(frozen=True, slots=True)
 class FlagField:
     """A flag that sets one spec field as given (``"section.field"``), or that shapes the plan in a way
@@ -152,7 +165,9 @@ FIELDS: tuple[FlagField, ...] = (
               _as_given),
     FlagField("--fp8-format", "training.fp8", convert=_as_given),
     FlagField("--fp8-recipe", "training.fp8_recipe", convert=_as_given),
-    FlagField("--fp4-format", None, None, "fp4 training", _as_given),
+    FlagField("--fp4-format", "training.fp4", convert=_as_given),
+    FlagField("--fp4-recipe", "training.fp4_recipe", convert=_as_given),
+    FlagField("--fp4-param-gather", None, None, "FP4 parameters (all-gathered in FP4)", _as_given),
     FlagField("--decoder-first-pipeline-num-layers", "parallel.decoder_first_pipeline_num_layers"),
     FlagField("--decoder-last-pipeline-num-layers", "parallel.decoder_last_pipeline_num_layers"),
     FlagField("--pipeline-model-parallel-layout", "parallel.pipeline_layout", convert=_as_given),
@@ -176,9 +191,11 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--ddp-num-buckets", None, None, "a DDP bucket count (--ddp-bucket-size is modelled)"),
     FlagField("--use-tp-pp-dp-mapping", "parallel.tp_pp_dp_mapping", convert=_as_given),
     FlagField("--use-sharp", None, None, "in-network (SHARP) reductions", _as_given),
-    FlagField("--enable-cuda-graph", None, None, "CUDA graphs", _as_given),
-    FlagField("--external-cuda-graph", None, None, "CUDA graphs", _as_given),
-    FlagField("--cuda-graph-impl", None, "none", "CUDA graphs", _as_given),
+    FlagField("--enable-cuda-graph", "training.cuda_graph_impl", convert=_graph_impl("local")),
+    FlagField("--external-cuda-graph", "training.cuda_graph_impl", convert=_graph_impl("transformer_engine")),
+    FlagField("--cuda-graph-impl", "training.cuda_graph_impl", convert=_as_given),
+    FlagField("--cuda-graph-scope", "training.cuda_graph_scope", convert=_graph_scopes),
+    FlagField("--cuda-graph-modules", "training.cuda_graph_scope", convert=_graph_scopes),  # the scope's new name
     FlagField("--deterministic-mode", "training.deterministic", convert=_as_given),
     FlagField("--distribute-saved-activations", None, None, "recompute inputs distributed over TP", _as_given),
     FlagField("--fp16-lm-cross-entropy", None, None, "a cross-entropy on fp16 logits", _as_given),

@@ -208,3 +208,45 @@ def test_node_spanning_group_pays_the_measured_intra_node_latency():
     assert comm(tp=8, dp=2, cluster=a100).time_ns(K.ALL_REDUCE, 1 << 20, G.DP) == (1 << 20) / 25 + (fixed + 0 * step + 2 * 5000)
     # inside a node nothing changes: the table itself
     assert comm(tp=8, cluster=a100).time_ns(K.ALL_REDUCE, 1 << 20, G.TP) == (92790 + 92150) / 2
+
+
+# -- NVLink domains of several nodes (GB200 NVL72) ---------------------------------------------------
+
+NVL72 = get_cluster_preset("gb200-nvl72")  # trays of 4, racks of 72; 900 bytes/ns NVLink, 1 us / 5 us per step
+
+
+def test_nvl72_tp8_spans_two_trays_at_nvlink_rate():
+    """TP 8 takes trays 0 and 1 of rack 0: NVLink switches join them, so the ring runs at 900 bytes/ns
+    with NVLink latencies, where nodes of 4 without a rack-wide domain would cross the network."""
+    nbytes = 900_000_000
+    tp8 = CommModel(cluster=NVL72, tensor_parallel=8, pipeline_parallel=1, data_parallel=18)
+    assert not tp8.placement(G.TP).spans_nodes
+    assert tp8.time_ns(K.ALL_REDUCE, nbytes, G.TP) == pytest.approx(2 * 7 / 8 * nbytes / 900 + 14 * 1_000)
+    trays_alone = CommModel(cluster=ClusterSpec(**{**NVL72.to_dict(), "nvlink_domain_gpus": None}),
+                            tensor_parallel=8, pipeline_parallel=1, data_parallel=18)
+    assert trays_alone.placement(G.TP).spans_nodes
+    assert trays_alone.time_ns(K.ALL_REDUCE, nbytes, G.TP) > 2 * tp8.time_ns(K.ALL_REDUCE, nbytes, G.TP)
+
+
+def test_nvl72_ep64_all_to_all_inside_the_rack():
+    nbytes = 64_000_000
+    ep64 = CommModel(cluster=NVL72, tensor_parallel=1, pipeline_parallel=1, data_parallel=128, expert_parallel=64)
+    assert ep64.placement(G.EP).num_nodes == 1
+    assert ep64.time_ns(K.ALL_TO_ALL, nbytes, G.EP) == pytest.approx(63 / 64 * nbytes / 900 + 63 * 1_000)
+
+
+def test_nvl72_dp_across_racks_on_one_nic_per_gpu():
+    """TP 72 fills a rack; DP 2 pairs rank 0 with rank 72 in the next rack: one GPU per rack, one
+    400 Gb/s NIC share (1600 Gb/s per tray of 4 = 50 bytes/ns per GPU), two network ring steps."""
+    nbytes = 100_000_000
+    dp = CommModel(cluster=NVL72, tensor_parallel=72, pipeline_parallel=1, data_parallel=2)
+    placement = dp.placement(G.DP)
+    assert (placement.num_nodes, placement.gpus_per_node) == (2, 1)
+    assert dp.time_ns(K.ALL_REDUCE, nbytes, G.DP) == pytest.approx(nbytes / 50 + 2 * 5_000)
+    assert dp.send_recv_ns(nbytes, across_nodes=True) == pytest.approx(nbytes / 50 + 5_000)
+
+
+def test_nvlink_domain_must_hold_whole_nodes():
+    with pytest.raises(ConfigError, match=r"^cluster.nvlink_domain_gpus \(70\) must be a multiple of "
+                                          r"cluster.gpus_per_node \(4\)"):
+        ClusterSpec(**{**NVL72.to_dict(), "nvlink_domain_gpus": 70})

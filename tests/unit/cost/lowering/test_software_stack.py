@@ -149,8 +149,11 @@ def test_stack_given_wins_fp8_defaults_to_te_and_a_plain_module_runs_the_local_s
         TrainingSpec(global_batch_size=8, software_stack=MDS, fp8="e4m3")
     with pytest.raises(ConfigError, match="^training.fp8 must be one of hybrid, e4m3; got 'e5m2'$"):
         TrainingSpec(global_batch_size=8, fp8="e5m2")
-    with pytest.raises(ConfigError, match="^training.fp8_recipe must be one of delayed, tensorwise; got 'mxfp8'$"):
-        TrainingSpec(global_batch_size=8, fp8="hybrid", fp8_recipe="mxfp8")
+    with pytest.raises(ConfigError, match="^training.fp8_recipe must be one of delayed, tensorwise, mxfp8, "
+                                          "blockwise; got 'custom'$"):
+        TrainingSpec(global_batch_size=8, fp8="hybrid", fp8_recipe="custom")
+    with pytest.raises(ConfigError, match="^training.fp4 'e2m1' with training.fp8 'hybrid': FP4 and FP8 GEMMs "):
+        TrainingSpec(global_batch_size=8, fp8="hybrid", fp4="e2m1")
 
 
 def test_vtrain_configs_use_megatron_deepspeed():

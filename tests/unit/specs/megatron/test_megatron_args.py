@@ -107,7 +107,8 @@ def test_layer_features_other_than_the_familys_are_modelled_not_noted():
     ("--num-experts 8 --moe-token-dispatcher-type ring", "parallel.moe_token_dispatcher must be one of alltoall, "
                                                          "allgather, flex; got 'ring'"),
     ("--moe-router-topk 2", "model.moe_router_topk needs model.num_experts (a mixture-of-experts model)"),
-    ("--fp8-format e4m3 --fp8-recipe mxfp8", "training.fp8_recipe must be one of delayed, tensorwise; got 'mxfp8'"),
+    ("--fp8-format e4m3 --fp8-recipe custom", "training.fp8_recipe must be one of delayed, tensorwise, mxfp8, "
+                                              "blockwise; got 'custom'"),
     ("--overlap-param-gather", "training.overlap_param_gather requires training.distributed_optimizer: true"),
     ("--optimizer lion", "--optimizer lion: only adam, sgd, muon and dist_muon are modelled by vtrain"),
     ("--use-precision-aware-optimizer", "training.optimizer.precision_aware requires training.distributed_optimizer: "
@@ -405,8 +406,8 @@ def test_mapped_training_flags():
                                                   "attention from the flags it stands for; state them (GPT-OSS: "
                                                   "--softmax-type learnable --window-size 127,0 "
                                                   "--window-attn-skip-freq 2)"),
-    ("--enable-cuda-graph", "--enable-cuda-graph: CUDA graphs is not modelled by vtrain yet"),
-    ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graphs is not modelled by vtrain yet"),
+    ("--fp4-format e2m1 --fp4-param-gather", "--fp4-param-gather: FP4 parameters (all-gathered in FP4) is not "
+                                              "modelled by vtrain yet"),
     ("--main-grads-dtype bf16", "training.optimizer.main_grads bf16 requires training.optimizer.precision_aware "
                                 "(megatron-core keeps optimizer state in fp32 otherwise)"),
     ("--disable-tp-comm-overlap-ag", "--disable-tp-comm-overlap-ag: TP overlap without its all-gather overlap is not "
