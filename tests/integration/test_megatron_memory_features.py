@@ -6,6 +6,9 @@ multi-latent attention and multi-token prediction, against Megatron-LM's own
 Where they agree the test asserts equality to the float's rounding; where vtrain counts what the
 traced model holds and the formula does not, the difference is written out and checked exactly:
 
+* multi-latent attention under tensor parallelism: megatron-core keeps the query and key/value down
+  projections and the two latent norms whole on every TP rank (``parallel_mode="duplicated"``); the
+  formula divides them by ``t`` with the rest of the attention;
 * multi-token prediction: the formula counts each MTP layer as a transformer layer and omits its
   embedding and hidden norms, its final norm and its ``2h -> h`` projection (``3 h + 2 h^2`` per
   layer with RMSNorm), which megatron-core's ``MultiTokenPredictionLayer`` builds.
@@ -61,6 +64,16 @@ def test_multi_latent_attention_with_a_query_rank():
     args = megatron_args(**LLAMA_ARGS, num_layers=2, multi_latent_attention=True, **mla)
     assert states_bytes(model, ParallelPlan(), distributed_optimizer=False) == pytest.approx(
         weight_and_optimizer_bytes(args), rel=ROUNDING)
+
+
+def test_multi_latent_attention_keeps_its_down_projections_whole_under_tensor_parallelism():
+    mla = dict(q_lora_rank=64, kv_lora_rank=32, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=32)
+    model = ModelSpec(**LLAMA, num_layers=2, multi_latent_attention=True, **mla)
+    args = megatron_args(**LLAMA_ARGS, num_layers=2, multi_latent_attention=True, tensor_model_parallel_size=2, **mla)
+    replicated = H * 64 + H * (32 + 16) + 64 + 32  # q down, kv down with the rotary key, the latent norms
+    extra_per_rank = 2 * replicated * (1 - 1 / 2)  # 2 layers; the formula gives each rank half of them
+    assert states_bytes(model, ParallelPlan(tensor_parallel=2), distributed_optimizer=False) == pytest.approx(
+        weight_and_optimizer_bytes(args) + 18 * extra_per_rank, rel=ROUNDING)
 
 
 def test_multi_token_prediction_adds_the_norms_and_projection_the_formula_omits():
