@@ -7,7 +7,10 @@ import json
 
 import pytest
 
-from tests.support.megatron_reference import megatron_args, num_floating_point_operations
+from tests.support.megatron_reference import (
+    megatron_args,
+    num_floating_point_operations,
+)
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.hardware.clusters import get_cluster_preset
@@ -55,7 +58,7 @@ def test_recompute_adds_hardware_flops_not_model_flops():
     recomputed = estimate(trace(model, ParallelPlan(tensor_parallel=2, recompute="full")), cluster=cluster,
                           training=training)
     assert recomputed.model_flops_per_iteration == plain.model_flops_per_iteration
-    work = lambda e: e.hardware_tflops_per_gpu * e.iteration_time_ms  # noqa: E731  (traced FLOPs per GPU)
+    work = lambda e: e.hardware_tflops_per_gpu * e.iteration_time_ms
     assert work(recomputed) > work(plain)
     # the flash-attention backward (2.5x its forward) and the norms, activations and softmax are in the
     # traced FLOPs only: they exceed Megatron's count even without recompute

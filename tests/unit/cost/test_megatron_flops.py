@@ -7,7 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.megatron_reference import megatron_args, num_floating_point_operations
+from tests.support.megatron_reference import (
+    megatron_args,
+    num_floating_point_operations,
+)
 from vtrain_plugin.cost.megatron_flops import megatron_model_flops
 from vtrain_plugin.specs.model import ModelSpec
 
