@@ -116,7 +116,8 @@ def prepare_moe_layers(module: torch.nn.Module, skew: float, flex: FlexDispatch 
     tracker.clear()
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
     if layers:
-        tracker[LOAD_BALANCING_LOSS] = {"values": torch.zeros(layers[0].config.num_layers)}
+        config = layers[0].config  # sized as the router sizes it: the MTP layers' MoE layers log there too
+        tracker[LOAD_BALANCING_LOSS] = {"values": torch.zeros(config.num_layers + (config.mtp_num_layers or 0))}
     for layer in layers:
         if not isinstance(layer, MoELayer):
             continue

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from profiler.lookup import measured_for_graph
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core import checks as v
+from vtrain_plugin.core.dtypes import Dtype, canonical_dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey, OpGraph, Phase
 from vtrain_plugin.core.units import GIB, MS_PER_S, NS_PER_MS, NS_PER_S, SECONDS_PER_DAY, SECONDS_PER_HOUR
@@ -26,7 +27,7 @@ from vtrain_plugin.cost.comm.collectives import CommModel
 from vtrain_plugin.cost.comm.context_parallel import ContextParallel
 from vtrain_plugin.cost.comm.context_parallel import model_flops as blocks_model_flops
 from vtrain_plugin.cost.costing import Costing, cost
-from vtrain_plugin.cost.hybrid_flops import hybrid_forward_flops
+from vtrain_plugin.cost.megatron_flops import megatron_model_flops
 from vtrain_plugin.cost.kernels.timer import KernelTimer
 from vtrain_plugin.cost.memory import RankMemory
 from vtrain_plugin.cost.prepare import PreparedGraph, prepare_run
@@ -80,12 +81,20 @@ class Estimate:
     num_microbatches: int
     global_batch_size: int
     tokens_per_second: float | None  # None for a plain module traced without a known sequence length
-    tflops_per_gpu: float  # model FLOPs (recompute excluded) per second per GPU
-    hardware_tflops_per_gpu: float  # recompute included
-    mfu: float  # model FLOPs utilization against the GPU's dense peak for the model dtype (also in FP8)
+    # Model FLOPs per second per GPU, the FLOPs as Megatron-LM counts them (model_flops_per_iteration;
+    # the traced ones for a plain module): the TFLOP/s of Megatron's log line
+    tflops_per_gpu: float
+    hardware_tflops_per_gpu: float  # the traced kernels' FLOPs, recompute included
+    mfu: float  # tflops_per_gpu over mfu_peak_tflop_per_s: the GPU's dense peak for the model dtype (also in FP8)
     gpu: str
     software_stack: str  # the kernels assumed (TrainingSpec.stack_for)
     fp8: str | None = None  # FP8 format of the GEMMs (TrainingSpec.fp8); MFU stays against the model dtype's peak
+    # FLOPs of one iteration behind tflops_per_gpu: Megatron-LM's num_floating_point_operations of the
+    # global batch (vtrain_plugin.cost.megatron_flops), or the traced model FLOPs of a plain module
+    model_flops_per_iteration: float | None = None
+    model_flops_counted_as: str = ""  # "megatron-lm" or "traced"
+    mfu_peak_tflop_per_s: float | None = None  # the peak MFU is against
+    mfu_peak: str = ""  # that peak in words, e.g. "h100-sxm dense bf16 peak 989 TFLOP/s"
     distributed_optimizer: bool = False  # Megatron-Core's distributed optimizer (TrainingSpec.distributed_optimizer)
     fsdp: str | None = None  # FSDP implementation and strategy (FsdpSettings.label); None: DDP
     cost_usd: float | None  # of this iteration, at the cluster's price per GPU-hour
@@ -166,6 +175,10 @@ class Estimate:
             "tflops_per_gpu": self.tflops_per_gpu,
             "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
             "mfu": self.mfu,
+            "model_flops_per_iteration": self.model_flops_per_iteration,
+            "model_flops_counted_as": self.model_flops_counted_as,
+            "mfu_peak_tflop_per_s": self.mfu_peak_tflop_per_s,
+            "mfu_peak": self.mfu_peak,
             "gpu": self.gpu,
             "software_stack": self.software_stack,
             "fp8": self.fp8,
@@ -291,14 +304,18 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
     gpus = plan.world_size
     stage_breakdowns = tuple(_breakdown_ms(r) for r in result.ranks)
     bottleneck = max(range(len(result.ranks)), key=lambda i: _busy(result.ranks[i]))
-    flops = _model_flops(graph, costing)
+    flops = _traced_flops(graph, costing)
     ranks_per_replica = plan.tensor_parallel * plan.context_parallel  # that split one micro-batch of a stage
     per_microbatch = (flops[Phase.FORWARD] + flops[Phase.BACKWARD]) * ranks_per_replica
     recompute = flops[Phase.RECOMPUTE] * ranks_per_replica
     replicas_work = num_microbatches * plan.data_parallel
-    model_flops = per_microbatch * replicas_work
     hardware_flops = (per_microbatch + recompute) * replicas_work
-    peak_flop_per_s = device.tensor_flop_per_ns(graph.dtype) * NS_PER_S
+    if graph.model is not None:
+        model_flops = megatron_model_flops(graph.model, sequences=training.global_batch_size,
+                                           tensor_parallel=plan.tensor_parallel)
+    else:  # a plain module: no Megatron-LM count, the traced forward and backward
+        model_flops = per_microbatch * replicas_work
+    peak_tflop_per_s, peak_words = _mfu_peak(device, graph.dtype)
     tflops = model_flops / seconds / gpus / 1e12
     price = cluster.price_per_gpu_hour_usd
     unmeasured = tuple(
@@ -315,7 +332,11 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         tokens_per_second=training.global_batch_size * graph.seq_length / seconds if graph.seq_length else None,
         tflops_per_gpu=tflops,
         hardware_tflops_per_gpu=hardware_flops / seconds / gpus / 1e12,
-        mfu=tflops * 1e12 / peak_flop_per_s,
+        mfu=tflops / peak_tflop_per_s,
+        model_flops_per_iteration=float(model_flops),
+        model_flops_counted_as="traced" if graph.model is None else "megatron-lm",
+        mfu_peak_tflop_per_s=peak_tflop_per_s,
+        mfu_peak=peak_words,
         gpu=device.name,
         software_stack=stack.value,
         fp8=None if training.fp8 is None else training.fp8.value,
@@ -339,23 +360,26 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
     )
 
 
-def _model_flops(graph: OpGraph, costing: Costing) -> dict[Phase, int]:
-    """Model FLOPs per phase of one micro-batch through every chunk on one TP and CP rank, the traced
-    rank's; a hybrid's forward and backward as Megatron-LM counts them. Under a skewed MoE routing assumption the traced rank is the busiest one, and the model's
+def _traced_flops(graph: OpGraph, costing: Costing) -> dict[Phase, int]:
+    """Traced FLOPs per phase of one micro-batch through every chunk on one TP and CP rank, the traced
+    rank's. Under a skewed MoE routing assumption the traced rank is the busiest one, and the model's
     FLOPs are those of balanced routing (skew moves expert work between ranks, it adds none): traced
     again with skew 1 (cached by shape), counted as the costing counts them (the CP attention's
     included)."""
     model = graph.model
-    if model is not None and model.is_hybrid:  # Megatron-LM's count (cost/hybrid_flops.py), on one TP rank
-        plan = graph.parallel
-        forward = hybrid_forward_flops(model, sequences=plan.micro_batch_size, tensor_parallel=plan.tensor_parallel)
-        per_rank = forward // (plan.tensor_parallel * plan.context_parallel)
-        return {**costing.flops, Phase.FORWARD: per_rank, Phase.BACKWARD: 2 * per_rank}
     if model is None or not model.is_moe or model.moe_routing_skew == 1.0:
         return costing.flops
     balanced = trace(replace(model, moe_routing_skew=1.0), graph.parallel)
     cp = ContextParallel.of(balanced)
     return {phase: sum(blocks_model_flops(s.blocks, cp, phase) for s in balanced.stages) for phase in Phase}
+
+
+def _mfu_peak(device: DeviceSpec, dtype: str) -> tuple[float, str]:
+    """The peak MFU is against: the device's dense tensor-core rate for the model dtype (TF32 for
+    fp32), also when the GEMMs run in FP8 (Megatron-LM logs TFLOP/s only; this states the choice)."""
+    tflop_per_s = device.tensor_flop_per_ns(dtype) * NS_PER_S / 1e12
+    kind = "tf32" if canonical_dtype(dtype) is Dtype.FP32 else canonical_dtype(dtype).value
+    return tflop_per_s, f"{device.name} dense {kind} peak {tflop_per_s:,.0f} TFLOP/s"
 
 
 def _breakdown_ms(rank: RankBreakdown) -> dict[str, float]:

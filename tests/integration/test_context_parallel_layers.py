@@ -10,6 +10,7 @@ import pytest
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.graph import ParallelGroup, Phase
 from vtrain_plugin.cost.comm.context_parallel import with_context_parallel
+from vtrain_plugin.cost.megatron_flops import megatron_model_flops
 from vtrain_plugin.cost.prepare import prepare
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.hardware.clusters import get_cluster_preset
@@ -129,8 +130,11 @@ def test_estimate_counts_every_cp_rank(llama):
     assert ring.tokens_per_second == pytest.approx(8 * SEQ / (ring.iteration_time_ms / 1e3))
     assert ring.software_stack == "megatron_core_te"
     prepared = prepare(llama, "megatron_core_te")
-    model_flops = sum(prepared.flops[p] for p in (Phase.FORWARD, Phase.BACKWARD)) * 2 * 4 * 8  # x TP x CP x m
-    assert ring.tflops_per_gpu == pytest.approx(model_flops / (ring.iteration_time_ms / 1e3) / 8 / 1e12, rel=1e-12)
+    traced_flops = sum(prepared.flops[p] for p in Phase) * 2 * 4 * 8  # x TP x CP x m
+    seconds = ring.iteration_time_ms / 1e3
+    assert ring.hardware_tflops_per_gpu == pytest.approx(traced_flops / seconds / 8 / 1e12, rel=1e-12)
+    megatron_flops = megatron_model_flops(LLAMA, sequences=8, tensor_parallel=2)  # CP splits it, adds none
+    assert ring.tflops_per_gpu == pytest.approx(megatron_flops / seconds / 8 / 1e12, rel=1e-12)
     assert gathered.breakdown_ms["cp_comm"] > 0  # nothing hides an all-gather
     for e in (ring, gathered):
         assert sum(e.breakdown_ms.values()) == pytest.approx(e.iteration_time_ms, rel=1e-9)

@@ -178,8 +178,9 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
     lines.append("")
     cost = "n/a" if result.cost_usd is None else f"${result.cost_usd:,.2f} per iteration"
     tokens = "n/a" if result.tokens_per_second is None else f"{result.tokens_per_second:,.0f}"
-    lines.append(f"tokens/s {tokens}   model TFLOP/s per GPU {result.tflops_per_gpu:.1f}   "
-                 f"MFU {100 * result.mfu:.1f}%   cost {cost}")
+    counted = "Megatron-LM's FLOP count" if result.model_flops_counted_as == "megatron-lm" else "traced FLOPs"
+    lines.append(f"tokens/s {tokens}   model TFLOP/s per GPU {result.tflops_per_gpu:.1f} ({counted})   "
+                 f"MFU {100 * result.mfu:.1f}% of {result.mfu_peak}   cost {cost}")
     if result.iterations is not None:
         train_cost = "" if result.train_cost_usd is None else f", ${result.train_cost_usd:,.0f}"
         lines.append(f"to train {result.total_tokens:,.0f} tokens: {result.iterations:,} iterations, "

@@ -38,7 +38,7 @@ def comparison_table(plan: str, c: RunComparison) -> str:
                  f"{c.measured_p10_ms:,.1f}-{c.measured_p90_ms:,.1f} ms; drift {drift}")
     if c.logged_tflops_per_gpu is not None:
         lines.append(f"the log's own throughput: {c.logged_tflops_per_gpu:,.1f} TFLOP/s per GPU (median; "
-                     f"Megatron-LM's FLOP count, measured figures above use vtrain's)")
+                     f"the FLOP count of the measured figures above, Megatron-LM's own)")
     if c.skipped_iterations or c.nan_iterations:
         lines.append(f"skipped iterations {c.skipped_iterations}, NaN iterations {c.nan_iterations}")
     if c.slow:

@@ -65,7 +65,7 @@ class RunComparison:
     predicted_tokens_per_second: float | None
     measured_tokens_per_second: float | None
     predicted_tflops_per_gpu: float
-    measured_tflops_per_gpu: float  # vtrain's model FLOPs over the measured time
+    measured_tflops_per_gpu: float  # the model FLOPs (Megatron-LM's count) over the measured time
     logged_tflops_per_gpu: float | None  # median of the log's own figure (Megatron's FLOP count)
     predicted_mfu: float
     measured_mfu: float
