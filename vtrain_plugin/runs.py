@@ -204,7 +204,7 @@ def _megatron_run(commands: LaunchCommand | tuple[LaunchCommand, ...], *, gpus: 
         logger.warning("note: %s%s", where, "; ".join(notes))
     if plan.warning:
         logger.warning("warning: %s%s", where, plan.warning)
-    return _checked(run, Hardware() if cluster is None else None)
+    return _checked(run, Hardware(gpu=None if cluster is None else cluster.gpu))
 
 
 def _default_gpu_note(cluster: ClusterSpec) -> str:
