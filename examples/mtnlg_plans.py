@@ -35,7 +35,7 @@ RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the CSV and the plot ({RESULTS})")
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
     args = parser.parse_args()

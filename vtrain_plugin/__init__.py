@@ -23,8 +23,8 @@ from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.measured.compare_run import RunComparison, compare_run
 from vtrain_plugin.measured.iterations import IterationComparison, IterationRecorder, compare_iterations
 from vtrain_plugin.measured.one_device import ValidationResult, single_device_run, validate
-from vtrain_plugin.runs import (load_megatron_script, load_run_config, run_config_from_dict,
-                                run_config_from_megatron_args, with_gpu)
+from vtrain_plugin.runs import (Hardware, load_bridge_config, load_megatron_script, load_run, load_run_config,
+                                run_config_from_dict, run_config_from_megatron_args, with_gpu)
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
@@ -32,10 +32,11 @@ from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import TrainingSpec
 
-__all__ = ["ClusterSpec", "ConfigError", "Estimate", "IterationComparison", "IterationRecorder", "ModelSpec",
+__all__ = ["ClusterSpec", "ConfigError", "Estimate", "Hardware", "IterationComparison", "IterationRecorder", "ModelSpec",
            "OpGraph", "ParallelPlan", "ProfileError", "ReliabilitySpec", "RunComparison", "RunConfig", "TraceError",
            "TrainingSpec", "VTrainError", "ValidationResult", "compare_iterations", "compare_run", "estimate",
-           "estimates_frame", "get_cluster_preset", "load_megatron_script", "load_run_config",
+           "estimates_frame", "get_cluster_preset", "load_bridge_config", "load_megatron_script", "load_run",
+           "load_run_config",
            "run_config_from_dict", "run_config_from_megatron_args", "single_device_run", "trace", "validate",
            "with_gpu"]
 

@@ -84,7 +84,7 @@ def print_leave_one_out(prepared: Sequence[PreparedRun], dataset: Dataset, base:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("device", help="device preset, e.g. a100-sxm4-80gb")
     parser.add_argument("stack", help="software stack, e.g. megatron_deepspeed_2023")
     add_data_argument(parser)

@@ -73,7 +73,7 @@ def error_rows(frame: pd.DataFrame, predicted_ns: np.ndarray) -> list[list[str]]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", type=Path, default=RESULTS / "h100_kernel_sweep.csv")
     parser.add_argument("--gpu", default="h100-sxm", help="device preset the sweep was measured on")
     args = parser.parse_args()

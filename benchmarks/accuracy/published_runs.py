@@ -233,7 +233,7 @@ def spread_contribution(sets: dict[str, Sequence[PreparedRun]], constants) -> st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_argument(parser)
     results = Path(__file__).resolve().parents[1] / "results"
     parser.add_argument("--plot", type=Path, default=results / "a100_accuracy.png", help="A100 predicted-vs-measured PNG")

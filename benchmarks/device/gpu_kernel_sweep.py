@@ -202,7 +202,7 @@ def sweep_attention(timer: Timer, device, quick: bool) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=RESULTS / "h100_kernel_sweep.csv")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (about a minute)")
     args = parser.parse_args(argv)

@@ -154,7 +154,7 @@ def parse_run_arguments(doc: str, argv: list[str] | None, *, plans: dict[str, An
                         out: Path, export: Path | None) -> tuple[argparse.Namespace, list[str], dict[str, Any]]:
     """The command line of a ground-truth script (this one, ``trace_in_script.py``): the arguments,
     the plan names asked for and the catalogue they are from (``smoke_plans`` with ``--smoke``)."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=doc.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="torch device (default: cuda; cpu with --smoke)")
     parser.add_argument("--plans", default=None, help=f"comma-separated subset of: {', '.join(plans)}")

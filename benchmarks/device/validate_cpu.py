@@ -28,7 +28,7 @@ PLAN = Path(__file__).resolve().parents[2] / "examples" / "plans" / "gpt_tiny_cp
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--plan", default=str(PLAN))
     parser.add_argument("--db", help="profile database (default: a temporary file)")
     parser.add_argument("--runs", type=int, default=5)

@@ -70,7 +70,7 @@ def timed(label: str, plan: str, runs: list[tuple[float, float]]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--repeats", type=int, default=7, help="runs of each fast case (default 7)")
     parser.add_argument("--cold-repeats", type=int, default=3, help="runs of each cold estimate (default 3)")
     args = parser.parse_args()

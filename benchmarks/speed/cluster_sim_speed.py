@@ -44,7 +44,7 @@ def timed(args: list[str], cache: Path) -> tuple[float, float, dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("extra", nargs="*", help="more arguments for the command (after --)")
     extra = parser.parse_args().extra
     rows = []

@@ -127,7 +127,7 @@ def search_rate() -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--layouts", type=int, default=300)
     args = parser.parse_args()

@@ -126,7 +126,7 @@ def plans_in(table_csv: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", default="3360", help="GPU budget of the search (default 3360)")
     parser.add_argument("--workers", default="1,2", help="worker counts to run (default 1,2)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process

@@ -31,7 +31,7 @@ def peak_rss_gib() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     plan = ParallelPlan(tensor_parallel=8, pipeline_parallel=8, data_parallel=1, recompute="full")

@@ -10,7 +10,7 @@ PLAN = "examples/plans/gpt_tiny_cpu.yaml"
 REQUIRED = {
     "trace": (PLAN,), "estimate": (PLAN,), "validate": (PLAN,), "compare": (PLAN, "run.log"),
     "calibrate": ("--from-runs", "run.log", "--plan", PLAN), "search": (PLAN,),
-    "size": ("--gpu", "A100", "--days", "3"), "cluster-sim": ("--gpu", "A100", "--nodes", "2"),
+    "size": ("--gpu", "A100", "--days", "3"), "cluster-sim": ("--gpu", "A100", "--nodes", "2"), "flags": (),
 }
 
 

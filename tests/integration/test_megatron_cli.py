@@ -24,6 +24,8 @@ def test_estimate_from_a_launch_script_takes_the_gpu_count_from_torchrun(tmp_pat
     # Megatron-LM's TransformerEngine layers, though an fp16 GPT on an A100 defaults to Megatron-DeepSpeed's kernels
     assert result["iteration_time_ms"] > 0 and result["software_stack"] == "megatron_core_te"
     assert proc.stderr.splitlines() == [
+        f"vtrain: note: {script}: no GPU given: estimated on a100-sxm4-80gb (dgx-a100 nodes), the default; give "
+        f"--gpu to choose",
         f"vtrain: warning: {script}: Megatron-LM arguments vtrain does not model (they may change speed or "
         f"memory): --use-flash-attn"]
     script.write_text(SMALL_GPT.replace("--use-flash-attn", "--transformer-impl local"))
@@ -44,8 +46,8 @@ def test_megatron_args_errors_are_one_line_with_exit_2(tmp_path, run_cli):
     flags = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128 --micro-batch-size 2"
     unknown = run_cli("estimate", "--megatron-args", f"{flags} --vocab-size 1000 --deepspeed-zero 3", "--gpus", "8")
     assert unknown.returncode == 2
-    assert unknown.stderr.splitlines() == ["vtrain: error: --megatron-args: unknown argument --deepspeed-zero: not "
-                                           "a Megatron-LM argument vtrain knows"]
+    assert unknown.stderr.splitlines() == ["vtrain: error: --megatron-args: unknown argument --deepspeed-zero: no "
+                                           "Megatron-LM release from core_r0.8.0 to main has it"]
     arithmetic = run_cli("estimate", "--megatron-args", f"{flags} --vocab-size 1000 --tensor-model-parallel-size 4",
                          "--gpus", "6", "--format", "jsonl")
     assert arithmetic.returncode == 2
@@ -58,8 +60,9 @@ def test_megatron_args_errors_are_one_line_with_exit_2(tmp_path, run_cli):
     plan_file.write_text("{}")
     misplaced = run_cli("estimate", str(plan_file), "--gpus", "8")
     assert misplaced.returncode == 2
-    assert misplaced.stderr.splitlines() == ["vtrain: error: --gpus applies to Megatron-LM arguments only "
-                                             "(--megatron-args or a .sh launch script)"]
+    assert misplaced.stderr.splitlines() == [f"vtrain: error: --gpus applies to Megatron-LM arguments only "
+                                             f"(--megatron-args, a .sh launch script or a Megatron-Bridge YAML): "
+                                             f"{plan_file} gives its data-parallel size"]
 
 
 def test_megatron_lms_example_scripts_with_gpus_overriding_their_one_node(tmp_path, run_cli):

@@ -13,7 +13,7 @@ PLAN = {
     "cluster": {"preset": "dgx-h100"},
 }
 NO_FP8 = ("training.fp8 'hybrid' needs fp8 tensor cores; a100-sxm4-80gb (ampere) has none "
-          "(these have: b200-sxm, gb200, gb300, h100-sxm, h200-sxm; the GPU is --gpu, or cluster.gpu of a plan)")
+          "(these have: b200-sxm, gb200, gb300, h100-sxm, h200-sxm)")
 
 
 def write(tmp_path, name, data):
@@ -35,9 +35,9 @@ def test_fp8_estimate_on_h100_names_its_stack_and_precision(tmp_path, run_cli):
 
 def test_fp8_on_a100_is_one_line_exit_2(tmp_path, run_cli):
     path = write(tmp_path, "fp8.yaml", PLAN)
-    for args, message in ((("estimate", path, "--gpu", "A100"), NO_FP8),
+    for args, message in ((("estimate", path, "--gpu", "A100"), f"{path}: {NO_FP8}; --gpu A100: choose one with --gpu"),
                           (("estimate", write(tmp_path, "a100.yaml", {**PLAN, "cluster": {"preset": "dgx-a100"}})),
-                           f"{tmp_path / 'a100.yaml'}: {NO_FP8}"),
+                           f"{tmp_path / 'a100.yaml'}: {NO_FP8}; the GPU is cluster.gpu of the plan"),
                           (("search", path, "--gpus", "8", "--gpu", "A100", "--tp", "2", "--pp", "2"),
                            NO_FP8.replace("training.fp8", "fp8"))):
         proc = run_cli(*args)

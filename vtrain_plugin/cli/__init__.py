@@ -33,11 +33,12 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
-        prog="vtrain", description="Predict the iteration time, memory and cost of Megatron-style training.")
+        prog="vtrain", description="Predict the iteration time, memory and cost of Megatron-style training.",
+        allow_abbrev=False)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS.values():
-        p = sub.add_parser(command.name, help=command.help)
+        p = sub.add_parser(command.name, help=command.help, allow_abbrev=False)  # --gpu is not --gpus
         command.add_arguments(p)
         if command.traces:
             cache_options(p)

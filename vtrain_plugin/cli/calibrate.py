@@ -9,8 +9,8 @@ import shlex
 import sys
 
 from vtrain_plugin.cli.commands import Command
-from vtrain_plugin.cli.common import CONFIG_HELP, emit, positive_int
-from vtrain_plugin.cli.megatron_input import add_env_option, run_inputs
+from vtrain_plugin.cli.common import emit
+from vtrain_plugin.cli.inputs import INPUT_HELP, MEGATRON_ARGS_LABEL, add_input_options, run_inputs
 from vtrain_plugin.cli.runs_render import calibration_table
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.measured.calibrate import DEFAULT_FIT, PlanRuns, fit_calibration
@@ -21,9 +21,9 @@ from vtrain_plugin.hardware.calibration import CONSTANT_RANGES, write_calibratio
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-runs", nargs="+", required=True, metavar="RUN",
                    help="Megatron-LM or NeMo training logs, or Megatron-LM TensorBoard folders")
-    p.add_argument("--plan", nargs="+", required=True, metavar="PLAN",
-                   help=f"the plan of each RUN, in order ({CONFIG_HELP}, or a Megatron-LM launch script .sh), or "
-                        f"one plan for every RUN; the runs of one plan are pooled")
+    p.add_argument("--plan", nargs="+", metavar="PLAN",
+                   help=f"the plan of each RUN, in order ({INPUT_HELP}), or one plan for every RUN; the runs of "
+                        f"one plan are pooled; or --megatron-args, the plan of every RUN")
     p.add_argument("--fit", default=",".join(DEFAULT_FIT), metavar="LIST",
                    help=f"constants to fit (default {','.join(DEFAULT_FIT)}; any of "
                         f"{', '.join(CONSTANT_RANGES)} but backward_host_overhead_ns, which follows host_overhead_ns)")
@@ -31,8 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"as in vtrain compare (default {DEFAULT_WARMUP_ITERATIONS})")
     p.add_argument("--dry-run", action="store_true", help="print the fit, write no file")
     p.add_argument("--format", choices=("table", "json"), default="table")
-    p.add_argument("--gpus", type=positive_int, metavar="N", help="GPUs of the launch scripts' runs (as in vtrain estimate)")
-    add_env_option(p)
+    add_input_options(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +52,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan_runs(args: argparse.Namespace) -> list[PlanRuns]:
     """The runs grouped by plan: ``--plan`` paired with ``--from-runs`` in order, or one plan for all."""
-    logs, plans = args.from_runs, args.plan
+    logs = args.from_runs
+    if (args.plan is None) == (args.megatron_args is None):
+        raise ConfigError("give the plan of the runs: --plan PLAN... or --megatron-args, one of them")
+    plans = args.plan or [MEGATRON_ARGS_LABEL]
     if len(plans) not in (1, len(logs)):
         raise ConfigError(f"--plan: give one plan per --from-runs log (paired in order) or one plan for all of "
                           f"them: got {len(logs)} logs and {len(plans)} plans")
@@ -62,8 +64,7 @@ def _plan_runs(args: argparse.Namespace) -> list[PlanRuns]:
     grouped: dict[str, list[str]] = {}
     for plan, log in zip(plans, logs):
         grouped.setdefault(plan, []).append(log)
-    plans = argparse.Namespace(config=list(grouped), megatron_args=None, gpus=args.gpus, env=args.env)
-    loaded = dict(run_inputs(plans))
+    loaded = dict(run_inputs(args, [plan for plan in grouped if plan != MEGATRON_ARGS_LABEL]))
     return [PlanRuns(label=plan, run=loaded[plan](), logs=tuple(group)) for plan, group in grouped.items()]
 
 

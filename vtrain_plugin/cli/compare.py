@@ -1,7 +1,7 @@
 """``vtrain compare PLAN RUN... [PLAN RUN...]``: each plan's estimate against the logs of its runs.
 
-A positional argument ending in a plan suffix (``.yaml``, ``.yml``, ``.json``, ``.sh``, ``.bash``)
-starts a plan; the logs (Megatron-LM or NeMo text logs, TensorBoard folders) after it are its runs,
+A positional argument ending in an input suffix (``.yaml``, ``.yml``, ``.json``, ``.sh``, ``.bash``:
+any input of :mod:`vtrain_plugin.cli.inputs`) starts a plan; the logs (Megatron-LM or NeMo text logs, TensorBoard folders) after it are its runs,
 pooled. With ``--megatron-args`` the logs before the first plan file are the runs of that plan.
 """
 
@@ -14,27 +14,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vtrain_plugin.cli.commands import Command
-from vtrain_plugin.runs import with_gpu
-from vtrain_plugin.cli.common import CONFIG_HELP, db_option, emit, profile_db
-from vtrain_plugin.cli.megatron_input import LAUNCH_SCRIPT_SUFFIXES, MEGATRON_ARGS_LABEL, add_megatron_options, run_inputs
+from vtrain_plugin.cli.common import db_option, emit, profile_db
+from vtrain_plugin.cli.inputs import INPUT_HELP, INPUT_SUFFIXES, MEGATRON_ARGS_LABEL, add_input_options, run_inputs
 from vtrain_plugin.cli.runs_render import comparison_table, comparisons_summary
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.measured.compare_run import DEFAULT_SLOW_FACTOR, DEFAULT_WARMUP_ITERATIONS, RunComparison, compare_run
 from vtrain_plugin.measured.plot import plot_comparisons
-from vtrain_plugin.specs.reading import YAML_SUFFIXES
 from vtrain_plugin.specs.run import RunConfig
-
-PLAN_SUFFIXES = (*YAML_SUFFIXES, ".json", *LAUNCH_SCRIPT_SUFFIXES)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="PLAN RUN",
-                   help=f"a plan ({CONFIG_HELP}, or a Megatron-LM launch script .sh) followed by the logs of its runs "
+                   help=f"a plan ({INPUT_HELP}) followed by the logs of its runs "
                         "(Megatron-LM or NeMo training logs, Megatron-LM TensorBoard folders), pooled; more plans, "
                         "each with its runs, give a table")
-    add_megatron_options(p)
-    p.add_argument("--gpu", help="GPU preset the runs used, overriding the plan's")
+    add_input_options(p)
     p.add_argument("--warmup-iterations", type=int, default=DEFAULT_WARMUP_ITERATIONS, metavar="N",
                    help=f"leave out the logged intervals that begin in the first N iterations of each start of a "
                         f"job (default {DEFAULT_WARMUP_ITERATIONS})")
@@ -49,8 +44,6 @@ def run(args: argparse.Namespace) -> int:
     results: list[tuple[str, RunComparison]] = []
     for label, load, logs in plan_groups(args):
         run_config = load()
-        if args.gpu:
-            run_config = with_gpu(run_config, args.gpu)
         comparison = compare_run(estimate(run_config, profile_db=profile_db(args)), logs,
                                  warmup_iterations=args.warmup_iterations, slow_factor=args.slow_factor)
         results.append((label, comparison))
@@ -80,7 +73,7 @@ def plan_groups(args: argparse.Namespace) -> list[tuple[str, Callable[[], RunCon
             groups.append((item, []))
         elif not groups:
             raise ConfigError(f"{item}: a run log before any plan: give the plan first (a file ending in "
-                              f"{', '.join(PLAN_SUFFIXES)}) or --megatron-args")
+                              f"{', '.join(INPUT_SUFFIXES)}) or --megatron-args")
         else:
             groups[-1][1].append(item)
     for label, logs in groups:
@@ -91,13 +84,11 @@ def plan_groups(args: argparse.Namespace) -> list[tuple[str, Callable[[], RunCon
 
 
 def _is_plan(item: str) -> bool:
-    return Path(item).suffix.lower() in PLAN_SUFFIXES and not Path(item).is_dir()
+    return Path(item).suffix.lower() in INPUT_SUFFIXES and not Path(item).is_dir()
 
 
 def _plan_inputs(args: argparse.Namespace) -> list[tuple[str, Callable[[], RunConfig]]]:
-    plans = argparse.Namespace(config=[item for item in args.inputs if _is_plan(item)],
-                               megatron_args=args.megatron_args, gpus=args.gpus, env=args.env)
-    return run_inputs(plans)
+    return run_inputs(args, [item for item in args.inputs if _is_plan(item)])
 
 
 COMMANDS = (Command(name="compare", add_arguments=add_arguments, run=run, traces=True,

@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from vtrain_plugin.cli.commands import Command
-from vtrain_plugin.runs import with_gpu
-from vtrain_plugin.cli.common import (CONFIG_HELP, EXIT_USER_ERROR, db_option, positive_int, profile_db, reliability_options,
-                                     with_reliability)
-from vtrain_plugin.cli.megatron_input import add_megatron_options, run_inputs
+from vtrain_plugin.cli.common import EXIT_USER_ERROR, db_option, positive_int, profile_db, reliability_options, with_reliability
+from vtrain_plugin.cli.inputs import INPUT_HELP, add_input_options, run_inputs
 from vtrain_plugin.cli.render import estimate_table
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError, VTrainError
@@ -27,10 +25,8 @@ FORMATS = ("table", "json", "jsonl", "csv")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="*", help=f"{CONFIG_HELP}, or a Megatron-LM launch script (.sh)")
-    add_megatron_options(p)
-    p.add_argument("--gpu", help="GPU preset to estimate for, overriding the config's "
-                                 "(a100-sxm4-40gb, a100-sxm4-80gb, h100-sxm, h200-sxm, b200-sxm; aliases A100, H100, H200, B200)")
+    p.add_argument("config", nargs="*", help=INPUT_HELP)
+    add_input_options(p)
     p.add_argument("--tokens", metavar="N", help="tokens of the whole training run (e.g. 270e9), overriding "
                                                   "training.total_tokens: adds iterations, days, GPU-hours and cost, "
                                                   "failure-free and expected with failures (--failures)")
@@ -59,8 +55,6 @@ def run(args: argparse.Namespace) -> int:
     for index, (path, load) in enumerate(inputs):
         try:
             run_config = load()
-            if args.gpu:
-                run_config = with_gpu(run_config, args.gpu)
             if tokens is not None:
                 run_config = replace(run_config, training=replace(run_config.training, total_tokens=tokens))
             run_config = replace(run_config, training=replace(

@@ -1,4 +1,7 @@
-"""``vtrain search MODEL_FILE``: every valid plan of a model within a GPU budget, estimated and ranked."""
+"""``vtrain search INPUT``: every valid plan of a model within a GPU budget, estimated and ranked.
+
+The input is any of :mod:`vtrain_plugin.cli.inputs`; its model is searched, its training and cluster
+are the defaults, its parallel plan is not read."""
 
 from __future__ import annotations
 
@@ -9,11 +12,11 @@ from pathlib import Path
 from typing import Literal
 
 from vtrain_plugin.cli.commands import Command
-from vtrain_plugin.runs import ModelFile, load_model_file, load_run_config
+from vtrain_plugin.runs import ModelFile, load_model_source, load_run_config, model_file_of
 from vtrain_plugin.cli.common import db_option, emit, profile_db, reliability_options, with_reliability
 from vtrain_plugin.cli.render import search_csv, search_jsonl, search_table
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.hardware.clusters import cluster_for_gpu, cluster_preset_names, get_cluster_preset
+from vtrain_plugin.cli.inputs import INPUT_HELP, add_input_options, hardware, run_inputs, script_env
 from vtrain_plugin.planning.backends import BACKENDS
 from vtrain_plugin.planning.plot import plot_search
 from vtrain_plugin.planning.search import OBJECTIVES, evaluate_baseline, search
@@ -26,11 +29,9 @@ FORMATS = ("table", "csv", "jsonl")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_file", metavar="MODEL_FILE",
-                   help="plan file (YAML/JSON) or vTrain config: its model; its cluster and training are defaults")
-    cluster = p.add_mutually_exclusive_group()
-    cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, B200, a100-sxm4-40gb, ...)")
-    cluster.add_argument("--cluster", help=f"cluster preset ({', '.join(cluster_preset_names())})")
+    p.add_argument("model_file", metavar="INPUT", nargs="?",
+                   help=f"{INPUT_HELP}: its model; its cluster and training are defaults (or --megatron-args)")
+    add_input_options(p, gpu_count=False)
     p.add_argument("--global-batch", metavar="N",
                    help="sequences per iteration (default: the file's training.global_batch_size)")
     p.add_argument("--gpus", metavar="BUDGET",
@@ -58,14 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    source = load_model_file(args.model_file)
+    if args.gpus is None:
+        raise ConfigError("--gpus is required: a count (3360), a range (1024:4096) or a list (2240,2800,3360)")
+    budget = GpuBudget.parse(args.gpus, where="--gpus")
+    source = _source(args, budget)
     if args.objective not in OBJECTIVES:
         raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}; got {args.objective!r}")
     if args.backend not in BACKENDS:
         raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}; got {args.backend!r}")
-    if args.gpus is None:
-        raise ConfigError("--gpus is required: a count (3360), a range (1024:4096) or a list (2240,2800,3360)")
-    cluster = _cluster(args, source)
+    cluster = source.cluster
     global_batch = _global_batch(args, source)
     tokens = _number("--tokens", args.tokens, float) if args.tokens is not None else None
     space = space_from_args(args)
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     baseline = (_baseline(args.baseline, source, cluster, global_batch, tokens, training.reliability, profile_db(args))
                 if args.baseline else None)
     result = search(source.model, cluster=cluster, global_batch_size=global_batch,
-                    gpus=GpuBudget.parse(args.gpus, where="--gpus"), space=space, training=training,
+                    gpus=budget, space=space, training=training,
                     objective=args.objective, top_k=_number("--top", args.top, int),
                     workers=_number("--workers", args.workers, int) if args.workers is not None else None,
                     backend=args.backend, progress=sys.stderr.isatty(), tokens=tokens,
@@ -99,12 +101,17 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
         max_tp=_number("--max-tp", args.max_tp, int) if args.max_tp is not None else None)
 
 
-def _cluster(args: argparse.Namespace, source: ModelFile) -> ClusterSpec:
-    if args.gpu:
-        return cluster_for_gpu(args.gpu)
-    if args.cluster:
-        return get_cluster_preset(args.cluster)
-    return source.cluster
+def _source(args: argparse.Namespace, budget: GpuBudget) -> ModelFile:
+    """The model, training and cluster of the input, on the hardware options. A Megatron-LM input is
+    read on the budget's GPU count when it is one count (its global batch may follow the data-parallel
+    size), else on its launcher's."""
+    if (args.model_file is None) == (args.megatron_args is None):
+        raise ConfigError("give one input: a file or --megatron-args")
+    gpus = budget.counts[0] if len(budget.counts) == 1 else None
+    if args.model_file is None:
+        [(_, load)] = run_inputs(args, [], gpus=gpus)
+        return model_file_of(load())
+    return load_model_source(args.model_file, gpus=gpus, hardware=hardware(args), env=script_env(args.env))
 
 
 def _global_batch(args: argparse.Namespace, source: ModelFile) -> int:

@@ -11,7 +11,7 @@ from vtrain_plugin.cli.common import db_option, emit, profile_db, reliability_op
 from vtrain_plugin.cli.render import sizing_table
 from vtrain_plugin.cli.search import _number, space_from_args
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.hardware.clusters import cluster_for_gpu, cluster_preset_names, get_cluster_preset
+from vtrain_plugin.cli.inputs import add_hardware_options, hardware
 from vtrain_plugin.planning.model_family import CHINCHILLA_TOKENS_PER_PARAMETER, HIDDEN_STEP
 from vtrain_plugin.planning.plot import plot_sizing
 from vtrain_plugin.planning.sizing import DEFAULT_BATCH_TOKENS, DEFAULT_NAIVE_MFU, size_model
@@ -22,9 +22,7 @@ from vtrain_plugin.specs.reliability import ReliabilitySpec
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", default="gpt", help=f"model family: {', '.join(f.value for f in Family)} (default gpt)")
-    cluster = p.add_mutually_exclusive_group(required=True)
-    cluster.add_argument("--gpu", help="GPU preset, on its usual node (A100, H100, H200, B200, ...)")
-    cluster.add_argument("--cluster", help=f"cluster preset ({', '.join(cluster_preset_names())})")
+    add_hardware_options(p, required=True)
     p.add_argument("--gpus", required=True, metavar="BUDGET", help="GPUs a plan may use: a count (exactly that many: 3360), a range LOW:HIGH "
                                                                "(1:3360 for at most 3360) or a list (2240,2800,3360)")
     p.add_argument("--days", metavar="D", help="wall-clock budget in days")
@@ -58,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         family = Family(args.family)
     except ValueError:
         raise ConfigError(f"--family must be one of {', '.join(f.value for f in Family)}; got {args.family!r}") from None
-    cluster = cluster_for_gpu(args.gpu) if args.gpu else get_cluster_preset(args.cluster)
+    cluster = hardware(args).chosen_cluster()
     mfu = _number("--mfu", args.mfu, float)
     if mfu > 1:
         raise ConfigError(f"--mfu must lie in (0, 1], got {args.mfu!r}")

@@ -135,7 +135,7 @@ class DeviceSpec:
         if not getattr(self, capability):
             able = ", ".join(n for n in known_devices() if getattr(_load(n), capability))
             raise ConfigError(f"{field} {value!r} needs {what}; {self.name} ({self.architecture.value}) has none "
-                              f"(these have: {able}; the GPU is --gpu, or cluster.gpu of a plan)")
+                              f"(these have: {able})")
 
     @property
     def has_fp4(self) -> bool:

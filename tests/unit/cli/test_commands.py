@@ -41,3 +41,17 @@ def test_a_name_declared_twice_is_refused():
     one = Command(name="estimate", help="x", add_arguments=nothing, run=lambda args: 0)
     with pytest.raises(ConfigError, match="command 'estimate' is already registered"):
         register([one, one])
+
+
+@pytest.mark.parametrize("name", HELP_ORDER)
+def test_no_command_takes_an_abbreviated_option(name):
+    # argparse would otherwise read `calibrate --gpu H100` as --gpus, and any prefix as the option it starts
+    parser = _subparsers(build_parser())[name]
+    assert parser.allow_abbrev is False and build_parser().allow_abbrev is False
+    options = {o for a in parser._actions for o in a.option_strings}
+    for option in options:
+        prefix = option[:-1]
+        if len(prefix) > 2 and prefix not in options and not any(o != option and o.startswith(prefix) for o in options):
+            with pytest.raises(SystemExit):
+                parser.parse_args([prefix, "x"])
+            return

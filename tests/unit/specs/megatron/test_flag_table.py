@@ -22,10 +22,10 @@ from vtrain_plugin.specs.megatron.flags import (
 from vtrain_plugin.specs.megatron.launch_script import read_command_line
 
 READERS = Path(__file__).resolve().parents[4] / "vtrain_plugin" / "specs" / "megatron"
-# The modules that read flags: every module of the package but the table, the launch-script reader and
-# the value parsers.
+# The modules that read flags: every module of the package but the table, the launch-script reader,
+# the value parsers and the Megatron-Bridge reader (which turns fields into flags for the others).
 READER_MODULES = tuple(sorted(p.stem for p in READERS.glob("*.py") if p.stem not in (
-    "__init__", "flags", "flag_values", "launch_script", "shell_expand", "shell_test", "shell_words")))
+    "__init__", "bridge", "flags", "flag_values", "launch_script", "shell_expand", "shell_test", "shell_words")))
 # Configuration dataclasses of megatron-core: a flag that sets one of their fields configures what
 # runs, so "changes nothing" is never its reason.
 CONFIG_FIELDS = frozenset(f.name for config in (TransformerConfig, ModelParallelConfig, OptimizerConfig,

@@ -162,6 +162,10 @@ def test_llama3_8b_fp8_flags_set_fp8_and_need_a_gpu_with_fp8():
     assert run.training.distributed_optimizer and run.training.overlap_param_gather
 
 
+# A Megatron-LM input names no GPU: the default one, said in the note.
+DEFAULT_GPU_NOTE = "no GPU given: estimated on a100-sxm4-80gb (dgx-a100 nodes), the default; give --gpu to choose"
+
+
 def test_llama3_8b_bf16_field_by_field(caplog):
     # The example keeps Megatron-LM's default LayerNorm (with --apply-layernorm-1p) under a SwiGLU MLP:
     # a llama layer with a LayerNorm, as megatron-core builds it.
@@ -182,6 +186,7 @@ def test_llama3_8b_bf16_field_by_field(caplog):
                                         reliability=ReliabilitySpec(checkpoint_interval_iterations=1000))
     # --attention-backend fused is TE's attention as costed; --apply-layernorm-1p is the same norm kernel.
     assert [r.getMessage() for r in caplog.records] == [
+        f"note: {DEFAULT_GPU_NOTE}",
         "warning: Megatron-LM arguments vtrain does not model (they may change speed or memory): "
         "--calculate-per-token-loss, --manual-gc, --empty-unused-memory-level 1, "
         "--sequence-parallel at TP 1 (Megatron-LM turns it off)"]
@@ -216,7 +221,7 @@ def test_mixtral_8x7b_field_by_field(tmp_path, caplog):
                                         reliability=ReliabilitySpec(checkpoint_interval_iterations=10000))
     assert [r.getMessage() for r in caplog.records] == [
         f"note: {script}: --gpus 32 overrides the script's 1 node x 8 GPUs = 8; --tokenizer-type Llama2Tokenizer "
-        f"taken as Llama-2's SentencePiece model (32000 tokens; add --vocab-size N if not)",
+        f"taken as Llama-2's SentencePiece model (32000 tokens; add --vocab-size N if not); {DEFAULT_GPU_NOTE}",
         f"warning: {script}: Megatron-LM arguments vtrain does not model (they may change speed or memory): "
         "--no-masked-softmax-fusion, --sequence-parallel at TP 1 (Megatron-LM turns it off)"]
     on_slurm = MIXTRAL_8X7B.replace('NNODES=${SLURM_NNODES:-"1"}', 'NNODES=${SLURM_NNODES:-"4"}')
