@@ -99,6 +99,9 @@ class TrainingSpec:
     # TransformerEngine's userbuffers: the all-gather / reduce-scatter of sequence parallelism
     # overlapped with the GEMMs they feed (Megatron-Core's --tp-comm-overlap; needs SP).
     tp_comm_overlap: bool = False
+    # Interleaved schedule: micro-batches that run through a virtual stage before the next one
+    # (Megatron-LM's --microbatch-group-size-per-virtual-pipeline-stage); None: pipeline_parallel.
+    microbatch_group_size: int | None = None
     # Failures, restarts and checkpoints of the whole run (a plan file's top-level ``reliability``
     # section): the expected days and cost beside the failure-free ones; None: failures off.
     reliability: ReliabilitySpec | None = field(default_factory=ReliabilitySpec)
@@ -137,6 +140,8 @@ class TrainingSpec:
                 raise ConfigError(f"training.overlap_param_gather requires training.grad_reduce: overlap "
                                   f"(got {self.grad_reduce.value}), as Megatron-LM does")
         v.boolean("training.tp_comm_overlap", self.tp_comm_overlap)
+        if self.microbatch_group_size is not None:
+            v.positive_int("training.microbatch_group_size", self.microbatch_group_size)
         if self.reliability is not None and not isinstance(self.reliability, ReliabilitySpec):
             raise ConfigError(f"training.reliability must be a ReliabilitySpec or None (in a plan file, a top-level "
                               f"reliability section), got {type(self.reliability).__name__}")
@@ -234,15 +239,28 @@ def default_software_stack(model: ModelSpec | None, architecture: GpuArchitectur
 
 
 def check_schedule(schedule: ScheduleKind, pipeline_parallel: int, virtual_pipeline: int,
-                   num_microbatches: int) -> None:
+                   num_microbatches: int, microbatch_group_size: int | None = None) -> None:
     """What the pipeline schedules of megatron-core require of the plan, and the bound on the size of
     the simulated schedule: checked when a run is put together, before anything is traced, and
-    again by the schedule builders for callers of the simulation itself."""
-    pp, vp, m = pipeline_parallel, virtual_pipeline, num_microbatches
+    again by the schedule builders for callers of the simulation itself. A micro-batch group size
+    (interleaved only) follows megatron-core's rules: pp <= group <= m, and the last group, m % group,
+    empty or at least pp."""
+    pp, vp, m, group = pipeline_parallel, virtual_pipeline, num_microbatches, microbatch_group_size
+    if group is not None and schedule is not ScheduleKind.INTERLEAVED_1F1B:
+        raise ConfigError(f"training.microbatch_group_size ({group}) needs training.schedule "
+                          f"{ScheduleKind.INTERLEAVED_1F1B.value} (got {schedule.value})")
     if schedule is ScheduleKind.INTERLEAVED_1F1B:
         if vp < 2:
             raise ConfigError(f"training.schedule {schedule.value} requires virtual_pipeline >= 2, got {vp}")
-        if m % pp:
+        if group is not None:
+            if not pp <= group <= m:
+                raise ConfigError(f"training.microbatch_group_size ({group}) must lie between pipeline_parallel "
+                                  f"({pp}) and num_microbatches ({m})")
+            if 0 < m % group < pp:
+                raise ConfigError(f"training.microbatch_group_size ({group}) must leave a last group of "
+                                  f"num_microbatches ({m}) % {group} = {m % group} micro-batches that is 0 or at "
+                                  f"least pipeline_parallel ({pp}), as megatron-core requires")
+        elif m % pp:
             raise ConfigError(f"training.schedule {schedule.value} requires num_microbatches ({m}) to be a multiple "
                               f"of pipeline_parallel ({pp})")
     elif vp != 1:

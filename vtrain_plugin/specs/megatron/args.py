@@ -154,8 +154,7 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--spec", None, None, "a custom layer spec", _as_given),
     FlagField("--disable-tp-comm-overlap-ag", None, None, "TP overlap without its all-gather overlap", _as_given),
     FlagField("--disable-tp-comm-overlap-rs", None, None, "TP overlap without its reduce-scatter overlap", _as_given),
-    FlagField("--microbatch-group-size-per-virtual-pipeline-stage", None, None,
-              "an interleaved schedule with micro-batch groups other than the pipeline size"),
+    FlagField("--microbatch-group-size-per-virtual-pipeline-stage", "training.microbatch_group_size"),
     FlagField("--delay-wgrad-compute", None, None, "weight-gradient GEMMs delayed to overlap expert communication",
               _as_given),
     FlagField("--ddp-num-buckets", None, None, "a DDP bucket count (--ddp-bucket-size is modelled)"),
@@ -345,6 +344,8 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
     (:func:`software_stack`)."""
     values.setdefault("global_batch_size", parallel.micro_batch_size * parallel.data_parallel)
     values["schedule"] = ScheduleKind.INTERLEAVED_1F1B if parallel.virtual_pipeline > 1 else ScheduleKind.ONE_F_ONE_B
+    if values["schedule"] is not ScheduleKind.INTERLEAVED_1F1B:  # megatron-core reads the groups only when interleaving
+        values.pop("microbatch_group_size", None)
     if values["software_stack"] is not SoftwareStack.MEGATRON_CORE_TE and "fp8" in values:
         flag = stack.partition(":")[0]
         raise ConfigError(f"--fp8-format with {flag}: Megatron-LM runs FP8 through TransformerEngine only")

@@ -412,3 +412,11 @@ def test_moe_feature_flags_set_the_model_fields():
     assert p.unmodelled == ()
     assert plan("--num-experts 8 --moe-expert-capacity-factor -1").model.moe_expert_capacity_factor is None  # dropless
     assert plan("--num-experts 8 --moe-layer-freq 2").model.moe_layer_pattern == (True, False) * 4
+
+
+def test_microbatch_groups_set_the_interleaved_schedule_and_are_ignored_without_it():
+    p = plan("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 20 "
+             "--microbatch-group-size-per-virtual-pipeline-stage 5", gpus=4)
+    assert (p.training.schedule, p.training.microbatch_group_size) == (ScheduleKind.INTERLEAVED_1F1B, 5)
+    assert plan("--pipeline-model-parallel-size 2 --microbatch-group-size-per-virtual-pipeline-stage 5",
+                gpus=4).training.microbatch_group_size is None
