@@ -53,6 +53,9 @@ class Fp8Settings:
 
     format: Fp8Format
     recipe: Fp8Recipe = Fp8Recipe.DELAYED
+    # The first and last decoder layers of the whole model whose GEMMs stay in the model dtype.
+    bf16_layers_at_start: int = 0
+    bf16_layers_at_end: int = 0
 
 
 class GradReduce(StrEnum):
@@ -78,6 +81,11 @@ class TrainingSpec:
     # main weights); None: GEMMs in the model dtype.
     fp8: Fp8Format | None = None
     fp8_recipe: Fp8Recipe = Fp8Recipe.DELAYED
+    # The first / last decoder layers of the model run outside FP8, in the model dtype (Megatron-LM's
+    # --first-last-layers-bf16 with --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16;
+    # megatron-core's is_first_last_bf16_layer); need fp8 with a current-scaling recipe.
+    fp8_bf16_layers_at_start: int = 0
+    fp8_bf16_layers_at_end: int = 0
     # TransformerEngine keeps the weights of its FP8 linears in FP8 (Float8Tensor parameters), and the
     # distributed optimizer all-gathers them in FP8 (Megatron-LM's --fp8-param-gather, TransformerConfig's
     # fp8_param); needs fp8.
@@ -129,6 +137,13 @@ class TrainingSpec:
         v.boolean("training.cross_entropy_fusion", self.cross_entropy_fusion)
         object.__setattr__(self, "fp8_recipe", Fp8Recipe(
             v.one_of("training.fp8_recipe", self.fp8_recipe, [r.value for r in Fp8Recipe])))
+        for name in ("fp8_bf16_layers_at_start", "fp8_bf16_layers_at_end"):
+            if v.non_negative_int(f"training.{name}", getattr(self, name)) and self.fp8 is None:
+                raise ConfigError(f"training.{name} requires training.fp8 (layers kept out of FP8 exist only in "
+                                  f"FP8 training)")
+            if getattr(self, name) and self.fp8_recipe is Fp8Recipe.DELAYED:
+                raise ConfigError(f"training.{name} with training.fp8_recipe delayed: megatron-core does not run "
+                                  f"first / last layers in bf16 under delayed scaling")
         if self.total_tokens is not None:
             object.__setattr__(self, "total_tokens", limits.TOTAL_TOKENS.check(
                 "training.total_tokens", v.positive_finite_number("training.total_tokens", self.total_tokens)))
@@ -197,7 +212,9 @@ class TrainingSpec:
 
     @property
     def fp8_settings(self) -> Fp8Settings | None:
-        return None if self.fp8 is None else Fp8Settings(format=self.fp8, recipe=self.fp8_recipe)
+        return None if self.fp8 is None else Fp8Settings(
+            format=self.fp8, recipe=self.fp8_recipe, bf16_layers_at_start=self.fp8_bf16_layers_at_start,
+            bf16_layers_at_end=self.fp8_bf16_layers_at_end)
 
     def stack_for(self, model: ModelSpec | None, architecture: GpuArchitecture | str,
                   plan: ParallelPlan | None = None) -> SoftwareStack:

@@ -30,7 +30,7 @@ from vtrain_plugin.specs.megatron.flags import (
     Effect, releases)
 from vtrain_plugin.specs.megatron.hybrid_args import hybrid_fields
 from vtrain_plugin.specs.megatron.attention import consumed_by_attention
-from vtrain_plugin.specs.megatron.flag_values import positive_int
+from vtrain_plugin.specs.megatron.flag_values import non_negative_int, positive_int
 from vtrain_plugin.specs.megatron.model import Given, model_fields, recompute_mode
 from vtrain_plugin.specs.megatron.moe_flags import capacity_factor, moe_layer_freq, number
 from vtrain_plugin.specs.model import ModelSpec
@@ -355,6 +355,7 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
     if given.get("--accumulate-allreduce-grads-in-fp32") and model.dtype is Dtype.FP16:
         raise ConfigError("--accumulate-allreduce-grads-in-fp32 with --fp16: fp32 gradients of an fp16 model are "
                           "not modelled by vtrain yet")
+    values.update(_fp8_bf16_edge_layers(given, fp8="fp8" in values))
     values["reliability"] = _reliability(given)
     if given.get("--overlap-grad-reduce"):
         values["grad_reduce"] = GradReduce.OVERLAP
@@ -364,6 +365,18 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
     flag = "--ddp-bucket-size"
     elements = positive_int(flag, given[flag]) if flag in given else max(40_000_000, 1_000_000 * parallel.data_parallel)
     return replace(training, bucket_size_mb=elements * training.grad_dtype(model.dtype).nbytes / 1e6)
+
+
+def _fp8_bf16_edge_layers(given: Given, *, fp8: bool) -> dict[str, int]:
+    """``--first-last-layers-bf16``: the first ``--num-layers-at-start-in-bf16`` and last
+    ``--num-layers-at-end-in-bf16`` layers (1 each by default) outside FP8; without FP8 the flags
+    change nothing."""
+    if not (fp8 and given.get("--first-last-layers-bf16")):
+        return {}
+    return {"fp8_bf16_layers_at_start": non_negative_int("--num-layers-at-start-in-bf16",
+                                                         given.get("--num-layers-at-start-in-bf16", 1)),
+            "fp8_bf16_layers_at_end": non_negative_int("--num-layers-at-end-in-bf16",
+                                                       given.get("--num-layers-at-end-in-bf16", 1))}
 
 
 def software_stack(given: Given) -> tuple[SoftwareStack, str]:
