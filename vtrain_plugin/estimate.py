@@ -300,7 +300,8 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
     plan = graph.parallel
     num_microbatches = costing.work.num_microbatches
     seconds = result.iteration_ns / NS_PER_S
-    schedule = build_schedule(training.schedule, plan.pipeline_parallel, plan.virtual_pipeline, num_microbatches)
+    schedule = build_schedule(training.schedule, plan.pipeline_parallel, plan.virtual_pipeline, num_microbatches,
+                              training.microbatch_group_size)
     gpus = plan.world_size
     stage_breakdowns = tuple(_breakdown_ms(r) for r in result.ranks)
     bottleneck = max(range(len(result.ranks)), key=lambda i: _busy(result.ranks[i]))

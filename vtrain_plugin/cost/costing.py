@@ -93,6 +93,7 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
     work = PipelineWork(
         chunks=tuple(chunks), pipeline_parallel=pp, virtual_pipeline=parallel.virtual_pipeline,
         num_microbatches=num_microbatches, schedule=training.schedule,
+        microbatch_group_size=training.microbatch_group_size,
         dp_overlap=training.grad_reduce is GradReduce.OVERLAP, param_gather_overlap=training.overlap_param_gather,
         embedding_sync_ns=embedding_sync_ns, optimizer_ns=tuple(optimizer))
     return Costing(work=work, provenance=provenance, flops=dict(prepared.flops))

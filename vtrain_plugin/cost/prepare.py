@@ -36,6 +36,8 @@ from vtrain_plugin.cost.kernels.model import KernelBatch
 from vtrain_plugin.cost.kernels.timer import measured_ns
 from vtrain_plugin.cost.lowering.deterministic import deterministic_kernels
 from vtrain_plugin.cost.lowering.optimizer_step import optimizer_step
+from vtrain_plugin.capture.tracer import first_layer_numbers
+from vtrain_plugin.cost.lowering.bf16_layers import bf16_edge_counts, split_bf16_layers
 from vtrain_plugin.cost.lowering.stacks import map_nodes
 from vtrain_plugin.cost.comm.moe_dispatch import MOE_GROUPS
 from vtrain_plugin.cost.comm.optimizer_shard import optimizer_shards, shard_optimizer
@@ -148,11 +150,15 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
     roles: dict[tuple, PreparedRole] = {}
     runtimes: dict[tuple, RuntimeCollectives] = {}
     stages = []
+    edges = _bf16_edges(graph, fp8)
     for stage in ordered:
-        role_key = (stack, fp8, shards, cp, tuple((id(b.nodes), b.count) for b in stage.blocks), *options)
+        stage, outside_fp8 = split_bf16_layers(stage, edges(stage)) if edges else (stage, ())
+        role_key = (stack, fp8, shards, cp, tuple((id(b.nodes), b.count) for b in stage.blocks), outside_fp8,
+                    *options)
         role = roles.get(role_key)
         if role is None:
-            role = roles[role_key] = _role(stage.blocks, stack, fp8, shards, cp, measured, role_key, options)
+            role = roles[role_key] = _role(stage.blocks, stack, fp8, shards, cp, measured, role_key, options,
+                                           outside_fp8)
         virtual = stage.chunk * pp + stage.pipeline_rank
         runtime_key = (role_key, tuple(b.num_parameters for b in stage.blocks), stage.word_embedding_parameters,
                        stage.activation_shape, stage.activation_dtype, virtual == 0, virtual == last)
@@ -177,6 +183,15 @@ def prepare_run(graph: OpGraph, stack: SoftwareStack | str, training: TrainingSp
                    grads=training.grad_dtype(graph.dtype), fp8_param_gather=training.fp8_param_gather,
                    kernels=KernelOptions(optimizer=training.optimizer, deterministic=training.deterministic,
                                          unfused_attention=training.unfused_attention))
+
+
+def _bf16_edges(graph: OpGraph, fp8: Fp8Settings | None):
+    """Per stage, the instances of its blocks outside FP8 (:mod:`vtrain_plugin.cost.lowering.bf16_layers`);
+    None when every layer runs in FP8."""
+    if fp8 is None or not (fp8.bf16_layers_at_start or fp8.bf16_layers_at_end) or graph.model is None:
+        return None
+    first = first_layer_numbers(graph.model, graph.parallel)
+    return lambda stage: bf16_edge_counts(stage, first[stage.pipeline_rank][stage.chunk], graph.model.num_layers, fp8)
 
 
 def _moe_options(graph: OpGraph) -> tuple:
@@ -211,14 +226,14 @@ class KernelOptions:
 
 def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
           cp: ContextParallel | None, measured: Mapping[KernelKey, float] | None, key: tuple,
-          options: tuple = ()) -> PreparedRole:
+          options: tuple = (), outside_fp8: tuple[bool, ...] = ()) -> PreparedRole:
     moe = next((o for o in options if isinstance(o, MoeOptions)), MoeOptions())
     kernels = next((o for o in options if isinstance(o, KernelOptions)), KernelOptions())
     if measured:
-        return _prepare_role(blocks, stack, fp8, shards, cp, measured, moe, kernels)
+        return _prepare_role(blocks, stack, fp8, shards, cp, measured, moe, kernels, outside_fp8)
     role = _roles.get(key)
     if role is None:
-        role = _roles[key] = _prepare_role(blocks, stack, fp8, shards, cp, {}, moe, kernels)
+        role = _roles[key] = _prepare_role(blocks, stack, fp8, shards, cp, {}, moe, kernels, outside_fp8)
         if len(_roles) > _ROLE_CACHE_SIZE:
             _roles.popitem(last=False)
     else:
@@ -228,7 +243,9 @@ def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | No
 
 def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
                   cp: ContextParallel | None, measured: Mapping[KernelKey, float],
-                  moe: MoeOptions = MoeOptions(), kernels: KernelOptions = KernelOptions()) -> PreparedRole:
+                  moe: MoeOptions = MoeOptions(), kernels: KernelOptions = KernelOptions(),
+                  outside_fp8: tuple[bool, ...] = ()) -> PreparedRole:
+    """``outside_fp8[b]``: block ``b`` runs in the model dtype whatever ``fp8`` says."""
     rows: list[OpNode | None] = []
     phases: list[Phase] = []
     comm_rows: list[CommRow] = []
@@ -237,7 +254,8 @@ def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setti
         layer = block.kind is BlockKind.LAYER
         nodes = cp.layer_nodes(block.nodes) if cp is not None and layer else block.nodes
         by_phase: dict[Phase, list[OpNode | CollectiveNode]] = {p: [] for p in PHASES}
-        mapped = map_nodes(nodes, stack, fp8, grouped_experts=moe.grouped_experts,
+        block_fp8 = None if outside_fp8 and outside_fp8[b] else fp8
+        mapped = map_nodes(nodes, stack, block_fp8, grouped_experts=moe.grouped_experts,
                            unfused_attention=kernels.unfused_attention)
         if kernels.deterministic:
             mapped = deterministic_kernels(mapped)

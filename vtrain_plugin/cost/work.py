@@ -102,6 +102,7 @@ class PipelineWork:
     virtual_pipeline: int = 1
     num_microbatches: int
     schedule: ScheduleKind
+    microbatch_group_size: int | None = None  # interleaved schedule's micro-batch groups; None: pp
     # False: every DP bucket after the rank's last backward (Megatron-DeepSpeed without buckets).
     # True: a bucket is launched when ready during its chunk's last backward (Megatron DDP
     # overlap_grad_reduce); one DP stream per rank, first ready first served.

@@ -22,7 +22,8 @@ def run_compute(work: PipelineWork, gates: list[float] | None = None
     rank's time waiting on in-flight sends, each rank's time waiting on parameter all-gathers), as
     the event engine computes them. ``gates[s]``: the earliest end of virtual stage ``s``'s first
     forward (its parameters' all-gathers, see :func:`vtrain_plugin.sim.engine.simulate`)."""
-    graph = task_graph(work.schedule, work.pipeline_parallel, work.virtual_pipeline, work.num_microbatches)
+    graph = task_graph(work.schedule, work.pipeline_parallel, work.virtual_pipeline, work.num_microbatches,
+                       work.microbatch_group_size)
     chunks = work.chunks
     forward = np.array([c.forward_ns for c in chunks])
     recompute = np.array([c.recompute_ns for c in chunks])

@@ -85,7 +85,7 @@ def simulate(work: PipelineWork, *, record_timeline: bool = False, reference: bo
     if intervals is None and not reference:
         compute_end, last_backward_start, pp_wait, gate_wait = array_engine.run_compute(work, gates)
     else:
-        schedule = build_schedule(work.schedule, pp, vp, m)
+        schedule = build_schedule(work.schedule, pp, vp, m, work.microbatch_group_size)
         compute_end, last_backward_start, pp_wait, gate_wait = _run_compute(work, schedule.tasks, intervals, gates)
 
     grads_ready = [_reduce_gradients(work, r, compute_end[r], last_backward_start, gathered[r], intervals)

@@ -2,8 +2,8 @@
 
 Builders are registered by :class:`ScheduleKind` and give one rank's task list; the orders follow
 megatron-core 0.16 (``forward_backward_pipelining_without_interleaving`` and
-``..._with_interleaving`` with the default ``microbatch_group_size_per_vp_stage = pp``). Schedules
-are immutable and cached, so a sweep builds each shape once.
+``..._with_interleaving``, whose micro-batch groups are ``microbatch_group_size_per_vp_stage``,
+``pp`` by default). Schedules are immutable and cached, so a sweep builds each shape once.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class Schedule:
     virtual_pipeline: int
     num_microbatches: int
     tasks: tuple[tuple[Task, ...], ...]  # per pipeline rank, in execution order
+    microbatch_group_size: int | None = None  # interleaved: micro-batches per group; None: pp
 
     peak_inflight_per_rank: tuple[int, ...]  # see peak_inflight
     # Per rank with several chunks: each task's chunk and +1 (forward) / -1 (backward), for peak_live.
@@ -77,8 +78,9 @@ class Schedule:
         return tuple(self.peak_inflight(r) / self.virtual_pipeline for r in range(self.pipeline_parallel))
 
 
-ScheduleBuilder = Callable[[int, int, int, int], list[Task]]
-"""``(pipeline_parallel, virtual_pipeline, num_microbatches, pipeline_rank) -> tasks``."""
+ScheduleBuilder = Callable[[int, int, int, int, int], list[Task]]
+"""``(pipeline_parallel, virtual_pipeline, num_microbatches, pipeline_rank, microbatch_group_size) ->
+tasks``; the group size (``pipeline_parallel`` unless given) matters to the interleaved schedule only."""
 
 _BUILDERS: Registry[ScheduleBuilder] = Registry("schedule", plural="schedules")
 
@@ -93,16 +95,18 @@ def schedule_builder(kind: ScheduleKind | str) -> ScheduleBuilder:
 
 @lru_cache(maxsize=256)
 def build_schedule(kind: ScheduleKind | str, pipeline_parallel: int, virtual_pipeline: int,
-                   num_microbatches: int) -> Schedule:
+                   num_microbatches: int, microbatch_group_size: int | None = None) -> Schedule:
     builder = schedule_builder(kind)
     v.positive_int("pipeline_parallel", pipeline_parallel)
     v.positive_int("virtual_pipeline", virtual_pipeline)
     v.positive_int("num_microbatches", num_microbatches)
-    check_schedule(ScheduleKind(kind), pipeline_parallel, virtual_pipeline, num_microbatches)
-    tasks = tuple(tuple(builder(pipeline_parallel, virtual_pipeline, num_microbatches, r))
+    check_schedule(ScheduleKind(kind), pipeline_parallel, virtual_pipeline, num_microbatches, microbatch_group_size)
+    group = pipeline_parallel if microbatch_group_size is None else microbatch_group_size
+    tasks = tuple(tuple(builder(pipeline_parallel, virtual_pipeline, num_microbatches, r, group))
                   for r in range(pipeline_parallel))
     return Schedule(kind=ScheduleKind(kind), pipeline_parallel=pipeline_parallel,
                     virtual_pipeline=virtual_pipeline, num_microbatches=num_microbatches, tasks=tasks,
+                    microbatch_group_size=microbatch_group_size,
                     peak_inflight_per_rank=tuple(_peak_inflight(rank_tasks) for rank_tasks in tasks),
                     task_walks=tuple(_walk(rank_tasks) for rank_tasks in tasks) if virtual_pipeline > 1 else ())
 
@@ -132,13 +136,13 @@ def _backward(chunk: int, microbatch: int) -> Task:
 
 
 @register_schedule(ScheduleKind.GPIPE)
-def _gpipe(pp: int, vp: int, m: int, rank: int) -> list[Task]:
+def _gpipe(pp: int, vp: int, m: int, rank: int, group: int) -> list[Task]:
     """All forwards, then all backwards in micro-batch order (torch.distributed.pipelining's GPipe)."""
     return [_forward(0, i) for i in range(m)] + [_backward(0, i) for i in range(m)]
 
 
 @register_schedule(ScheduleKind.ONE_F_ONE_B)
-def _one_f_one_b(pp: int, vp: int, m: int, rank: int) -> list[Task]:
+def _one_f_one_b(pp: int, vp: int, m: int, rank: int, group: int) -> list[Task]:
     """Megatron's non-interleaved 1F1B: pp - rank - 1 warm-up forwards, steady 1F1B, cool-down."""
     warmup = min(pp - rank - 1, m)
     tasks = [_forward(0, i) for i in range(warmup)]
@@ -149,16 +153,16 @@ def _one_f_one_b(pp: int, vp: int, m: int, rank: int) -> list[Task]:
 
 
 @register_schedule(ScheduleKind.INTERLEAVED_1F1B)
-def _interleaved(pp: int, vp: int, m: int, rank: int) -> list[Task]:
+def _interleaved(pp: int, vp: int, m: int, rank: int, group: int) -> list[Task]:
     """Megatron's interleaved 1F1B.
 
-    Virtual micro-batch k runs (micro-batch, chunk) = table[k], the table walking groups of pp
-    micro-batches through chunk 0, 1, ..., v-1; backwards walk the same table with the chunk
-    mirrored (v - 1 - chunk). Warm-up: (pp - rank - 1) * 2 + (v - 1) * pp forwards.
+    Virtual micro-batch k runs (micro-batch, chunk) = table[k] (:func:`interleaved_table`);
+    backwards walk the same table with the chunk mirrored (v - 1 - chunk). Warm-up:
+    (pp - rank - 1) * 2 + (v - 1) * group forwards.
     """
-    table = [(mb, c) for group in range(0, m, pp) for c in range(vp) for mb in range(group, group + pp)]
+    table = interleaved_table(m, vp, group)
     total = m * vp
-    warmup = min((pp - rank - 1) * 2 + (vp - 1) * pp, total)
+    warmup = min((pp - rank - 1) * 2 + (vp - 1) * group, total)
 
     def forward(k: int) -> Task:
         mb, c = table[k]
@@ -173,3 +177,14 @@ def _interleaved(pp: int, vp: int, m: int, rank: int) -> list[Task]:
         tasks += [forward(warmup + k), backward(k)]
     tasks += [backward(k) for k in range(total - warmup, total)]
     return tasks
+
+
+def interleaved_table(num_microbatches: int, virtual_pipeline: int, group: int) -> list[tuple[int, int]]:
+    """(micro-batch, chunk) of each virtual micro-batch: groups of ``group`` micro-batches walk
+    chunk 0, 1, ..., v-1 in turn, the last group taking the remainder (megatron-core's
+    ``get_schedule_table``)."""
+    table: list[tuple[int, int]] = []
+    for first in range(0, num_microbatches, group):
+        stop = num_microbatches if first + group >= num_microbatches else first + group
+        table += [(mb, c) for c in range(virtual_pipeline) for mb in range(first, stop)]
+    return table

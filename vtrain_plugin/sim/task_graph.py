@@ -61,9 +61,10 @@ class SteadyState:
 
 
 @lru_cache(maxsize=512)
-def task_graph(kind: ScheduleKind, pipeline_parallel: int, virtual_pipeline: int, num_microbatches: int) -> TaskGraph:
+def task_graph(kind: ScheduleKind, pipeline_parallel: int, virtual_pipeline: int, num_microbatches: int,
+               microbatch_group_size: int | None = None) -> TaskGraph:
     pp, m = pipeline_parallel, num_microbatches
-    tasks = build_schedule(kind, pp, virtual_pipeline, m).tasks
+    tasks = build_schedule(kind, pp, virtual_pipeline, m, microbatch_group_size).tasks
     stages = pp * virtual_pipeline
     # Task ids in rank-major order first; (stage, microbatch, is_forward) -> id.
     ids: dict[tuple[int, int, bool], int] = {}

@@ -27,7 +27,7 @@ class RunConfig:
         self.training.check_model(self.model)
         self.training.check_plan(self.parallel)
         check_schedule(self.training.schedule, self.parallel.pipeline_parallel, self.parallel.virtual_pipeline,
-                       self.num_microbatches)
+                       self.num_microbatches, self.training.microbatch_group_size)
 
     @property
     def num_microbatches(self) -> int:

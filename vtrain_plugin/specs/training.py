@@ -70,6 +70,9 @@ class Fp8Settings:
 
     format: Fp8Format
     recipe: Fp8Recipe | Fp4Recipe = Fp8Recipe.DELAYED
+    # The first and last decoder layers of the whole model whose GEMMs stay in the model dtype.
+    bf16_layers_at_start: int = 0
+    bf16_layers_at_end: int = 0
 
 
 class CudaGraphImpl(StrEnum):
@@ -107,6 +110,11 @@ class TrainingSpec:
     # main weights); None: GEMMs in the model dtype.
     fp8: Fp8Format | None = None
     fp8_recipe: Fp8Recipe = Fp8Recipe.DELAYED
+    # The first / last decoder layers of the model run outside FP8, in the model dtype (Megatron-LM's
+    # --first-last-layers-bf16 with --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16;
+    # megatron-core's is_first_last_bf16_layer); need fp8 with a current-scaling recipe.
+    fp8_bf16_layers_at_start: int = 0
+    fp8_bf16_layers_at_end: int = 0
     # TransformerEngine keeps the weights of its FP8 linears in FP8 (Float8Tensor parameters), and the
     # distributed optimizer all-gathers them in FP8 (Megatron-LM's --fp8-param-gather, TransformerConfig's
     # fp8_param); needs fp8.
@@ -139,6 +147,9 @@ class TrainingSpec:
     tp_comm_overlap: bool = False
     # Fully sharded data parallelism (Megatron-FSDP or torch FSDP2, vtrain_plugin.specs.fsdp); None: DDP.
     fsdp: FsdpSettings | None = None
+    # Interleaved schedule: micro-batches that run through a virtual stage before the next one
+    # (Megatron-LM's --microbatch-group-size-per-virtual-pipeline-stage); None: pipeline_parallel.
+    microbatch_group_size: int | None = None
     # Failures, restarts and checkpoints of the whole run (a plan file's top-level ``reliability``
     # section): the expected days and cost beside the failure-free ones; None: failures off.
     reliability: ReliabilitySpec | None = field(default_factory=ReliabilitySpec)
@@ -202,6 +213,13 @@ class TrainingSpec:
             if self.software_stack not in (None, SoftwareStack.MEGATRON_CORE_TE):
                 raise ConfigError(f"training.fp4 {self.fp4.value!r} needs training.software_stack "
                                   f"megatron_core_te (got {self.software_stack.value})")
+        for name in ("fp8_bf16_layers_at_start", "fp8_bf16_layers_at_end"):
+            if v.non_negative_int(f"training.{name}", getattr(self, name)) and self.fp8 is None:
+                raise ConfigError(f"training.{name} requires training.fp8 (layers kept out of FP8 exist only in "
+                                  f"FP8 training)")
+            if getattr(self, name) and self.fp8_recipe is Fp8Recipe.DELAYED:
+                raise ConfigError(f"training.{name} with training.fp8_recipe delayed: megatron-core does not run "
+                                  f"first / last layers in bf16 under delayed scaling")
         if self.total_tokens is not None:
             object.__setattr__(self, "total_tokens", limits.TOTAL_TOKENS.check(
                 "training.total_tokens", v.positive_finite_number("training.total_tokens", self.total_tokens)))
@@ -214,6 +232,8 @@ class TrainingSpec:
                                   f"(got {self.grad_reduce.value}), as Megatron-LM does")
         v.boolean("training.tp_comm_overlap", self.tp_comm_overlap)
         object.__setattr__(self, "fsdp", FsdpSettings.of(self.fsdp))
+        if self.microbatch_group_size is not None:
+            v.positive_int("training.microbatch_group_size", self.microbatch_group_size)
         if self.reliability is not None and not isinstance(self.reliability, ReliabilitySpec):
             raise ConfigError(f"training.reliability must be a ReliabilitySpec or None (in a plan file, a top-level "
                               f"reliability section), got {type(self.reliability).__name__}")
@@ -286,7 +306,9 @@ class TrainingSpec:
         """The low-precision GEMMs (FP8, or FP4 as NVFP4 with E4M3 scales); None: the model dtype."""
         if self.fp4 is not None:
             return Fp8Settings(format=Fp8Format.E4M3, recipe=self.fp4_recipe)
-        return None if self.fp8 is None else Fp8Settings(format=self.fp8, recipe=self.fp8_recipe)
+        return None if self.fp8 is None else Fp8Settings(
+            format=self.fp8, recipe=self.fp8_recipe, bf16_layers_at_start=self.fp8_bf16_layers_at_start,
+            bf16_layers_at_end=self.fp8_bf16_layers_at_end)
 
     @property
     def low_precision(self) -> str | None:
@@ -341,15 +363,28 @@ def default_software_stack(model: ModelSpec | None, architecture: GpuArchitectur
 
 
 def check_schedule(schedule: ScheduleKind, pipeline_parallel: int, virtual_pipeline: int,
-                   num_microbatches: int) -> None:
+                   num_microbatches: int, microbatch_group_size: int | None = None) -> None:
     """What the pipeline schedules of megatron-core require of the plan, and the bound on the size of
     the simulated schedule: checked when a run is put together, before anything is traced, and
-    again by the schedule builders for callers of the simulation itself."""
-    pp, vp, m = pipeline_parallel, virtual_pipeline, num_microbatches
+    again by the schedule builders for callers of the simulation itself. A micro-batch group size
+    (interleaved only) follows megatron-core's rules: pp <= group <= m, and the last group, m % group,
+    empty or at least pp."""
+    pp, vp, m, group = pipeline_parallel, virtual_pipeline, num_microbatches, microbatch_group_size
+    if group is not None and schedule is not ScheduleKind.INTERLEAVED_1F1B:
+        raise ConfigError(f"training.microbatch_group_size ({group}) needs training.schedule "
+                          f"{ScheduleKind.INTERLEAVED_1F1B.value} (got {schedule.value})")
     if schedule is ScheduleKind.INTERLEAVED_1F1B:
         if vp < 2:
             raise ConfigError(f"training.schedule {schedule.value} requires virtual_pipeline >= 2, got {vp}")
-        if m % pp:
+        if group is not None:
+            if not pp <= group <= m:
+                raise ConfigError(f"training.microbatch_group_size ({group}) must lie between pipeline_parallel "
+                                  f"({pp}) and num_microbatches ({m})")
+            if 0 < m % group < pp:
+                raise ConfigError(f"training.microbatch_group_size ({group}) must leave a last group of "
+                                  f"num_microbatches ({m}) % {group} = {m % group} micro-batches that is 0 or at "
+                                  f"least pipeline_parallel ({pp}), as megatron-core requires")
+        elif m % pp:
             raise ConfigError(f"training.schedule {schedule.value} requires num_microbatches ({m}) to be a multiple "
                               f"of pipeline_parallel ({pp})")
     elif vp != 1:

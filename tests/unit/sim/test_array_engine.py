@@ -91,3 +91,17 @@ def test_uniform_1f1b_closed_form_holds_on_the_array_path():
     work = PipelineWork(chunks=chunks, pipeline_parallel=p, num_microbatches=m, schedule=ScheduleKind.ONE_F_ONE_B,
                         dp_overlap=False, optimizer_ns=[0.0] * p)
     assert simulate(work).iteration_ns == pytest.approx((m + p - 1) * (tf + tb), rel=1e-12)
+
+
+@pytest.mark.parametrize("pp, v, m, group", [(2, 2, 5, 3), (4, 2, 8, 8), (4, 3, 12, 6), (4, 2, 5, 5)])
+def test_microbatch_groups_match_the_reference_and_hide_send_latency(pp, v, m, group):
+    def work(group, p2p_ns):
+        chunks = [ChunkWork(forward_ns=1.0, backward_ns=2.0, p2p_forward_ns=p2p_ns, p2p_backward_ns=p2p_ns)
+                  for _ in range(pp * v)]
+        return PipelineWork(chunks=chunks, pipeline_parallel=pp, virtual_pipeline=v, num_microbatches=m,
+                            schedule=ScheduleKind.INTERLEAVED_1F1B, microbatch_group_size=group, dp_overlap=False,
+                            optimizer_ns=[0.0] * pp)
+    assert_same(work(group, 0.5))
+    if m % pp == 0:  # the default groups exist: wider groups leave more slack for the sends
+        assert simulate(work(group, 0.5)).iteration_ns < simulate(work(None, 0.5)).iteration_ns
+        assert simulate(work(group, 0.0)).iteration_ns == simulate(work(None, 0.0)).iteration_ns

@@ -71,3 +71,40 @@ def test_every_chunk_microbatch_runs_once_forward_then_backward(pp, vp, m):
         seen = order(s, r)
         assert sorted(seen) == sorted([(k, c, i) for k in "FB" for c in range(vp) for i in range(m)])
         assert all(seen.index(("F", c, i)) < seen.index(("B", c, i)) for c in range(vp) for i in range(m))
+
+
+@pytest.mark.parametrize("pp, vp, m, group", [(2, 2, 5, 3), (2, 2, 6, 2), (4, 2, 5, 5), (4, 3, 12, 6), (3, 2, 7, 4)])
+def test_interleaved_table_is_megatron_cores(pp, vp, m, group):
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+    s = build_schedule(ScheduleKind.INTERLEAVED_1F1B, pp, vp, m, group)
+    assert [(mb, c) for _, c, mb in order(s, pp - 1) if _ == "F"] == get_schedule_table(m, vp, group)
+
+
+def test_microbatch_groups_set_the_warmup_and_the_peak_inflight():
+    # pp=2, v=2, m=5, group 3: table (0,0) (1,0) (2,0) (0,1) (1,1) (2,1) (3,0) (4,0) (3,1) (4,1);
+    # rank 1 warms up with (2-1-1)*2 + (2-1)*3 = 3 forwards, rank 0 with 5.
+    s = build_schedule(ScheduleKind.INTERLEAVED_1F1B, 2, 2, 5, 3)
+    assert order(s, 1)[:6] == [("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("F", 1, 0), ("B", 1, 0), ("F", 1, 1)]
+    assert [s.peak_inflight(r) for r in range(2)] == [6, 4]
+    default = build_schedule(ScheduleKind.INTERLEAVED_1F1B, 4, 2, 8)
+    assert build_schedule(ScheduleKind.INTERLEAVED_1F1B, 4, 2, 8, 4).tasks == default.tasks
+    wide = build_schedule(ScheduleKind.INTERLEAVED_1F1B, 4, 2, 8, 8)
+    assert [wide.peak_inflight(r) for r in range(4)] == [(4 - r - 1) * 2 + 8 + 1 for r in range(4)]
+
+
+@pytest.mark.parametrize("m, group, message", [
+    (8, 3, r"training.microbatch_group_size \(3\) must lie between pipeline_parallel \(4\) and num_microbatches \(8\)"),
+    (8, 9, r"training.microbatch_group_size \(9\) must lie between pipeline_parallel \(4\) and num_microbatches \(8\)"),
+    (9, 8, r"training.microbatch_group_size \(8\) must leave a last group of num_microbatches \(9\) % 8 = 1 "
+           r"micro-batches that is 0 or at least pipeline_parallel \(4\)"),
+])
+def test_microbatch_groups_follow_megatron_cores_rules(m, group, message):
+    with pytest.raises(ConfigError, match=message):
+        build_schedule(ScheduleKind.INTERLEAVED_1F1B, 4, 2, m, group)
+    assert build_schedule(ScheduleKind.INTERLEAVED_1F1B, 4, 2, 10, 6).num_microbatches == 10  # last group 4 >= pp
+
+
+def test_microbatch_groups_need_the_interleaved_schedule():
+    with pytest.raises(ConfigError, match=r"training.microbatch_group_size \(4\) needs training.schedule "
+                                          r"interleaved_1f1b \(got 1f1b\)"):
+        build_schedule(ScheduleKind.ONE_F_ONE_B, 4, 1, 8, 4)

@@ -31,7 +31,7 @@ from vtrain_plugin.specs.megatron.flags import (
 from vtrain_plugin.specs.megatron.fsdp_args import checked_only, fsdp_settings
 from vtrain_plugin.specs.megatron.hybrid_args import hybrid_fields
 from vtrain_plugin.specs.megatron.attention import consumed_by_attention
-from vtrain_plugin.specs.megatron.flag_values import positive_int
+from vtrain_plugin.specs.megatron.flag_values import non_negative_int, positive_int
 from vtrain_plugin.specs.megatron.model import Given, model_fields, recompute_mode
 from vtrain_plugin.specs.megatron.moe_flags import capacity_factor, flex_dispatcher_fields, moe_layer_freq, number
 from vtrain_plugin.specs.model import ModelSpec
@@ -186,8 +186,7 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--spec", None, None, "a custom layer spec", _as_given),
     FlagField("--disable-tp-comm-overlap-ag", None, None, "TP overlap without its all-gather overlap", _as_given),
     FlagField("--disable-tp-comm-overlap-rs", None, None, "TP overlap without its reduce-scatter overlap", _as_given),
-    FlagField("--microbatch-group-size-per-virtual-pipeline-stage", None, None,
-              "an interleaved schedule with micro-batch groups other than the pipeline size"),
+    FlagField("--microbatch-group-size-per-virtual-pipeline-stage", "training.microbatch_group_size"),
     FlagField("--ddp-num-buckets", None, None, "a DDP bucket count (--ddp-bucket-size is modelled)"),
     FlagField("--use-tp-pp-dp-mapping", "parallel.tp_pp_dp_mapping", convert=_as_given),
     FlagField("--use-sharp", None, None, "in-network (SHARP) reductions", _as_given),
@@ -380,6 +379,8 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
     (:func:`software_stack`)."""
     values.setdefault("global_batch_size", parallel.micro_batch_size * parallel.data_parallel)
     values["schedule"] = ScheduleKind.INTERLEAVED_1F1B if parallel.virtual_pipeline > 1 else ScheduleKind.ONE_F_ONE_B
+    if values["schedule"] is not ScheduleKind.INTERLEAVED_1F1B:  # megatron-core reads the groups only when interleaving
+        values.pop("microbatch_group_size", None)
     if values["software_stack"] is not SoftwareStack.MEGATRON_CORE_TE and "fp8" in values:
         flag = stack.partition(":")[0]
         raise ConfigError(f"--fp8-format with {flag}: Megatron-LM runs FP8 through TransformerEngine only")
@@ -389,6 +390,7 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
     if given.get("--accumulate-allreduce-grads-in-fp32") and model.dtype is Dtype.FP16:
         raise ConfigError("--accumulate-allreduce-grads-in-fp32 with --fp16: fp32 gradients of an fp16 model are "
                           "not modelled by vtrain yet")
+    values.update(_fp8_bf16_edge_layers(given, fp8="fp8" in values))
     values["reliability"] = _reliability(given)
     values["fsdp"] = fsdp_settings(given)
     if given.get("--deterministic-mode") and given.get("--cross-entropy-loss-fusion"):
@@ -402,6 +404,18 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
     flag = "--ddp-bucket-size"
     elements = positive_int(flag, given[flag]) if flag in given else max(40_000_000, 1_000_000 * parallel.data_parallel)
     return replace(training, bucket_size_mb=elements * training.grad_dtype(model.dtype).nbytes / 1e6)
+
+
+def _fp8_bf16_edge_layers(given: Given, *, fp8: bool) -> dict[str, int]:
+    """``--first-last-layers-bf16``: the first ``--num-layers-at-start-in-bf16`` and last
+    ``--num-layers-at-end-in-bf16`` layers (1 each by default) outside FP8; without FP8 the flags
+    change nothing."""
+    if not (fp8 and given.get("--first-last-layers-bf16")):
+        return {}
+    return {"fp8_bf16_layers_at_start": non_negative_int("--num-layers-at-start-in-bf16",
+                                                         given.get("--num-layers-at-start-in-bf16", 1)),
+            "fp8_bf16_layers_at_end": non_negative_int("--num-layers-at-end-in-bf16",
+                                                       given.get("--num-layers-at-end-in-bf16", 1))}
 
 
 def software_stack(given: Given) -> tuple[SoftwareStack, str]:

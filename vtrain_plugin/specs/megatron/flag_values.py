@@ -19,3 +19,14 @@ def positive_int(flag: str, text: Any) -> int:
     if value <= 0:
         raise ConfigError(f"{flag} must be a positive integer, got {value}")
     return value
+
+
+def non_negative_int(flag: str, text: Any) -> int:
+    """``text`` as an integer of at least 0, or a ConfigError naming ``flag``."""
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise ConfigError(f"{flag} must be a non-negative integer, got {value}")
+    return value

@@ -453,3 +453,21 @@ def test_moe_feature_flags_set_the_model_fields():
     assert p.unmodelled == ()
     assert plan("--num-experts 8 --moe-expert-capacity-factor -1").model.moe_expert_capacity_factor is None  # dropless
     assert plan("--num-experts 8 --moe-layer-freq 2").model.moe_layer_pattern == (True, False) * 4
+
+
+def test_microbatch_groups_set_the_interleaved_schedule_and_are_ignored_without_it():
+    p = plan("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 20 "
+             "--microbatch-group-size-per-virtual-pipeline-stage 5", gpus=4)
+    assert (p.training.schedule, p.training.microbatch_group_size) == (ScheduleKind.INTERLEAVED_1F1B, 5)
+    assert plan("--pipeline-model-parallel-size 2 --microbatch-group-size-per-virtual-pipeline-stage 5",
+                gpus=4).training.microbatch_group_size is None
+
+
+def test_first_last_layers_bf16_sets_the_layers_outside_fp8_and_changes_nothing_without_fp8():
+    fp8 = "--bf16 --fp8-format hybrid --fp8-recipe tensorwise --first-last-layers-bf16"
+    settings = plan(f"{fp8} --num-layers-at-end-in-bf16 2").training.fp8_settings
+    assert (settings.bf16_layers_at_start, settings.bf16_layers_at_end) == (1, 2)  # Megatron-LM's default: 1
+    bf16 = plan("--bf16 --first-last-layers-bf16 --num-layers-at-start-in-bf16 3").training
+    assert (bf16.fp8_bf16_layers_at_start, bf16.fp8_bf16_layers_at_end) == (0, 0)
+    assert error(f"{fp8} --num-layers-at-start-in-bf16 -1") == (
+        "--num-layers-at-start-in-bf16 must be a non-negative integer, got -1")
