@@ -28,7 +28,8 @@ from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.model import MOE_FEATURE_DEFAULTS, Activation, Family, ModelSpec
 from vtrain_plugin.specs.model_features import REFUSED, not_modelled
-from vtrain_plugin.specs.parallel import CpCommType, ParallelPlan, Recompute, TokenDispatcher
+from vtrain_plugin.specs.parallel import (DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_MODULES, CpCommType, ParallelPlan,
+                                          Recompute, TokenDispatcher)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +212,7 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
                                         None) or 1),
         "sequence_parallel": ("sequence_parallel", bool(config.sequence_parallel)),
         "recompute": ("recompute_granularity", _recompute(config)),
+        "recompute_modules": ("recompute_modules", _recompute_modules(config)),
         "decoder_first_pipeline_num_layers": ("num_layers_in_first_pipeline_stage",
                                               getattr(config, "num_layers_in_first_pipeline_stage", None)),
         "decoder_last_pipeline_num_layers": ("num_layers_in_last_pipeline_stage",
@@ -257,14 +259,12 @@ def _layout(config: Any) -> str | None:
 
 
 def _recompute(config: Any) -> Recompute:
+    """The recompute mode (megatron-core has already made ``moe_layer_recompute`` selective
+    recompute of ``moe``); the selective modules are :func:`_recompute_modules`'s."""
     granularity = getattr(config, "recompute_granularity", None)
     if granularity is None:
         return Recompute.NONE
     if granularity == "selective":
-        modules = list(getattr(config, "recompute_modules", None) or ["core_attn"])
-        if modules != ["core_attn"]:
-            raise ConfigError(f"TransformerConfig.recompute_modules={modules!r}: selective recompute of "
-                              f"modules other than ['core_attn'] is not modelled yet")
         return Recompute.SELECTIVE
     if granularity == "full":
         method, layers = getattr(config, "recompute_method", None), getattr(config, "recompute_num_layers", None)
@@ -273,6 +273,20 @@ def _recompute(config: Any) -> Recompute:
                               f"vtrain models full recompute of every layer (method 'uniform', 1 layer per group)")
         return Recompute.FULL
     raise ConfigError(f"TransformerConfig.recompute_granularity={granularity!r}: must be None, 'selective' or 'full'")
+
+
+def _recompute_modules(config: Any) -> tuple[str, ...] | None:
+    """The modules selective recompute checkpoints (ParallelPlan checks the names), None without
+    selective recompute (megatron-core reads them only with it) or at its default."""
+    if getattr(config, "recompute_granularity", None) != "selective":
+        return None
+    listed = list(getattr(config, "recompute_modules", None) or DEFAULT_RECOMPUTE_MODULES)
+    unknown = [m for m in listed if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise ConfigError(f"TransformerConfig.recompute_modules={listed!r}: {unknown[0]!r} is not modelled by "
+                          f"vtrain yet (it models {', '.join(RECOMPUTE_MODULES)})")
+    modules = tuple(m for m in RECOMPUTE_MODULES if m in listed)  # ParallelPlan's order
+    return None if modules == DEFAULT_RECOMPUTE_MODULES else modules
 
 
 def _cp_comm_type(config: Any) -> CpCommType:

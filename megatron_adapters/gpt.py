@@ -52,7 +52,10 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
     if plan.recompute is Recompute.FULL:
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif plan.recompute is Recompute.SELECTIVE:
-        recompute = dict(recompute_granularity="selective")
+        # moe_act: megatron-core's config takes it only with grouped-GEMM experts, which the local spec
+        # cannot build; the traced experts checkpoint their activation by a stand-in (build_chunk)
+        recompute = dict(recompute_granularity="selective",
+                         recompute_modules=[m for m in plan.recomputed_modules if m != "moe_act"])
     layer = model.layer
     moe: dict = {}
     if model.is_moe:
@@ -200,6 +203,10 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
         from megatron_adapters.moe import prepare_moe_layers
 
         prepare_moe_layers(gpt, model.moe_routing_skew)
+        if "moe_act" in plan.recomputed_modules:
+            from megatron_adapters.stand_ins import recompute_expert_activations
+
+            recompute_expert_activations(gpt)
     return gpt
 
 

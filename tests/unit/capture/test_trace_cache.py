@@ -159,7 +159,7 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
                             | set(MODEL_FIELDS_NOT_IN_KEY) | MODEL_FIELDS_REFUSED | set(LAYER_VARIANTS)
                             | {"rotary_percent", "add_qkv_bias"} | set(ATTENTION_VARIANTS))
     assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
-                           | {"virtual_pipeline"} | set(LAYOUT_NOT_IN_KEY))
+                           | {"virtual_pipeline", "recompute_modules"} | set(LAYOUT_NOT_IN_KEY))
     paths = {disk_cache.entry_path(KEY)}
     for name, value in MODEL_VARIANTS.items():
         model = dataclasses.replace(MODEL, **{name: value})
@@ -179,11 +179,15 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
         paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(MODEL, **{name: value}), PLAN, True, True, 2)))
     paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(ROPE_MODEL, rotary_percent=0.5), PLAN, True, True, 2)))
     paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(NO_BIAS_MODEL, add_qkv_bias=True), PLAN, True, True, 2)))
+    # selective recompute of core attention (the default modules) and of the MLP besides
+    for modules in (None, ("core_attn", "mlp")):
+        selective = dataclasses.replace(PLAN, recompute="selective", recompute_modules=modules)
+        paths.add(disk_cache.entry_path(shape_key(MODEL, selective, True, True, 2)))
     for name, value in ATTENTION_VARIANTS.items():
         model = dataclasses.replace(ATTENTION_MODEL, **{name: value})
         paths.add(disk_cache.entry_path(shape_key(model, PLAN, True, True, 2)))
     assert len(paths) == (1 + len(MODEL_VARIANTS) + len(MOE_MODEL_VARIANTS) + 1 + len(HYBRID_MODEL_VARIANTS)
-                          + len(PLAN_VARIANTS) + 3 + len(LAYER_VARIANTS) + 2 + len(ATTENTION_VARIANTS))
+                          + len(PLAN_VARIANTS) + 3 + len(LAYER_VARIANTS) + 2 + 2 + len(ATTENTION_VARIANTS))
     # off, the attention variants leave a model's key as it was before they existed
     assert not set(ATTENTION_VARIANTS) & set(named_shape_key(KEY)["model"])
     # the family's own choices spelled out: the family's key, as before the fields existed

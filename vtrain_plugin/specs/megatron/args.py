@@ -30,7 +30,7 @@ from vtrain_plugin.specs.megatron.flags import (
 from vtrain_plugin.specs.megatron.hybrid_args import hybrid_fields
 from vtrain_plugin.specs.megatron.attention import consumed_by_attention
 from vtrain_plugin.specs.megatron.flag_values import positive_int
-from vtrain_plugin.specs.megatron.model import Given, model_fields, recompute_mode
+from vtrain_plugin.specs.megatron.model import Given, model_fields, recompute_mode, recompute_modules
 from vtrain_plugin.specs.megatron.moe_flags import capacity_factor, moe_layer_freq, number
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.model_features import REFUSED, unmodelled_warning
@@ -123,7 +123,6 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--moe-pad-expert-input-to-capacity", "model.moe_pad_expert_input_to_capacity", convert=_as_given),
     FlagField("--moe-token-drop-policy", "model.moe_token_drop_policy", convert=_as_given),
     FlagField("--moe-enable-deepep", None, False, "the flex token dispatcher (DeepEP / HybridEP)", _as_given),
-    FlagField("--moe-layer-recompute", None, False, "recompute of MoE layers", _as_given),
     FlagField("--use-distributed-optimizer", "training.distributed_optimizer", convert=_as_given),
     FlagField("--overlap-param-gather", "training.overlap_param_gather", convert=_as_given),
     FlagField("--num-distributed-optimizer-instances", None, 1, "the distributed optimizer"),
@@ -293,6 +292,7 @@ def _parallel(given: Given, values: dict[str, Any], model: ModelSpec, num_gpus: 
         if tp == 1:
             notes.append("--sequence-parallel at TP 1 (Megatron-LM turns it off)")
     values["recompute"] = recompute_mode(given, model.num_layers, pp * values["virtual_pipeline"])
+    values["recompute_modules"] = recompute_modules(given, values["recompute"], notes)
     if model.is_moe:  # Megatron-LM's default dispatcher
         values.setdefault("moe_token_dispatcher", TokenDispatcher.ALLGATHER)
     return ParallelPlan(**values)
