@@ -178,14 +178,14 @@ def _moe_features(config: Any) -> dict[str, Any]:
 
 def layer_fields(config: Any) -> dict[str, Any]:
     """The layer's ModelSpec fields of ``config`` (megatron-core's names); an activation other than
-    GeLU, SiLU (SwiGLU when gated) or squared ReLU is refused."""
+    GeLU, SiLU (SwiGLU when gated), squared ReLU or quick GeLU is refused."""
     normalization = getattr(config, "normalization", "LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise ConfigError(f"TransformerConfig.normalization={normalization!r}: must be 'LayerNorm' or 'RMSNorm'")
     activation = getattr(getattr(config, "activation_func", None), "__name__", "")
     if activation not in {a.value for a in Activation}:
         raise not_modelled(f"TransformerConfig.activation_func={activation or '?'}",
-                           "an MLP activation other than gelu, silu (SwiGLU) or squared_relu")
+                           "an MLP activation other than gelu, silu (SwiGLU), squared_relu or quick_gelu")
     return dict(
         kv_channels=getattr(config, "kv_channels", None),
         normalization=normalization,
@@ -198,6 +198,8 @@ def layer_fields(config: Any) -> dict[str, Any]:
         qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
         qk_l2_norm=bool(getattr(config, "qk_l2_norm", False)),
         layernorm_zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)),
+        glu_linear_offset=float(getattr(config, "glu_linear_offset", 0.0) or 0.0),
+        activation_func_clamp_value=getattr(config, "activation_func_clamp_value", None),
     )
 
 

@@ -34,8 +34,14 @@ def _squared_relu():
     return squared_relu
 
 
+def _quick_gelu():
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return quick_gelu
+
+
 _ACTIVATIONS = {Activation.GELU: lambda: torch.nn.functional.gelu, Activation.SILU: lambda: torch.nn.functional.silu,
-                Activation.SQUARED_RELU: _squared_relu}
+                Activation.SQUARED_RELU: _squared_relu, Activation.QUICK_GELU: _quick_gelu}
 
 
 def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk: int):
@@ -93,6 +99,8 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         normalization=layer.normalization.value,
         gated_linear_unit=layer.gated_linear_unit,
         activation_func=_ACTIVATIONS[layer.activation](),
+        glu_linear_offset=model.glu_linear_offset,
+        activation_func_clamp_value=model.activation_func_clamp_value,
         add_bias_linear=layer.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         hidden_dropout=layer.hidden_dropout,

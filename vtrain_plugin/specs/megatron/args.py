@@ -138,6 +138,7 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--decoder-last-pipeline-num-layers", "parallel.decoder_last_pipeline_num_layers"),
     FlagField("--pipeline-model-parallel-layout", "parallel.pipeline_layout", convert=_as_given),
     FlagField("--mtp-num-layers", "model.mtp_num_layers"),
+    FlagField("--no-rope-freq", None, None, "layers without rotary embeddings (NoPE)", _as_given),
     FlagField("--account-for-embedding-in-pipeline-split", "parallel.account_for_embedding_in_pipeline_split",
               convert=_as_given),
     FlagField("--account-for-loss-in-pipeline-split", "parallel.account_for_loss_in_pipeline_split",

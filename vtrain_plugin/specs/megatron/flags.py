@@ -25,6 +25,7 @@ use-rotary-position-embeddings! rotary-base rotary-percent rotary-interleaved!
 rotary-seq-len-interpolation-factor use-rope-scaling! rope-scaling-factor no-rope-freq mrope-section*
 no-position-embedding! make-vocab-size-divisible-by normalization norm-epsilon apply-layernorm-1p!
 apply-residual-connection-post-layernorm! openai-gelu! squared-relu! swiglu! onnx-safe
+quick-geglu! glu-linear-offset activation-func-clamp-value export-qk-l2-norm!
 bert-no-binary-head! num-experts untie-embeddings-and-output-weights! multi-latent-attention!
 mtp-num-layers mtp-loss-scaling-factor qk-layernorm! qk-l2-norm! window-size window-attn-skip-freq
 softmax-type enable-gpt-oss!

@@ -107,19 +107,26 @@ def _layer(given: Given) -> dict[str, Any]:
     if positions not in {p.value for p in PositionEmbedding}:
         raise ConfigError(f"--position-embedding-type must be one of learned_absolute, rope, yarn, mrope, relative, "
                           f"none; got {positions!r}")
+    if given.get("--quick-geglu") and (given.get("--swiglu") or given.get("--squared-relu")):
+        raise ConfigError("--quick-geglu excludes --swiglu and --squared-relu (one MLP activation)")
     activation = Activation.SQUARED_RELU if given.get("--squared-relu") else \
-        Activation.SILU if given.get("--swiglu") else Activation.GELU
+        Activation.SILU if given.get("--swiglu") else \
+        Activation.QUICK_GELU if given.get("--quick-geglu") else Activation.GELU
     out: dict[str, Any] = {
         "normalization": given.get("--normalization", "LayerNorm"),
-        "activation": activation, "gated_linear_unit": bool(given.get("--swiglu")),
+        "activation": activation, "gated_linear_unit": bool(given.get("--swiglu") or given.get("--quick-geglu")),
         "add_bias_linear": not given.get("--disable-bias-linear"), "add_qkv_bias": bool(given.get("--add-qkv-bias")),
         "hidden_dropout": _fraction("--hidden-dropout", given.get("--hidden-dropout", 0.1)),
         "attention_dropout": _fraction("--attention-dropout", given.get("--attention-dropout", 0.1)),
         "position_embedding_type": positions,
         "rotary_percent": _fraction("--rotary-percent", given.get("--rotary-percent", 1.0)),
-        "qk_layernorm": bool(given.get("--qk-layernorm")), "qk_l2_norm": bool(given.get("--qk-l2-norm")),
+        "qk_layernorm": bool(given.get("--qk-layernorm")), "qk_l2_norm": bool(given.get("--qk-l2-norm") or given.get("--export-qk-l2-norm")),
         "layernorm_zero_centered_gamma": bool(given.get("--apply-layernorm-1p")),
+        "glu_linear_offset": _fraction("--glu-linear-offset", given.get("--glu-linear-offset", 0.0)),
     }
+    if "--activation-func-clamp-value" in given:
+        out["activation_func_clamp_value"] = _fraction("--activation-func-clamp-value",
+                                                       given["--activation-func-clamp-value"])
     if "--kv-channels" in given:
         out["kv_channels"] = positive_int("--kv-channels", given["--kv-channels"])
     return out
