@@ -60,6 +60,7 @@ UNMODELLED = (
     Unmodelled("cpu_offloading", _is_false, "activation offloading to the CPU"),
     Unmodelled("fine_grained_activation_offloading", _is_false, "activation offloading to the CPU"),
     Unmodelled("heterogeneous_block_specs", _is_false, "heterogeneous layers"),
+    Unmodelled("no_rope_freq", _is_none, "layers without rotary embeddings (NoPE)"),
     *(Unmodelled(feature.config_field, _is_false, feature.what) for feature in REFUSED),
 )
 

@@ -259,6 +259,11 @@ def test_recompute_modules(flags, modules):
     assert parallel.recompute_modules == modules
 
 
+def test_nope_layers_are_refused_by_name():
+    assert error("--position-embedding-type rope --no-rope-freq 4") == \
+        "--no-rope-freq 4: layers without rotary embeddings (NoPE) is not modelled by vtrain yet"
+
+
 def test_recompute_modules_without_selective_are_noted():
     out = plan("--recompute-granularity full --recompute-method uniform --recompute-modules mlp")
     assert out.parallel.recompute is Recompute.FULL and out.parallel.recompute_modules is None
