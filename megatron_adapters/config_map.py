@@ -30,7 +30,8 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.model import MOE_FEATURE_DEFAULTS, Activation, Family, ModelSpec
 from vtrain_plugin.specs.model_features import REFUSED, not_modelled
 from vtrain_plugin.specs.parallel import (
-    FLEX_DEFAULT_NUM_SMS, CpCommType, FlexBackend, ParallelPlan, Recompute, TokenDispatcher)
+    DEFAULT_RECOMPUTE_MODULES, FLEX_DEFAULT_NUM_SMS, RECOMPUTE_MODULES, CpCommType, FlexBackend, ParallelPlan, Recompute,
+    TokenDispatcher)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,7 @@ UNMODELLED = (
     Unmodelled("cpu_offloading", _is_false, "activation offloading to the CPU"),
     Unmodelled("fine_grained_activation_offloading", _is_false, "activation offloading to the CPU"),
     Unmodelled("heterogeneous_block_specs", _is_false, "heterogeneous layers"),
+    Unmodelled("no_rope_freq", _is_none, "layers without rotary embeddings (NoPE)"),
     *(Unmodelled(feature.config_field, _is_false, feature.what) for feature in REFUSED),
 )
 
@@ -177,14 +179,14 @@ def _moe_features(config: Any) -> dict[str, Any]:
 
 def layer_fields(config: Any) -> dict[str, Any]:
     """The layer's ModelSpec fields of ``config`` (megatron-core's names); an activation other than
-    GeLU, SiLU (SwiGLU when gated) or squared ReLU is refused."""
+    GeLU, SiLU (SwiGLU when gated), squared ReLU or quick GeLU is refused."""
     normalization = getattr(config, "normalization", "LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise ConfigError(f"TransformerConfig.normalization={normalization!r}: must be 'LayerNorm' or 'RMSNorm'")
     activation = getattr(getattr(config, "activation_func", None), "__name__", "")
     if activation not in {a.value for a in Activation}:
         raise not_modelled(f"TransformerConfig.activation_func={activation or '?'}",
-                           "an MLP activation other than gelu, silu (SwiGLU) or squared_relu")
+                           "an MLP activation other than gelu, silu (SwiGLU), squared_relu or quick_gelu")
     return dict(
         kv_channels=getattr(config, "kv_channels", None),
         normalization=normalization,
@@ -197,6 +199,8 @@ def layer_fields(config: Any) -> dict[str, Any]:
         qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
         qk_l2_norm=bool(getattr(config, "qk_l2_norm", False)),
         layernorm_zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)),
+        glu_linear_offset=float(getattr(config, "glu_linear_offset", 0.0) or 0.0),
+        activation_func_clamp_value=getattr(config, "activation_func_clamp_value", None),
     )
 
 
@@ -211,6 +215,7 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
                                         None) or 1),
         "sequence_parallel": ("sequence_parallel", bool(config.sequence_parallel)),
         "recompute": ("recompute_granularity", _recompute(config)),
+        "recompute_modules": ("recompute_modules", _recompute_modules(config)),
         "decoder_first_pipeline_num_layers": ("num_layers_in_first_pipeline_stage",
                                               getattr(config, "num_layers_in_first_pipeline_stage", None)),
         "decoder_last_pipeline_num_layers": ("num_layers_in_last_pipeline_stage",
@@ -271,14 +276,12 @@ def _layout(config: Any) -> str | None:
 
 
 def _recompute(config: Any) -> Recompute:
+    """The recompute mode (megatron-core has already made ``moe_layer_recompute`` selective
+    recompute of ``moe``); the selective modules are :func:`_recompute_modules`'s."""
     granularity = getattr(config, "recompute_granularity", None)
     if granularity is None:
         return Recompute.NONE
     if granularity == "selective":
-        modules = list(getattr(config, "recompute_modules", None) or ["core_attn"])
-        if modules != ["core_attn"]:
-            raise ConfigError(f"TransformerConfig.recompute_modules={modules!r}: selective recompute of "
-                              f"modules other than ['core_attn'] is not modelled yet")
         return Recompute.SELECTIVE
     if granularity == "full":
         method, layers = getattr(config, "recompute_method", None), getattr(config, "recompute_num_layers", None)
@@ -287,6 +290,20 @@ def _recompute(config: Any) -> Recompute:
                               f"vtrain models full recompute of every layer (method 'uniform', 1 layer per group)")
         return Recompute.FULL
     raise ConfigError(f"TransformerConfig.recompute_granularity={granularity!r}: must be None, 'selective' or 'full'")
+
+
+def _recompute_modules(config: Any) -> tuple[str, ...] | None:
+    """The modules selective recompute checkpoints (ParallelPlan checks the names), None without
+    selective recompute (megatron-core reads them only with it) or at its default."""
+    if getattr(config, "recompute_granularity", None) != "selective":
+        return None
+    listed = list(getattr(config, "recompute_modules", None) or DEFAULT_RECOMPUTE_MODULES)
+    unknown = [m for m in listed if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise ConfigError(f"TransformerConfig.recompute_modules={listed!r}: {unknown[0]!r} is not modelled by "
+                          f"vtrain yet (it models {', '.join(RECOMPUTE_MODULES)})")
+    modules = tuple(m for m in RECOMPUTE_MODULES if m in listed)  # ParallelPlan's order
+    return None if modules == DEFAULT_RECOMPUTE_MODULES else modules
 
 
 def _cp_comm_type(config: Any) -> CpCommType:

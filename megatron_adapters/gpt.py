@@ -34,8 +34,14 @@ def _squared_relu():
     return squared_relu
 
 
+def _quick_gelu():
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return quick_gelu
+
+
 _ACTIVATIONS = {Activation.GELU: lambda: torch.nn.functional.gelu, Activation.SILU: lambda: torch.nn.functional.silu,
-                Activation.SQUARED_RELU: _squared_relu}
+                Activation.SQUARED_RELU: _squared_relu, Activation.QUICK_GELU: _quick_gelu}
 
 
 def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk: int):
@@ -52,7 +58,10 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
     if plan.recompute is Recompute.FULL:
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif plan.recompute is Recompute.SELECTIVE:
-        recompute = dict(recompute_granularity="selective")
+        # moe_act: megatron-core's config takes it only with grouped-GEMM experts, which the local spec
+        # cannot build; the traced experts checkpoint their activation by a stand-in (build_chunk)
+        recompute = dict(recompute_granularity="selective",
+                         recompute_modules=[m for m in plan.recomputed_modules if m != "moe_act"])
     layer = model.layer
     moe: dict = {}
     if model.is_moe:
@@ -90,6 +99,8 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
         normalization=layer.normalization.value,
         gated_linear_unit=layer.gated_linear_unit,
         activation_func=_ACTIVATIONS[layer.activation](),
+        glu_linear_offset=model.glu_linear_offset,
+        activation_func_clamp_value=model.activation_func_clamp_value,
         add_bias_linear=layer.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         hidden_dropout=layer.hidden_dropout,
@@ -201,6 +212,10 @@ def build_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole, *, layers
         from megatron_adapters.moe import prepare_moe_layers
 
         prepare_moe_layers(gpt, model.moe_routing_skew, flex_dispatch(model, plan))
+        if "moe_act" in plan.recomputed_modules:
+            from megatron_adapters.stand_ins import recompute_expert_activations
+
+            recompute_expert_activations(gpt)
     return gpt
 
 

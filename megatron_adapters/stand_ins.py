@@ -13,7 +13,8 @@ Two kinds, neither applied at import:
   constructor, the local spec's unfused attention, query/key and value head dims apart: multi-latent
   attention), :class:`MambaMixer` (megatron-core's ``MambaMixer`` constructor, the Mamba-2 mixer in
   torch ops) with its :class:`ChunkedScan` and :class:`GatedRMSNorm`; and the specs that use them,
-  :func:`mla_layer_spec` and :func:`hybrid_stack_spec`.
+  :func:`mla_layer_spec` and :func:`hybrid_stack_spec`; and :class:`ExpertActivationRecompute`, the
+  class a built SequentialMLP expert is given when its activation is recomputed ("moe_act").
 * **Patches scoped to tracing**, listed by :func:`stand_in_patches` and applied, with the other
   CPU stand-ins, by :func:`megatron_adapters.cpu_patches.cpu_tracing_patches` (which restores them
   on exit): multi-latent attention's belief that TransformerEngine is installed, the attention
@@ -31,6 +32,8 @@ them, are listed in :data:`MEGATRON_CORE_NAMES`.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Union
@@ -38,6 +41,7 @@ from typing import Any, Union
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
@@ -64,6 +68,9 @@ MEGATRON_CORE_NAMES: dict[str, str] = {
     "post_training.modelopt.layers.Linear":
         "the duplicated MLA down projections; 0.19.2 adds parallel_mode= and name= (optional) and "
         "marks duplicated weights tensor_model_parallel=False; MLA accepts it in both",
+    "tensor_parallel.random.FP8GlobalStateManager, activation_recompute_forward, fp8_autocast":
+        "bound from TransformerEngine when it imports, called by CheckpointWithoutOutput (the layernorm, "
+        "mla_up_proj and moe_act recompute) whatever the precision; not read from 0.19.2",
     "ssm.mamba_mixer.MambaMixer (constructor)":
         "mirrored by MambaMixer. 0.19.2 drops the deprecated use_mem_eff_path / d_state / headdim / "
         "ngroups arguments, adds name=, and keeps conv1d as two parameters conv1d_weight / "
@@ -487,6 +494,84 @@ def hybrid_stack_spec(*, num_experts: int | None = None, mamba_chunk_size: int |
 # --------------------------------------------------------------------------------------------------
 
 
+class ExpertActivationRecompute(MLP):
+    """A SequentialMLP expert whose activation is checkpointed (``recompute_modules`` "moe_act").
+
+    megatron-core 0.16 recomputes the expert activation only in its grouped-GEMM experts (GroupedMLP,
+    TEGroupedMLP), which need CUDA; vtrain traces SequentialMLP's experts and lowers them to grouped
+    GEMMs (cost/lowering/megatron_core_te.py). This stand-in does to each traced expert what
+    TEGroupedMLP does to its group: FC1, the activation under ``CheckpointWithoutOutput``, FC2, then
+    the activation's output freed and recomputed when FC2's gradient arrives. Records the local
+    spec's unfused activation ops once more, in the recompute phase. Set on a built expert by
+    :func:`recompute_expert_activations`.
+    """
+
+    def forward(self, hidden_states, per_token_scale=None, bias=None, *, activation_only=False, **kwargs):
+        from megatron.core.tensor_parallel import CheckpointWithoutOutput
+
+        if activation_only:  # called through the module, so that the recorder sees the expert's ops
+            return self._activation(hidden_states, bias, per_token_scale)
+        fc1, bias = self.linear_fc1(hidden_states)
+        checkpoint = CheckpointWithoutOutput()
+        activated = checkpoint.checkpoint(functools.partial(self, activation_only=True), fc1, per_token_scale, bias)
+        output, output_bias = self.linear_fc2(activated)
+        checkpoint.discard_output_and_register_recompute(output)
+        if per_token_scale is not None and output_bias is not None:
+            output = output + output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)
+            output_bias = None
+        return output, output_bias
+
+    def _activation(self, x, bias, per_token_scale):
+        """MLP.forward's unfused activation (megatron-core 0.16.1, bias_activation_fusion off as
+        traced): bias, the gated unit with its clamp and linear offset or the plain activation,
+        the routing probabilities."""
+        if bias is not None:
+            x = x + bias
+        if self.config.gated_linear_unit:
+            x_glu, x_linear = torch.chunk(x, 2, dim=-1)
+            if (clamp := self.config.activation_func_clamp_value) is not None:
+                x_glu = x_glu.clamp(min=None, max=clamp)
+                x_linear = x_linear.clamp(min=-clamp, max=clamp)
+            x = self.config.activation_func(x_glu) * (x_linear + self.config.glu_linear_offset)
+        else:
+            x = self.activation_func(x)
+        if per_token_scale is not None:
+            x = (x * per_token_scale.unsqueeze(-1)).to(x.dtype)
+        return x
+
+
+def recompute_expert_activations(module: torch.nn.Module) -> None:
+    """Every SequentialMLP expert under ``module`` made an :class:`ExpertActivationRecompute` (this
+    instance only). megatron-core's config accepts "moe_act" only with moe_grouped_gemm, which its
+    local spec cannot build: the tracer asks for it here instead."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    for experts in module.modules():
+        if isinstance(experts, SequentialMLP):
+            for expert in experts.local_experts:
+                expert.__class__ = ExpertActivationRecompute
+
+
+class NoFp8State:
+    """TransformerEngine's ``FP8GlobalStateManager`` as megatron-core's ``CheckpointWithoutOutput``
+    asks it (selective recompute of the norms, MLA's up projections, the expert activation): without
+    TE no FP8 region is ever entered. vtrain prices FP8 in the lowering (cost/lowering/fp8.py)."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe() -> None:
+        return None
+
+
+def no_fp8_region(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+    """TE's ``activation_recompute_forward`` / ``fp8_autocast`` as ``CheckpointWithoutOutput`` enters
+    them: outside FP8 they mark a region and change no op."""
+    return contextlib.nullcontext()
+
+
 def stand_in_patches() -> list[tuple[Any, str, Any]]:
     """``(object, attribute, stand-in)`` for each patch this module needs while tracing; applied and
     restored by :func:`megatron_adapters.cpu_patches.cpu_tracing_patches`."""
@@ -494,6 +579,7 @@ def stand_in_patches() -> list[tuple[Any, str, Any]]:
 
     from megatron.core.fusions import fused_softmax
     from megatron.core.ssm.mamba_block import MambaStack
+    from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer import multi_latent_attention, utils
 
     # The module whose TENorm the stack's constructor reads: ssm.mamba_block in 0.16, while 0.19 defines
@@ -511,4 +597,9 @@ def stand_in_patches() -> list[tuple[Any, str, Any]]:
         (utils, "get_sliding_window_causal_mask", sliding_window_causal_mask),
         (utils, "get_default_causal_mask", default_causal_mask),
         (stack_module, "TENorm", LocalNorm),
+        # random.py binds these three only when TransformerEngine imports; CheckpointWithoutOutput
+        # (layernorm, mla_up_proj and moe_act recompute) calls them whatever the precision
+        (megatron_random, "FP8GlobalStateManager", NoFp8State),
+        (megatron_random, "activation_recompute_forward", no_fp8_region),
+        (megatron_random, "fp8_autocast", no_fp8_region),
     ]

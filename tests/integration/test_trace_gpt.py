@@ -262,7 +262,8 @@ def test_a_transformer_config_with_context_parallelism_is_traced_on_one_cp_rank(
      "TransformerConfig.moe_latent_size=64: MoE latent projections is not modelled"),
     (dict(fp8="hybrid"), None, "TransformerConfig.fp8='hybrid': fp8 training is not modelled"),
     (dict(activation_func=torch.nn.functional.relu), None,
-     "TransformerConfig.activation_func=relu: an MLP activation other than gelu, silu (SwiGLU) or squared_relu"),
+     "TransformerConfig.activation_func=relu: an MLP activation other than gelu, silu (SwiGLU), squared_relu or "
+     "quick_gelu"),
     (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2), None,
      "TransformerConfig.recompute_method='block', recompute_num_layers=2"),
 ])

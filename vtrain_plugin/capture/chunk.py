@@ -66,9 +66,17 @@ def plan_shape_key(plan: ParallelPlan) -> tuple:
     """What of a plan its chunk traces depend on (:data:`PLAN_SHAPE_FIELDS`): plans with different
     keys share no chunk trace (the plan search groups plans by it, so that each shape is traced in
     one process)."""
-    return (plan.tensor_parallel, plan.sequence_parallel, plan.micro_batch_size, plan.recompute.value,
+    return (plan.tensor_parallel, plan.sequence_parallel, plan.micro_batch_size, _recompute_key(plan),
             plan.pipeline_parallel > 1, plan.context_parallel, plan.expert_parallel, plan.expert_tp,
             plan.moe_token_dispatcher.value)
+
+
+def _recompute_key(plan: ParallelPlan) -> str:
+    """The recompute mode, with the selectively recomputed modules where they are not the default
+    (so a plan without them keeps its key and its cached traces)."""
+    if plan.recompute_modules is None:
+        return plan.recompute.value
+    return f"{plan.recompute.value}:{'+'.join(plan.recompute_modules)}"
 
 
 def shape_key(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, built: int | tuple[bool, ...]) -> tuple:

@@ -57,6 +57,7 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
                               data_parallel=expert_ranks // math.gcd(plan.tensor_parallel, expert_ranks),
                               sequence_parallel=plan.sequence_parallel,
                               micro_batch_size=plan.micro_batch_size, recompute=plan.recompute,
+                              recompute_modules=plan.recompute_modules,
                               expert_parallel=plan.expert_parallel, expert_tensor_parallel=plan.expert_tensor_parallel,
                               moe_token_dispatcher=plan.moe_token_dispatcher)
     rank = 0 if pre else stages - 1 if post else 1

@@ -7,6 +7,7 @@ A frozen dataclass validated on construction; derived values are properties. How
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from enum import StrEnum
 from typing import Any
@@ -52,6 +53,7 @@ class Activation(StrEnum):  # TransformerConfig.activation_func, by its name
     GELU = "gelu"
     SILU = "silu"  # with gated_linear_unit: SwiGLU
     SQUARED_RELU = "squared_relu"  # megatron.core.activations.squared_relu
+    QUICK_GELU = "quick_gelu"  # x * sigmoid(1.702 x); with gated_linear_unit: GPT-OSS's quick GeGLU
 
 
 class PositionEmbedding(StrEnum):  # GPTModel's position_embedding_type
@@ -86,7 +88,8 @@ FAMILY_LAYERS = {
 LAYER_FIELD_DEFAULTS = {"kv_channels": None, "normalization": None, "activation": None, "gated_linear_unit": None,
                         "add_bias_linear": None, "add_qkv_bias": False, "hidden_dropout": None,
                         "attention_dropout": None, "position_embedding_type": None, "rotary_percent": 1.0,
-                        "qk_layernorm": False, "qk_l2_norm": False, "layernorm_zero_centered_gamma": False}
+                        "qk_layernorm": False, "qk_l2_norm": False, "layernorm_zero_centered_gamma": False,
+                        "glu_linear_offset": 0.0, "activation_func_clamp_value": None}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,6 +148,10 @@ class ModelSpec:
     qk_l2_norm: bool = False  # Llama 4's L2 norm on each head's query and key
     # Changes neither time nor memory: TransformerEngine's norm kernels add the 1 to gamma inside.
     layernorm_zero_centered_gamma: bool = False
+    # The gated unit's extras (GPT-OSS): act(x_glu) * (x_linear + glu_linear_offset), both halves
+    # clamped to activation_func_clamp_value first (x_glu from above, x_linear both ways).
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
     # Mamba hybrid (megatron-core MambaModel, vtrain_plugin/specs/hybrid.py): one letter per layer,
     # M Mamba-2, * attention, - MLP; None: a transformer (GPTModel). The mamba_* fields default to
     # megatron-core's (state 128, head dim 64, 8 groups, heads 2 * hidden / head dim).
@@ -397,6 +404,7 @@ def check_layer_fields(model: ModelSpec) -> None:
             if not 0 <= v.non_negative_number(f"model.{name}", value) < 1:
                 raise ConfigError(f"model.{name} ({value}) must be a probability below 1")
             object.__setattr__(model, name, float(value))
+    _check_glu_extras(model)
     if model.kv_channels is not None:
         v.positive_int("model.kv_channels", model.kv_channels)
     else:
@@ -426,6 +434,21 @@ def check_layer_fields(model: ModelSpec) -> None:
             f"the rotated channels int(kv_channels x rotary_percent) = int({model.head_dim} x {model.rotary_percent:g})"
         raise ConfigError(f"model: {what} = {model.rotary_dim} must be even and positive: rotary position "
                           f"embeddings rotate pairs of channels")
+
+
+def _check_glu_extras(model: ModelSpec) -> None:
+    """glu_linear_offset and activation_func_clamp_value act on the gated unit's two halves only."""
+    offset = model.glu_linear_offset
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+        raise ConfigError(f"model.glu_linear_offset must be a finite number, got {offset!r}")
+    object.__setattr__(model, "glu_linear_offset", float(offset))
+    clamp = model.activation_func_clamp_value
+    if clamp is not None:
+        object.__setattr__(model, "activation_func_clamp_value",
+                           float(v.positive_finite_number("model.activation_func_clamp_value", clamp)))
+    if (offset or clamp is not None) and not model.layer.gated_linear_unit:
+        name = "glu_linear_offset" if offset else "activation_func_clamp_value"
+        raise ConfigError(f"model.{name} needs model.gated_linear_unit (it acts on the gated unit's halves)")
 
 
 def check_hybrid_fields(model: ModelSpec) -> None:

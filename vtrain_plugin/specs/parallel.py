@@ -43,8 +43,13 @@ FLEX_DEFAULT_NUM_SMS = {FlexBackend.DEEPEP: 20, FlexBackend.HYBRIDEP: 16}
 
 class Recompute(StrEnum):
     NONE = "none"
-    SELECTIVE = "selective"  # core attention only (Megatron's --recompute-granularity selective)
+    SELECTIVE = "selective"  # the recompute_modules of each layer (Megatron's --recompute-granularity selective)
     FULL = "full"  # every transformer layer, uniform, one layer per checkpoint
+
+
+# megatron-core 0.16's recompute_modules, in its order; core_attn alone is its default.
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +63,9 @@ class ParallelPlan:
     virtual_pipeline: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     micro_batch_size: int = 1
     recompute: Recompute = Recompute.NONE
+    # What selective recompute checkpoints in each layer (megatron-core's recompute_modules, see
+    # RECOMPUTE_MODULES); None: its default, core attention. Set only with recompute "selective".
+    recompute_modules: tuple[str, ...] | None = None
     # Uneven pipeline splits as Megatron-Core has them (see vtrain_plugin.specs.pipeline_split):
     # layers of the first / last pipeline rank (the rest spread over the middle ranks), or the
     # embedding and the loss each counted as one layer slot.
@@ -111,6 +119,7 @@ class ParallelPlan:
         self._check_moe_comm_fields()
         object.__setattr__(self, "recompute", Recompute(
             v.one_of("parallel.recompute", self.recompute, [r.value for r in Recompute])))
+        self._check_recompute_modules()
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ConfigError("parallel.sequence_parallel requires tensor_parallel > 1 (got 1)")
         if self.virtual_pipeline > 1 and self.pipeline_parallel == 1:
@@ -148,6 +157,33 @@ class ParallelPlan:
     def flex_num_sms(self) -> int:
         """SMs the flex dispatcher's kernels occupy: the one given, else megatron-core's default."""
         return self.moe_flex_num_sms or FLEX_DEFAULT_NUM_SMS[self.moe_flex_dispatcher_backend]
+
+    def _check_recompute_modules(self) -> None:
+        """recompute_modules: known names, only under selective recompute, stored in megatron-core's
+        order without repeats, and as None when it is the default (one spelling per plan)."""
+        modules = self.recompute_modules
+        if modules is None:
+            return
+        if isinstance(modules, str) or not isinstance(modules, (list, tuple)):
+            raise ConfigError(f"parallel.recompute_modules must be a list of module names, got {modules!r}")
+        unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ConfigError(f"parallel.recompute_modules: {unknown[0]!r} is not one of {', '.join(RECOMPUTE_MODULES)}")
+        if self.recompute is not Recompute.SELECTIVE:
+            raise ConfigError(f"parallel.recompute_modules needs parallel.recompute selective "
+                              f"(got {self.recompute.value})")
+        if not modules:
+            raise ConfigError("parallel.recompute_modules is empty: selective recompute needs at least one module")
+        ordered = tuple(m for m in RECOMPUTE_MODULES if m in modules)
+        object.__setattr__(self, "recompute_modules", None if ordered == DEFAULT_RECOMPUTE_MODULES else ordered)
+
+    @property
+    def recomputed_modules(self) -> tuple[str, ...]:
+        """The modules selective recompute checkpoints in each layer (none without it; every layer
+        whole under full recompute)."""
+        if self.recompute is not Recompute.SELECTIVE:
+            return ()
+        return self.recompute_modules or DEFAULT_RECOMPUTE_MODULES
 
     def _check_split_fields(self) -> None:
         uneven = [name for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
@@ -216,6 +252,8 @@ class ParallelPlan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["recompute"] = self.recompute.value
+        if self.recompute_modules is not None:
+            d["recompute_modules"] = list(self.recompute_modules)
         d["cp_comm_type"] = self.cp_comm_type.value
         d["moe_token_dispatcher"] = self.moe_token_dispatcher.value
         d["moe_flex_dispatcher_backend"] = self.moe_flex_dispatcher_backend.value
@@ -331,6 +369,26 @@ def _ep_overlap_error(model: ModelSpec, plan: ParallelPlan) -> str | None:
         return "parallel.overlap_moe_expert_parallel_comm with mtp_num_layers 1 requires pipeline_parallel > 1"
     return None
 
+# What megatron-core 0.16's TransformerConfig asserts of recompute_modules against the model. A module
+# the model lacks otherwise ("mlp" in an all-MoE model, "moe" in a dense one) is skipped by
+# megatron-core, changes nothing and is accepted.
+RECOMPUTE_LAYOUT_RULES: tuple[LayoutRule, ...] = (
+    LayoutRule(
+        name="recompute moe_act needs grouped gemm",
+        broken=lambda p, m: "moe_act" in p.recomputed_modules and not m.moe_grouped_gemm,
+        message=lambda p, m: ("parallel.recompute_modules moe_act needs model.moe_grouped_gemm (megatron-core "
+                              "recomputes the expert activation of grouped-GEMM experts only)")),
+    LayoutRule(
+        name="recompute mla_up_proj needs mla",
+        broken=lambda p, m: "mla_up_proj" in p.recomputed_modules and not m.multi_latent_attention,
+        message=lambda p, m: "parallel.recompute_modules mla_up_proj needs model.multi_latent_attention"),
+    LayoutRule(
+        name="recompute shared_experts without overlap",
+        broken=lambda p, m: "shared_experts" in p.recomputed_modules and m.moe_shared_expert_overlap,
+        message=lambda p, m: ("parallel.recompute_modules shared_experts excludes model.moe_shared_expert_overlap "
+                              "(megatron-core refuses it)")),
+)
+
 
 def _has_mamba(model: ModelSpec) -> bool:
     return "M" in (model.hybrid_layer_pattern or "")
@@ -383,4 +441,5 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
     *CP_LAYOUT_RULES,
     *MOE_LAYOUT_RULES,
     *HYBRID_LAYOUT_RULES,
+    *RECOMPUTE_LAYOUT_RULES,
 )

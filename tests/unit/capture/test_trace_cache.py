@@ -47,6 +47,8 @@ LAYER_VARIANTS = {"kv_channels": 32, "normalization": "RMSNorm", "activation": "
                   "position_embedding_type": "rope", "qk_layernorm": True, "qk_l2_norm": True}
 ROPE_MODEL = dataclasses.replace(MODEL, position_embedding_type="rope")
 NO_BIAS_MODEL = dataclasses.replace(MODEL, add_bias_linear=False)
+GLU_MODEL = dataclasses.replace(MODEL, gated_linear_unit=True)
+GLU_VARIANTS = {"glu_linear_offset": 1.0, "activation_func_clamp_value": 7.0}
 # Each changes the key of a Mamba hybrid's chunk (the fields a transformer must leave unset).
 HYBRID_MODEL = dataclasses.replace(MODEL, hybrid_layer_pattern="M*", mamba_head_dim=16, mamba_num_groups=2)
 HYBRID_MODEL_VARIANTS = {"hybrid_layer_pattern": "*M", "mamba_state_dim": 32, "mamba_head_dim": 32,
@@ -63,7 +65,8 @@ PLAN_VARIANTS = {"tensor_parallel": 4, "sequence_parallel": True, "micro_batch_s
 MODEL_FIELDS_NOT_IN_KEY = {"num_layers": 8, "name": "other", "layernorm_zero_centered_gamma": True}
 PLAN_FIELDS_NOT_IN_KEY = {"data_parallel": 16, "account_for_embedding_in_pipeline_split": True,
                           "account_for_loss_in_pipeline_split": True,
-                          "cp_comm_type": "all_gather"}  # the CP attention is derived when costing
+                          "cp_comm_type": "all_gather",  # the CP attention is derived when costing
+                          "tp_pp_dp_mapping": True}  # the rank order: where groups are placed, not their ops
 # Uneven first / last stages (they need several stages) pick each chunk's layer count, i.e. the
 # layers built (a field of the key), not the trace of a chunk role.
 UNEVEN_SPLIT_NOT_IN_KEY = {"decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1}
@@ -161,9 +164,10 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     plan_fields = {f.name for f in dataclasses.fields(ParallelPlan)}
     assert model_fields == (set(MODEL_VARIANTS) | set(MOE_MODEL_VARIANTS) | set(HYBRID_MODEL_VARIANTS)
                             | set(MODEL_FIELDS_NOT_IN_KEY) | MODEL_FIELDS_REFUSED | set(LAYER_VARIANTS)
-                            | {"rotary_percent", "add_qkv_bias"} | set(ATTENTION_VARIANTS))
+                            | {"rotary_percent", "add_qkv_bias"} | set(GLU_VARIANTS) | set(ATTENTION_VARIANTS))
     assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
-                           | {"virtual_pipeline"} | set(LAYOUT_NOT_IN_KEY) | set(EP_COMM_NOT_IN_KEY))
+                           | {"virtual_pipeline", "recompute_modules"} | set(LAYOUT_NOT_IN_KEY)
+                           | set(EP_COMM_NOT_IN_KEY))
     assert shape_key(MOE_MODEL, dataclasses.replace(EP_PLAN, **EP_COMM_NOT_IN_KEY), True, True, 2) == \
         shape_key(MOE_MODEL, EP_PLAN, True, True, 2)
     paths = {disk_cache.entry_path(KEY)}
@@ -185,11 +189,18 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
         paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(MODEL, **{name: value}), PLAN, True, True, 2)))
     paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(ROPE_MODEL, rotary_percent=0.5), PLAN, True, True, 2)))
     paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(NO_BIAS_MODEL, add_qkv_bias=True), PLAN, True, True, 2)))
+    for name, value in GLU_VARIANTS.items():
+        paths.add(disk_cache.entry_path(shape_key(dataclasses.replace(GLU_MODEL, **{name: value}), PLAN, True, True, 2)))
+    # selective recompute of core attention (the default modules) and of the MLP besides
+    for modules in (None, ("core_attn", "mlp")):
+        selective = dataclasses.replace(PLAN, recompute="selective", recompute_modules=modules)
+        paths.add(disk_cache.entry_path(shape_key(MODEL, selective, True, True, 2)))
     for name, value in ATTENTION_VARIANTS.items():
         model = dataclasses.replace(ATTENTION_MODEL, **{name: value})
         paths.add(disk_cache.entry_path(shape_key(model, PLAN, True, True, 2)))
     assert len(paths) == (1 + len(MODEL_VARIANTS) + len(MOE_MODEL_VARIANTS) + 1 + len(HYBRID_MODEL_VARIANTS)
-                          + len(PLAN_VARIANTS) + 3 + len(LAYER_VARIANTS) + 2 + len(ATTENTION_VARIANTS))
+                          + len(PLAN_VARIANTS) + 3 + len(LAYER_VARIANTS) + 2 + len(GLU_VARIANTS) + 2
+                          + len(ATTENTION_VARIANTS))
     # off, the attention variants leave a model's key as it was before they existed
     assert not set(ATTENTION_VARIANTS) & set(named_shape_key(KEY)["model"])
     # the family's own choices spelled out: the family's key, as before the fields existed

@@ -58,6 +58,7 @@ _TABLE: dict[OpClass, frozenset[str]] = {
     OpClass.ACTIVATION: frozenset({
         "gelu", "relu", "silu", "sigmoid", "tanh", "threshold", "hardtanh", "leaky_relu", "elu",
         "softplus", "mish", "glu", "hardswish", "hardsigmoid", "bias_gelu_fused", "swiglu_fused",
+        "quick_geglu_fused",
     }),
     OpClass.DROPOUT: frozenset({
         "native_dropout", "dropout", "bernoulli", "rand", "rand_like", "randn", "randn_like",

@@ -30,6 +30,10 @@ tensor: 12 ops fwd, 6 ops bwd (8 with       fp32 frequencies ``f`` in, out; the 
 ``rotary_percent`` < 1)                     the channels it does not rotate copied through
 ``mlp`` / local expert silu, mul (SwiGLU)   ``megatron.swiglu_fused``: 2n in, n out           3e n
 ``mlp`` bwd mul, mul, silu_backward, cat    ``megatron.swiglu_fused_backward``                5e n
+local expert quick GeGLU: mul, sigmoid,     ``megatron.quick_geglu_fused``: 2n in, n out       3e n
+mul, add, mul (GPT-OSS)
+local expert bwd: mul x4, sigmoid_backward,  ``megatron.quick_geglu_fused_backward``           5e n
+mul, add
 bias-GeLU, bias-dropout-add, dropout        as Megatron-DeepSpeed (:mod:`.fusion`)            as there
 ``loss`` fwd: cast + max                    ``megatron.vocab_parallel_ce_logits_max``         (e + 4) n
 ``loss`` fwd: mask, gather, exp, sum        ``megatron.vocab_parallel_ce_predicted_logits``   8 n
@@ -46,6 +50,12 @@ QK layer norms (``qk_layernorm``) are TE norms (``TENorm``) over each head, lowe
 norms. A squared-ReLU MLP stays as traced (relu, pow; four kernels backward): Megatron-LM runs it
 unfused (``--disable-bias-linear`` turns its bias-activation fusion off, and the fused activations
 are GeLU and SwiGLU only).
+
+Quick GeGLU (``quick_gelu`` gated: ``x sigmoid(1.702 x) (y + offset)``) is megatron-core's
+``weighted_bias_quick_geglu_impl`` in the experts, one jit-fused kernel each way over the fc1 output
+as SwiGLU's; the clamp of its two halves (``activation_func_clamp_value``) stays as traced (two
+clamps, and their masks backward) plus the ``cat`` that joins the clamped halves. A dense MLP runs it
+unfused, as traced: megatron-core 0.16's MLP fuses quick GeGLU only with per-token weights.
 
 ``Q = b s h d`` and ``K = b s g d`` are the query and key elements (``h`` heads and ``g`` query
 groups on this rank, ``b`` micro-batch, ``s`` sequence, ``d`` head dim). GEMMs, the residual adds,
@@ -67,7 +77,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import re
 
-from megatron_adapters.conventions import is_mlp_module
+from megatron_adapters.conventions import is_expert_module, is_mlp_module
 from vtrain_plugin.core.dtypes import element_nbytes
 from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, KernelKey, Node, OpNode, ParallelGroup, Phase
 from vtrain_plugin.cost.lowering import mamba
@@ -97,6 +107,8 @@ _L2NORM_FWD_OPS = ("_to_copy", "pow", "mean", "add", "rsqrt", "mul", "_to_copy")
 _L2NORM_BWD_OPS = ("_to_copy", "mul", "mul", "sum", "pow", "mul", "mul", "div", "pow", "mul", "mul", "add", "_to_copy")
 _SWIGLU_FWD_OPS = ("silu", "add", "mul")
 _SWIGLU_BWD_OPS = ("mul", "mul", "silu_backward", "cat")
+_QUICK_GEGLU_FWD_OPS = ("mul", "sigmoid", "mul", "add", "mul")
+_QUICK_GEGLU_BWD_OPS = ("mul", "mul", "mul", "mul", "sigmoid_backward", "mul", "add")
 _CE_MAX_OPS = ("_to_copy", "max")
 _CE_PREDICTED_OPS = ("sub_", "lt", "ge", "bitwise_or", "clone", "sub", "index_put_", "arange", "index", "clone",
                      "index_put_", "exp", "sum")
@@ -161,6 +173,8 @@ def _map_group(group: list[OpNode], windows: Mapping[str, int] | None = None) ->
             return replace_runs(group, _ROPE_FWD_OPS, _rope)
         return replace_runs(replace_runs(group, _PARTIAL_ROPE_BWD_OPS, _rope), _ROPE_BWD_OPS, _rope)
     if is_mlp_module(module):
+        if is_expert_module(module):
+            group = _quick_geglu(group, forward)
         return replace_runs(group, _SWIGLU_FWD_OPS if forward else _SWIGLU_BWD_OPS, _swiglu)
     if module.endswith("loss"):
         return _cross_entropy(group)
@@ -353,6 +367,29 @@ def _swiglu(run: list[OpNode]) -> list[OpNode]:
                       input_shapes=(doubled,))]
     return [fused("megatron.swiglu_fused_backward.default", first, doubled, 5 * e * n, first.key.dtypes[0],
                   input_shapes=(shape, doubled))]
+
+
+def _quick_geglu(group: list[OpNode], forward: bool) -> list[OpNode]:
+    """An expert's quick GeGLU as megatron-core's fused kernels (n output elements, e bytes each); a
+    clamp first adds the ``cat`` of the clamped halves (2n in, 2n out)."""
+    def forward_kernels(run: list[OpNode]) -> list[OpNode]:
+        first = run[0]
+        shape, e = first.key.input_shapes[0], dtype_nbytes(first)
+        n, doubled = numel(shape), (*shape[:-1], 2 * shape[-1])
+        clamped = [fused("aten.cat.default", first, doubled, 4 * e * n, first.key.dtypes[0],
+                         input_shapes=(shape, shape))] if "clamp" in names(group) else []
+        return [*clamped, fused("megatron.quick_geglu_fused.default", first, shape, 3 * e * n, first.key.dtypes[0],
+                                input_shapes=(doubled,))]
+
+    def backward_kernels(run: list[OpNode]) -> list[OpNode]:
+        first = run[0]
+        shape, e = first.key.input_shapes[0], dtype_nbytes(first)
+        doubled = (*shape[:-1], 2 * shape[-1])
+        return [fused("megatron.quick_geglu_fused_backward.default", first, doubled, 5 * e * numel(shape),
+                      first.key.dtypes[0], input_shapes=(shape, doubled))]
+
+    return replace_runs(group, _QUICK_GEGLU_FWD_OPS if forward else _QUICK_GEGLU_BWD_OPS,
+                        forward_kernels if forward else backward_kernels)
 
 
 def _cross_entropy(group: list[OpNode]) -> list[Node]:

@@ -22,7 +22,8 @@ elements of ``e`` bytes in rows of ``h`` and an FC1 output of ``f`` elements:
   (the norm writes it in FP8), FC2 (cast before its GEMM), and the output projection, whose input
   is the fused attention's output, which the attention keeps in the model dtype for its own
   backward: for it the FP8 copy comes on top, unless the attention is recomputed (selective
-  recompute), when the projection alone keeps it.
+  recompute of core_attn), when the projection alone keeps it. A module recomputed as a whole
+  (``mlp``, the norms) saves nothing in the trace and is left as traced.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from vtrain_plugin.cost.lowering.fusion import dtype_nbytes, numel, op_name
 from vtrain_plugin.cost.lowering.megatron_core_te import FP32, LINEAR_MODULES, is_layer_norm_slot
 NORMS = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm", "final_norm", "q_layernorm", "k_layernorm",
          "kv_layernorm")  # kv_layernorm: MLA's latent norm, fused into its up projection by TE
+CORE_ATTENTION = ".core_attention"  # recomputed under selective recompute of core_attn
 KEPT_BESIDE_FP8 = ".linear_proj"  # its input, the attention's output, is kept by the attention too
 
 
@@ -45,7 +47,7 @@ def te_saved_delta(block: Block, *, fp8: bool, quantised_nbytes: float = 1.0) ->
         first.setdefault(node.module, node)
         if op_name(node) == "mm":
             gemm.setdefault(node.module, node)
-    attention_keeps_its_output = next(block.ops(Phase.RECOMPUTE), None) is None
+    attention_keeps_its_output = not any(CORE_ATTENTION in n.module for n in block.ops(Phase.RECOMPUTE))
     delta = 0
     for module, nbytes in block.saved_by_module:
         leaf = module.rpartition(".")[2]

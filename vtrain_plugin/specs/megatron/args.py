@@ -32,7 +32,7 @@ from vtrain_plugin.specs.megatron.fsdp_args import checked_only, fsdp_settings
 from vtrain_plugin.specs.megatron.hybrid_args import hybrid_fields
 from vtrain_plugin.specs.megatron.attention import consumed_by_attention
 from vtrain_plugin.specs.megatron.flag_values import non_negative_int, positive_int
-from vtrain_plugin.specs.megatron.model import Given, model_fields, recompute_mode
+from vtrain_plugin.specs.megatron.model import Given, model_fields, recompute_mode, recompute_modules
 from vtrain_plugin.specs.megatron.moe_flags import capacity_factor, flex_dispatcher_fields, moe_layer_freq, number
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.optimizer import OptimizerSpec
@@ -149,7 +149,6 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--moe-expert-capacity-factor", "model.moe_expert_capacity_factor", convert=capacity_factor),
     FlagField("--moe-pad-expert-input-to-capacity", "model.moe_pad_expert_input_to_capacity", convert=_as_given),
     FlagField("--moe-token-drop-policy", "model.moe_token_drop_policy", convert=_as_given),
-    FlagField("--moe-layer-recompute", None, False, "recompute of MoE layers", _as_given),
     FlagField("--use-distributed-optimizer", "training.distributed_optimizer", convert=_as_given),
     FlagField("--overlap-param-gather", "training.overlap_param_gather", convert=_as_given),
     # FSDP: read together by fsdp_args.fsdp_settings
@@ -172,6 +171,7 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--decoder-last-pipeline-num-layers", "parallel.decoder_last_pipeline_num_layers"),
     FlagField("--pipeline-model-parallel-layout", "parallel.pipeline_layout", convert=_as_given),
     FlagField("--mtp-num-layers", "model.mtp_num_layers"),
+    FlagField("--no-rope-freq", None, None, "layers without rotary embeddings (NoPE)", _as_given),
     FlagField("--account-for-embedding-in-pipeline-split", "parallel.account_for_embedding_in_pipeline_split",
               convert=_as_given),
     FlagField("--account-for-loss-in-pipeline-split", "parallel.account_for_loss_in_pipeline_split",
@@ -329,6 +329,7 @@ def _parallel(given: Given, values: dict[str, Any], model: ModelSpec, num_gpus: 
         if tp == 1:
             notes.append("--sequence-parallel at TP 1 (Megatron-LM turns it off)")
     values["recompute"] = recompute_mode(given, model.num_layers, pp * values["virtual_pipeline"])
+    values["recompute_modules"] = recompute_modules(given, values["recompute"], notes)
     if model.is_moe:  # Megatron-LM's default dispatcher
         values.setdefault("moe_token_dispatcher", TokenDispatcher.ALLGATHER)
         values.update(flex_dispatcher_fields(given))

@@ -18,7 +18,7 @@ from vtrain_plugin.specs.megatron.attention import attention_fields
 from vtrain_plugin.specs.megatron.flag_values import positive_int
 from vtrain_plugin.specs.model import Activation, Family, PositionEmbedding
 from vtrain_plugin.specs.model_features import POSITIONS_NOT_MODELLED, not_modelled
-from vtrain_plugin.specs.parallel import Recompute
+from vtrain_plugin.specs.parallel import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_MODULES, Recompute
 
 Given = Mapping[str, Any]  # the flags a command line gives, each to its value, list of values, or True
 # Tokenizers whose vocabulary size is fixed by the tokenizer itself (Megatron-LM's GPT-2 BPE files).
@@ -108,19 +108,26 @@ def _layer(given: Given) -> dict[str, Any]:
     if positions not in {p.value for p in PositionEmbedding}:
         raise ConfigError(f"--position-embedding-type must be one of learned_absolute, rope, yarn, mrope, relative, "
                           f"none; got {positions!r}")
+    if given.get("--quick-geglu") and (given.get("--swiglu") or given.get("--squared-relu")):
+        raise ConfigError("--quick-geglu excludes --swiglu and --squared-relu (one MLP activation)")
     activation = Activation.SQUARED_RELU if given.get("--squared-relu") else \
-        Activation.SILU if given.get("--swiglu") else Activation.GELU
+        Activation.SILU if given.get("--swiglu") else \
+        Activation.QUICK_GELU if given.get("--quick-geglu") else Activation.GELU
     out: dict[str, Any] = {
         "normalization": given.get("--normalization", "LayerNorm"),
-        "activation": activation, "gated_linear_unit": bool(given.get("--swiglu")),
+        "activation": activation, "gated_linear_unit": bool(given.get("--swiglu") or given.get("--quick-geglu")),
         "add_bias_linear": not given.get("--disable-bias-linear"), "add_qkv_bias": bool(given.get("--add-qkv-bias")),
         "hidden_dropout": _fraction("--hidden-dropout", given.get("--hidden-dropout", 0.1)),
         "attention_dropout": _fraction("--attention-dropout", given.get("--attention-dropout", 0.1)),
         "position_embedding_type": positions,
         "rotary_percent": _fraction("--rotary-percent", given.get("--rotary-percent", 1.0)),
-        "qk_layernorm": bool(given.get("--qk-layernorm")), "qk_l2_norm": bool(given.get("--qk-l2-norm")),
+        "qk_layernorm": bool(given.get("--qk-layernorm")), "qk_l2_norm": bool(given.get("--qk-l2-norm") or given.get("--export-qk-l2-norm")),
         "layernorm_zero_centered_gamma": bool(given.get("--apply-layernorm-1p")),
+        "glu_linear_offset": _fraction("--glu-linear-offset", given.get("--glu-linear-offset", 0.0)),
     }
+    if "--activation-func-clamp-value" in given:
+        out["activation_func_clamp_value"] = _fraction("--activation-func-clamp-value",
+                                                       given["--activation-func-clamp-value"])
     if "--kv-channels" in given:
         out["kv_channels"] = positive_int("--kv-channels", given["--kv-channels"])
     return out
@@ -201,17 +208,19 @@ def _hf_name(model: Any) -> str | None:
 
 
 def recompute_mode(given: Given, num_layers: int, num_chunks: int) -> Recompute:
-    """vtrain's recompute modes: ``selective`` is core attention only, ``full`` every layer checkpointed
-    on its own (``--recompute-method uniform --recompute-num-layers 1``, or ``block`` covering every
-    layer of a chunk)."""
+    """vtrain's recompute modes: ``selective`` checkpoints the modules :func:`recompute_modules` names
+    (``--moe-layer-recompute`` is selective recompute of the MoE layer, as megatron-core makes it),
+    ``full`` every layer checkpointed on its own (``--recompute-method uniform --recompute-num-layers 1``,
+    or ``block`` covering every layer of a chunk)."""
     granularity = "selective" if given.get("--recompute-activations") else given.get("--recompute-granularity")
+    if given.get("--moe-layer-recompute"):
+        if granularity == "full":
+            raise ConfigError("--moe-layer-recompute with --recompute-granularity full: megatron-core refuses "
+                              "the two together")
+        granularity = "selective"
     if granularity is None:
         return Recompute.NONE
     if granularity == "selective":
-        modules = given.get("--recompute-modules") or ["core_attn"]
-        if modules != ["core_attn"]:
-            raise ConfigError(f"--recompute-modules {' '.join(modules)}: selective recompute of other modules "
-                              f"than core_attn is not modelled by vtrain yet")
         return Recompute.SELECTIVE
     if granularity != "full":
         raise ConfigError(f"--recompute-granularity must be full or selective, got {granularity!r}")
@@ -227,3 +236,24 @@ def recompute_mode(given: Given, num_layers: int, num_chunks: int) -> Recompute:
                           f"{count} layers are not modelled by vtrain yet (only 1)")
     raise ConfigError(f"--recompute-method block --recompute-num-layers {count}: recomputing {count} of the "
                       f"{per_chunk} layers of a chunk is not modelled by vtrain yet (only all)")
+
+
+def recompute_modules(given: Given, mode: Recompute, notes: list[str]) -> tuple[str, ...] | None:
+    """The modules selective recompute checkpoints: ``--recompute-modules`` (megatron-core's default,
+    core attention, where absent), with ``moe`` added by ``--moe-layer-recompute``; None under another
+    mode, where Megatron-LM ignores ``--recompute-modules`` (noted in ``notes``)."""
+    listed = given.get("--recompute-modules")
+    if isinstance(listed, str):
+        listed = [listed]
+    if mode is not Recompute.SELECTIVE:
+        if listed:
+            notes.append(f"--recompute-modules {' '.join(listed)} without selective recompute (Megatron-LM ignores it)")
+        return None
+    modules = list(listed) if listed else list(DEFAULT_RECOMPUTE_MODULES)
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise ConfigError(f"--recompute-modules {unknown[0]}: must be among {', '.join(RECOMPUTE_MODULES)}"
+                          f" (megatron-core 0.16)")
+    if given.get("--moe-layer-recompute") and "moe" not in modules:
+        modules.append("moe")
+    return tuple(modules)

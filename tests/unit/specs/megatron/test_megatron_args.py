@@ -286,6 +286,30 @@ def test_recompute_modes(flags, mode):
     assert plan(f"--pipeline-model-parallel-size 2 {flags}").parallel.recompute is mode  # 4 layers per stage
 
 
+@pytest.mark.parametrize("flags, modules", [
+    ("--recompute-granularity selective --recompute-modules mlp layernorm core_attn", ("core_attn", "layernorm", "mlp")),
+    ("--recompute-granularity selective --recompute-modules core_attn", None),  # megatron-core's default
+    ("--recompute-activations", None),
+    ("--moe-layer-recompute", ("core_attn", "moe")),  # megatron-core adds moe to its default
+    ("--recompute-granularity selective --recompute-modules mlp --moe-layer-recompute", ("mlp", "moe")),
+])
+def test_recompute_modules(flags, modules):
+    parallel = plan(f"--pipeline-model-parallel-size 2 {flags}").parallel
+    assert parallel.recompute is Recompute.SELECTIVE
+    assert parallel.recompute_modules == modules
+
+
+def test_nope_layers_are_refused_by_name():
+    assert error("--position-embedding-type rope --no-rope-freq 4") == \
+        "--no-rope-freq 4: layers without rotary embeddings (NoPE) is not modelled by vtrain yet"
+
+
+def test_recompute_modules_without_selective_are_noted():
+    out = plan("--recompute-granularity full --recompute-method uniform --recompute-modules mlp")
+    assert out.parallel.recompute is Recompute.FULL and out.parallel.recompute_modules is None
+    assert "--recompute-modules mlp without selective recompute (Megatron-LM ignores it)" in out.unmodelled
+
+
 @pytest.mark.parametrize("flags, message", [
     ("--recompute-granularity full", "--recompute-granularity full needs --recompute-method uniform or block, "
                                      "got None"),
@@ -295,9 +319,11 @@ def test_recompute_modes(flags, mode):
     ("--recompute-granularity full --recompute-method block --recompute-num-layers 2",
      "--recompute-method block --recompute-num-layers 2: recomputing 2 of the 4 layers of a chunk is not modelled "
      "by vtrain yet (only all)"),
-    ("--recompute-granularity selective --recompute-modules core_attn mlp",
-     "--recompute-modules core_attn mlp: selective recompute of other modules than core_attn is not modelled by "
-     "vtrain yet"),
+    ("--recompute-granularity selective --recompute-modules core_attn attn_proj",
+     "--recompute-modules attn_proj: must be among core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, "
+     "shared_experts (megatron-core 0.16)"),
+    ("--recompute-granularity full --recompute-method uniform --moe-layer-recompute",
+     "--moe-layer-recompute with --recompute-granularity full: megatron-core refuses the two together"),
 ])
 def test_recompute_refusals(flags, message):
     assert error(f"--pipeline-model-parallel-size 2 {flags}") == message
