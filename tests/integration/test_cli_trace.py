@@ -107,10 +107,6 @@ def test_bad_vtrain_config_is_one_line_exit_2(tmp_path, run_cli, change, message
                   "parallel: {data_parallel: 2}\ntraining: {global_batch_size: 4, overlap_param_gather: true}\n",
      "training.overlap_param_gather requires training.distributed_optimizer: true"),
     ("plan.yaml", "model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32}\n"
-                  "parallel: {data_parallel: 2}\ntraining: {global_batch_size: 4, distributed_optimizer: true,"
-                  " overlap_param_gather: true}\n",
-     "training.overlap_param_gather requires training.grad_reduce: overlap (got after_backward), as Megatron-LM does"),
-    ("plan.yaml", "model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32}\n"
                   "parallel: {data_parallel: 2}\ntraining: {global_batch_size: 4, distributed_optimizer: 1}\n",
      "training.distributed_optimizer must be true or false, got 1"),
 ])

@@ -227,9 +227,6 @@ class TrainingSpec:
         if v.boolean("training.overlap_param_gather", self.overlap_param_gather):
             if not self.distributed_optimizer:
                 raise ConfigError("training.overlap_param_gather requires training.distributed_optimizer: true")
-            if self.grad_reduce is not GradReduce.OVERLAP:
-                raise ConfigError(f"training.overlap_param_gather requires training.grad_reduce: overlap "
-                                  f"(got {self.grad_reduce.value}), as Megatron-LM does")
         v.boolean("training.tp_comm_overlap", self.tp_comm_overlap)
         object.__setattr__(self, "fsdp", FsdpSettings.of(self.fsdp))
         if self.microbatch_group_size is not None:

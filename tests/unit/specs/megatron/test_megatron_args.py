@@ -9,7 +9,7 @@ from tests.conftest import REPO
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.megatron.launch_script import read_command_line
-from vtrain_plugin.specs.megatron.args import FIELDS, MegatronPlan, megatron_plan
+from vtrain_plugin.specs.megatron.args import FIELDS, MegatronPlan, megatron_plan, parse_flags
 from vtrain_plugin.specs.megatron.flags import MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, UNSUPPORTED_FLAGS, Arity
 from vtrain_plugin.specs.model import Family
 from vtrain_plugin.specs.parallel import FlexBackend, Recompute, TokenDispatcher
@@ -299,9 +299,14 @@ def test_recompute_modules(flags, modules):
     assert parallel.recompute_modules == modules
 
 
-def test_nope_layers_are_refused_by_name():
-    assert error("--position-embedding-type rope --no-rope-freq 4") == \
-        "--no-rope-freq 4: layers without rotary embeddings (NoPE) is not modelled by vtrain yet"
+def test_nope_layers_are_named_in_the_warning():
+    """NoPE skips the rotary kernel (elementwise, on q and k) on some layers: a second-order effect."""
+    assert "--no-rope-freq 4" in plan("--position-embedding-type rope --no-rope-freq 4").unmodelled
+
+
+def test_an_inline_yaml_list_is_read_as_its_items():
+    assert parse_flags(["--recompute-modules", "[layernorm", "mlp]"]) == {"--recompute-modules": ["layernorm", "mlp"]}
+    assert parse_flags(["--recompute-modules", "[moe_act]"]) == {"--recompute-modules": ["moe_act"]}
 
 
 def test_recompute_modules_without_selective_are_noted():
