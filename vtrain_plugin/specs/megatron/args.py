@@ -395,6 +395,10 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
         raise ConfigError("--accumulate-allreduce-grads-in-fp32 with --fp16: fp32 gradients of an fp16 model are "
                           "not modelled by vtrain yet")
     values.update(_fp8_bf16_edge_layers(given, fp8="fp8" in values))
+    if values.get("tp_comm_overlap") and parallel.tensor_parallel == 1:  # no TP communication to overlap
+        values["tp_comm_overlap"] = False
+        assumed.append("--tp-comm-overlap at TP 1: no tensor-parallel communication to overlap, so it changes "
+                       "nothing (Megatron-Bridge turns it off below TP 2)")
     if given.get("--overlap-param-gather") and not given.get("--overlap-grad-reduce"):
         # megatron-core (and Megatron-Bridge, whose recipes set it so) overlaps the gather alone
         assumed.append("--overlap-param-gather without --overlap-grad-reduce, which Megatron-LM's own argument "
