@@ -14,7 +14,8 @@ Each task (a forward, a recompute, a backward of one micro-batch on one chunk) s
 pipeline empty, as after Megatron's synchronisation around pipeline transfers, and each forward also
 pays ``microbatch_overhead_ns`` of host work outside the model. Under CUDA graphs the captured
 kernels cost the host one graph launch per region (:mod:`vtrain_plugin.cost.cuda_graphs`). Host time is spent per kernel
-(the timer's), per module call and per layer (:func:`vtrain_plugin.cost.prepare.host_calls`). Activation checkpointing recomputes
+(the timer's), per module call and per layer (:func:`vtrain_plugin.cost.prepare.host_calls`). Activation offloading (:mod:`vtrain_plugin.cost.activation_offload`) adds, per layer and phase, the
+host-link copy time its compute cannot hide. Activation checkpointing recomputes
 each layer right before its backward, so one layer's recompute and backward form one pipelined unit;
 the task's time is split between the two in proportion to their stand-alone times for the breakdown.
 """
@@ -28,7 +29,9 @@ import numpy as np
 
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CollectiveKind, ParallelGroup, Phase
+from vtrain_plugin.cost.activation_offload import exposed_copy_ns, offloaded_nbytes
 from vtrain_plugin.cost.comm.collectives import CommModel
+from vtrain_plugin.cost.lowering.fp8 import quantisation
 from vtrain_plugin.cost.comm.overlap import exposed_ns
 from vtrain_plugin.cost.comm.ep_overlap import OverlapParts, pair_saving_ns, steady_pairs
 from vtrain_plugin.cost.cuda_graphs import graphed, graphed_host_ns
@@ -85,7 +88,8 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
         staged = costed.get(key)
         if staged is None:
             staged = costed[key] = _stage_cost(stage, timer, comm, training, num_microbatches, explain,
-                                               _ep_overlap(parallel, timer))
+                                               _ep_overlap(parallel, timer),
+                                               _offload_nbytes(prepared, stage, training))
         provenance.add(staged.provenance)
         chunks.append(staged.work)
         optimizer[rank] += staged.optimizer_ns
@@ -118,8 +122,19 @@ def _ep_overlap(parallel, timer: KernelTimer) -> _EpOverlap | None:
                       pipeline_parallel=parallel.pipeline_parallel, virtual_pipeline=parallel.virtual_pipeline)
 
 
+def _offload_nbytes(prepared: PreparedGraph, stage: PreparedStage, training: TrainingSpec) -> tuple[float, ...]:
+    """Bytes each block of ``stage`` offloads per instance and micro-batch (:mod:`~vtrain_plugin.cost.activation_offload`)."""
+    settings = training.fp8_settings
+    return tuple(offloaded_nbytes(
+        block, training.activation_offload, te=prepared.stack.value == "megatron_core_te",
+        element_nbytes=prepared.graph.dtype.nbytes, fp8=settings is not None,
+        quantised_nbytes=quantisation(settings).nbytes if settings is not None else 1.0,
+        unfused_attention=training.unfused_attention) for block in stage.stage.blocks)
+
+
 def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, training: TrainingSpec,
-                num_microbatches: int, explain: bool, ep_overlap: _EpOverlap | None = None) -> StageCost:
+                num_microbatches: int, explain: bool, ep_overlap: _EpOverlap | None = None,
+                offload_nbytes: Sequence[float] = ()) -> StageCost:
     stage, role = prepared.stage, prepared.role
     rank = stage.pipeline_rank
     constants = timer.constants
@@ -220,6 +235,11 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     reduces, gathers = _gradient_buckets(gradients, prepared, comm, training, ParallelGroup.DP)
     expert_reduces, expert_gathers = _gradient_buckets(expert_gradients, prepared, comm, training,
                                                        ParallelGroup.EXPERT_DP)
+    link = timer.device.host_copy_gbytes_per_s
+    for b, nbytes in enumerate(offload_nbytes):  # device-to-host beside forward, host-to-device beside backward
+        if nbytes:
+            forward_total += blocks[b].count * exposed_copy_ns(nbytes, forward_ns[b], link)
+            backward_total += blocks[b].count * exposed_copy_ns(nbytes, backward_ns[b], link)
     fsdp_forward = fsdp_backward = 0.0
     if training.fsdp is not None:
         fsdp_forward, fsdp_backward = _fsdp_exposed(gradients, expert_gradients, prepared, comm, training)

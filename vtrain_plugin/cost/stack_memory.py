@@ -18,6 +18,8 @@ TransformerEngine in FP8 (or FP4) keeps a quantised copy of each linear weight a
 byte per element, its transpose kept beside it, Megatron-Core's ``post_all_gather_processing``): the
 linear weights have no model-dtype copy (their fp32 main weights are the optimizer's, as always).
 CUDA graphs add their static buffers to the allowance (:func:`~vtrain_plugin.cost.cuda_graphs.graph_pool_gib`).
+Activation offloading moves what :func:`~vtrain_plugin.cost.activation_offload.offloaded_nbytes` says
+of each layer to host memory, less one layer's worth per rank that megatron-core keeps.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from dataclasses import replace
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
 from vtrain_plugin.core.graph import OpGraph
 from vtrain_plugin.core.units import GIB
+from vtrain_plugin.cost.activation_offload import offloaded_nbytes
 from vtrain_plugin.cost.cuda_graphs import graph_pool_gib
 from vtrain_plugin.cost.lowering.mamba import mixer_dims, mixer_saved_delta
 from vtrain_plugin.cost.lowering.fp8 import fp8_weight_numel, quantisation
 from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta, unfused_attention_saved_delta
-from vtrain_plugin.cost.memory import PeakLive, RankMemory, rank_memory
+from vtrain_plugin.cost.memory import FRAGMENTATION, PeakLive, RankMemory, rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
 
@@ -45,6 +48,18 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
     quantised = quantisation(settings) if fp8 else None
     attention_delta = (unfused_attention_saved_delta if training is not None and training.unfused_attention
                        else fused_attention_saved_delta)
+    offload = None if training is None else training.activation_offload
+    moved = [[0.0 for _ in stage.blocks] for stage in graph.stages]  # per stage and block instance
+    if offload is not None:
+        unfused = training.unfused_attention
+        moved = [[offloaded_nbytes(block, offload, te=stack is SoftwareStack.MEGATRON_CORE_TE,
+                                   element_nbytes=graph.dtype.nbytes, fp8=fp8, unfused_attention=unfused,
+                                   quantised_nbytes=quantised.nbytes if fp8 else 1.0) for block in stage.blocks]
+                 for stage in graph.stages]
+        graph = replace(graph, stages=tuple(
+            replace(stage, blocks=tuple(replace(block, activation_nbytes=block.activation_nbytes - round(nbytes))
+                                        for block, nbytes in zip(stage.blocks, moved[i])))
+            for i, stage in enumerate(graph.stages)))
     if stack is SoftwareStack.MEGATRON_CORE_TE:
         graph = replace(graph, stages=tuple(
             replace(stage, blocks=tuple(
@@ -57,6 +72,13 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
     memory = rank_memory(graph, peak_live, distributed_optimizer=training is not None and training.distributed_optimizer,
                          gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
                          optimizer=None if training is None else training.optimizer)
+    if offload is not None:  # the last group of each name stays: one layer's offloaded bytes per rank
+        kept = [0.0] * graph.parallel.pipeline_parallel
+        for stage, nbytes in zip(graph.stages, moved):
+            kept[stage.pipeline_rank] = max(kept[stage.pipeline_rank], *nbytes, 0.0)
+        memory = tuple(replace(m, activations_gib=m.activations_gib + kept[rank] / GIB,
+                               allowance_gib=m.allowance_gib + FRAGMENTATION * kept[rank] / GIB)
+                       for rank, m in enumerate(memory))
     if training is not None:
         pools = graph_pool_gib(graph, training)
         memory = tuple(replace(m, allowance_gib=m.allowance_gib + pools[rank]) for rank, m in enumerate(memory))

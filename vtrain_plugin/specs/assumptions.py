@@ -111,6 +111,12 @@ def training_assumptions(training: TrainingSpec) -> tuple[str, ...]:
     if training.unfused_attention:
         lines.append("unfused attention: score and context GEMMs as traced, Megatron's fused masked softmax and "
                      "dropout kernels")
+    if training.activation_offload is not None:
+        lines.append(f"activation offloading ({training.activation_offload.label}): copies run at the device's "
+                     f"host-link bandwidth per direction, taken whole (datasheets: PCIe Gen5 x16 64 GB/s on H100/H200, "
+                     f"Gen4 32 GB/s on A100, NVLink-C2C 450 GB/s on GB200; achieved copies are lower), not "
+                     f"validated; only copy time beyond each layer's own compute is exposed; the size floor is applied "
+                     f"per module, not per tensor")
     return tuple(lines)
 
 

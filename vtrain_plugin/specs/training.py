@@ -14,6 +14,7 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import MEGABYTE
 from vtrain_plugin.specs import limits
 from vtrain_plugin.specs.cluster import GpuArchitecture
+from vtrain_plugin.specs.activation_offload import ActivationOffload
 from vtrain_plugin.specs.fsdp import FsdpImplementation, FsdpSettings
 from vtrain_plugin.specs.model import Family, ModelSpec
 from vtrain_plugin.specs.optimizer import OptimizerSpec
@@ -161,6 +162,9 @@ class TrainingSpec:
     # TransformerEngine's unfused attention (--attention-backend unfused or local): score and context
     # GEMMs, a fused masked softmax and dropout, the score-sized tensors kept for backward.
     unfused_attention: bool = False
+    # Fine-grained activation offloading to host memory (Megatron-LM's --fine-grained-activation-offloading
+    # with --offload-modules; vtrain_plugin.specs.activation_offload); None: off.
+    activation_offload: ActivationOffload | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, dict):
@@ -229,6 +233,7 @@ class TrainingSpec:
                 raise ConfigError("training.overlap_param_gather requires training.distributed_optimizer: true")
         v.boolean("training.tp_comm_overlap", self.tp_comm_overlap)
         object.__setattr__(self, "fsdp", FsdpSettings.of(self.fsdp))
+        object.__setattr__(self, "activation_offload", ActivationOffload.of(self.activation_offload))
         if self.microbatch_group_size is not None:
             v.positive_int("training.microbatch_group_size", self.microbatch_group_size)
         if self.reliability is not None and not isinstance(self.reliability, ReliabilitySpec):
@@ -333,6 +338,7 @@ class TrainingSpec:
         d["fp8"] = None if self.fp8 is None else self.fp8.value
         d["fp8_recipe"] = self.fp8_recipe.value
         d["fsdp"] = None if self.fsdp is None else self.fsdp.to_dict()
+        d["activation_offload"] = None if self.activation_offload is None else self.activation_offload.to_dict()
         d["optimizer"]["kind"] = self.optimizer.kind.value
         d["fp4"] = None if self.fp4 is None else self.fp4.value
         d["fp4_recipe"] = self.fp4_recipe.value

@@ -41,6 +41,12 @@ def te_saved_delta(block: Block, *, fp8: bool, quantised_nbytes: float = 1.0) ->
     """What the TE modules of one instance of ``block`` keep minus what the trace recorded for the
     same modules (see the module doc); with ``fp8``, a linear keeps its input quantised at
     ``quantised_nbytes`` per element (data and scales: :attr:`Quantisation.nbytes`)."""
+    return sum(te_saved_by_module(block, fp8=fp8, quantised_nbytes=quantised_nbytes).values())
+
+
+def te_saved_by_module(block: Block, *, fp8: bool, quantised_nbytes: float = 1.0) -> dict[str, int]:
+    """:func:`te_saved_delta` module by module (module path -> bytes; modules TE keeps as traced
+    are absent)."""
     first: dict[str, OpNode] = {}  # module -> its first forward kernel
     gemm: dict[str, OpNode] = {}  # linear module -> its forward GEMM
     for node in block.ops(Phase.FORWARD):
@@ -48,18 +54,18 @@ def te_saved_delta(block: Block, *, fp8: bool, quantised_nbytes: float = 1.0) ->
         if op_name(node) == "mm":
             gemm.setdefault(node.module, node)
     attention_keeps_its_output = not any(CORE_ATTENTION in n.module for n in block.ops(Phase.RECOMPUTE))
-    delta = 0
+    delta: dict[str, int] = {}
     for module, nbytes in block.saved_by_module:
         leaf = module.rpartition(".")[2]
         if (leaf in NORMS or is_layer_norm_slot(module)) and module in first:
-            delta += _norm_keeps(first[module]) - nbytes
+            delta[module] = _norm_keeps(first[module]) - nbytes
         elif leaf == "mlp" and f"{module}.linear_fc1" in gemm:
             fc1 = gemm[f"{module}.linear_fc1"]
-            delta += dtype_nbytes(fc1) * numel(fc1.output_shapes[0]) - nbytes
+            delta[module] = dtype_nbytes(fc1) * numel(fc1.output_shapes[0]) - nbytes
         elif fp8 and module.endswith(LINEAR_MODULES) and module in gemm:
             in_fp8 = round(nbytes // dtype_nbytes(gemm[module]) * quantised_nbytes)
             beside = attention_keeps_its_output and module.endswith(KEPT_BESIDE_FP8)
-            delta += in_fp8 if beside else in_fp8 - nbytes
+            delta[module] = in_fp8 if beside else in_fp8 - nbytes
     return delta
 
 

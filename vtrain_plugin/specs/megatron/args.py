@@ -30,6 +30,7 @@ from vtrain_plugin.specs.megatron.flags import (
     Effect, releases)
 from vtrain_plugin.specs.megatron.fsdp_args import checked_only, fsdp_settings
 from vtrain_plugin.specs.megatron.hybrid_args import hybrid_fields
+from vtrain_plugin.specs.megatron import offload_args
 from vtrain_plugin.specs.megatron.attention import consumed_by_attention
 from vtrain_plugin.specs.megatron.flag_values import non_negative_int, positive_int
 from vtrain_plugin.specs.megatron.model import Given, model_fields, recompute_mode, recompute_modules
@@ -162,6 +163,8 @@ FIELDS: tuple[FlagField, ...] = (
         "--num-distributed-optimizer-instances", "--use-torch-fsdp2", "--use-custom-fsdp", "--use-megatron-fsdp",
         "--data-parallel-sharding-strategy", "--fsdp-double-buffer", "--suggested-communication-unit-size",
         "--torch-fsdp2-no-reshard-after-forward", "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp")),
+    # fine-grained activation offloading: read together by offload_args.activation_offload
+    *(FlagField(flag, None, None, "", offload_args.checked_only) for flag in offload_args.READ_FLAGS),
     FlagField("--optimizer-cpu-offload", None, False, "optimizer offloading", _as_given),
     FlagField("--optimizer", "optimizer.kind", convert=_optimizer),
     FlagField("--muon-num-ns-steps", "optimizer.muon_ns_steps"),
@@ -269,6 +272,7 @@ def megatron_plan(command: LaunchCommand, *, gpus: int | None = None) -> Megatro
     model = ModelSpec(**values["model"])
     parallel = _parallel(given, values["parallel"], model, num_gpus, notes)
     values["training"]["optimizer"] = OptimizerSpec(**values["optimizer"])
+    values["training"]["activation_offload"] = offload_args.activation_offload(given, notes)
     training = _training(given, values["training"], model, parallel, stack_reason, assumed)
     return MegatronPlan(model=model, parallel=parallel, training=training, unmodelled=tuple(notes),
                         stack_reason=stack_reason, assumed=tuple(assumed))
