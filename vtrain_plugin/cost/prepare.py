@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vtrain_plugin.core.dtypes import Dtype
-from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveKind, CollectiveNode, KernelKey, OpGraph, OpNode,
-                                      ParallelGroup, Phase, StageGraph)
+from vtrain_plugin.core.graph import (CP_GROUPS, Block, BlockKind, CollectiveKind, CollectiveNode, KernelKey,
+                                      OpGraph, OpNode, ParallelGroup, Phase, StageGraph)
 from vtrain_plugin.cost.comm.overlap import overlap_partners
 from vtrain_plugin.cost.comm.context_parallel import ContextParallel, model_flops
 from vtrain_plugin.cost.kernels.host_device import Segment
@@ -296,4 +296,4 @@ def _on_compute_stream(node: CollectiveNode) -> bool:
     """TP collectives, the MoE layers' collectives and CP transfers run in the layer's order; a CP
     ring step's receive is the other half of its send (one batched exchange), timed once, with the send."""
     return (node.group is ParallelGroup.TP or node.group in MOE_GROUPS
-            or (node.group is ParallelGroup.CP and node.kind is not CollectiveKind.RECV))
+            or (node.group in CP_GROUPS and node.kind is not CollectiveKind.RECV))

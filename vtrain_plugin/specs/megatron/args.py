@@ -48,12 +48,16 @@ def _as_given(flag: str, value: Any) -> Any:
 
 
 def _cp_comm_type(flag: str, value: Any) -> str:
-    """Megatron-LM takes one type, or one per layer; vtrain's layers are alike, so one type. The
-    spec refuses types other than p2p and all_gather (TE's a2a and a2a+p2p)."""
+    """Megatron-LM takes one type, or one per layer; vtrain's layers are alike, so one type."""
     kinds = set(value) if isinstance(value, list) else {value}
     if len(kinds) != 1:
         raise ConfigError(f"{flag} {' '.join(value)}: one type for every layer is modelled")
     return kinds.pop()
+
+
+def _hierarchical_cp_sizes(flag: str, value: Any) -> tuple[int, ...]:
+    """Megatron-LM's list of CP levels (nargs='+'), innermost first; the plan checks their product."""
+    return tuple(positive_int(flag, v) for v in (value if isinstance(value, list) else [value]))
 
 
 def _cross_entropy_impl(flag: str, value: Any) -> str:
@@ -132,6 +136,8 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--global-batch-size", "training.global_batch_size"),
     FlagField("--context-parallel-size", "parallel.context_parallel"),
     FlagField("--cp-comm-type", "parallel.cp_comm_type", convert=_cp_comm_type),
+    FlagField("--hierarchical-context-parallel-sizes", "parallel.hierarchical_context_parallel_sizes",
+              convert=_hierarchical_cp_sizes),
     FlagField("--tp-comm-overlap", "training.tp_comm_overlap", convert=_as_given),
     FlagField("--num-experts", "model.num_experts"),
     FlagField("--moe-router-topk", "model.moe_router_topk"),
