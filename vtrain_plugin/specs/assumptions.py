@@ -111,6 +111,10 @@ def training_assumptions(training: TrainingSpec) -> tuple[str, ...]:
     if training.unfused_attention:
         lines.append("unfused attention: score and context GEMMs as traced, Megatron's fused masked softmax and "
                      "dropout kernels")
+    if training.log_params_norm or training.log_num_zeros_in_grad:
+        lines.append("per-step logging (--log-params-norm / --log-num-zeros-in-grad): one multi-tensor read of 4 bytes "
+                     "per local fp32 parameter each, timed as the gradient-norm pass; their scalar all-reduces and "
+                     "count_zeros' per-tensor launches are not priced (not validated on any GPU)")
     return tuple(lines)
 
 

@@ -207,6 +207,8 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--cuda-graph-scope", "training.cuda_graph_scope", convert=_graph_scopes),
     FlagField("--cuda-graph-modules", "training.cuda_graph_scope", convert=_graph_scopes),  # the scope's new name
     FlagField("--deterministic-mode", "training.deterministic", convert=_as_given),
+    FlagField("--log-params-norm", "training.log_params_norm", convert=_as_given),
+    FlagField("--log-num-zeros-in-grad", "training.log_num_zeros_in_grad", convert=_as_given),
     FlagField("--distribute-saved-activations", None, None, "recompute inputs distributed over TP", _as_given),
     FlagField("--fp16-lm-cross-entropy", None, None, "a cross-entropy on fp16 logits", _as_given),
     FlagField("--use-precision-aware-optimizer", "optimizer.precision_aware", convert=_as_given),
