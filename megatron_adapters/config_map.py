@@ -227,6 +227,9 @@ def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None
         "context_parallel": ("context_parallel_size", getattr(config, "context_parallel_size", None) or 1),
         "pipeline_layout": ("pipeline_model_parallel_layout", _layout(config)),
         "cp_comm_type": ("cp_comm_type", _cp_comm_type(config)),
+        "hierarchical_context_parallel_sizes": (
+            "hierarchical_context_parallel_sizes",
+            tuple(getattr(config, "hierarchical_context_parallel_sizes", None) or ()) or None),
         "expert_parallel": ("expert_model_parallel_size", getattr(config, "expert_model_parallel_size", None) or 1),
     }
     if getattr(config, "num_moe_experts", None):
@@ -308,7 +311,7 @@ def _recompute_modules(config: Any) -> tuple[str, ...] | None:
 
 def _cp_comm_type(config: Any) -> CpCommType:
     """TransformerEngine's K/V exchange: None means Megatron-LM's default, p2p; a per-layer list must
-    name one type (vtrain's layers are alike); TE's a2a and a2a+p2p are not modelled."""
+    name one type (vtrain's layers are alike)."""
     value = getattr(config, "cp_comm_type", None)
     kinds = set(value) if isinstance(value, (list, tuple)) else {value}
     if len(kinds) != 1:
@@ -318,7 +321,7 @@ def _cp_comm_type(config: Any) -> CpCommType:
         return CpCommType.P2P
     if kind not in {c.value for c in CpCommType}:
         raise ConfigError(f"TransformerConfig.cp_comm_type={kind!r}: must be one of "
-                          f"{', '.join(c.value for c in CpCommType)} (a2a and a2a+p2p are not modelled yet)")
+                          f"{', '.join(c.value for c in CpCommType)}")
     return CpCommType(kind)
 
 

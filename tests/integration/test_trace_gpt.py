@@ -254,8 +254,8 @@ def test_a_transformer_config_with_context_parallelism_is_traced_on_one_cp_rank(
 @pytest.mark.parametrize("fields, plan, message", [
     (dict(tensor_model_parallel_size=4), ParallelPlan(tensor_parallel=2),
      "parallel.tensor_parallel (2) != TransformerConfig.tensor_model_parallel_size (4)"),
-    (dict(context_parallel_size=2, cp_comm_type="a2a"), None,
-     "TransformerConfig.cp_comm_type='a2a': must be one of p2p, all_gather (a2a and a2a+p2p are not modelled yet)"),
+    (dict(context_parallel_size=2, cp_comm_type="ring"), None,
+     "TransformerConfig.cp_comm_type='ring': must be one of p2p, all_gather, a2a, a2a+p2p"),
     (dict(context_parallel_size=2), ParallelPlan(context_parallel=4),
      "parallel.context_parallel (4) != TransformerConfig.context_parallel_size (2)"),
     (dict(num_moe_experts=8, moe_latent_size=64), None,

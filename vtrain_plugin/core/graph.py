@@ -56,12 +56,20 @@ class ParallelGroup(StrEnum):
     PP = "pp"
     EMBEDDING = "embedding"
     CP = "cp"  # context parallelism: the ranks that split one sequence
+    # Hierarchical CP (cp_comm_type a2a+p2p): the all-to-all over the first level of consecutive CP
+    # ranks, the ring over the second (CP ranks a2a-size apart).
+    CP_A2A = "cp_a2a"
+    CP_P2P = "cp_p2p"
     # MoE layers (megatron-core's expert rank groups): experts over EP, each expert's FFN over expert
     # TP, the two together (the all-gather dispatcher's group), expert replicas over expert DP.
     EP = "ep"
     EXPERT_TP = "expert_tp"
     EXPERT_TP_EP = "expert_tp_ep"
     EXPERT_DP = "expert_dp"
+
+
+# The groups of context-parallel attention's collectives.
+CP_GROUPS = frozenset({ParallelGroup.CP, ParallelGroup.CP_A2A, ParallelGroup.CP_P2P})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.core.graph import CollectiveKind, ParallelGroup, Phase
+from vtrain_plugin.core.graph import CP_GROUPS, CollectiveKind, ParallelGroup, Phase
 from vtrain_plugin.cost.activation_offload import exposed_copy_ns, offloaded_nbytes
 from vtrain_plugin.cost.comm.collectives import CommModel
 from vtrain_plugin.cost.lowering.fp8 import quantisation
@@ -146,7 +146,7 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     for c in role.comm_rows:
         node = c.node
         comm_ns = comm.time_ns(node.kind, node.nbytes, node.group, pipeline_rank=rank)
-        on_cp = node.group is ParallelGroup.CP
+        on_cp = node.group in CP_GROUPS
         # CP and MoE partners exist only where they overlap; TP ones with TE's userbuffers.
         overlapped = c.partner >= 0 and (on_cp or node.group in MOE_GROUPS or training.tp_comm_overlap)
         device[c.row] = exposed_ns(comm_ns, device[c.partner]) if overlapped else comm_ns

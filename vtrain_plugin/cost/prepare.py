@@ -27,14 +27,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vtrain_plugin.core.dtypes import Dtype
-from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveKind, CollectiveNode, KernelKey, OpGraph, OpNode,
-                                      ParallelGroup, Phase, StageGraph)
+from vtrain_plugin.core.graph import (CP_GROUPS, Block, BlockKind, CollectiveKind, CollectiveNode, KernelKey,
+                                      OpGraph, OpNode, ParallelGroup, Phase, StageGraph)
 from vtrain_plugin.cost.comm.overlap import overlap_partners
 from vtrain_plugin.cost.comm.context_parallel import ContextParallel, model_flops
 from vtrain_plugin.cost.kernels.host_device import Segment
 from vtrain_plugin.cost.kernels.model import KernelBatch
 from vtrain_plugin.cost.kernels.timer import measured_ns
 from vtrain_plugin.cost.lowering.deterministic import deterministic_kernels
+from vtrain_plugin.cost.lowering.logging_step import logging_passes
 from vtrain_plugin.cost.lowering.optimizer_step import optimizer_step
 from vtrain_plugin.capture.tracer import first_layer_numbers
 from vtrain_plugin.cost.lowering.bf16_layers import bf16_edge_counts, split_bf16_layers
@@ -182,7 +183,9 @@ def prepare_run(graph: OpGraph, stack: SoftwareStack | str, training: TrainingSp
     return prepare(graph, stack, measured, fp8=training.fp8_settings, distributed_optimizer=training.shards_optimizer,
                    grads=training.grad_dtype(graph.dtype), fp8_param_gather=training.fp8_param_gather,
                    kernels=KernelOptions(optimizer=training.optimizer, deterministic=training.deterministic,
-                                         unfused_attention=training.unfused_attention))
+                                         unfused_attention=training.unfused_attention,
+                                         log_params_norm=training.log_params_norm,
+                                         log_num_zeros_in_grad=training.log_num_zeros_in_grad))
 
 
 def _bf16_edges(graph: OpGraph, fp8: Fp8Settings | None):
@@ -222,6 +225,8 @@ class KernelOptions:
     unfused_attention: bool = False
     tensor_parallel: int = 1
     expert_tensor_parallel: int = 1
+    log_params_norm: bool = False  # Megatron-LM's per-step logging passes (cost.lowering.logging_step)
+    log_num_zeros_in_grad: bool = False
 
 
 def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
@@ -263,6 +268,7 @@ def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setti
                                 tensor_parallel=kernels.tensor_parallel,
                                 expert_tensor_parallel=kernels.expert_tensor_parallel, shards=shards[0],
                                 expert_shards=shards[1])
+        mapped = logging_passes(mapped, params_norm=kernels.log_params_norm, num_zeros=kernels.log_num_zeros_in_grad)
         for node in mapped:
             if isinstance(node, OpNode):
                 if node.launches_kernel:
@@ -296,4 +302,4 @@ def _on_compute_stream(node: CollectiveNode) -> bool:
     """TP collectives, the MoE layers' collectives and CP transfers run in the layer's order; a CP
     ring step's receive is the other half of its send (one batched exchange), timed once, with the send."""
     return (node.group is ParallelGroup.TP or node.group in MOE_GROUPS
-            or (node.group is ParallelGroup.CP and node.kind is not CollectiveKind.RECV))
+            or (node.group in CP_GROUPS and node.kind is not CollectiveKind.RECV))

@@ -117,6 +117,10 @@ def training_assumptions(training: TrainingSpec) -> tuple[str, ...]:
                      f"Gen4 32 GB/s on A100, NVLink-C2C 450 GB/s on GB200; achieved copies are lower), not "
                      f"validated; only copy time beyond each layer's own compute is exposed; the size floor is applied "
                      f"per module, not per tensor")
+    if training.log_params_norm or training.log_num_zeros_in_grad:
+        lines.append("per-step logging (--log-params-norm / --log-num-zeros-in-grad): one multi-tensor read of 4 bytes "
+                     "per local fp32 parameter each, timed as the gradient-norm pass; their scalar all-reduces and "
+                     "count_zeros' per-tensor launches are not priced (not validated on any GPU)")
     return tuple(lines)
 
 

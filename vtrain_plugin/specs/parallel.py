@@ -19,6 +19,8 @@ class CpCommType(StrEnum):
 
     P2P = "p2p"  # ring: each step sends the K/V chunk to the next CP rank, overlapped with attention
     ALL_GATHER = "all_gather"  # all-gather of K/V before attention, reduce-scatter of dK/dV after
+    A2A = "a2a"  # DeepSpeed-Ulysses: Q, K, V all-to-all from sequence- to head-sharded, the output back
+    A2A_P2P = "a2a+p2p"  # a2a inside the first level of hierarchical_context_parallel_sizes, p2p across
 
 
 class TokenDispatcher(StrEnum):
@@ -80,6 +82,9 @@ class ParallelPlan:
     # context_parallel_size; see vtrain_plugin.cost.comm.context_parallel), K/V exchanged by cp_comm_type.
     context_parallel: int = 1
     cp_comm_type: CpCommType = CpCommType.P2P
+    # The CP group's levels, innermost first (megatron-core's hierarchical_context_parallel_sizes, their
+    # product the CP size); a2a+p2p runs its all-to-all over the first level and its ring over the second.
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
     # MoE layers: experts split over expert_parallel ranks carved out of TP x CP x DP (megatron-core's
     # expert_model_parallel_size), each expert's FFN over expert_tensor_parallel ranks (None: the
     # tensor-parallel size, megatron-core's default); see expert_data_parallel.
@@ -110,6 +115,7 @@ class ParallelPlan:
         limits.MICRO_BATCH_SIZE.positive_int("parallel.micro_batch_size", self.micro_batch_size)
         object.__setattr__(self, "cp_comm_type", CpCommType(
             v.one_of("parallel.cp_comm_type", self.cp_comm_type, [c.value for c in CpCommType])))
+        self._check_hierarchical_cp()
         v.boolean("parallel.sequence_parallel", self.sequence_parallel)
         limits.WORLD_SIZE.positive_int("parallel.expert_parallel", self.expert_parallel)
         if self.expert_tensor_parallel is not None:
@@ -152,6 +158,39 @@ class ParallelPlan:
         if self.recompute is Recompute.FULL:
             raise ConfigError("parallel.overlap_moe_expert_parallel_comm cannot be combined with recompute full "
                               "(megatron-core's rule)")
+
+    def _check_hierarchical_cp(self) -> None:
+        """hierarchical_context_parallel_sizes: positive sizes whose product is the CP size (megatron-core's
+        assertion); a2a+p2p needs two levels (TransformerEngine takes its a2a and p2p groups from them)."""
+        name, sizes = "parallel.hierarchical_context_parallel_sizes", self.hierarchical_context_parallel_sizes
+        if sizes is None:
+            if self.cp_comm_type is CpCommType.A2A_P2P:
+                raise ConfigError(f"parallel.cp_comm_type a2a+p2p requires {name} (the a2a and p2p group sizes)")
+            return
+        if isinstance(sizes, str) or not isinstance(sizes, (list, tuple)) or not sizes:
+            raise ConfigError(f"{name} must be a list of group sizes, got {sizes!r}")
+        for size in sizes:
+            limits.WORLD_SIZE.positive_int(name, size)
+        sizes = tuple(sizes)
+        object.__setattr__(self, "hierarchical_context_parallel_sizes", sizes)
+        product = 1
+        for size in sizes:
+            product *= size
+        if product != self.context_parallel:
+            raise ConfigError(f"{name} ({' x '.join(map(str, sizes))} = {product}) must multiply to "
+                              f"context_parallel ({self.context_parallel})")
+        if self.cp_comm_type is CpCommType.A2A_P2P and len(sizes) != 2:
+            raise ConfigError(f"{name} has {len(sizes)} levels; cp_comm_type a2a+p2p takes two (a2a size, p2p size)")
+
+    @property
+    def cp_a2a_size(self) -> int:
+        """Ranks of the CP all-to-all (heads are split over them): the CP size under a2a, the first level
+        of hierarchical_context_parallel_sizes under a2a+p2p, 1 otherwise."""
+        if self.cp_comm_type is CpCommType.A2A:
+            return self.context_parallel
+        if self.cp_comm_type is CpCommType.A2A_P2P:
+            return self.hierarchical_context_parallel_sizes[0]
+        return 1
 
     @property
     def flex_num_sms(self) -> int:
@@ -255,6 +294,8 @@ class ParallelPlan:
         if self.recompute_modules is not None:
             d["recompute_modules"] = list(self.recompute_modules)
         d["cp_comm_type"] = self.cp_comm_type.value
+        if self.hierarchical_context_parallel_sizes is not None:
+            d["hierarchical_context_parallel_sizes"] = list(self.hierarchical_context_parallel_sizes)
         d["moe_token_dispatcher"] = self.moe_token_dispatcher.value
         d["moe_flex_dispatcher_backend"] = self.moe_flex_dispatcher_backend.value
         return d
@@ -295,6 +336,21 @@ CP_LAYOUT_RULES: tuple[LayoutRule, ...] = (
         message=lambda p, m: (f"tensor_parallel_size ({p.tensor_parallel}) must divide seq_length / "
                               f"context_parallel_size ({m.seq_length} / {p.context_parallel} = "
                               f"{m.seq_length // p.context_parallel}) with sequence parallelism")),
+    # TransformerEngine's a2a splits each TP rank's query and key/value heads over the all-to-all group.
+    LayoutRule(
+        name="heads/tp % cp a2a",
+        broken=lambda p, m: p.cp_a2a_size > 1 and (m.num_attention_heads // p.tensor_parallel) % p.cp_a2a_size != 0,
+        message=lambda p, m: (f"the CP all-to-all group size ({p.cp_a2a_size}, cp_comm_type {p.cp_comm_type.value}) "
+                              f"must divide the attention heads per tensor-parallel rank (num_attention_heads "
+                              f"{m.num_attention_heads} / tensor_parallel_size {p.tensor_parallel} = "
+                              f"{m.num_attention_heads // p.tensor_parallel})")),
+    LayoutRule(
+        name="query groups/tp % cp a2a",
+        broken=lambda p, m: p.cp_a2a_size > 1 and (m.query_groups // p.tensor_parallel) % p.cp_a2a_size != 0,
+        message=lambda p, m: (f"the CP all-to-all group size ({p.cp_a2a_size}, cp_comm_type {p.cp_comm_type.value}) "
+                              f"must divide the key/value heads per tensor-parallel rank (num_query_groups "
+                              f"{m.query_groups} / tensor_parallel_size {p.tensor_parallel} = "
+                              f"{m.query_groups // p.tensor_parallel})")),
     # The CP attention is synthesized from a layer's score GEMM as causal attention over one head dim
     # (cost/comm/context_parallel.py): neither MLA's two head dims nor a window's scores yet.
     LayoutRule(

@@ -165,6 +165,10 @@ class TrainingSpec:
     # Fine-grained activation offloading to host memory (Megatron-LM's --fine-grained-activation-offloading
     # with --offload-modules; vtrain_plugin.specs.activation_offload); None: off.
     activation_offload: ActivationOffload | None = None
+    # Megatron-LM's --log-params-norm and --log-num-zeros-in-grad: a read of the rank's fp32 parameters
+    # / gradients each step (vtrain_plugin.cost.lowering.logging_step).
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, dict):
@@ -173,6 +177,8 @@ class TrainingSpec:
             raise ConfigError(f"training.optimizer must be an OptimizerSpec or a mapping, got "
                               f"{type(self.optimizer).__name__}")
         v.boolean("training.deterministic", self.deterministic)
+        v.boolean("training.log_params_norm", self.log_params_norm)
+        v.boolean("training.log_num_zeros_in_grad", self.log_num_zeros_in_grad)
         v.boolean("training.unfused_attention", self.unfused_attention)
         if self.optimizer.precision_aware and not self.distributed_optimizer:
             raise ConfigError("training.optimizer.precision_aware requires training.distributed_optimizer: true "

@@ -24,6 +24,19 @@ representative rank (CP rank 0):
 ``all_gather``: every rank's K/V all-gathered before one attention kernel over the whole causal
   work; in backward the K/V all-gathered again and the dK/dV reduce-scattered after the kernel.
   Nothing hides them.
+``a2a`` (DeepSpeed-Ulysses, TE's ``AttnFuncWithCPAndQKVOA2A``): Q, K and V each all-to-all'd over the
+  CP group from sequence-sharded (``s_l`` tokens, all local heads) to head-sharded (``seq`` tokens,
+  ``B / cp`` and ``B_kv / cp`` heads), one attention kernel over the whole causal sequence, the output
+  all-to-all'd back. Backward, in TE's order: O (saved sequence-sharded) and dO all-to-all'd to
+  head-sharded, the backward kernel, dQ, dK, dV all-to-all'd back. Each all-to-all's buffer is the
+  rank's local tensor (``B * s_l * d`` elements for Q, O, dO, dQ; ``B_kv * s_l * d`` for K, V, dK, dV),
+  of which ``(cp-1)/cp`` leaves the rank; nothing hides them (they run before / after the kernel).
+  TE asserts that the CP size divides both head counts (a layout rule of the plan).
+``a2a+p2p`` (hierarchical, TE's ``AttnFuncWithCPAndKVP2P`` with ``cp_size_a2a > 1``): the same
+  all-to-alls over the first level of ``hierarchical_context_parallel_sizes`` (``a`` consecutive CP
+  ranks, ``ParallelGroup.CP_A2A``), then the ``p2p`` ring over the second (``cp / a`` ranks ``a``
+  apart, ``ParallelGroup.CP_P2P``) on chunks of ``a * s_l`` tokens and ``B / a`` heads. ``a2a`` is
+  this with a ring of one step; ``p2p`` with ``a = 1``.
 
 Bytes: a K/V chunk is ``2 * B_kv * s_l * d`` elements of the model dtype; the all-gather's output
 and the reduce-scatter's input are ``cp`` chunks. Every synthesized collective is on the CP group and
@@ -88,6 +101,7 @@ class ContextParallel:
     size: int
     comm_type: CpCommType
     kv_heads_per_head: Fraction  # query groups / attention heads
+    a2a_size: int = 1  # ranks of the all-to-all (ParallelPlan.cp_a2a_size): the whole group under a2a
 
     @classmethod
     def of(cls, graph: OpGraph) -> ContextParallel | None:
@@ -96,7 +110,7 @@ class ContextParallel:
         if plan.context_parallel == 1 or graph.model is None:
             return None
         model = graph.model
-        return cls(size=plan.context_parallel, comm_type=plan.cp_comm_type,
+        return cls(size=plan.context_parallel, comm_type=plan.cp_comm_type, a2a_size=plan.cp_a2a_size,
                    kv_heads_per_head=Fraction(model.query_groups, model.num_attention_heads))
 
     def model_flops(self, node: OpNode) -> int:
@@ -165,12 +179,42 @@ class ContextParallel:
             if backward:
                 nodes.append(collective(CollectiveKind.REDUCE_SCATTER, gathered))
             return nodes
-        nodes = []
-        for step in range(cp):
-            chunks = int(step < cp - 1) + int(backward and step > 0)  # K/V onward; dK/dV back (backward)
+        a = self.a2a_size
+        if a == 1:
+            return self._ring(like, shape, ParallelGroup.CP, cp, module)
+        a2a_group = ParallelGroup.CP if a == cp else ParallelGroup.CP_A2A
+
+        def all_to_all(*heads: int) -> list[Node]:  # one per tensor, each the rank's local tensor
+            e = element_nbytes(shape.dtype)
+            return [CollectiveNode(kind=CollectiveKind.ALL_TO_ALL, nbytes=h * s_l * shape.head_dim * e,
+                                   group=a2a_group, group_size=a, phase=like.phase, module=module,
+                                   dtype=shape.dtype, synthesized=True) for h in heads]
+
+        b, b_kv = shape.batch_heads, shape.kv_batch_heads
+        split = replace(shape, batch_heads=b // a, kv_batch_heads=b_kv // a, local_tokens=a * s_l)
+        ring = self._ring(like, split, ParallelGroup.CP_P2P, cp // a, module)
+        if backward:  # O and dO to head-sharded; dQ, dK, dV back
+            return all_to_all(b, b) + ring + all_to_all(b, b_kv, b_kv)
+        return all_to_all(b, b_kv, b_kv) + ring + all_to_all(b)
+
+    @staticmethod
+    def _ring(like: OpNode, shape: AttentionShape, group: ParallelGroup, size: int, module: str) -> list[Node]:
+        """TE's p2p ring of ``size`` steps over ``group`` on ``shape``'s chunks (see the module doc)."""
+        backward = like.phase is Phase.BACKWARD
+        chunk, s_l = shape.kv_chunk_nbytes, shape.local_tokens
+
+        def kernel(queries: int, keys: int, causal: bool) -> OpNode:
+            return attention_kernel(shape, queries=queries, keys=keys, causal=causal, backward=backward,
+                                    phase=like.phase, module=module)
+
+        nodes: list[Node] = []
+        for step in range(size):
+            chunks = int(step < size - 1) + int(backward and step > 0)  # K/V onward; dK/dV back (backward)
             if chunks:
                 nbytes = chunks * chunk
-                nodes += [collective(CollectiveKind.SEND, nbytes), collective(CollectiveKind.RECV, nbytes)]
+                nodes += [CollectiveNode(kind=kind, nbytes=nbytes, group=group, group_size=size, phase=like.phase,
+                                         module=module, dtype=shape.dtype, synthesized=True)
+                          for kind in (CollectiveKind.SEND, CollectiveKind.RECV)]
             nodes.append(kernel(s_l, s_l, True) if step == 0 else kernel(s_l // 2, s_l, False))
         return nodes
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, OpNode, ParallelGroup, Phase
+from vtrain_plugin.core.graph import CP_GROUPS, CollectiveKind, CollectiveNode, OpNode, ParallelGroup, Phase
 from vtrain_plugin.cost.kernels.op_classes import OpClass, classify
 
 _TP_OVERLAPPED = (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER)
@@ -41,7 +41,7 @@ def overlap_partners(nodes: Sequence[OpNode | CollectiveNode], *, in_layer: bool
     for i, node in enumerate(nodes):
         if not isinstance(node, CollectiveNode):
             continue
-        if node.group is ParallelGroup.CP and node.kind is CollectiveKind.SEND:
+        if node.group in CP_GROUPS and node.kind is CollectiveKind.SEND:
             following = next((j for j in range(i + 1, len(nodes)) if isinstance(nodes[j], OpNode)), None)
             if following is not None:
                 partners[i] = following

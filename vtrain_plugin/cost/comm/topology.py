@@ -58,11 +58,13 @@ class Layout:
     expert_parallel: int = 1
     expert_tensor_parallel: int = 1
     tp_pp_dp_mapping: bool = False  # Megatron-LM's --use-tp-pp-dp-mapping (conventions.TP_PP_DP_RANK_ORDER)
+    cp_a2a: int = 1  # the first level of hierarchical CP (ParallelGroup.CP_A2A), consecutive CP ranks
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "gpus_per_node", "context_parallel",
-                     "expert_parallel", "expert_tensor_parallel"):
+                     "expert_parallel", "expert_tensor_parallel", "cp_a2a"):
             v.positive_int(f"layout.{name}", getattr(self, name))
+        v.divides("layout.cp_a2a", self.cp_a2a, "context_parallel", self.context_parallel)
         v.divides("layout.expert_parallel * expert_tensor_parallel", self.expert_parallel * self.expert_tensor_parallel,
                   "tensor_parallel * context_parallel * data_parallel",
                   self.tensor_parallel * self.context_parallel * self.data_parallel)
@@ -111,6 +113,10 @@ class Layout:
         match ParallelGroup(group):
             case ParallelGroup.TP | ParallelGroup.CP as dim:
                 offset, step, size = base, stride[dim], sizes[dim]
+            case ParallelGroup.CP_A2A:
+                offset, step, size = base, stride[ParallelGroup.CP], self.cp_a2a
+            case ParallelGroup.CP_P2P:
+                offset, step, size = base, stride[ParallelGroup.CP] * self.cp_a2a, sizes[ParallelGroup.CP] // self.cp_a2a
             case ParallelGroup.DP if stride[ParallelGroup.DP] != stride[ParallelGroup.CP] * sizes[ParallelGroup.CP]:
                 # pipeline ranks between CP and DP (tp_pp_dp_mapping): two progressions
                 return _grid_placement(base, stride[ParallelGroup.CP], sizes[ParallelGroup.CP],

@@ -49,12 +49,16 @@ def _as_given(flag: str, value: Any) -> Any:
 
 
 def _cp_comm_type(flag: str, value: Any) -> str:
-    """Megatron-LM takes one type, or one per layer; vtrain's layers are alike, so one type. The
-    spec refuses types other than p2p and all_gather (TE's a2a and a2a+p2p)."""
+    """Megatron-LM takes one type, or one per layer; vtrain's layers are alike, so one type."""
     kinds = set(value) if isinstance(value, list) else {value}
     if len(kinds) != 1:
         raise ConfigError(f"{flag} {' '.join(value)}: one type for every layer is modelled")
     return kinds.pop()
+
+
+def _hierarchical_cp_sizes(flag: str, value: Any) -> tuple[int, ...]:
+    """Megatron-LM's list of CP levels (nargs='+'), innermost first; the plan checks their product."""
+    return tuple(positive_int(flag, v) for v in (value if isinstance(value, list) else [value]))
 
 
 def _cross_entropy_impl(flag: str, value: Any) -> str:
@@ -133,6 +137,8 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--global-batch-size", "training.global_batch_size"),
     FlagField("--context-parallel-size", "parallel.context_parallel"),
     FlagField("--cp-comm-type", "parallel.cp_comm_type", convert=_cp_comm_type),
+    FlagField("--hierarchical-context-parallel-sizes", "parallel.hierarchical_context_parallel_sizes",
+              convert=_hierarchical_cp_sizes),
     FlagField("--tp-comm-overlap", "training.tp_comm_overlap", convert=_as_given),
     FlagField("--num-experts", "model.num_experts"),
     FlagField("--moe-router-topk", "model.moe_router_topk"),
@@ -204,6 +210,8 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--cuda-graph-scope", "training.cuda_graph_scope", convert=_graph_scopes),
     FlagField("--cuda-graph-modules", "training.cuda_graph_scope", convert=_graph_scopes),  # the scope's new name
     FlagField("--deterministic-mode", "training.deterministic", convert=_as_given),
+    FlagField("--log-params-norm", "training.log_params_norm", convert=_as_given),
+    FlagField("--log-num-zeros-in-grad", "training.log_num_zeros_in_grad", convert=_as_given),
     FlagField("--distribute-saved-activations", None, None, "recompute inputs distributed over TP", _as_given),
     FlagField("--fp16-lm-cross-entropy", None, None, "a cross-entropy on fp16 logits", _as_given),
     FlagField("--use-precision-aware-optimizer", "optimizer.precision_aware", convert=_as_given),

@@ -61,8 +61,9 @@ def test_plan_fields_world_size_and_gradient_group():
     assert plan.grad_reduce_group_size == 10 and plan.local_seq_length(MODEL) == 48
     assert plan.cp_comm_type is CpCommType.ALL_GATHER
     assert plan.to_dict()["cp_comm_type"] == "all_gather" and plan.to_dict()["context_parallel"] == 2
-    with pytest.raises(ConfigError, match="^parallel.cp_comm_type must be one of p2p, all_gather; got 'a2a'$"):
-        ParallelPlan(cp_comm_type="a2a")
+    with pytest.raises(ConfigError, match=r"^parallel.cp_comm_type must be one of p2p, all_gather, a2a, a2a\+p2p; "
+                                          r"got 'ring'$"):
+        ParallelPlan(cp_comm_type="ring")
     with pytest.raises(ConfigError, match="^parallel.context_parallel must be positive, got 0$"):
         ParallelPlan(context_parallel=0)
 

@@ -81,8 +81,8 @@ def test_layer_features_other_than_the_familys_are_modelled_not_noted():
                                                        "embeddings rotate pairs of channels"),
     ("--context-parallel-size 2 --cp-comm-type p2p a2a", "--cp-comm-type p2p a2a: one type for every layer is "
                                                          "modelled"),
-    ("--context-parallel-size 2 --cp-comm-type a2a", "parallel.cp_comm_type must be one of p2p, all_gather; "
-                                                     "got 'a2a'"),
+    ("--context-parallel-size 2 --cp-comm-type ring", "parallel.cp_comm_type must be one of p2p, all_gather, "
+                                                      "a2a, a2a+p2p; got 'ring'"),
     ("--num-experts 8 --moe-layer-freq '([0]*3+[1]*2)'",
      "model.moe_layer_freq: a per-layer pattern needs model.num_layers (8) entries, each 0 (dense) or 1 (MoE); got 5"),
     ("--num-experts 8 --moe-layer-freq \"open('x')\"", "--moe-layer-freq open('x'): must be an integer or a Python list "
