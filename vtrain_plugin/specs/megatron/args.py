@@ -157,9 +157,10 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--moe-token-drop-policy", "model.moe_token_drop_policy", convert=_as_given),
     FlagField("--use-distributed-optimizer", "training.distributed_optimizer", convert=_as_given),
     FlagField("--overlap-param-gather", "training.overlap_param_gather", convert=_as_given),
+    FlagField("--num-distributed-optimizer-instances", "parallel.distributed_optimizer_instances"),
     # FSDP: read together by fsdp_args.fsdp_settings
     *(FlagField(flag, None, None, "", checked_only) for flag in (
-        "--num-distributed-optimizer-instances", "--use-torch-fsdp2", "--use-custom-fsdp", "--use-megatron-fsdp",
+        "--use-torch-fsdp2", "--use-custom-fsdp", "--use-megatron-fsdp",
         "--data-parallel-sharding-strategy", "--fsdp-double-buffer", "--suggested-communication-unit-size",
         "--torch-fsdp2-no-reshard-after-forward", "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp")),
     FlagField("--optimizer-cpu-offload", None, False, "optimizer offloading", _as_given),

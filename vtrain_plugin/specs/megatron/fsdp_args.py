@@ -43,9 +43,11 @@ def fsdp_settings(given: Given) -> FsdpSettings | None:
         if given.get(flag) and implementation != needs:
             owner = "--use-megatron-fsdp" if needs == "megatron" else TORCH_FSDP_FLAG
             raise ConfigError(f"{flag} needs {owner}")
-    if instances > 1:
-        what = "HSDP (FSDP inside replicas)" if implementation else "a distributed optimizer in several instances"
-        raise ConfigError(f"{INSTANCES_FLAG} {instances}: {what} is not modelled by vtrain yet")
+    if instances > 1 and implementation:
+        raise ConfigError(f"{INSTANCES_FLAG} {instances}: HSDP (FSDP inside replicas) is not modelled by vtrain yet")
+    if instances > 1 and not given.get("--use-distributed-optimizer"):
+        raise ConfigError(f"{INSTANCES_FLAG} {instances} needs --use-distributed-optimizer (megatron-core asserts "
+                          f"a partial distributed optimizer is a distributed optimizer)")
     if implementation is None:  # Megatron-LM reads the sharding strategy only with FSDP
         return None
     if implementation == "torch":
