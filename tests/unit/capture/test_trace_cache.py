@@ -66,7 +66,8 @@ MODEL_FIELDS_NOT_IN_KEY = {"num_layers": 8, "name": "other", "layernorm_zero_cen
 PLAN_FIELDS_NOT_IN_KEY = {"data_parallel": 16, "account_for_embedding_in_pipeline_split": True,
                           "account_for_loss_in_pipeline_split": True,
                           "cp_comm_type": "all_gather",  # the CP attention is derived when costing
-                          "tp_pp_dp_mapping": True}  # the rank order: where groups are placed, not their ops
+                          "tp_pp_dp_mapping": True,  # the rank order: where groups are placed, not their ops
+                          "distributed_optimizer_instances": 2}  # how the optimizer is sharded, not its ops
 # Uneven first / last stages (they need several stages) pick each chunk's layer count, i.e. the
 # layers built (a field of the key), not the trace of a chunk role.
 UNEVEN_SPLIT_NOT_IN_KEY = {"decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1}
