@@ -120,7 +120,7 @@ def test_torch_fsdp2_refuses_pipeline_parallelism():
 
 def test_plan_file_round_trip():
     section = {"implementation": "megatron", "sharding_strategy": "optim_grads", "double_buffer": True,
-               "reshard_after_forward": True, "communication_unit_elements": 4096}
+               "reshard_after_forward": True, "communication_unit_elements": 4096, "grad_comm_dtype": None}
     plan = parse_plan({"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
                                  "vocab_size": 100},
                        "parallel": {"data_parallel": 8, "micro_batch_size": 1},
@@ -137,3 +137,19 @@ def test_strategy_decides_the_sharded_optimizer():
     assert not TrainingSpec(global_batch_size=8, distributed_optimizer=True,
                             fsdp={"sharding_strategy": "no_shard"}).shards_optimizer
     assert TrainingSpec(global_batch_size=8, distributed_optimizer=True).shards_optimizer
+
+
+def test_megatron_fsdp_dtype_flags():
+    fsdp = megatron("--use-megatron-fsdp --megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype fp32 "
+                    "--megatron-fsdp-main-params-dtype fp32").training.fsdp
+    assert fsdp == FsdpSettings(grad_comm_dtype="bf16")
+    assert megatron("--use-megatron-fsdp --megatron-fsdp-grad-comm-dtype auto").training.fsdp == FsdpSettings()
+    assert FsdpSettings.of(fsdp.to_dict()) == fsdp
+    assert megatron_error("--use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16") == \
+        "--megatron-fsdp-main-grads-dtype bf16: vtrain prices Megatron-FSDP's buffer in auto or fp32 only"
+    assert megatron_error("--use-megatron-fsdp --megatron-fsdp-main-params-dtype bf16") == \
+        "--megatron-fsdp-main-params-dtype bf16: vtrain prices Megatron-FSDP's buffer in fp32 only"
+    assert megatron_error("--megatron-fsdp-grad-comm-dtype bf16") == \
+        "--megatron-fsdp-grad-comm-dtype needs --use-megatron-fsdp"
+    assert megatron_error("--use-megatron-fsdp --megatron-fsdp-grad-comm-dtype int8") == \
+        "--megatron-fsdp-grad-comm-dtype must be one of fp32, fp16, bf16, auto, got 'int8'"

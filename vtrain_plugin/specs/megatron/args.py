@@ -162,7 +162,8 @@ FIELDS: tuple[FlagField, ...] = (
     *(FlagField(flag, None, None, "", checked_only) for flag in (
         "--use-torch-fsdp2", "--use-custom-fsdp", "--use-megatron-fsdp",
         "--data-parallel-sharding-strategy", "--fsdp-double-buffer", "--suggested-communication-unit-size",
-        "--torch-fsdp2-no-reshard-after-forward", "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp")),
+        "--torch-fsdp2-no-reshard-after-forward", "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp",
+        "--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-main-params-dtype")),
     FlagField("--optimizer-cpu-offload", None, False, "optimizer offloading", _as_given),
     FlagField("--optimizer", "optimizer.kind", convert=_optimizer),
     FlagField("--muon-num-ns-steps", "optimizer.muon_ns_steps"),
