@@ -66,6 +66,14 @@ class ParallelGroup(StrEnum):
     EXPERT_TP = "expert_tp"
     EXPERT_TP_EP = "expert_tp_ep"
     EXPERT_DP = "expert_dp"
+    # The distributed optimizer in several instances (megatron-core's partial distributed optimizer,
+    # ParallelPlan.distributed_optimizer_instances): DP (or expert DP) split into consecutive
+    # intra-instance groups that shard the optimizer, and the inter-instance groups of the ranks
+    # holding the same shard (stride: the intra size).
+    DP_INTRA = "dp_intra"
+    DP_INTER = "dp_inter"
+    EXPERT_DP_INTRA = "expert_dp_intra"
+    EXPERT_DP_INTER = "expert_dp_inter"
 
 
 # The groups of context-parallel attention's collectives.

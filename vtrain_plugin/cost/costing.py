@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CP_GROUPS, CollectiveKind, ParallelGroup, Phase
 from vtrain_plugin.cost.activation_offload import exposed_copy_ns, offloaded_nbytes
@@ -283,12 +284,13 @@ def _fsdp_exposed(gradients: Sequence[BlockGradients], expert_gradients: Sequenc
     its experts' over expert DP, one link."""
     rank = prepared.stage.pipeline_rank
     runtime = prepared.runtime
+    wire = Dtype(training.fsdp.grad_comm_dtype) if training.fsdp.grad_comm_dtype else runtime.grad_dtype
 
     def unit_comm(kind: CollectiveKind, block: BlockGradients, expert: BlockGradients, grads: bool) -> float:
         total = 0.0
         for parts, group in ((block, ParallelGroup.DP), (expert, ParallelGroup.EXPERT_DP)):
-            if grads:
-                nbytes = parts.grad_nbytes
+            if grads:  # in the run's gradient dtype, or Megatron-FSDP's grad_comm_dtype
+                nbytes = parts.grad_nbytes * wire.nbytes // runtime.grad_dtype.nbytes
             else:
                 widths = parts.gather_nbytes or (runtime.param_dtype.nbytes,) * len(parts.param_numels)
                 nbytes = sum(n * w for n, w in zip(parts.param_numels, widths))

@@ -17,6 +17,9 @@ from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 
 
+GRAD_COMM_DTYPES = ("fp32", "bf16", "fp16")  # Megatron-LM's choices besides auto
+
+
 class FsdpImplementation(StrEnum):
     MEGATRON = "megatron"  # Megatron-FSDP (megatron/core/distributed/fsdp)
     TORCH = "torch"  # torch FSDP2 (fully_shard), megatron-core's TorchFullyShardedDataParallel
@@ -58,6 +61,9 @@ class FsdpSettings:
     # this many gradient elements, the all-gather prefetches half of it; None: Megatron-FSDP's
     # default, max(1e9, twice the mean layer) elements.
     communication_unit_elements: int | None = None
+    # Megatron-FSDP's --megatron-fsdp-grad-comm-dtype: the dtype its gradient reduce-scatters move
+    # (bytes on the wire); None: "auto", the run's gradient dtype (the main-grad buffer's).
+    grad_comm_dtype: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "implementation", FsdpImplementation(v.one_of(
@@ -68,7 +74,11 @@ class FsdpSettings:
         v.boolean("training.fsdp.reshard_after_forward", self.reshard_after_forward)
         if self.communication_unit_elements is not None:
             v.positive_int("training.fsdp.communication_unit_elements", self.communication_unit_elements)
+        if self.grad_comm_dtype is not None:
+            v.one_of("training.fsdp.grad_comm_dtype", self.grad_comm_dtype, list(GRAD_COMM_DTYPES))
         torch = self.implementation is FsdpImplementation.TORCH
+        if torch and self.grad_comm_dtype is not None:
+            raise ConfigError("training.fsdp.grad_comm_dtype is Megatron-FSDP's: it needs implementation megatron")
         if torch and self.sharding_strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
             raise ConfigError(f"training.fsdp.sharding_strategy {self.sharding_strategy.value} with implementation "
                               f"torch: torch FSDP2 shards weights, gradients and optimizer state "

@@ -103,6 +103,11 @@ class ParallelPlan:
     # weight-gradient GEMMs after the backward dispatch so that they hide it (cost.comm.ep_overlap).
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False
+    # megatron-core's partial distributed optimizer (Megatron-LM's --num-distributed-optimizer-instances):
+    # the DP x CP ranks (and the expert DP ranks) split into this many instances of consecutive ranks;
+    # each shards the optimizer state over its own ranks, and gradients reduce-scattered inside an
+    # instance are all-reduced across instances (vtrain_plugin.cost.comm.dp_buckets). 1: one instance.
+    distributed_optimizer_instances: int = 1
 
     def __post_init__(self) -> None:
         v.boolean("parallel.tp_pp_dp_mapping", self.tp_pp_dp_mapping)
@@ -131,6 +136,14 @@ class ParallelPlan:
         if self.virtual_pipeline > 1 and self.pipeline_parallel == 1:
             raise ConfigError("parallel.virtual_pipeline > 1 requires pipeline_parallel > 1 (got 1)")
         self._check_split_fields()
+        instances = limits.WORLD_SIZE.positive_int("parallel.distributed_optimizer_instances",
+                                                   self.distributed_optimizer_instances)
+        if self.grad_reduce_group_size % instances:
+            raise ConfigError(f"parallel.distributed_optimizer_instances ({instances}) must divide data_parallel "
+                              f"* context_parallel ({self.grad_reduce_group_size})")
+        if self.expert_data_parallel % instances:
+            raise ConfigError(f"parallel.distributed_optimizer_instances ({instances}) must divide the expert "
+                              f"data-parallel size ({self.expert_data_parallel})")
 
     def _check_moe_comm_fields(self) -> None:
         """The flex dispatcher's settings and megatron-core's rules for the EP overlap (its
@@ -257,6 +270,12 @@ class ParallelPlan:
     def local_seq_length(self, model: ModelSpec) -> int:
         """Tokens of each sequence on one context-parallel rank."""
         return model.seq_length // self.context_parallel
+
+    @property
+    def optimizer_shard_group_size(self) -> int:
+        """Ranks one distributed-optimizer instance shards the dense optimizer state over: DP x CP /
+        instances (megatron-core's intra_dp_cp_group)."""
+        return self.grad_reduce_group_size // self.distributed_optimizer_instances
 
     @property
     def expert_tp(self) -> int:

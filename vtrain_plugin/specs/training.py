@@ -269,6 +269,11 @@ class TrainingSpec:
             raise ConfigError(f"training.fsdp.implementation torch with parallel.pipeline_parallel "
                               f"{plan.pipeline_parallel}: torch FSDP2 does not run with pipeline parallelism in "
                               f"Megatron-LM")
+        instances = plan.distributed_optimizer_instances
+        if instances > 1 and (self.fsdp is not None or not self.distributed_optimizer):
+            what = "FSDP in several instances (HSDP) is not modelled by vtrain yet" if self.fsdp is not None else \
+                "it needs training.distributed_optimizer: true (megatron-core asserts it)"
+            raise ConfigError(f"parallel.distributed_optimizer_instances {instances}: {what}")
         if plan.context_parallel > 1 and self.software_stack not in (None, SoftwareStack.MEGATRON_CORE_TE):
             raise ConfigError(f"parallel.context_parallel {plan.context_parallel} needs training.software_stack "
                               f"megatron_core_te (got {self.software_stack.value}): megatron-core runs "

@@ -66,7 +66,8 @@ MODEL_FIELDS_NOT_IN_KEY = {"num_layers": 8, "name": "other", "layernorm_zero_cen
 PLAN_FIELDS_NOT_IN_KEY = {"data_parallel": 16, "account_for_embedding_in_pipeline_split": True,
                           "account_for_loss_in_pipeline_split": True,
                           "cp_comm_type": "all_gather",  # the CP attention is derived when costing
-                          "tp_pp_dp_mapping": True}  # the rank order: where groups are placed, not their ops
+                          "tp_pp_dp_mapping": True,  # the rank order: where groups are placed, not their ops
+                          "distributed_optimizer_instances": 2}  # how the optimizer is sharded, not its ops
 # Uneven first / last stages (they need several stages) pick each chunk's layer count, i.e. the
 # layers built (a field of the key), not the trace of a chunk role.
 UNEVEN_SPLIT_NOT_IN_KEY = {"decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1}
@@ -167,6 +168,7 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
                             | {"rotary_percent", "add_qkv_bias"} | set(GLU_VARIANTS) | set(ATTENTION_VARIANTS))
     assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
                            | {"virtual_pipeline", "recompute_modules"} | set(LAYOUT_NOT_IN_KEY)
+                           | {"hierarchical_context_parallel_sizes"}  # like cp_comm_type: derived when costing
                            | set(EP_COMM_NOT_IN_KEY))
     assert shape_key(MOE_MODEL, dataclasses.replace(EP_PLAN, **EP_COMM_NOT_IN_KEY), True, True, 2) == \
         shape_key(MOE_MODEL, EP_PLAN, True, True, 2)

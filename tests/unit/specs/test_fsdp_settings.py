@@ -55,9 +55,11 @@ def test_torch_fsdp2_flags():
      "--data-parallel-sharding-strategy must be one of no_shard, optim, optim_grads, optim_grads_params, got 'all'"),
     ("--use-megatron-fsdp --num-distributed-optimizer-instances 2",
      "--num-distributed-optimizer-instances 2: HSDP (FSDP inside replicas) is not modelled by vtrain yet"),
-    ("--use-distributed-optimizer --num-distributed-optimizer-instances 2",
-     "--num-distributed-optimizer-instances 2: a distributed optimizer in several instances is not modelled by vtrain "
-     "yet"),
+    ("--num-distributed-optimizer-instances 2",
+     "--num-distributed-optimizer-instances 2 needs --use-distributed-optimizer (megatron-core asserts a partial "
+     "distributed optimizer is a distributed optimizer)"),
+    ("--use-distributed-optimizer --num-distributed-optimizer-instances 3",
+     "parallel.distributed_optimizer_instances (3) must divide data_parallel * context_parallel (8)"),
     ("--use-megatron-fsdp --suggested-communication-unit-size 0",
      "--suggested-communication-unit-size must be a positive integer, got 0"),
 ])
@@ -67,6 +69,30 @@ def test_megatron_refusals_are_one_line(flags, message):
 
 def test_one_distributed_optimizer_instance_is_accepted():
     assert megatron("--num-distributed-optimizer-instances 1").training.fsdp is None
+
+
+def test_distributed_optimizer_instances_set_the_plan_and_round_trip_through_a_plan_file():
+    run = megatron("--use-distributed-optimizer --num-distributed-optimizer-instances 2")
+    assert (run.training.fsdp, run.training.distributed_optimizer) == (None, True)
+    assert run.parallel.distributed_optimizer_instances == 2
+    assert run.parallel.optimizer_shard_group_size == 4
+    plan = parse_plan({"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+                                 "vocab_size": 100},
+                       "parallel": {"data_parallel": 8, "distributed_optimizer_instances": 2},
+                       "training": {"global_batch_size": 8, "distributed_optimizer": True}})
+    assert plan.parallel.to_dict()["distributed_optimizer_instances"] == 2
+    assert plan.parallel == run.parallel.__class__(**plan.parallel.to_dict())
+    assert megatron("").parallel.distributed_optimizer_instances == 1
+
+
+def test_distributed_optimizer_instances_need_the_distributed_optimizer_in_a_plan():
+    plan = ParallelPlan(data_parallel=4, distributed_optimizer_instances=2)
+    with pytest.raises(ConfigError, match=r"^parallel.distributed_optimizer_instances 2: it needs "
+                                          r"training.distributed_optimizer: true \(megatron-core asserts it\)$"):
+        TrainingSpec(global_batch_size=8).check_plan(plan)
+    with pytest.raises(ConfigError, match="HSDP"):
+        TrainingSpec(global_batch_size=8, distributed_optimizer=True, fsdp=FsdpSettings()).check_plan(plan)
+    TrainingSpec(global_batch_size=8, distributed_optimizer=True).check_plan(plan)
 
 
 @pytest.mark.parametrize("given, message", [
@@ -94,7 +120,7 @@ def test_torch_fsdp2_refuses_pipeline_parallelism():
 
 def test_plan_file_round_trip():
     section = {"implementation": "megatron", "sharding_strategy": "optim_grads", "double_buffer": True,
-               "reshard_after_forward": True, "communication_unit_elements": 4096}
+               "reshard_after_forward": True, "communication_unit_elements": 4096, "grad_comm_dtype": None}
     plan = parse_plan({"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
                                  "vocab_size": 100},
                        "parallel": {"data_parallel": 8, "micro_batch_size": 1},
@@ -111,3 +137,19 @@ def test_strategy_decides_the_sharded_optimizer():
     assert not TrainingSpec(global_batch_size=8, distributed_optimizer=True,
                             fsdp={"sharding_strategy": "no_shard"}).shards_optimizer
     assert TrainingSpec(global_batch_size=8, distributed_optimizer=True).shards_optimizer
+
+
+def test_megatron_fsdp_dtype_flags():
+    fsdp = megatron("--use-megatron-fsdp --megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype fp32 "
+                    "--megatron-fsdp-main-params-dtype fp32").training.fsdp
+    assert fsdp == FsdpSettings(grad_comm_dtype="bf16")
+    assert megatron("--use-megatron-fsdp --megatron-fsdp-grad-comm-dtype auto").training.fsdp == FsdpSettings()
+    assert FsdpSettings.of(fsdp.to_dict()) == fsdp
+    assert megatron_error("--use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16") == \
+        "--megatron-fsdp-main-grads-dtype bf16: vtrain prices Megatron-FSDP's buffer in auto or fp32 only"
+    assert megatron_error("--use-megatron-fsdp --megatron-fsdp-main-params-dtype bf16") == \
+        "--megatron-fsdp-main-params-dtype bf16: vtrain prices Megatron-FSDP's buffer in fp32 only"
+    assert megatron_error("--megatron-fsdp-grad-comm-dtype bf16") == \
+        "--megatron-fsdp-grad-comm-dtype needs --use-megatron-fsdp"
+    assert megatron_error("--use-megatron-fsdp --megatron-fsdp-grad-comm-dtype int8") == \
+        "--megatron-fsdp-grad-comm-dtype must be one of fp32, fp16, bf16, auto, got 'int8'"

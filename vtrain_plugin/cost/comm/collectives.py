@@ -90,6 +90,7 @@ class CommModel:
     ring_only: bool = False
     tp_pp_dp_mapping: bool = False  # the plan's rank order (Layout.tp_pp_dp_mapping)
     cp_a2a: int = 1  # the hierarchical CP all-to-all level (Layout.cp_a2a)
+    optimizer_instances: int = 1  # the distributed optimizer's instances (Layout.optimizer_instances)
     # The flex token dispatcher's routing: its all-to-alls over expert TP x EP are DeepEP's / HybridEP's
     # (vtrain_plugin.cost.comm.moe_dispatch), not NCCL's. None: no flex dispatcher.
     flex: FlexDispatch | None = None
@@ -106,7 +107,7 @@ class CommModel:
             data_parallel=self.data_parallel, gpus_per_node=self.cluster.gpus_per_nvlink_domain,
             context_parallel=self.context_parallel, expert_parallel=self.expert_parallel,
             expert_tensor_parallel=self.expert_tensor_parallel, tp_pp_dp_mapping=self.tp_pp_dp_mapping,
-            cp_a2a=self.cp_a2a))
+            cp_a2a=self.cp_a2a, optimizer_instances=self.optimizer_instances))
 
     @classmethod
     def for_plan(cls, cluster: ClusterSpec, plan: ParallelPlan, *,
@@ -120,7 +121,8 @@ class CommModel:
                    data_parallel=plan.data_parallel, expert_parallel=plan.expert_parallel,
                    expert_tensor_parallel=plan.expert_tp, measured_comm=measured_comm,
                    network_efficiency=network_efficiency, context_parallel=plan.context_parallel, ring_only=ring_only,
-                   tp_pp_dp_mapping=plan.tp_pp_dp_mapping, cp_a2a=plan.cp_a2a_size)
+                   tp_pp_dp_mapping=plan.tp_pp_dp_mapping, cp_a2a=plan.cp_a2a_size,
+                   optimizer_instances=plan.distributed_optimizer_instances)
 
     def rank_signatures(self) -> tuple[tuple, ...]:
         """Per pipeline rank, everything :meth:`time_ns` depends on besides the message: every

@@ -10,7 +10,11 @@ With the distributed optimizer (:func:`zero_buckets`) the buckets are Megatron-C
 all-gathered (model dtype, FP8 weights with ``fp8_param_gather``) after the optimizer step; the
 all-gather of a bucket is needed when the
 chunk's first forward reaches the earliest of its parameters, at that fraction of the forward time.
-Buckets of one group (a model chunk after the first) are communicated together.
+Buckets of one group (a model chunk after the first) are communicated together. With the
+distributed optimizer in ``N`` instances a bucket is padded and reduce-scattered over the ``DP / N``
+ranks of the instance, its reduced shard (``1 / (DP / N)`` of it) all-reduced over the ``N``
+instances right after (megatron-core issues both on one stream, in that order), and it is
+all-gathered inside the instance.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from itertools import accumulate
 from vtrain_plugin.core.graph import CollectiveKind, ParallelGroup
 from vtrain_plugin.cost.comm.collectives import CommModel
 from vtrain_plugin.cost.comm.param_buffer import Bucket, bucket_elements, chunk_buckets
-from vtrain_plugin.cost.comm.runtime_collectives import RuntimeCollectives
+from vtrain_plugin.cost.comm.runtime_collectives import RuntimeCollectives, instance_groups
 from vtrain_plugin.cost.work import DpBucket, ParamGather
 from vtrain_plugin.specs.training import GradReduce, TrainingSpec
 
@@ -85,6 +89,12 @@ class ZeroRuntime:
     param_nbytes: int
     shared_embedding: int | None  # forward index of the parameter with a bucket of its own
     group: ParallelGroup = ParallelGroup.DP  # expert DP for the buffer of experts split by expert parallelism
+    instances: int = 1  # the distributed optimizer's instances (ParallelPlan.distributed_optimizer_instances)
+
+    @property
+    def shard_group_size(self) -> int:
+        """Ranks of one instance: what the buffer is padded for and sharded over."""
+        return self.data_parallel // self.instances
 
     @classmethod
     def of(cls, runtime: RuntimeCollectives, *, pipeline_rank: int, chunk: int,
@@ -92,7 +102,7 @@ class ZeroRuntime:
         return cls(data_parallel=runtime.group_size(group), pipeline_rank=pipeline_rank, chunk=chunk,
                    grad_nbytes=runtime.grad_dtype.nbytes, param_nbytes=runtime.param_dtype.nbytes,
                    shared_embedding=runtime.shared_embedding_param if group is ParallelGroup.DP else None,
-                   group=group)
+                   group=group, instances=runtime.optimizer_instances)
 
 
 def zero_layout(param_numels: Sequence[int], training: TrainingSpec, runtime: ZeroRuntime) -> tuple[Bucket, ...]:
@@ -102,7 +112,7 @@ def zero_layout(param_numels: Sequence[int], training: TrainingSpec, runtime: Ze
     bucketed = training.grad_reduce is GradReduce.OVERLAP and runtime.pipeline_rank == 0 and runtime.chunk == 0
     size = bucket_elements(training.bucket_size_mb, data_parallel=runtime.data_parallel,
                            grad_nbytes=runtime.grad_nbytes) if bucketed else None
-    return chunk_buckets(param_numels, data_parallel=runtime.data_parallel, bucket_size=size,
+    return chunk_buckets(param_numels, data_parallel=runtime.shard_group_size, bucket_size=size,
                          shared_embedding=runtime.shared_embedding)
 
 
@@ -132,9 +142,16 @@ def zero_buckets(blocks: Sequence[BlockGradients], comm: CommModel, training: Tr
     rank = runtime.pipeline_rank
     groups = [list(buckets)] if runtime.chunk > 0 else [[b] for b in buckets]
 
+    intra, inter = instance_groups(runtime.group, runtime.instances)
+
     def reduce_ns(group: list[Bucket]) -> float:
-        return sum(comm.time_ns(CollectiveKind.REDUCE_SCATTER, b.numel * runtime.grad_nbytes, runtime.group,
-                                pipeline_rank=rank) for b in group)
+        scatter = sum(comm.time_ns(CollectiveKind.REDUCE_SCATTER, b.numel * runtime.grad_nbytes, intra,
+                                   pipeline_rank=rank) for b in group)
+        if inter is None:
+            return scatter
+        shard_nbytes = (b.numel // runtime.shard_group_size * runtime.grad_nbytes for b in group)
+        return scatter + sum(comm.time_ns(CollectiveKind.ALL_REDUCE, n, inter, pipeline_rank=rank)
+                             for n in shard_nbytes)
 
     def gather_nbytes(b: Bucket) -> int:
         """The bucket's parameters at their all-gather widths, its padding at the model dtype's."""
@@ -142,7 +159,7 @@ def zero_buckets(blocks: Sequence[BlockGradients], comm: CommModel, training: Tr
         return sum(gathered[i] for i in members) + (b.numel - sum(numels[i] for i in members)) * runtime.param_nbytes
 
     def gather_ns(group: list[Bucket]) -> float:
-        return sum(comm.time_ns(CollectiveKind.ALL_GATHER, gather_nbytes(b), runtime.group, pipeline_rank=rank)
+        return sum(comm.time_ns(CollectiveKind.ALL_GATHER, gather_nbytes(b), intra, pipeline_rank=rank)
                    for b in group)
 
     def first(group: list[Bucket]) -> int:

@@ -14,7 +14,10 @@ kernel do not apply to it.
 
 The parameters of experts split by expert parallelism live in buffers of their own, sharded over
 the expert data-parallel group: their kernels are cut into ``ceil(n / expert DP)`` instead
-(:func:`optimizer_shards`).
+(:func:`optimizer_shards`). With the distributed optimizer in ``N`` instances
+(``ParallelPlan.distributed_optimizer_instances``) each instance holds a whole copy of the state,
+sharded over its ``DP / N`` (expert ``DP / N``) ranks only (megatron-core builds the optimizer on
+``intra_dp_cp_group`` / ``intra_expt_dp_group``).
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ from vtrain_plugin.specs.parallel import ParallelPlan
 def optimizer_shards(plan: ParallelPlan, distributed_optimizer: bool) -> tuple[int, int]:
     """Shards of the optimizer state of the dense parameters and of the experts' parameters: the
     gradient-reduce group (DP, times CP with context parallelism) and, when expert parallelism splits
-    the experts (their gradients then reduce over expert DP), expert DP; (1, 1) without the
-    distributed optimizer."""
+    the experts (their gradients then reduce over expert DP), expert DP; each divided by the
+    distributed optimizer's instances; (1, 1) without the distributed optimizer."""
     if not distributed_optimizer:
         return 1, 1
-    dense = plan.grad_reduce_group_size
-    return dense, plan.expert_data_parallel if plan.expert_parallel > 1 else dense
+    dense = plan.optimizer_shard_group_size  # DP x CP / instances
+    instances = plan.distributed_optimizer_instances
+    return dense, plan.expert_data_parallel // instances if plan.expert_parallel > 1 else dense
 
 
 def shard_optimizer(nodes: Sequence[Node], shards: int, expert_shards: int | None = None) -> tuple[Node, ...]:

@@ -14,7 +14,11 @@ recorded, once per stage:
   ``fp8_param_gather`` the weights of the layers' linears in FP8, one byte each, as
   TransformerEngine keeps them) all-gathered after the optimizer step (the buckets, with
   Megatron-Core's padding, are laid out by :mod:`vtrain_plugin.cost.comm.param_buffer` when the stage
-  is costed);
+  is costed); with the distributed optimizer in ``N`` instances
+  (``ParallelPlan.distributed_optimizer_instances``) reduce-scattered over the ``size / N`` ranks of
+  the rank's instance, the reduced shard (``1 / (size / N)`` of the bytes) all-reduced over the ``N``
+  instances, and the parameters all-gathered inside the instance (megatron-core's
+  ``_ParamAndGradBucketGroup.start_grad_sync`` and ``start_param_sync``);
 - the pipeline point-to-point traffic of one micro-batch: the stage-boundary activation sent to the
   next virtual stage in forward and its gradient sent back in backward (and the matching receives);
 - the tied-embedding synchronisation: with tied embeddings and ``pipeline_parallel > 1`` the first
@@ -61,6 +65,7 @@ class RuntimeCollectives:
     # Elements above which a layer's parameter is a linear weight all-gathered in FP8; None: every
     # parameter is all-gathered in param_dtype.
     fp8_weight_min_numel: int | None = None
+    optimizer_instances: int = 1  # ParallelPlan.distributed_optimizer_instances
 
     def gather_nbytes(self, block: Block, numels: tuple[int, ...]) -> tuple[int, ...]:
         """Bytes per element of the all-gather of each of ``numels``, parameters of ``block``."""
@@ -77,12 +82,17 @@ class RuntimeCollectives:
                 if not nbytes:
                     continue
                 if self.distributed_optimizer:
+                    intra, inter = instance_groups(group, self.optimizer_instances)
+                    shard = size // self.optimizer_instances
                     dp.append(self._dp(CollectiveKind.REDUCE_SCATTER, nbytes, Phase.BACKWARD, block.name,
-                                       self.grad_dtype, group, size))
+                                       self.grad_dtype, intra, shard))
+                    if inter is not None:
+                        dp.append(self._dp(CollectiveKind.ALL_REDUCE, nbytes // shard, Phase.BACKWARD, block.name,
+                                           self.grad_dtype, inter, self.optimizer_instances))
                     numels = block.parameter_sizes if group is ParallelGroup.DP else block.expert_parameter_numels
                     params = sum(n * b for n, b in zip(numels, self.gather_nbytes(block, numels)))
                     dp.append(self._dp(CollectiveKind.ALL_GATHER, params, Phase.OPTIMIZER, block.name,
-                                       self.param_dtype, group, size))
+                                       self.param_dtype, intra, shard))
                 else:
                     dp.append(self._dp(CollectiveKind.ALL_REDUCE, nbytes, Phase.BACKWARD, block.name, self.grad_dtype,
                                        group, size))
@@ -103,6 +113,17 @@ class RuntimeCollectives:
         return tuple(n for n in self.p2p if n.kind is CollectiveKind.SEND)
 
 
+def instance_groups(group: ParallelGroup, instances: int) -> tuple[ParallelGroup, ParallelGroup | None]:
+    """The groups the distributed optimizer reduce-scatters (and all-gathers) over, and all-reduces
+    the shards over, for the gradients reduced over ``group`` (DP or expert DP): ``group`` itself and
+    None in one instance."""
+    if instances == 1:
+        return group, None
+    if group is ParallelGroup.DP:
+        return ParallelGroup.DP_INTRA, ParallelGroup.DP_INTER
+    return ParallelGroup.EXPERT_DP_INTRA, ParallelGroup.EXPERT_DP_INTER
+
+
 def runtime_collectives(stage: StageGraph, plan: ParallelPlan, *, dtype: Dtype, tied_embeddings: bool,
                         distributed_optimizer: bool = False, grads: Dtype | None = None,
                         fp8_param_gather: bool = False) -> RuntimeCollectives:
@@ -119,7 +140,8 @@ def runtime_collectives(stage: StageGraph, plan: ParallelPlan, *, dtype: Dtype, 
                               distributed_optimizer=distributed_optimizer, embedding_sync=sync, p2p=_p2p(stage, plan),
                               shared_embedding_param=_shared_embedding_param(stage, sync),
                               fp8_weight_min_numel=_FP8_WEIGHT_MIN_HIDDENS * stage.activation_shape[-1]
-                              if fp8_param_gather and stage.activation_shape else None)
+                              if fp8_param_gather and stage.activation_shape else None,
+                              optimizer_instances=plan.distributed_optimizer_instances)
 
 
 def _shared_embedding_param(stage: StageGraph, sync: tuple[CollectiveNode, ...]) -> int | None:

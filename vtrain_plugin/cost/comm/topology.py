@@ -21,6 +21,11 @@ of a pipeline stage are its TP x CP x DP ranks)::
 so expert TP has stride 1, EP stride etp, expert TP x EP stride 1 (etp * ep ranks), expert DP stride
 etp * ep. Groups are those of the representative rank of a pipeline stage (tp_rank = cp_rank =
 dp_rank = 0, hence etp_rank = ep_rank = edp_rank = 0).
+
+With the distributed optimizer in ``N`` instances (megatron-core's ``initialize_model_parallel``,
+``num_distributed_optimizer_instances``) the DP group (and the expert DP group) is cut into ``N``
+intra-instance groups of consecutive members, ``size / N`` each, and the inter-instance group joins the
+members ``size / N`` apart (DP_INTRA / DP_INTER, EXPERT_DP_INTRA / EXPERT_DP_INTER).
 """
 
 from __future__ import annotations
@@ -59,15 +64,20 @@ class Layout:
     expert_tensor_parallel: int = 1
     tp_pp_dp_mapping: bool = False  # Megatron-LM's --use-tp-pp-dp-mapping (conventions.TP_PP_DP_RANK_ORDER)
     cp_a2a: int = 1  # the first level of hierarchical CP (ParallelGroup.CP_A2A), consecutive CP ranks
+    optimizer_instances: int = 1  # ParallelPlan.distributed_optimizer_instances
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "gpus_per_node", "context_parallel",
-                     "expert_parallel", "expert_tensor_parallel", "cp_a2a"):
+                     "expert_parallel", "expert_tensor_parallel", "cp_a2a", "optimizer_instances"):
             v.positive_int(f"layout.{name}", getattr(self, name))
         v.divides("layout.cp_a2a", self.cp_a2a, "context_parallel", self.context_parallel)
+        v.divides("layout.optimizer_instances", self.optimizer_instances, "context_parallel * data_parallel",
+                  self.context_parallel * self.data_parallel)
         v.divides("layout.expert_parallel * expert_tensor_parallel", self.expert_parallel * self.expert_tensor_parallel,
                   "tensor_parallel * context_parallel * data_parallel",
                   self.tensor_parallel * self.context_parallel * self.data_parallel)
+        v.divides("layout.optimizer_instances", self.optimizer_instances, "expert data-parallel size",
+                  self.expert_sizes[ParallelGroup.EXPERT_DP])
 
     @property
     def world_size(self) -> int:
@@ -111,6 +121,9 @@ class Layout:
         stride = rank_strides(sizes, self.order)
         pp = sizes[ParallelGroup.PP]
         match ParallelGroup(group):
+            case ParallelGroup.DP_INTRA | ParallelGroup.DP_INTER | ParallelGroup.EXPERT_DP_INTRA | \
+                    ParallelGroup.EXPERT_DP_INTER:
+                return self._instance_placement(ParallelGroup(group), base)
             case ParallelGroup.TP | ParallelGroup.CP as dim:
                 offset, step, size = base, stride[dim], sizes[dim]
             case ParallelGroup.CP_A2A:
@@ -133,6 +146,29 @@ class Layout:
             case ParallelGroup.EXPERT_TP_EP:
                 offset, step, size = base, 1, self.expert_tensor_parallel * self.expert_parallel
         return _progression_placement(offset, step, size, self.gpus_per_node)
+
+    def _instance_placement(self, group: ParallelGroup, base: int) -> GroupPlacement:
+        """An intra- or inter-instance group of the distributed optimizer (see the module doc)."""
+        instances = self.optimizer_instances
+        intra_group = group in (ParallelGroup.DP_INTRA, ParallelGroup.EXPERT_DP_INTRA)
+        if group in (ParallelGroup.DP_INTRA, ParallelGroup.DP_INTER):
+            sizes, order, whole = self.sizes, self.order, ParallelGroup.DP
+            stride = rank_strides(sizes, order)
+            cp_stride, dp_stride = stride[ParallelGroup.CP], stride[ParallelGroup.DP]
+            cp, dp = sizes[ParallelGroup.CP], sizes[ParallelGroup.DP]
+            if dp_stride != cp_stride * cp:  # tp_pp_dp_mapping: list the members, CP fastest
+                members = tuple(base + cp_stride * i + dp_stride * j for j in range(dp) for i in range(cp))
+                intra = len(members) // instances
+                return _listed_placement(members[:intra] if intra_group else members[::intra], self.gpus_per_node)
+            offset, step, size = base, cp_stride, cp * dp
+        else:
+            expert = self.expert_sizes
+            whole = ParallelGroup.EXPERT_DP
+            offset, step, size = base, rank_strides(expert, self.expert_order)[whole], expert[whole]
+        intra = size // instances
+        if intra_group:
+            return _progression_placement(offset, step, intra, self.gpus_per_node)
+        return _progression_placement(offset, step * intra, instances, self.gpus_per_node)
 
     def p2p_crosses_nodes(self, src_pipeline_rank: int) -> bool:
         """Whether stage ``src`` sends to stage ``(src + 1) % pp`` over the network.
@@ -158,6 +194,16 @@ def _grid_placement(offset: int, inner_stride: int, inner: int, outer_stride: in
             node = (offset + inner_stride * i + outer_stride * j) // gpus_per_node
             counts[node] = counts.get(node, 0) + 1
     return GroupPlacement(size=inner * outer, num_nodes=len(counts), gpus_per_node=min(counts.values()),
+                          max_gpus_per_node=max(counts.values()))
+
+
+@lru_cache(maxsize=256)
+def _listed_placement(ranks: tuple[int, ...], gpus_per_node: int) -> GroupPlacement:
+    """Placement of the ranks listed, counted rank by rank."""
+    counts: dict[int, int] = {}
+    for rank in ranks:
+        counts[rank // gpus_per_node] = counts.get(rank // gpus_per_node, 0) + 1
+    return GroupPlacement(size=len(ranks), num_nodes=len(counts), gpus_per_node=min(counts.values()),
                           max_gpus_per_node=max(counts.values()))
 
 

@@ -164,11 +164,13 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--moe-token-drop-policy", "model.moe_token_drop_policy", convert=_as_given),
     FlagField("--use-distributed-optimizer", "training.distributed_optimizer", convert=_as_given),
     FlagField("--overlap-param-gather", "training.overlap_param_gather", convert=_as_given),
+    FlagField("--num-distributed-optimizer-instances", "parallel.distributed_optimizer_instances"),
     # FSDP: read together by fsdp_args.fsdp_settings
     *(FlagField(flag, None, None, "", checked_only) for flag in (
-        "--num-distributed-optimizer-instances", "--use-torch-fsdp2", "--use-custom-fsdp", "--use-megatron-fsdp",
+        "--use-torch-fsdp2", "--use-custom-fsdp", "--use-megatron-fsdp",
         "--data-parallel-sharding-strategy", "--fsdp-double-buffer", "--suggested-communication-unit-size",
-        "--torch-fsdp2-no-reshard-after-forward", "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp")),
+        "--torch-fsdp2-no-reshard-after-forward", "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp",
+        "--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-main-params-dtype")),
     # fine-grained activation offloading: read together by offload_args.activation_offload
     *(FlagField(flag, None, None, "", offload_args.checked_only) for flag in offload_args.READ_FLAGS),
     FlagField("--optimizer-cpu-offload", None, False, "optimizer offloading", _as_given),

@@ -22,7 +22,12 @@ INSTANCES_FLAG = "--num-distributed-optimizer-instances"
 # Flags that tune Megatron-FSDP or torch FSDP2 and mean nothing without them.
 _TUNING_FLAGS = {"--fsdp-double-buffer": "megatron", "--suggested-communication-unit-size": "megatron",
                  "--outer-dp-sharding-strategy": "megatron", "--enable-full-sharding-in-hsdp": "megatron",
-                 "--torch-fsdp2-no-reshard-after-forward": "torch"}
+                 "--torch-fsdp2-no-reshard-after-forward": "torch", "--megatron-fsdp-grad-comm-dtype": "megatron",
+                 "--megatron-fsdp-main-grads-dtype": "megatron", "--megatron-fsdp-main-params-dtype": "megatron"}
+GRAD_COMM_FLAG = "--megatron-fsdp-grad-comm-dtype"
+# Megatron-FSDP's buffer dtypes at what vtrain prices (fp32 main weights; main grads in the run's
+# gradient dtype, fp32 for bf16 / fp16 models without --grad-reduce-in-bf16); other values are refused.
+MAIN_GRADS_FLAG, MAIN_PARAMS_FLAG = "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-main-params-dtype"
 
 
 def checked_only(flag: str, value: Any) -> Any:
@@ -43,9 +48,11 @@ def fsdp_settings(given: Given) -> FsdpSettings | None:
         if given.get(flag) and implementation != needs:
             owner = "--use-megatron-fsdp" if needs == "megatron" else TORCH_FSDP_FLAG
             raise ConfigError(f"{flag} needs {owner}")
-    if instances > 1:
-        what = "HSDP (FSDP inside replicas)" if implementation else "a distributed optimizer in several instances"
-        raise ConfigError(f"{INSTANCES_FLAG} {instances}: {what} is not modelled by vtrain yet")
+    if instances > 1 and implementation:
+        raise ConfigError(f"{INSTANCES_FLAG} {instances}: HSDP (FSDP inside replicas) is not modelled by vtrain yet")
+    if instances > 1 and not given.get("--use-distributed-optimizer"):
+        raise ConfigError(f"{INSTANCES_FLAG} {instances} needs --use-distributed-optimizer (megatron-core asserts "
+                          f"a partial distributed optimizer is a distributed optimizer)")
     if implementation is None:  # Megatron-LM reads the sharding strategy only with FSDP
         return None
     if implementation == "torch":
@@ -56,6 +63,20 @@ def fsdp_settings(given: Given) -> FsdpSettings | None:
         raise ConfigError(f"{STRATEGY_FLAG} must be one of {', '.join(s.value for s in ShardingStrategy)}, "
                           f"got {strategy!r}")
     unit = "--suggested-communication-unit-size"
+    _check_buffer_dtypes(given)
+    comm = given.get(GRAD_COMM_FLAG, "auto")
+    if comm not in ("auto", "fp32", "bf16", "fp16"):
+        raise ConfigError(f"{GRAD_COMM_FLAG} must be one of fp32, fp16, bf16, auto, got {comm!r}")
     return FsdpSettings(implementation=FsdpImplementation.MEGATRON, sharding_strategy=ShardingStrategy(strategy),
                         double_buffer=bool(given.get("--fsdp-double-buffer")),
-                        communication_unit_elements=positive_int(unit, given[unit]) if unit in given else None)
+                        communication_unit_elements=positive_int(unit, given[unit]) if unit in given else None,
+                        grad_comm_dtype=None if comm == "auto" else comm)
+
+
+def _check_buffer_dtypes(given: Given) -> None:
+    """Refuse Megatron-FSDP buffer dtypes other than those vtrain prices (see MAIN_GRADS_FLAG)."""
+    grads = "bf16" if given.get("--grad-reduce-in-bf16") else "fp32"
+    for flag, priced in ((MAIN_GRADS_FLAG, ("auto", grads)), (MAIN_PARAMS_FLAG, ("fp32",))):
+        if given.get(flag, priced[0]) not in priced:
+            raise ConfigError(f"{flag} {given[flag]}: vtrain prices Megatron-FSDP's buffer in "
+                              f"{' or '.join(priced)} only")
