@@ -49,8 +49,6 @@ def test_failures_off_reproduces_the_failure_free_totals_and_on_adds_the_expecte
 @pytest.mark.parametrize("args,message", [
     (("--checkpoint-interval", "0"), "vtrain: error: --checkpoint-interval must be a positive integer of "
                                      "iterations, got '0'"),
-    (("--checkpoint-interval", "10000000"), "reliability.checkpoint_interval_iterations (10,000,000) is longer "
-                                            "than the run (976,563 iterations)"),
     (("--failures", "off", "--checkpoint", "sync"), "--checkpoint and --checkpoint-interval need failures on"),
 ])
 def test_bad_reliability_flags_are_one_line_and_exit_2(run_cli, plan, args, message):
@@ -95,3 +93,17 @@ def test_megatron_args_checkpointing_sets_the_interval_and_async(run_cli):
     assert result["failures"]["checkpoint"] == "async"
     assert result["failures"]["checkpoint_interval_iterations"] == 50
     assert result["failures"]["checkpoint_interval_chosen"] is False
+    assert result["failures"]["checkpoint_interval_clamped_from"] is None
+
+
+def test_save_interval_longer_than_the_tokens_is_clamped_with_a_note(run_cli):
+    # --micro-batch-size 2 on 8 GPUs (DP 8): 16 sequences of 128 tokens per iteration, 2,048 tokens;
+    # --tokens 20480 is 10 iterations, shorter than --save-interval 50.
+    flags = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128 --micro-batch-size 2 "
+             "--vocab-size 1000 --save ckpt --save-interval 50")
+    text = run_cli("estimate", "--megatron-args", flags, "--gpus", "8", "--tokens", "20480", check=True).stdout
+    assert "every 10 iterations (given 50, longer than the run: clamped to its length)" in text
+    result = json.loads(run_cli("estimate", "--megatron-args", flags, "--gpus", "8", "--tokens", "20480",
+                                "--format", "json", check=True).stdout)
+    assert result["failures"]["checkpoint_interval_iterations"] == 10
+    assert result["failures"]["checkpoint_interval_clamped_from"] == 50

@@ -181,3 +181,16 @@ def test_a_workers_error_is_raised_in_the_caller_with_the_workers_traceback():
     assert str(in_workers.value) == str(in_process.value)
     assert isinstance(in_workers.value.__cause__, WorkerTraceback)
     assert "in evaluate_batch" in str(in_workers.value.__cause__)
+
+
+def test_search_says_how_many_plans_each_constraint_removed(run_cli, model_file):
+    # --sp on with --tp 1,2: the TP 1 plan breaks "sp needs tp > 1" and the footer says so, one line
+    proc = run_cli("search", model_file, "--gpus", "2", "--tp", "1,2", "--pp", "1", "--micro-batch", "1",
+                   "--sp", "on", "--recompute", "none", "--grad-reduce", "overlap", check=True)
+    footer = proc.stdout.strip().splitlines()[-1]
+    assert footer.endswith("skipped 1 (sp needs tp > 1: 1)"), footer
+    # only TP 1: no plan, and the one-line error names the constraint
+    proc = run_cli("search", model_file, "--gpus", "1", "--tp", "1", "--pp", "1", "--micro-batch", "1",
+                   "--sp", "on", "--recompute", "none", "--grad-reduce", "overlap")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "vtrain: error: no valid plan: 1 skipped (sp needs tp > 1: 1)"]

@@ -98,7 +98,8 @@ def reliability_options(p: argparse.ArgumentParser) -> None:
                         "the copy to host memory (--async-save)")
     p.add_argument("--checkpoint-interval", metavar="ITERATIONS",
                    help="iterations between checkpoints (Megatron-LM's --save-interval; default: the interval "
-                        "that minimises the expected time, Daly 2006)")
+                        "that minimises the expected time, Daly 2006; one longer than the run is clamped to it, "
+                        "with a note)")
 
 
 def with_reliability(args: argparse.Namespace, reliability: ReliabilitySpec | None) -> ReliabilitySpec | None:

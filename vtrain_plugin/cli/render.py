@@ -267,7 +267,9 @@ def failures_lines(totals: TrainTotals) -> list[str]:
     rate = f.reliability
     mode = f"{rate.checkpoint.value} checkpoints of {f.checkpoint_nbytes / GBYTE:,.0f} GB"
     interval = (f"every {f.interval_iterations:,} iterations"
-                + (" (Daly's optimum)" if f.interval_chosen else " (given)"))
+                + (" (Daly's optimum)" if f.interval_chosen else
+                   f" (given {f.interval_clamped_from:,}, longer than the run: clamped to its length)"
+                   if f.interval_clamped_from is not None else " (given)"))
     hours = {"compute": run.compute_s, "checkpoint stalls": run.checkpoint_s, "lost work": run.lost_s,
              "restarts": run.restart_s}
     return [

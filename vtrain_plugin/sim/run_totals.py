@@ -24,6 +24,9 @@ class Failures:
     checkpoint: CheckpointTimes
     interval_iterations: int
     interval_chosen: bool  # True: Daly's optimum, rounded to whole iterations; False: given
+    # A given interval longer than the run (e.g. a launch script's --save-interval with a short
+    # --tokens): what was given; the interval used is then the run's length (one checkpoint, at its end).
+    interval_clamped_from: int | None = None
     stall_s: float  # training stopped per checkpoint
     restart_s: float  # per restart: relaunch and checkpoint load
     run: ExpectedRun
@@ -40,6 +43,7 @@ class Failures:
             "checkpoint_stall_s": self.stall_s,
             "checkpoint_interval_iterations": self.interval_iterations,
             "checkpoint_interval_chosen": self.interval_chosen,
+            "checkpoint_interval_clamped_from": self.interval_clamped_from,
             "restart_s": self.restart_s,
             "expected_failures": self.run.failures,
             "breakdown_hours": {
@@ -113,13 +117,15 @@ def train_totals(*, tokens: float, iterations: int, iteration_s: float, num_gpus
 
 def _failures(reliability: ReliabilitySpec, *, compute_s: float, iterations: int, iteration_s: float, num_gpus: int,
               gpus_per_node: int, size: CheckpointSize, host_link_gbytes_per_s: float) -> Failures:
-    reliability.check_run(iterations)
     times = checkpoint_times(size, reliability, num_gpus=num_gpus, gpus_per_node=gpus_per_node,
                              host_link_gbytes_per_s=host_link_gbytes_per_s)
     mtbf_s = reliability.mean_hours_between_failures(num_gpus) * SECONDS_PER_HOUR
     restart_s = reliability.restart_s + times.load_s
     interval = reliability.checkpoint_interval_iterations
     chosen = interval is None
+    clamped_from = None
+    if interval is not None and interval > iterations:
+        clamped_from, interval = interval, iterations
     if chosen:
         interval = choose_interval(times, reliability.checkpoint, mtbf_s=mtbf_s, iteration_s=iteration_s,
                                    iterations=iterations)
@@ -128,7 +134,7 @@ def _failures(reliability: ReliabilitySpec, *, compute_s: float, iterations: int
                        restart_s=restart_s, mtbf_s=mtbf_s)
     return Failures(reliability=reliability, mtbf_hours=mtbf_s / SECONDS_PER_HOUR,
                     checkpoint_nbytes=size.total_nbytes, checkpoint=times, interval_iterations=interval,
-                    interval_chosen=chosen, stall_s=stall_s, restart_s=restart_s, run=run)
+                    interval_chosen=chosen, interval_clamped_from=clamped_from, stall_s=stall_s, restart_s=restart_s, run=run)
 
 
 def choose_interval(times: CheckpointTimes, mode: CheckpointMode, *, mtbf_s: float, iteration_s: float,

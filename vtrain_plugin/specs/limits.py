@@ -154,7 +154,7 @@ STORAGE_BANDWIDTH = Limit(
 CHECKPOINT_INTERVAL = Limit(
     quantity="checkpoint interval (iterations)", maximum=100_000_000,
     inputs="reliability.checkpoint_interval_iterations; --checkpoint-interval",
-    reason="runs take some 10^5 to 10^6 iterations; an interval longer than the run is refused too")
+    reason="runs take some 10^5 to 10^6 iterations; an interval longer than the run is clamped to it")
 FILE_BYTES = Limit(
     quantity="plan file size (bytes)", maximum=65_536, inputs="plan files and vTrain configs",
     reason="plan files take a few hundred bytes; parsing stays well under a second")

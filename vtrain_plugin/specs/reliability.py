@@ -29,7 +29,8 @@ was trained with, same report, section 3.3.1).
 ``checkpoint``: ``sync`` (Megatron-LM's default) stops training for the whole write; ``async``
 (Megatron-Core's ``--async-save``) stops it only to copy each GPU's shard to host memory, and the
 file system write runs in the background. ``checkpoint_interval_iterations`` (Megatron-LM's
-``--save-interval``): None picks the interval that minimises the expected wall time (Daly 2006).
+``--save-interval``): None picks the interval that minimises the expected wall time (Daly 2006); one
+longer than the run is clamped to the run's length, and the estimate says so (``interval_clamped_from``).
 """
 
 from __future__ import annotations
@@ -109,11 +110,3 @@ class ReliabilitySpec:
     @property
     def restart_s(self) -> float:
         return self.restart_minutes * SECONDS_PER_MINUTE
-
-    def check_run(self, iterations: int) -> None:
-        """A given checkpoint interval must fit in the run of ``iterations``."""
-        interval = self.checkpoint_interval_iterations
-        if interval is not None and interval > iterations:
-            raise ConfigError(f"reliability.checkpoint_interval_iterations ({interval:,}) is longer than the run "
-                              f"({iterations:,} iterations)")
-

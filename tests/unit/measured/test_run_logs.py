@@ -109,3 +109,21 @@ def test_what_is_not_a_training_log(tmp_path, content, rule):
 def test_a_folder_without_event_files(tmp_path):
     with pytest.raises(ConfigError, match="a folder without TensorBoard event files"):
         read_run_log(tmp_path)
+
+
+def test_megatron_line_with_token_throughput_per_gpu_keeps_its_interval():
+    # 512 sequences x 4,096 tokens / (4,096 tokens/s/GPU x 64 GPUs) = 8 s per iteration
+    log = read_run_log("tests/fixtures/logs/token_throughput_megatron.log")
+    first, second = log.intervals
+    assert (first.first_iteration, first.iteration, first.iteration_time_ms) == (1, 10, 8000.0)
+    assert first.tokens_per_second == 4096.0 * 64
+    assert (second.first_iteration, second.iteration_time_ms) == (11, 7900.0)  # a logged time wins
+
+
+def test_token_throughput_without_the_sizes_it_needs_is_one_line(tmp_path):
+    path = tmp_path / "train.log"
+    path.write_text(" iteration 10/ 100 | throughput (token/sec/GPU): 4096.0 | global batch size: 8 |\n")
+    with pytest.raises(ConfigError, match=r"line 1: throughput \(token/sec/GPU\) \(4096.0\) without 'elapsed time "
+                                          r"per iteration \(ms\)' gives the iteration time only with a positive "
+                                          r"throughput and seq_length in the arguments block, the world size$"):
+        read_run_log(path)

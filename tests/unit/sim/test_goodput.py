@@ -122,10 +122,16 @@ def test_bad_reliability_is_one_line_naming_the_field(fields, message):
     assert str(exc.value) == message
 
 
-def test_an_interval_longer_than_the_run_is_refused():
-    with pytest.raises(ConfigError, match=r"checkpoint_interval_iterations \(5,000\) is longer than the run "
-                                          r"\(1,000 iterations\)"):
-        ReliabilitySpec(checkpoint_interval_iterations=5000).check_run(1000)
+def test_an_interval_longer_than_the_run_is_clamped_to_it_and_says_so():
+    common = dict(tokens=1e12, iterations=1000, iteration_s=12.5, num_gpus=1024, gpus_per_node=8,
+                  price_per_gpu_hour_usd=2.0, host_link_gbytes_per_s=64.0,
+                  checkpoint_size=CheckpointSize(parameters=10**9, model_nbytes=2 * 10**9, optimizer_nbytes=12 * 10**9))
+    long = train_totals(**common, reliability=ReliabilitySpec(checkpoint_interval_iterations=5000))
+    run_length = train_totals(**common, reliability=ReliabilitySpec(checkpoint_interval_iterations=1000))
+    assert (long.failures.interval_iterations, long.failures.interval_clamped_from) == (1000, 5000)
+    assert long.failures.to_dict()["checkpoint_interval_clamped_from"] == 5000
+    assert run_length.failures.interval_clamped_from is None
+    assert long.days == run_length.days
 
 
 PLAN = {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 128},

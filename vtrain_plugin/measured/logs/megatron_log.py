@@ -23,6 +23,9 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.measured.logs.records import LogFormat, LoggedInterval, MemoryReport, RunLog
 
 TIME_FIELD = "elapsed time per iteration (ms)"
+# Logs that state the interval as tokens per second per GPU instead: the time per iteration is
+# global batch size x --seq-length (arguments block) / (that throughput x world size).
+TOKEN_THROUGHPUT_FIELD = "throughput (token/sec/GPU)"
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|")
 _MEMORY = re.compile(r"\[Rank (\d+)\].*memory \(MB\)\s*\|(.*)$")
 _ARGUMENTS_START = re.compile(r"^-+ arguments -+$")
@@ -43,6 +46,7 @@ class _Reader:
         self.world_size_line = 0
         self.restart_lines: list[int] = []
         self.log_interval: int | None = None
+        self.seq_length: int | None = None
         self.resumed_at: int | None = None  # the checkpoint iteration the current start loaded
         self.segment_start_pending = False
 
@@ -60,6 +64,8 @@ class _Reader:
             self.set_world_size(value, number)
         elif name == "log_interval" and value.isdigit():
             self.log_interval = int(value)
+        elif name == "seq_length" and value.isdigit():
+            self.seq_length = int(value)
 
     def set_world_size(self, value: str, number: int) -> None:
         size = int(value) if value.isdigit() else 0
@@ -74,8 +80,8 @@ class _Reader:
     def iteration(self, match: re.Match[str], line: str, number: int) -> None:
         iteration = int(match.group(1))
         fields = self.fields(line[match.end():], number)
-        if TIME_FIELD not in fields:
-            raise self.error(number, f"iteration line without {TIME_FIELD!r}")
+        if TIME_FIELD not in fields and TOKEN_THROUGHPUT_FIELD not in fields:
+            raise self.error(number, f"iteration line without {TIME_FIELD!r} or {TOKEN_THROUGHPUT_FIELD!r}")
         previous = self.intervals[-1] if self.intervals else None
         if previous is not None and iteration <= previous.iteration and not self.segment_start_pending:
             self.restart(number)
@@ -84,7 +90,10 @@ class _Reader:
             self.resumed_at = None
         else:
             first = previous.iteration + 1
-        values = {"iteration_time_ms": self.number(fields[TIME_FIELD], TIME_FIELD, number)}
+        values = {"iteration_time_ms": self.time_ms(fields, number)}
+        if TOKEN_THROUGHPUT_FIELD in fields and self.world_size is not None:
+            values["tokens_per_second"] = (self.number(fields[TOKEN_THROUGHPUT_FIELD], TOKEN_THROUGHPUT_FIELD, number)
+                                           * self.world_size)
         for name, key in _FLOAT_FIELDS.items():
             if name in fields:
                 values[key] = self.number(fields[name], name, number)
@@ -94,6 +103,21 @@ class _Reader:
         self.intervals.append(LoggedInterval(iteration=iteration, first_iteration=first,
                                              segment=len(self.restart_lines), line=number, **values))
         self.segment_start_pending = False
+
+    def time_ms(self, fields: dict[str, str], number: int) -> float:
+        """The mean iteration time of the interval: logged, or from the tokens per second per GPU."""
+        if TIME_FIELD in fields:
+            return self.number(fields[TIME_FIELD], TIME_FIELD, number)
+        per_gpu = self.number(fields[TOKEN_THROUGHPUT_FIELD], TOKEN_THROUGHPUT_FIELD, number)
+        missing = [what for what, known in (("'global batch size' on the line", "global batch size" in fields),
+                                            ("seq_length in the arguments block", self.seq_length),
+                                            ("the world size", self.world_size)) if not known]
+        if missing or not per_gpu > 0:
+            raise self.error(number, f"{TOKEN_THROUGHPUT_FIELD} ({fields[TOKEN_THROUGHPUT_FIELD]}) without "
+                                     f"{TIME_FIELD!r} gives the iteration time only with a positive throughput and "
+                                     + ", ".join(missing or ["the fields above"]))
+        tokens = self.integer(fields["global batch size"], "global batch size", number) * self.seq_length
+        return 1000.0 * tokens / (per_gpu * self.world_size)
 
     def first_of_segment(self, iteration: int, *, restarted: bool) -> int:
         if self.resumed_at is not None and self.resumed_at < iteration:

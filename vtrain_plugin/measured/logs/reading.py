@@ -1,7 +1,8 @@
 """``read_run_log(path)``: a Megatron-LM or NeMo training log, or a Megatron-LM TensorBoard folder.
 
 A file is read as text (UTF-8, undecodable bytes refused), and its format is told by the lines it
-holds: Megatron-LM's ``elapsed time per iteration (ms)`` or NeMo's ``train_step_timing in s``.
+holds: Megatron-LM's ``elapsed time per iteration (ms)`` (or ``throughput (token/sec/GPU)``) or
+NeMo's ``train_step_timing in s``.
 Anything else (empty, binary, another program's output, a log without one timed iteration) is one
 :class:`ConfigError` naming the file and the rule.
 """
@@ -50,7 +51,7 @@ def _read_text_log(path: Path) -> RunLog:
     complete = text.endswith("\n")
     if complete:
         lines.pop()
-    if megatron_log.TIME_FIELD in text:
+    if megatron_log.TIME_FIELD in text or megatron_log.TOKEN_THROUGHPUT_FIELD in text:
         return megatron_log.read_megatron_log(str(path), lines, complete_last_line=complete)
     if nemo_log.TIME_FIELD in text:
         return nemo_log.read_nemo_log(str(path), lines, complete_last_line=complete)

@@ -146,7 +146,8 @@ def _position_table(given: Given, positions: str, seq_length: int, notes: list[s
 
 def vocab_size(given: Given, tensor_parallel: int, assumed: list[str]) -> int:
     """The vocabulary before ModelSpec pads it to a multiple of 128 x TP: the tokenizer's size
-    (``--vocab-size``, plus the end-of-document token NullTokenizer adds; or the fixed size of a
+    (``--vocab-size``, plus the end-of-document token NullTokenizer adds: megatron-core's NullTokenizer.vocab_size is
+    the given size + 1, before the padding; or the fixed size of a
     known tokenizer). Without either, the size the tokenizer's files imply (GPT-2's BPE files, a
     known tokenizer model) is taken and noted in ``assumed``; the vocabulary shapes the embedding and
     the output layer, so it is never guessed beyond that. With another ``--make-vocab-size-divisible-by``
@@ -158,7 +159,11 @@ def vocab_size(given: Given, tensor_parallel: int, assumed: list[str]) -> int:
             raise ConfigError(f"--vocab-size ({given['--vocab-size']}) contradicts --tokenizer-type {tokenizer} "
                               f"({size} tokens, which Megatron-LM uses)")
     elif "--vocab-size" in given:
-        size = positive_int("--vocab-size", given["--vocab-size"]) + (tokenizer == "NullTokenizer")
+        size = positive_int("--vocab-size", given["--vocab-size"])
+        if tokenizer == "NullTokenizer":
+            # megatron-core's NullTokenizer (tokenizers/text/libraries/null_tokenizer.py, as Megatron-LM's
+            # training/tokenizer _NullTokenizer): vocab_size is the given size plus its end-of-document id
+            size += 1
     else:
         size = _implied_vocab_size(given, assumed)
     divisor = positive_int("--make-vocab-size-divisible-by",
