@@ -517,7 +517,7 @@ class ExpertActivationRecompute(MLP):
         output, output_bias = self.linear_fc2(activated)
         checkpoint.discard_output_and_register_recompute(output)
         if per_token_scale is not None and output_bias is not None:
-            output = output + output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)
+            output += output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)  # in place, as MLP.forward: its dtype
             output_bias = None
         return output, output_bias
 

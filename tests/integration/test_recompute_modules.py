@@ -146,3 +146,13 @@ def test_flags_transformer_config_and_plan_file_name_the_same_modules():
         == ("layernorm", "mlp")
     moe_layer = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4, moe_layer_recompute=True)
     assert parallel_plan_from_transformer_config(moe_layer, None).recompute_modules == ("core_attn", "moe")
+
+
+def test_recomputed_expert_activation_keeps_the_model_dtype_under_fp32_routing_probabilities():
+    """The flex dispatcher hands the experts fp32 probabilities (DeepEP takes no other); with expert
+    biases the recomputed activation's stand-in adds the weighted bias in place, as MLP.forward does, so
+    the layer's output stays in the model dtype and the next layer traces (GPT-OSS's combination)."""
+    model = dataclasses.replace(MOE, num_layers=2, add_bias_linear=True, moe_shared_expert_intermediate_size=None,
+                                window_size=(63, 0), window_attn_skip_freq=2)
+    plan = dataclasses.replace(selective("moe_act"), data_parallel=2, expert_parallel=2, moe_token_dispatcher="flex")
+    assert estimate(trace(model, plan), cluster=CLUSTER, training=TRAINING).iteration_time_ms > 0
