@@ -152,8 +152,17 @@ def render_refused_flags() -> str:
     return "\n".join(lines)
 
 
-BLOCKS = {"support-table": render_support_table, "refused-flags": render_refused_flags}
-FILES = {"README.md": ("support-table",), "docs/inputs.md": ("refused-flags",)}
+def render_commands() -> str:
+    """The ``vtrain`` commands in the order ``vtrain --help`` lists them, with their help lines."""
+    from vtrain_plugin.cli import COMMANDS  # the command modules; imported here, not at import time
+
+    lines = ["| command | what it does |", "|---|---|"]
+    lines += [f"| `vtrain {command.name}` | {command.help} |" for command in COMMANDS.values()]
+    return "\n".join(lines)
+
+
+BLOCKS = {"support-table": render_support_table, "refused-flags": render_refused_flags, "commands": render_commands}
+FILES = {"README.md": ("support-table", "commands"), "docs/inputs.md": ("refused-flags",)}
 
 
 def replace_block(text: str, name: str, body: str) -> str:
@@ -173,7 +182,7 @@ def rendered(path: Path, blocks: Iterable[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vtrain_plugin.cli.support_table", description=__doc__.split("\n")[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the tables in README.md and docs/inputs.md")
+    parser.add_argument("--write", action="store_true", help="rewrite the tables of README.md and docs/inputs.md")
     parser.add_argument("--check", action="store_true", help="exit 1 if a file's tables are stale")
     args = parser.parse_args(argv)
     if not (args.write or args.check):
