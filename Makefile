@@ -1,13 +1,17 @@
 # The whole set-up: `make run` (main job) and `make test` (test suite). Both are idempotent.
+# `make help` lists every target with its one line (the `## ` comment after the target's name).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test clean
+.PHONY: help setup run test lint goldens accuracy docs docs-check clean
 
-setup: $(STAMP)
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 24
+
+setup: $(STAMP)  ## create .venv if missing and install (idempotent)
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,11 +21,28 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PIP) install --no-build-isolation -e .
 	touch $(STAMP)
 
-run: setup
-	$(VENV)/bin/vtrain estimate examples/configs/gpt3_175b_512gpu.json
+run: setup  ## the main job: estimate Qwen3 8B in bf16 on 64 H100
+	$(VENV)/bin/vtrain estimate examples/plans/qwen3_8b_64gpu_h100.yaml
 
-test: setup
+test: setup  ## the test suite (import layering included)
 	$(PY) -m pytest tests
 
-clean:
+lint: setup  ## pyflakes and the import-linter layer contract, where installed
+	@if $(PY) -m pyflakes --version >/dev/null 2>&1; then $(PY) -m pyflakes vtrain_plugin megatron_adapters profiler tests benchmarks; \
+	else echo "pyflakes not installed: skipped ($(PIP) install pyflakes)"; fi
+	@if test -x $(VENV)/bin/lint-imports; then $(VENV)/bin/lint-imports; else echo "import-linter not installed: skipped"; fi
+
+goldens: setup  ## the headline numbers pinned in tests/golden
+	$(PY) -m pytest tests/golden
+
+accuracy: setup  ## every published run estimated against its measured time (about 13 minutes)
+	$(PY) -m benchmarks.accuracy.published_runs --cv-evals 300
+
+docs: setup  ## rewrite README's and docs/inputs.md's generated tables from the code's registries
+	$(PY) -m vtrain_plugin.cli.support_table --write
+
+docs-check: setup  ## run every example of README.md and docs/, and check the generated tables
+	$(PY) -m pytest tests/docs
+
+clean:  ## remove the virtual environment
 	rm -rf $(VENV) *.egg-info
