@@ -103,11 +103,12 @@ def support_rows() -> list[tuple[str, str, str]]:
         ("parallelism", f"TP (+ SP, TP comm overlap), CP {_codes(CpCommType)}, PP (uneven splits, layouts) with "
                         f"schedules {_codes(ScheduleKind)}, DP with the distributed optimizer, FSDP "
                         f"{_codes(FsdpImplementation)} ({_codes(ShardingStrategy)}), EP and expert TP with "
-                        f"dispatchers {_codes(TokenDispatcher)} (flex: {_codes(FlexBackend)})",
-         "HSDP, CP `a2a` / `a2a+p2p`; " + _reasons(
+                        f"dispatchers {_codes(TokenDispatcher)} (flex: {_codes(FlexBackend)}), EP all-to-all "
+                        f"overlap with delayed wgrad, the distributed optimizer in several instances",
+         "HSDP (FSDP in several instances); " + _reasons(
              "context parallelism other than one flat group", "generalised tensor parallelism (GTP) weight sharding",
              "delayed or synchronised gradient reductions and parameter gathers across pipeline stages",
-             "EP all-to-all overlap across micro-batches", "a standalone embedding pipeline stage")),
+             "a standalone embedding pipeline stage")),
         ("precision", f"`fp16`, `bf16`, `fp32`; FP8 {_codes(Fp8Format)} with recipes {_codes(Fp8Recipe)}; FP4 "
                       f"{_codes(Fp4Format)} ({_codes(Fp4Recipe)}); FP8 weights, bf16 gradient reduction",
          "FP8 on a GPU without FP8 tensor cores; " + _reasons(
@@ -115,8 +116,9 @@ def support_rows() -> list[tuple[str, str, str]]:
              "wgrad GEMMs in higher precision under FP8", "a custom FP8 quantizer")),
         ("memory and speed", f"recompute {_codes(Recompute)} (modules {_codes(RECOMPUTE_MODULES)}), CUDA graphs "
                              f"{_codes(CudaGraphImpl)} (scopes {_codes(CUDA_GRAPH_SCOPES)}), deterministic mode, "
-                             f"optimizers {_codes(OptimizerKind)} (precision-aware states)",
-         "other optimizers; " + _reasons("activation offloading to the CPU", "optimizer offloading",
+                             f"optimizers {_codes(OptimizerKind)} (precision-aware states), fine-grained activation "
+                             f"offloading, per-step norm and zero-count logging",
+         "other optimizers; " + _reasons("TransformerEngine's layer-level activation offloading", "optimizer offloading",
                                          "the CPU optimizer's copies", "paged stashing of expert activations",
                                          "recompute inputs distributed over TP")),
         ("software stacks", f"{_codes(SoftwareStack)}", "inference-optimized TransformerEngine"),

@@ -103,7 +103,7 @@ def plan(flags: str):
 
 def test_a_refused_flag_at_megatrons_default_is_accepted():
     assert plan("--moe-hybridep-num-sms-preprocessing 108").model.num_layers == 2  # the default value
-    with pytest.raises(ConfigError, match="^--moe-hybridep-num-sms-preprocessing 100: the flex token dispatcher"):
+    with pytest.raises(ConfigError, match="^--moe-hybridep-num-sms-preprocessing 100: tunings of the flex dispatcher"):
         plan("--moe-hybridep-num-sms-preprocessing 100")
     with pytest.raises(ConfigError, match="^--enable-mhc-connections: manifold hyper-connections"):
         plan("--enable-mhc-connections")
