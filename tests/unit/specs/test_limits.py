@@ -23,9 +23,9 @@ GPT3 = json.loads((REPO / "examples/configs/gpt3_175b_512gpu.json").read_text())
 MODEL = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 128}
 
 
-def test_readme_input_limits_table_is_the_code_s():
-    readme = (REPO / "README.md").read_text()
-    assert limits_table() in readme
+def test_the_manual_s_input_limits_table_is_the_code_s():
+    inputs = (REPO / "docs" / "inputs.md").read_text()
+    assert limits_table() in inputs
     assert len({limit.quantity for limit in LIMITS}) == len(LIMITS)
 
 
