@@ -234,6 +234,7 @@ def plan_lines(run: RunConfig, result: Estimate) -> list[str]:
     model, plan, training = run.model, run.parallel, run.training
     groups = model.num_query_groups or model.num_attention_heads
     on = {True: "on", False: "off"}
+    bucket_nbytes = training.bucket_nbytes(plan.data_parallel, training.grad_dtype(model.dtype).nbytes)
     return [
         f"{run.source}: {model.name or model.family.value} on {result.num_gpus} x {result.gpu}",
         f"  model     {model.family.value}, {model.num_layers} layers, hidden {model.hidden_size}, "
@@ -248,7 +249,7 @@ def plan_lines(run: RunConfig, result: Estimate) -> list[str]:
         + f", sequence parallel {on[plan.sequence_parallel]}, recompute {plan.recompute.value}",
         f"  batch     micro-batch {plan.micro_batch_size}, global batch {result.global_batch_size}, "
         f"{result.num_microbatches} micro-batches per replica, schedule {training.schedule.value}",
-        f"  training  gradient reduction {training.grad_reduce.value} (buckets {training.bucket_nbytes / MEGABYTE:g} MB, "
+        f"  training  gradient reduction {training.grad_reduce.value} (buckets {bucket_nbytes / MEGABYTE:g} MB, "
         f"gradients in {training.grad_dtype(model.dtype).value}), "
         f"distributed optimizer {on[result.distributed_optimizer]}"
         + (", parameter all-gather overlapped" if training.overlap_param_gather else "")
