@@ -23,7 +23,6 @@ def test_plan_file_and_megatron_args_give_the_same_buckets_and_estimate(tmp_path
     # bf16 model, fp32 gradients, DP 64: 64e6 parameters x 4 bytes
     assert megatron["plan"]["training"]["bucket_size_mb"] == 256.0
     plan = megatron["plan"]
-    plan["reliability"] = plan["training"].pop("reliability")
     plan["training"]["bucket_size_mb"] = None  # the plan file gives none: the default
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
