@@ -23,7 +23,6 @@ def _plan_file(tmp_path: Path) -> Path:
     """The Bridge run as a plan file: every field the estimate read, written back."""
     run = load_run(BRIDGE, gpus=8, hardware=Hardware(gpu="H100", gpus_per_node=4))
     document = plan_document(run)
-    document["reliability"] = document["training"].pop("reliability")
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(document))
     return path

@@ -105,3 +105,39 @@ def test_a_dollar_budget_fills_the_naive_answer():
                                                      rel=1e-12)
     assert sized.to_dict()["naive"]["budget_flops"] == sized.naive.budget_flops
     assert sized.table()["naive"].sum() == 1
+
+
+SMALL = ["--gpu", "A100", "--gpus", "8", "--days", str(DAYS), "--min-params", "5e6", "--max-params", "5e7",
+         "--hidden-step", "256", "--tp", "1", "--pp", "1", "--micro-batch", "1", "--vp", "1", "--sp", "off",
+         "--recompute", "full", "--grad-reduce", "overlap", "--batch-tokens", "65536", "--workers", "1", "--no-db"]
+
+
+def test_cli_ladder_settings_shape_every_model_and_are_printed(run_cli):
+    help_text = " ".join(run_cli("size", "--help", check=True).stdout.split())
+    for default in ("llama 8192)", "llama 128256)", "gpt mha, llama 8)", "(default: none, dense)", "(default 2)"):
+        assert default in help_text, default
+    proc = run_cli("size", *SMALL, "--family", "llama", "--seq-length", "1024", "--vocab-size", "4096",
+                   "--query-groups", "2", "--experts", "4", "--top-k", "1", "--format", "json", check=True)
+    out = json.loads(proc.stdout)
+    assert {k: out["ladder"][k] for k in ("family", "vocab_size", "seq_length", "num_query_groups", "num_experts",
+                                          "moe_router_topk")} == {
+        "family": "llama", "vocab_size": 4096, "seq_length": 1024, "num_query_groups": 2, "num_experts": 4,
+        "moe_router_topk": 1}
+    assert out["evaluated"] and all(o["model"].endswith("-e4k1") for o in out["evaluated"])
+    table = run_cli("size", *SMALL, "--family", "llama", "--seq-length", "1024", "--vocab-size", "4096",
+                    "--query-groups", "mha", check=True).stdout
+    assert table.splitlines()[0] == "ladder: llama, vocabulary 4,096, sequence 1,024, multi-head attention, dense, bf16"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--family", "llama"], "vtrain: error: --query-groups 8 must divide every shape's heads (hidden / 128): "
+                            "--hidden-step must then be a multiple of 128 x 8 = 1024, got 256"),
+    (["--query-groups", "2", "--top-k", "2"], "vtrain: error: --top-k needs --experts (a mixture-of-experts ladder)"),
+    (["--experts", "2", "--top-k", "3"], "vtrain: error: --top-k (3) must not exceed --experts (2)"),
+    (["--seq-length", "0"], "vtrain: error: --seq-length must be a positive integer, got '0'"),
+    (["--query-groups", "x"], "vtrain: error: --query-groups must be a positive integer or mha, got 'x'"),
+])
+def test_cli_bad_ladder_settings_are_one_line_exit_2(argv, message, run_cli):
+    proc = run_cli("size", *SMALL, *argv)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [message]

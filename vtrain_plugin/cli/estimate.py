@@ -18,6 +18,7 @@ from vtrain_plugin.cli.render import estimate_table
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError, VTrainError
 from vtrain_plugin.estimate import Estimate, estimate, estimates_frame
+from vtrain_plugin.specs import plan_file
 from vtrain_plugin.specs.run import RunConfig
 
 
@@ -97,9 +98,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plan_document(run: RunConfig) -> dict[str, dict[str, Any]]:
-    """Every field of the plan an estimate was made of, as read: model, parallel, training, cluster."""
-    return {"model": run.model.to_dict(), "parallel": run.parallel.to_dict(), "training": run.training.to_dict(),
-            "cluster": run.cluster.to_dict()}
+    """Every field of the plan an estimate was made of, as read, as a plan file (it estimates the
+    same): model, parallel, training, cluster and reliability sections."""
+    return plan_file.plan_document(run.model, run.parallel, run.training, run.cluster.to_dict())
 
 
 def _flat(document: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

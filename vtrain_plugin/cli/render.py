@@ -21,6 +21,7 @@ from vtrain_plugin.cost.comm.context_parallel import ContextParallel, model_flop
 from vtrain_plugin.cost.lowering.stacks import map_nodes
 from vtrain_plugin.cost.comm.runtime_collectives import runtime_collectives
 from vtrain_plugin.estimate import Estimate
+from vtrain_plugin.planning.model_family import describe_ladder
 from vtrain_plugin.planning.search import SearchResult
 from vtrain_plugin.planning.sizing import SizingResult
 from vtrain_plugin.planning.space import format_skipped
@@ -234,6 +235,7 @@ def plan_lines(run: RunConfig, result: Estimate) -> list[str]:
     model, plan, training = run.model, run.parallel, run.training
     groups = model.num_query_groups or model.num_attention_heads
     on = {True: "on", False: "off"}
+    bucket_nbytes = training.bucket_nbytes(plan.data_parallel, training.grad_dtype(model.dtype).nbytes)
     return [
         f"{run.source}: {model.name or model.family.value} on {result.num_gpus} x {result.gpu}",
         f"  model     {model.family.value}, {model.num_layers} layers, hidden {model.hidden_size}, "
@@ -248,7 +250,7 @@ def plan_lines(run: RunConfig, result: Estimate) -> list[str]:
         + f", sequence parallel {on[plan.sequence_parallel]}, recompute {plan.recompute.value}",
         f"  batch     micro-batch {plan.micro_batch_size}, global batch {result.global_batch_size}, "
         f"{result.num_microbatches} micro-batches per replica, schedule {training.schedule.value}",
-        f"  training  gradient reduction {training.grad_reduce.value} (buckets {training.bucket_nbytes / MEGABYTE:g} MB, "
+        f"  training  gradient reduction {training.grad_reduce.value} (buckets {bucket_nbytes / MEGABYTE:g} MB, "
         f"gradients in {training.grad_dtype(model.dtype).value}), "
         f"distributed optimizer {on[result.distributed_optimizer]}"
         + (", parameter all-gather overlapped" if training.overlap_param_gather else "")
@@ -351,7 +353,7 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
                f"{100 * row['goodput']:.1f}%", f"{row['checkpoint_interval_iterations']:,.0f} it"] if expected else []),
             "*" if row["pareto"] else ""])
     skipped = sum(result.skipped.values())
-    lines = [render_table(rows, header), "",
+    lines = [f"ladder: {describe_ladder(result.answer.model)}", "", render_table(rows, header), "",
              f"{len(table):,} plans evaluated, {result.num_fitting:,} fit in memory, "
              f"{int(table['pareto'].sum()):,} on the Pareto front (*), ranked by {result.objective}"
              + (f" ({result.time_column if result.objective != 'cost' else result.cost_column})" if trained else "")
@@ -422,7 +424,7 @@ def sizing_table(result: SizingResult) -> str:
                                             f"${result.budget_usd:,.0f}" if result.budget_usd is not None else "")
                           if part)
     answer = result.answer
-    lines = [render_table(rows, header), "",
+    lines = [f"ladder: {describe_ladder(result.answer.model)}", "", render_table(rows, header), "",
              *(["days and dollars expected with failures, restarts and checkpoints (--failures off: "
                 "failure-free)"] if expected else []),
              f"largest model within {budget}: {answer.model.name}, {answer.model.num_parameters / 1e9:,.2f}B "

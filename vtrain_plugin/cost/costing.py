@@ -274,7 +274,7 @@ def _gradient_buckets(gradients: Sequence[BlockGradients], prepared: PreparedSta
         if fsdp is not None and fsdp.sharding_strategy.shards_gradients:
             return (), gathers  # reduce-scattered per micro-batch: _fsdp_exposed
         return reduces, gathers
-    return dp_buckets(gradients, comm, training, stage.pipeline_rank, group), ()
+    return dp_buckets(gradients, comm, training, stage.pipeline_rank, group, grad_nbytes=runtime.grad_dtype.nbytes), ()
 
 
 def _fsdp_exposed(gradients: Sequence[BlockGradients], expert_gradients: Sequence[BlockGradients],

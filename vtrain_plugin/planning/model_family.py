@@ -11,9 +11,11 @@ fixed-MFU answer (:func:`naive_size`) that a searched answer is compared with.
   al. 2020 (section 3.1, Fig. 5) found the loss within a few percent across a wide range of aspect
   ratios at a fixed parameter count, so one ratio costs little;
 - the FFN as :class:`ModelSpec` defaults it: 4h for GPT, Llama's SwiGLU 8h/3 rounded up to a
-  multiple of 256; multi-head attention (no query groups); GPT ties its embeddings, Llama does not;
-- vocabulary, sequence length and dtype per family (:data:`FAMILY_DEFAULTS`): GPT 51200 / 2048 /
-  fp16 (GPT-3 as Megatron-LM trains it), Llama 32000 / 4096 / bf16 (Llama 2).
+  multiple of 256 (each expert's, for a mixture of experts); GPT ties its embeddings, Llama does not;
+- vocabulary, sequence length, query groups and dtype per family unless given
+  (:data:`LADDER_DEFAULTS`): GPT 51200 / 2048 / multi-head attention / fp16 (GPT-3 as Megatron-LM
+  trains it), Llama 128256 / 8192 / 8 query groups (GQA) / bf16 (Llama 3); dense unless a number of
+  experts (and experts per token, default 2) is given.
 
 Hidden sizes step by :data:`HIDDEN_STEP` = 1024 (any multiple of 128 may be asked for): heads and
 layers are then multiples of 8, so tensor parallelism up to 8 divides the heads and pipeline
@@ -37,12 +39,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import takewhile
+from typing import Any
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import SECONDS_PER_DAY
-from vtrain_plugin.specs.model import Family, ModelSpec
+from vtrain_plugin.specs.model import DEFAULT_MOE_ROUTER_TOPK, Family, ModelSpec
 
 HEAD_DIM = 128
 HIDDEN_PER_LAYER = 128  # hidden size / layers: GPT-3 and Llama's published aspect ratio
@@ -62,40 +65,79 @@ class FamilyDefaults:
     dtype: Dtype
 
 
+# The presets' (GPT-3, Llama 2).
 FAMILY_DEFAULTS = {
     Family.GPT: FamilyDefaults(vocab_size=51200, seq_length=2048, dtype=Dtype.FP16),
     Family.LLAMA: FamilyDefaults(vocab_size=32000, seq_length=4096, dtype=Dtype.BF16),
 }
+MHA = 0  # num_query_groups of the ladder: multi-head attention (one group per head)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LadderDefaults(FamilyDefaults):
+    num_query_groups: int  # MHA: multi-head attention
+
+
+# The ladder's: GPT-3 as Megatron-LM trains it, and today's Llama (Llama 3: vocabulary 128256,
+# sequence 8192, 8 key-value groups).
+LADDER_DEFAULTS = {
+    Family.GPT: LadderDefaults(vocab_size=51200, seq_length=2048, dtype=Dtype.FP16, num_query_groups=MHA),
+    Family.LLAMA: LadderDefaults(vocab_size=128256, seq_length=8192, dtype=Dtype.BF16, num_query_groups=8),
+}
+
+
+def describe_ladder(model: ModelSpec) -> str:
+    """What every shape of ``model``'s ladder shares: vocabulary, sequence, attention, experts, dtype."""
+    groups = model.num_query_groups
+    attention = "multi-head attention" if groups is None else f"{groups} query groups (GQA)"
+    experts = ("dense" if model.num_experts is None
+               else f"{model.num_experts} experts, top-{model.router_topk} (MoE)")
+    return (f"{model.family.value}, vocabulary {model.vocab_size:,}, sequence {model.seq_length:,}, "
+            f"{attention}, {experts}, {model.dtype.value}")
 
 
 def family_shape(family: Family | str, hidden_size: int, *, vocab_size: int | None = None,
-                 seq_length: int | None = None, dtype: Dtype | str | None = None) -> ModelSpec:
-    """The family's model of ``hidden_size`` (a multiple of :data:`HIDDEN_PER_LAYER`), see the module doc."""
+                 seq_length: int | None = None, dtype: Dtype | str | None = None,
+                 num_query_groups: int | None = None, num_experts: int | None = None,
+                 moe_router_topk: int | None = None) -> ModelSpec:
+    """The family's model of ``hidden_size`` (a multiple of :data:`HIDDEN_PER_LAYER`), see the module
+    doc; a setting left None is the family's (:data:`LADDER_DEFAULTS`), ``num_query_groups``
+    :data:`MHA` multi-head attention; ``moe_router_topk`` needs ``num_experts``."""
     family = _family(family)
     v.positive_int("hidden_size", hidden_size)
     if hidden_size % HIDDEN_PER_LAYER:
         raise ConfigError(f"hidden_size ({hidden_size}) must be a multiple of {HIDDEN_PER_LAYER}: "
                           f"head dim {HEAD_DIM}, {HIDDEN_PER_LAYER} hidden per layer")
-    defaults = FAMILY_DEFAULTS[family]
+    defaults = LADDER_DEFAULTS[family]
+    groups = defaults.num_query_groups if num_query_groups is None else v.non_negative_int("num_query_groups",
+                                                                                           num_query_groups)
+    heads = hidden_size // HEAD_DIM
+    if groups and heads % groups:
+        raise ConfigError(f"num_query_groups ({groups}) must divide the heads of every shape: hidden size "
+                          f"{hidden_size} has {heads} heads (hidden / {HEAD_DIM}); use a hidden step that is a "
+                          f"multiple of {HEAD_DIM * groups} or fewer groups")
+    if moe_router_topk is not None and num_experts is None:
+        raise ConfigError("moe_router_topk needs num_experts (a mixture-of-experts ladder)")
     layers = hidden_size // HIDDEN_PER_LAYER
+    moe = "" if num_experts is None else f"-e{num_experts}k{moe_router_topk or DEFAULT_MOE_ROUTER_TOPK}"
     return ModelSpec(family=family, num_layers=layers, hidden_size=hidden_size,
-                     num_attention_heads=hidden_size // HEAD_DIM,
+                     num_attention_heads=heads, num_query_groups=groups or None,
+                     num_experts=num_experts, moe_router_topk=moe_router_topk,
                      seq_length=defaults.seq_length if seq_length is None else seq_length,
                      vocab_size=defaults.vocab_size if vocab_size is None else vocab_size,
                      dtype=defaults.dtype if dtype is None else dtype,
-                     name=f"{family.value}-h{hidden_size}-l{layers}")
+                     name=f"{family.value}-h{hidden_size}-l{layers}{moe}")
 
 
 def family_shapes(family: Family | str, *, min_params: float, max_params: float, hidden_step: int = HIDDEN_STEP,
-                  vocab_size: int | None = None, seq_length: int | None = None,
-                  dtype: Dtype | str | None = None) -> list[ModelSpec]:
+                  **settings: Any) -> list[ModelSpec]:
     """The family's shapes with ``min_params <= num_parameters <= max_params``, by parameter count
-    (which grows with the hidden size)."""
+    (which grows with the hidden size); ``settings``: those of :func:`family_shape`."""
     low = v.positive_number("min_params", min_params)
     high = v.positive_number("max_params", max_params)
     if low > high:
         raise ConfigError(f"min_params ({min_params:g}) must not exceed max_params ({max_params:g})")
-    ladder = _ladder(family, hidden_step, vocab_size=vocab_size, seq_length=seq_length, dtype=dtype)
+    ladder = _ladder(family, hidden_step, **settings)
     return [m for m in takewhile(lambda m: m.num_parameters <= high, ladder) if m.num_parameters >= low]
 
 
@@ -154,8 +196,7 @@ class NaiveSize:
 
 def naive_size(family: Family | str, *, peak_tflop_per_s: float, gpus: int, days: float, mfu: float = 0.5,
                tokens_per_parameter: float = CHINCHILLA_TOKENS_PER_PARAMETER, hidden_step: int = HIDDEN_STEP,
-               vocab_size: int | None = None, seq_length: int | None = None,
-               dtype: Dtype | str | None = None) -> NaiveSize:
+               **settings: Any) -> NaiveSize:
     """The "fixed MFU" answer: the largest shape whose ``6 * N * D`` FLOPs, ``D`` its Chinchilla
     tokens, fit ``gpus * peak_tflop_per_s * mfu * days``. ``peak_tflop_per_s`` is one GPU's dense
     tensor rate for the model dtype. It assumes every model trains at the same MFU whatever its
@@ -167,7 +208,7 @@ def naive_size(family: Family | str, *, peak_tflop_per_s: float, gpus: int, days
         raise ConfigError(f"mfu must be a fraction in (0, 1], got {mfu!r}")
     budget = gpus * peak_tflop_per_s * 1e12 * mfu * days * SECONDS_PER_DAY
     best = None
-    for model in _ladder(family, hidden_step, vocab_size=vocab_size, seq_length=seq_length, dtype=dtype):
+    for model in _ladder(family, hidden_step, **settings):
         tokens = chinchilla_tokens(model.num_parameters, tokens_per_parameter)
         flops = training_flops(model.num_parameters, tokens)
         if flops > budget:
@@ -186,14 +227,14 @@ def _family(family: Family | str) -> Family:
     return Family(v.one_of("family", str(family), [f.value for f in Family]))
 
 
-def _ladder(family: Family | str, hidden_step: int, *, vocab_size: int | None, seq_length: int | None,
-            dtype: Dtype | str | None) -> Iterator[ModelSpec]:
-    """Every shape of the family, smallest first: hidden sizes ``hidden_step``, ``2 * hidden_step``..."""
+def _ladder(family: Family | str, hidden_step: int, **settings: Any) -> Iterator[ModelSpec]:
+    """Every shape of the family, smallest first: hidden sizes ``hidden_step``, ``2 * hidden_step``...;
+    ``settings``: those of :func:`family_shape`."""
     family = _family(family)
     v.positive_int("hidden_step", hidden_step)
     if hidden_step % HIDDEN_PER_LAYER:
         raise ConfigError(f"hidden_step ({hidden_step}) must be a multiple of {HIDDEN_PER_LAYER}")
     hidden = hidden_step
     while True:
-        yield family_shape(family, hidden, vocab_size=vocab_size, seq_length=seq_length, dtype=dtype)
+        yield family_shape(family, hidden, **settings)
         hidden += hidden_step

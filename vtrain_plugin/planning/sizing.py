@@ -29,7 +29,7 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import SECONDS_PER_DAY, SECONDS_PER_HOUR
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.planning.model_family import (CHINCHILLA_TOKENS_PER_PARAMETER, HIDDEN_STEP, NaiveSize,
-                                                 chinchilla_tokens, family_shapes, naive_size)
+                                                 chinchilla_tokens, describe_ladder, family_shapes, naive_size)
 from vtrain_plugin.planning.search import search
 from vtrain_plugin.planning.space import GpuBudget, SearchSpace
 from vtrain_plugin.specs.cluster import ClusterSpec
@@ -110,7 +110,12 @@ class SizingResult:
         return pd.DataFrame(rows)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"days": self.days, "budget_usd": self.budget_usd, "answer": self.answer.to_dict(),
+        model = self.answer.model
+        ladder = {"family": model.family.value, "vocab_size": model.vocab_size, "seq_length": model.seq_length,
+                  "num_query_groups": model.num_query_groups, "num_experts": model.num_experts,
+                  "moe_router_topk": model.moe_router_topk if model.num_experts is None else model.router_topk,
+                  "dtype": model.dtype.value, "description": describe_ladder(model)}
+        return {"days": self.days, "budget_usd": self.budget_usd, "ladder": ladder, "answer": self.answer.to_dict(),
                 "naive": None if self.naive is None else {
                     **self.naive_outcome.to_dict(), "naive_mfu": self.naive_mfu,
                     "naive_flops": self.naive.flops, "budget_flops": self.naive.budget_flops},
@@ -124,13 +129,18 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
                min_params: float = 1e9, max_params: float = 2e12, hidden_step: int = HIDDEN_STEP,
                space: SearchSpace | None = None, workers: int | None = None, progress: bool = False,
                reliability: ReliabilitySpec | None = ReliabilitySpec(),
-               profile_db: str | None | Literal[False] = None) -> SizingResult:
+               profile_db: str | None | Literal[False] = None, vocab_size: int | None = None,
+               seq_length: int | None = None, num_query_groups: int | None = None,
+               num_experts: int | None = None, moe_router_topk: int | None = None) -> SizingResult:
     """The largest ``family`` shape (``min_params`` .. ``max_params`` parameters) that trains on
     ``tokens_per_parameter`` tokens per parameter within ``days`` and/or ``budget_usd`` on ``gpus``
     GPUs of ``cluster`` (see the module doc). ``batch_tokens``: tokens per iteration, rounded down
     to whole sequences. ``space`` restricts each shape's search (default: every valid plan).
     ``reliability``: the failures, restarts and checkpoints the days and dollars count (None: off).
-    ``profile_db``: the profile database of the estimates (see :func:`~vtrain_plugin.estimate.estimate`)."""
+    ``profile_db``: the profile database of the estimates (see :func:`~vtrain_plugin.estimate.estimate`).
+    ``vocab_size``, ``seq_length``, ``num_query_groups`` (``MHA``: multi-head attention), ``num_experts``
+    and ``moe_router_topk``: the ladder's (:func:`~vtrain_plugin.planning.model_family.family_shape`;
+    None: the family's)."""
     if days is None and budget_usd is None:
         raise ConfigError("size: give a budget: days and/or budget_usd")
     if days is not None:
@@ -145,7 +155,10 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
     if not 0 < naive_mfu <= 1:
         raise ConfigError(f"naive_mfu must lie in (0, 1], got {naive_mfu!r}")
     budget = GpuBudget.of(gpus)
-    shapes = family_shapes(family, min_params=min_params, max_params=max_params, hidden_step=hidden_step)
+    settings = {"vocab_size": vocab_size, "seq_length": seq_length, "num_query_groups": num_query_groups,
+                "num_experts": num_experts, "moe_router_topk": moe_router_topk}
+    shapes = family_shapes(family, min_params=min_params, max_params=max_params, hidden_step=hidden_step,
+                           **settings)
     if not shapes:
         raise ConfigError(f"size: no {family} shape has between {min_params:.3g} and {max_params:.3g} parameters "
                           f"(hidden step {hidden_step})")
@@ -178,7 +191,8 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
     most = max(budget.counts or (budget.high,))
     naive = naive_size(family, peak_tflop_per_s=peak, gpus=most,
                        days=naive_days(days, budget_usd, cluster.price_per_gpu_hour_usd, most),
-                       mfu=naive_mfu, tokens_per_parameter=tokens_per_parameter, hidden_step=hidden_step)
+                       mfu=naive_mfu, tokens_per_parameter=tokens_per_parameter, hidden_step=hidden_step,
+                       **settings)
     naive_outcome = judge(naive.model)
     evaluated = tuple(outcomes[k] for k in sorted(outcomes))
     return SizingResult(answer=outcomes[shapes[low].num_parameters], evaluated=evaluated, naive=naive,

@@ -71,6 +71,17 @@ def parse_model_sections(data: Mapping[str, Any]) -> ModelSections:
                          cluster=v.mapping("cluster", data.get("cluster", {})))
 
 
+def plan_document(model: ModelSpec, parallel: ParallelPlan, training: TrainingSpec,
+                  cluster: Mapping[str, Any]) -> dict[str, Any]:
+    """The plan file of these specs, which :func:`parse_plan` reads back to equal specs: every field
+    of each, the training's reliability as the top-level ``reliability`` section (``off`` for None),
+    and ``cluster`` as given (the fields of a resolved :class:`ClusterSpec`)."""
+    training_section = training.to_dict()
+    reliability = training_section.pop("reliability")
+    return {"model": model.to_dict(), "parallel": parallel.to_dict(), "training": training_section,
+            "cluster": dict(cluster), "reliability": FAILURES_OFF if reliability is None else reliability}
+
+
 def _model(section: Any) -> ModelSpec:
     """The model section; a key naming a layer feature vtrain refuses on every input path
     (:data:`vtrain_plugin.specs.model_features.REFUSED`) is refused as on the others when it turns

@@ -93,7 +93,22 @@ class GradReduce(StrEnum):
     OVERLAP = "overlap"  # bucketed, launched during the last backward (Megatron DDP overlap_grad_reduce)
 
 
-DEFAULT_BUCKET_SIZE_MB = 40.0  # gradient buckets of the all-reduce path (without the distributed optimizer)
+# Megatron-Core's DDP bucket when none is given: max(4e7, 1e6 x DP) parameters
+# (DistributedDataParallel.__init__; DP without context parallelism).
+DEFAULT_BUCKET_ELEMENTS = 40_000_000
+DEFAULT_BUCKET_ELEMENTS_PER_DP_RANK = 1_000_000
+
+
+def default_bucket_elements(data_parallel: int) -> int:
+    """Parameters per gradient bucket when none is given, as Megatron-Core's DDP: max(4e7, 1e6 x DP).
+    The one default of every input path (plan file, Megatron-LM arguments) and of both reductions
+    (all-reduce, and the distributed optimizer's reduce-scatter)."""
+    return max(DEFAULT_BUCKET_ELEMENTS, DEFAULT_BUCKET_ELEMENTS_PER_DP_RANK * data_parallel)
+
+
+def default_bucket_size_mb(data_parallel: int, grad_nbytes: int) -> float:
+    """:func:`default_bucket_elements` in megabytes (10^6 bytes) of gradients of ``grad_nbytes`` each."""
+    return default_bucket_elements(data_parallel) * grad_nbytes / MEGABYTE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,8 +116,8 @@ class TrainingSpec:
     global_batch_size: int
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     grad_reduce: GradReduce = GradReduce.AFTER_BACKWARD
-    # Megabytes (10^6 bytes) of gradients per bucket; None: DEFAULT_BUCKET_SIZE_MB, or with the
-    # distributed optimizer Megatron-Core's max(40M, 1M x DP) parameters (see cost/param_buffer.py).
+    # Megabytes (10^6 bytes) of gradients per bucket; None: Megatron-Core's max(4e7, 1e6 x DP)
+    # parameters in the gradient dtype (default_bucket_elements), with or without the distributed optimizer.
     bucket_size_mb: float | None = None
     # The kernels the training software runs for the traced ops (vtrain_plugin.cost.lowering.stacks);
     # None: the plan's default, see stack_for.
@@ -287,10 +302,12 @@ class TrainingSpec:
             return self.fsdp.sharding_strategy.shards_optimizer
         return self.distributed_optimizer
 
-    @property
-    def bucket_nbytes(self) -> int:
-        """Gradient bytes per bucket of the all-reduce path."""
-        return int((self.bucket_size_mb or DEFAULT_BUCKET_SIZE_MB) * MEGABYTE)
+    def bucket_nbytes(self, data_parallel: int, grad_nbytes: int) -> int:
+        """Gradient bytes per bucket with ``data_parallel`` ranks and gradients of ``grad_nbytes``
+        bytes per element: ``bucket_size_mb``, else :func:`default_bucket_elements`."""
+        if self.bucket_size_mb is None:
+            return default_bucket_elements(data_parallel) * grad_nbytes
+        return int(self.bucket_size_mb * MEGABYTE)
 
     def num_microbatches(self, data_parallel: int, micro_batch_size: int) -> int:
         per_step = data_parallel * micro_batch_size

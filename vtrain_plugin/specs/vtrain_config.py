@@ -13,6 +13,8 @@ from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs import limits
 
+VTRAIN_BUCKET_SIZE_MB = 40.0  # the seed project's ddp_bucket_size when null (megabytes of gradients)
+
 VTRAIN_REQUIRED = (
     "num_gpus", "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size",
     "global_batch_size", "micro_batch_size", "num_layers", "hidden_size", "num_attention_heads",
@@ -62,8 +64,8 @@ def from_vtrain_config(data: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"pipeline_scheduling must be one of {', '.join(_SCHEDULES)}; got {v.show(schedule)}")
     vocab = d["vocab_size"]
     bucket = d["ddp_bucket_size"]
-    training_bucket = {} if bucket is None else {
-        "bucket_size_mb": limits.BUCKET_SIZE_MB.positive_number("ddp_bucket_size", bucket)}
+    training_bucket = {"bucket_size_mb": VTRAIN_BUCKET_SIZE_MB if bucket is None
+                       else limits.BUCKET_SIZE_MB.positive_number("ddp_bucket_size", bucket)}
     return {
         "model": {
             "family": "gpt",

@@ -48,7 +48,7 @@ def comm():
 def test_gradients_reduce_in_one_message_after_backward(comm):
     training = TrainingSpec(global_batch_size=8)
     blocks = [BlockGradients(2.0, 10_000_000, 1), BlockGradients(1.0, 30_000_000, 3)]
-    (bucket,) = dp_buckets(blocks, comm, training, 0)
+    (bucket,) = dp_buckets(blocks, comm, training, 0, grad_nbytes=4)
     assert bucket.ready_fraction == 1.0
     assert bucket.comm_ns == comm.time_ns(CollectiveKind.ALL_REDUCE, 100_000_000, ParallelGroup.DP)
 
@@ -56,7 +56,7 @@ def test_gradients_reduce_in_one_message_after_backward(comm):
 def test_overlapped_buckets_fill_in_backward_order_and_are_ready_when_full(comm):
     training = TrainingSpec(global_batch_size=8, grad_reduce="overlap", bucket_size_mb=50)
     blocks = [BlockGradients(2.0, 10_000_000, 1), BlockGradients(1.0, 30_000_000, 3)]  # embedding, 3 x 30 MB layers
-    buckets = dp_buckets(blocks, comm, training, 0)
+    buckets = dp_buckets(blocks, comm, training, 0, grad_nbytes=4)
     # backward: layer (30 MB, t=1), layer (60 MB >= 50: bucket at 2/5), layer (30 MB), embedding
     # (40 MB at t=5): the rest goes at the end
     assert [b.ready_fraction for b in buckets] == [0.4, 1.0]

@@ -5,14 +5,15 @@ import pytest
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.planning.model_family import (
-    HIDDEN_STEP, chinchilla_tokens, family_shape, family_shapes, naive_size, training_flops)
+    HIDDEN_STEP, MHA, chinchilla_tokens, family_shape, family_shapes, naive_size, training_flops)
 from vtrain_plugin.specs.model import Family, ModelSpec
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_shapes_follow_the_rule_and_grow_in_parameters(family):
     shapes = family_shapes(family, min_params=1e8, max_params=1e12)
-    assert [m.hidden_size for m in shapes] == [HIDDEN_STEP * k for k in range(1, 22)]
+    assert [m.hidden_size for m in shapes] == [HIDDEN_STEP * k for k in range(1, len(shapes) + 1)]
+    assert len(shapes) == {"gpt": 21, "llama": 22}[family]  # Llama's 8 query groups: fewer parameters per layer
     for m in shapes:
         assert m.family is Family(family) and m.head_dim == 128
         assert m.num_attention_heads == m.num_layers == m.hidden_size // 128
@@ -20,7 +21,7 @@ def test_shapes_follow_the_rule_and_grow_in_parameters(family):
     counts = [m.num_parameters for m in shapes]
     assert counts == sorted(set(counts))
     assert 1e8 <= counts[0] and counts[-1] <= 1e12
-    assert family_shape(family, 22 * HIDDEN_STEP).num_parameters > 1e12
+    assert family_shape(family, (len(shapes) + 1) * HIDDEN_STEP).num_parameters > 1e12
 
 
 def test_the_ladder_reproduces_gpt3_175b_and_llama2_7b():
@@ -30,10 +31,14 @@ def test_the_ladder_reproduces_gpt3_175b_and_llama2_7b():
     reference = ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048,
                           vocab_size=51200)
     assert gpt3[0].num_parameters == reference.num_parameters == 174_615_846_912
-    llama = family_shape("llama", 4096)
+    llama = family_shape("llama", 4096, vocab_size=32000, seq_length=4096, num_query_groups=MHA)
     assert (llama.num_layers, llama.num_attention_heads, llama.ffn_size) == (32, 32, 11008)
     assert (llama.vocab_size, llama.seq_length, llama.dtype, llama.tied) == (32000, 4096, Dtype.BF16, False)
     assert llama.num_parameters == 6_738_415_616  # Llama 2 7B
+    today = family_shape("llama", 4096)  # the default ladder: Llama 3's vocabulary, sequence and 8 KV groups
+    assert (today.vocab_size, today.seq_length, today.num_query_groups, today.num_experts) == (128256, 8192, 8, None)
+    # K and V of 8 groups rather than 32 heads (2 x 4096 x 3072 fewer per layer), two untied 128256-row tables
+    assert today.num_parameters == 6_738_415_616 - 32 * 2 * 4096 * 3072 + 2 * (128256 - 32000) * 4096
     assert family_shape("llama", 8192).ffn_size == 22016  # 8 * 8192 / 3 = 21845.3, up to 256: Llama 65B's
 
 
@@ -133,3 +138,17 @@ def test_presets_have_the_published_shapes_and_parameter_counts():
     assert all(m.name == name for name, m in MODEL_PRESETS.items())
     with pytest.raises(ConfigError, match="unknown model preset 'gpt4'; valid presets are gpt3-1.3b, "):
         model_preset("gpt4")
+
+
+def test_the_ladder_takes_query_groups_and_experts():
+    moe = family_shape("llama", 2048, num_query_groups=4, num_experts=8, moe_router_topk=2)
+    assert (moe.num_query_groups, moe.num_experts, moe.router_topk, moe.name) == (4, 8, 2, "llama-h2048-l16-e8k2")
+    dense = family_shape("llama", 2048, num_query_groups=4)
+    ffn = 3 * 2048 * 5632  # a SwiGLU FFN of 8 x 2048 / 3 up to 256; each expert has one, plus the router
+    assert moe.num_parameters == dense.num_parameters + 16 * (7 * ffn + 8 * 2048)
+    assert family_shape("gpt", 2048).num_query_groups is None  # GPT-3: multi-head attention
+    with pytest.raises(ConfigError, match=r"num_query_groups \(8\) must divide the heads of every shape: hidden "
+                                          r"size 1280 has 10 heads"):
+        family_shape("llama", 1280)
+    with pytest.raises(ConfigError, match="moe_router_topk needs num_experts"):
+        family_shape("llama", 2048, moe_router_topk=2)

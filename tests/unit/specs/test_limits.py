@@ -17,7 +17,7 @@ from vtrain_plugin.specs.limits import LIMITS, limits_table
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.run import RunConfig
-from vtrain_plugin.specs.training import DEFAULT_BUCKET_SIZE_MB, TrainingSpec
+from vtrain_plugin.specs.training import TrainingSpec
 
 GPT3 = json.loads((REPO / "examples/configs/gpt3_175b_512gpu.json").read_text())
 MODEL = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 128}
@@ -77,8 +77,8 @@ def test_vtrain_interleaved_schedule_is_refused_when_the_file_is_read(tmp_path):
 
 def test_vtrain_ddp_bucket_size_null_means_the_default():
     run = run_config_from_dict({**GPT3, "ddp_bucket_size": None, "use_gradient_bucket": True})
-    assert run.training.bucket_size_mb is None
-    assert run.training.bucket_nbytes == DEFAULT_BUCKET_SIZE_MB * 10**6 == 40e6
+    assert run.training.bucket_size_mb == 40.0  # the seed project's default, not Megatron-Core's
+    assert run.training.bucket_nbytes(run.parallel.data_parallel, 2) == 40e6
     assert run_config_from_dict({**GPT3, "ddp_bucket_size": 25}).training.bucket_size_mb == 25.0
 
 

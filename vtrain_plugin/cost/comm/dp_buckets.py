@@ -2,8 +2,8 @@
 
 Without overlap, Megatron-DeepSpeed reduces all gradients in one message after the last backward.
 With ``grad_reduce: overlap`` (Megatron DDP ``overlap_grad_reduce``), gradients fill buckets of
-``bucket_size_mb`` in backward order (blocks reversed); a bucket is ready when the backward of the
-last layer it holds is done, at that fraction of the chunk's backward time.
+``bucket_size_mb`` (default: Megatron-Core's max(4e7, 1e6 x DP) parameters) in backward order
+(blocks reversed); a bucket is ready when the backward of the last layer it holds is done, at that fraction of the chunk's backward time.
 
 With the distributed optimizer (:func:`zero_buckets`) the buckets are Megatron-Core's
 (:mod:`vtrain_plugin.cost.comm.param_buffer`): each is reduce-scattered (gradient dtype) when ready and
@@ -47,10 +47,11 @@ class BlockGradients:
 
 
 def dp_buckets(blocks: Sequence[BlockGradients], comm: CommModel, training: TrainingSpec,
-               pipeline_rank: int, group: ParallelGroup = ParallelGroup.DP) -> tuple[DpBucket, ...]:
+               pipeline_rank: int, group: ParallelGroup = ParallelGroup.DP, *, grad_nbytes: int) -> tuple[DpBucket, ...]:
     """The stage's buckets in the order they become ready (see the module doc), all-reduced over
     ``group`` (DP; expert DP for the gradients of experts split by expert parallelism, which
-    megatron-core's DDP keeps in buffers and buckets of their own)."""
+    megatron-core's DDP keeps in buffers and buckets of their own). ``grad_nbytes``: bytes per
+    gradient element, which the default bucket size (a number of parameters) is counted in."""
     total_grad = sum(b.grad_nbytes * b.count for b in blocks)
     if total_grad == 0:
         return ()
@@ -60,7 +61,7 @@ def dp_buckets(blocks: Sequence[BlockGradients], comm: CommModel, training: Trai
     buckets: list[DpBucket] = []
     pending = 0
     elapsed = 0.0
-    limit = training.bucket_nbytes
+    limit = training.bucket_nbytes(comm.data_parallel, grad_nbytes)
     for block in reversed(blocks):
         for _ in range(block.count):
             elapsed += block.backward_ns

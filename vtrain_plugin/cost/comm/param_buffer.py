@@ -28,11 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vtrain_plugin.core.units import MEGABYTE
+from vtrain_plugin.specs.training import default_bucket_elements
 
 PARAM_ALIGNMENT = 64  # elements: every parameter starts 128-byte aligned
 BUCKET_ALIGNMENT = 128  # elements: every bucket ends 256-byte aligned (and divisible by DP)
-DEFAULT_BUCKET_ELEMENTS = 40_000_000  # Megatron-Core's default: max(40M, 1M x DP) elements
-DEFAULT_BUCKET_ELEMENTS_PER_DP_RANK = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +46,7 @@ class Bucket:
 def bucket_elements(bucket_size_mb: float | None, *, data_parallel: int, grad_nbytes: int) -> int:
     """Elements per bucket: ``bucket_size_mb`` of gradients, else Megatron-Core's default."""
     if bucket_size_mb is None:
-        return max(DEFAULT_BUCKET_ELEMENTS, DEFAULT_BUCKET_ELEMENTS_PER_DP_RANK * data_parallel)
+        return default_bucket_elements(data_parallel)
     return max(1, int(bucket_size_mb * MEGABYTE) // grad_nbytes)
 
 

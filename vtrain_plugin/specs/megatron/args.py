@@ -41,7 +41,7 @@ from vtrain_plugin.specs.model_features import REFUSED, unmodelled_warning
 from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
 from vtrain_plugin.specs.pipeline_split import layout_stages
 from vtrain_plugin.specs.reliability import CheckpointMode, ReliabilitySpec
-from vtrain_plugin.specs.training import GradReduce, ScheduleKind, SoftwareStack, TrainingSpec
+from vtrain_plugin.specs.training import GradReduce, ScheduleKind, SoftwareStack, TrainingSpec, default_bucket_size_mb
 
 
 def _as_given(flag: str, value: Any) -> Any:
@@ -430,8 +430,10 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
     if not given.get("--overlap-grad-reduce"):
         return training
     flag = "--ddp-bucket-size"
-    elements = positive_int(flag, given[flag]) if flag in given else max(40_000_000, 1_000_000 * parallel.data_parallel)
-    return replace(training, bucket_size_mb=elements * training.grad_dtype(model.dtype).nbytes / 1e6)
+    grad_nbytes = training.grad_dtype(model.dtype).nbytes
+    if flag not in given:
+        return replace(training, bucket_size_mb=default_bucket_size_mb(parallel.data_parallel, grad_nbytes))
+    return replace(training, bucket_size_mb=positive_int(flag, given[flag]) * grad_nbytes / 1e6)
 
 
 def _fp8_bf16_edge_layers(given: Given, *, fp8: bool) -> dict[str, int]:
