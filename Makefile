@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
+TEST_WORKERS ?= 2  # pytest-xdist workers: the CI machine has 2 cores
 
 .PHONY: help setup run test lint goldens accuracy docs docs-check clean
 
@@ -17,15 +18,15 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install megatron-core==0.16.1
-	$(PIP) install pytest hypothesis pyyaml numpy import-linter tensorboard
+	$(PIP) install pytest pytest-xdist hypothesis pyyaml numpy import-linter tensorboard
 	$(PIP) install --no-build-isolation -e .
 	touch $(STAMP)
 
 run: setup  ## the main job: estimate Qwen3 8B in bf16 on 64 H100
 	$(VENV)/bin/vtrain estimate examples/plans/qwen3_8b_64gpu_h100.yaml
 
-test: setup  ## the test suite (import layering included)
-	$(PY) -m pytest tests
+test: setup  ## the test suite (import layering included), on TEST_WORKERS processes
+	$(PY) -m pytest tests -n $(TEST_WORKERS)
 
 lint: setup  ## pyflakes and the import-linter layer contract, where installed
 	@if $(PY) -m pyflakes --version >/dev/null 2>&1; then $(PY) -m pyflakes vtrain_plugin megatron_adapters profiler tests benchmarks; \

@@ -353,7 +353,7 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
                f"{100 * row['goodput']:.1f}%", f"{row['checkpoint_interval_iterations']:,.0f} it"] if expected else []),
             "*" if row["pareto"] else ""])
     skipped = sum(result.skipped.values())
-    lines = [f"ladder: {describe_ladder(result.answer.model)}", "", render_table(rows, header), "",
+    lines = [render_table(rows, header), "",
              f"{len(table):,} plans evaluated, {result.num_fitting:,} fit in memory, "
              f"{int(table['pareto'].sum()):,} on the Pareto front (*), ranked by {result.objective}"
              + (f" ({result.time_column if result.objective != 'cost' else result.cost_column})" if trained else "")
