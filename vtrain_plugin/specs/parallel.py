@@ -411,9 +411,10 @@ MOE_LAYOUT_RULES: tuple[LayoutRule, ...] = (
                               f"({m.expert_ffn_size})")),
     LayoutRule(
         name="moe bias needs etp 1",
-        broken=lambda p, m: m.is_moe and m.family is Family.GPT and p.expert_tp > 1,
-        message=lambda p, m: (f"expert_tensor_parallel ({p.expert_tp}) must be 1 for a gpt-family MoE model: "
-                              f"megatron-core supports expert linear biases only without expert TP")),
+        broken=lambda p, m: m.is_moe and m.layer.add_bias_linear and p.expert_tp > 1,
+        message=lambda p, m: (f"expert_tensor_parallel ({p.expert_tp}) must be 1 for a MoE model with linear biases "
+                              f"(model.add_bias_linear): megatron-core supports expert linear biases only without "
+                              f"expert TP")),
     LayoutRule(
         name="flex needs tp*ep > 1",
         broken=lambda p, m: (m.is_moe and p.moe_token_dispatcher is TokenDispatcher.FLEX

@@ -100,6 +100,12 @@ def _graph_impl(impl: str) -> Callable[[str, Any], str]:
     return lambda flag, value: impl if value else "none"
 
 
+def _layout(flag: str, value: Any) -> str:
+    """The layout string, without the backslashes a shell-escaped copy of it carries (``Et*3\\|\\(tt\\|\\)*6L``,
+    as test harnesses write it): no layout symbol is a backslash."""
+    return str(value).replace("\\", "")
+
+
 def _graph_impl_named(flag: str, value: Any) -> str:
     """``--cuda-graph-impl``; ``full_iteration`` (Megatron-LM main) is megatron-core's local graphs
     capturing the whole iteration, the scope :func:`_training` adds."""
@@ -186,7 +192,7 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--fp4-param-gather", None, None, "FP4 parameters (all-gathered in FP4)", _as_given),
     FlagField("--decoder-first-pipeline-num-layers", "parallel.decoder_first_pipeline_num_layers"),
     FlagField("--decoder-last-pipeline-num-layers", "parallel.decoder_last_pipeline_num_layers"),
-    FlagField("--pipeline-model-parallel-layout", "parallel.pipeline_layout", convert=_as_given),
+    FlagField("--pipeline-model-parallel-layout", "parallel.pipeline_layout", convert=_layout),
     FlagField("--mtp-num-layers", "model.mtp_num_layers"),
     FlagField("--account-for-embedding-in-pipeline-split", "parallel.account_for_embedding_in_pipeline_split",
               convert=_as_given),
@@ -332,6 +338,9 @@ def script_plan(commands: Sequence[LaunchCommand], *, gpus: int | None = None) -
 def _parallel(given: Given, values: dict[str, Any], model: ModelSpec, num_gpus: int, notes: list[str]
               ) -> ParallelPlan:
     tp, pp = values["tensor_parallel"], values["pipeline_parallel"]
+    if not model.is_moe and "expert_tensor_parallel" in values:  # no experts: Megatron-LM ignores it
+        notes.append(f"--expert-tensor-parallel-size {values.pop('expert_tensor_parallel')} without experts "
+                     f"(Megatron-LM ignores it)")
     cp = positive_int("--context-parallel-size", given.get("--context-parallel-size", 1))
     model_parallel = tp * pp * cp
     if num_gpus % model_parallel:
@@ -368,7 +377,7 @@ def _virtual_pipeline(given: Given, num_layers: int, pp: int) -> int:
         if given_too:
             raise ConfigError(f"--pipeline-model-parallel-layout with {given_too[0]}: the layout gives the virtual "
                               f"stages")
-        return max(1, len(layout_stages(given["--pipeline-model-parallel-layout"])) // pp)
+        return max(1, len(layout_stages(_layout("", given["--pipeline-model-parallel-layout"]))) // pp)
     if per_stage_flag in given and per_rank_flag in given:
         raise ConfigError(f"give {per_stage_flag} or {per_rank_flag}, not both")
     if per_rank_flag in given:

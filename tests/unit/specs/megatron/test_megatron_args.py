@@ -506,3 +506,25 @@ def test_first_last_layers_bf16_sets_the_layers_outside_fp8_and_changes_nothing_
     assert (bf16.fp8_bf16_layers_at_start, bf16.fp8_bf16_layers_at_end) == (0, 0)
     assert error(f"{fp8} --num-layers-at-start-in-bf16 -1") == (
         "--num-layers-at-start-in-bf16 must be a non-negative integer, got -1")
+
+
+def test_expert_tensor_parallel_without_experts_is_ignored_as_megatron_ignores_it():
+    p = plan("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 4")
+    assert p.parallel.expert_tensor_parallel is None
+    assert "--expert-tensor-parallel-size 4 without experts (Megatron-LM ignores it)" in p.unmodelled
+
+
+def test_expert_tp_is_refused_only_with_expert_biases():
+    moe = "--num-experts 8 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2 --sequence-parallel"
+    without = plan(f"{moe} --disable-bias-linear")  # GPT family, no biases
+    without.parallel.check_fits(without.model)
+    with_biases = plan(moe)
+    with pytest.raises(ConfigError, match=r"^expert_tensor_parallel \(2\) must be 1 for a MoE model with linear biases"):
+        with_biases.parallel.check_fits(with_biases.model)
+
+
+def test_a_shell_escaped_pipeline_layout_is_read_without_its_backslashes():
+    escaped = plan("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'Et*3\\\\|\\\\(tt\\\\|\\\\)*1tL'",
+                   gpus=2)
+    assert escaped.parallel == plan("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "
+                                    "'Et*3|(tt|)*1tL'", gpus=2).parallel
