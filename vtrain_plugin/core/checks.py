@@ -6,6 +6,7 @@ a megabyte string, a deeply nested list) still makes a short, one-line message.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import reprlib
 from collections.abc import Iterable, Mapping
@@ -140,3 +141,16 @@ def mapping(where: str, value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where} must be a mapping, got {type(value).__name__}")
     return value
+
+
+def settings_of(cls: type, where: str, value: Any, *, required: Iterable[str] = ()) -> Any:
+    """A settings dataclass given as itself, as a plan file's mapping of its fields, or as None
+    (``where`` names it in errors; ``required`` fields must be in the mapping)."""
+    if value is None or isinstance(value, cls):
+        return value
+    given = mapping(where, value)
+    no_unknown_keys(where, given, [f.name for f in dataclasses.fields(cls)])
+    for name in required:
+        if name not in given:
+            raise ConfigError(f"{where}.{name} is required")
+    return cls(**given)

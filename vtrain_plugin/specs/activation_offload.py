@@ -9,7 +9,7 @@ it trades HBM for host-link traffic, so the settings are validated here and pric
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from vtrain_plugin.core import checks as v
@@ -46,13 +46,7 @@ class ActivationOffload:
     @classmethod
     def of(cls, value: Any) -> ActivationOffload | None:
         """The settings given as themselves, a plan file's mapping, or None."""
-        if value is None or isinstance(value, ActivationOffload):
-            return value
-        given = v.mapping("training.activation_offload", value)
-        v.no_unknown_keys("training.activation_offload", given, [f.name for f in fields(cls)])
-        if "modules" not in given:
-            raise ConfigError("training.activation_offload.modules is required")
-        return cls(**given)
+        return v.settings_of(cls, "training.activation_offload", value, required=("modules",))
 
     def to_dict(self) -> dict[str, Any]:
         return {"modules": list(self.modules), "fraction": self.fraction,

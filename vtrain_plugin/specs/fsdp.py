@@ -9,7 +9,7 @@ the settings are validated here and priced in :mod:`vtrain_plugin.cost.comm.fsdp
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -93,11 +93,7 @@ class FsdpSettings:
     @classmethod
     def of(cls, value: Any) -> FsdpSettings | None:
         """The settings given as themselves, a plan file's mapping, or None."""
-        if value is None or isinstance(value, FsdpSettings):
-            return value
-        given = v.mapping("training.fsdp", value)
-        v.no_unknown_keys("training.fsdp", given, [f.name for f in fields(cls)])
-        return cls(**given)
+        return v.settings_of(cls, "training.fsdp", value)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
