@@ -43,7 +43,6 @@ _MISSING = object()
 def cpu_tracing_patches() -> Iterator[None]:
     """Patch, for the duration of the block, the CUDA entry points megatron-core 0.16 calls."""
     from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer.moe import moe_utils
 
     from megatron_adapters.stand_ins import stand_in_patches
 
@@ -55,12 +54,16 @@ def cpu_tracing_patches() -> Iterator[None]:
         # Activation checkpointing saves and restores the CUDA RNG; tracing needs no RNG state.
         (mrandom, "_get_cuda_rng_state", _cpu_rng_state),
         (mrandom, "_set_cuda_rng_state", _no_op),
-        # megatron-core 0.16.1 binds TransformerEngine's GEMM in moe_utils only when TE imports, then
-        # tests it against None in the router's gating GEMM: without TE the name must be None.
-        (moe_utils, "te_general_gemm", None),
         # Layers megatron-core cannot build on a CPU (attention masks on "cuda", TE's norm): stand_ins.py
         *stand_in_patches(),
     ]
+    with patched(patches):
+        yield
+
+
+@contextlib.contextmanager
+def patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Set each ``(object, attribute, value)`` for the duration of the block, then restore it."""
     saved = [(obj, name, getattr(obj, name, _MISSING)) for obj, name, _ in patches]
     try:
         for obj, name, value in patches:

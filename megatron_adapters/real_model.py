@@ -111,8 +111,9 @@ def train(model: ModelSpec, plan: ParallelPlan, *, num_microbatches: int, iterat
                           "torch.distributed is initialized: run `vtrain validate` apart from the training script "
                           "(inside it, time the script's own iterations with vtrain.IterationRecorder)")
     if model.is_moe:
-        raise ConfigError(f"model.num_experts ({model.num_experts}): real training of MoE models is not supported "
-                          f"yet (their estimates route tokens by an assumption, real training by the data)")
+        raise ConfigError(f"model.num_experts ({model.num_experts}): real training of MoE models is not supported: "
+                          f"the traced MoE layer routes by an assumption, and its step on real tensors ran 15x "
+                          f"slower than its own kernels on an H100 (benchmarks/results/2026-11-26_h100_today_layers.md)")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} requested but torch.cuda.is_available() is False")
@@ -208,12 +209,19 @@ def _status_bytes(field: str) -> int:
 
 @contextlib.contextmanager
 def _device_patches(dev: torch.device) -> Iterator[None]:
-    """On CPU, megatron-core's CUDA calls need the stand-ins the tracer uses; on CUDA, none."""
+    """On CPU, megatron-core's CUDA calls need the stand-ins the tracer uses; on CUDA, only the
+    names megatron-core 0.16 leaves unusable when TransformerEngine is not installed."""
     if dev.type == "cpu":
         from megatron_adapters.cpu_patches import cpu_tracing_patches
 
         with cpu_tracing_patches():
             yield
-    else:
-        with torch.cuda.device(dev):
-            yield
+        return
+    import importlib.util
+
+    from megatron_adapters.cpu_patches import patched
+    from megatron_adapters.stand_ins import no_transformer_engine_patches
+
+    patches = no_transformer_engine_patches() if importlib.util.find_spec("transformer_engine") is None else []
+    with torch.cuda.device(dev), patched(patches):
+        yield

@@ -573,14 +573,31 @@ def no_fp8_region(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManage
 
 
 def stand_in_patches() -> list[tuple[Any, str, Any]]:
-    """``(object, attribute, stand-in)`` for each patch this module needs while tracing; applied and
-    restored by :func:`megatron_adapters.cpu_patches.cpu_tracing_patches`."""
+    """``(object, attribute, stand-in)`` for each patch this module needs while tracing on the CPU;
+    applied and restored by :func:`megatron_adapters.cpu_patches.cpu_tracing_patches`."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    return [
+        # fused_softmax imported both names into its own namespace: patched there, where they are called
+        (fused_softmax, "get_sliding_window_causal_mask", sliding_window_causal_mask),
+        (fused_softmax, "get_default_causal_mask", default_causal_mask),
+        (utils, "get_sliding_window_causal_mask", sliding_window_causal_mask),
+        (utils, "get_default_causal_mask", default_causal_mask),
+        *no_transformer_engine_patches(),
+    ]
+
+
+def no_transformer_engine_patches() -> list[tuple[Any, str, Any]]:
+    """``(object, attribute, stand-in)`` for the names megatron-core 0.16 binds only when
+    TransformerEngine imports and then uses anyway: needed wherever TE is absent, on the CPU while
+    tracing and on a GPU training the local spec for real (``megatron_adapters.real_model``)."""
     import importlib
 
-    from megatron.core.fusions import fused_softmax
     from megatron.core.ssm.mamba_block import MambaStack
     from megatron.core.tensor_parallel import random as megatron_random
-    from megatron.core.transformer import multi_latent_attention, utils
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
 
     # The module whose TENorm the stack's constructor reads: ssm.mamba_block in 0.16, while 0.19 defines
     # the stack in models.hybrid.hybrid_block and only re-exports it (and TENorm) from ssm.mamba_block.
@@ -591,11 +608,9 @@ def stand_in_patches() -> list[tuple[Any, str, Any]]:
         # which it does without TransformerEngine (TE is a MagicMock there): MLASelfAttention then
         # calls isinstance(linear_proj, TELinear) with the mock and fails. TE is absent: False.
         (multi_latent_attention, "HAVE_TE", False),
-        # fused_softmax imported both names into its own namespace: patched there, where they are called
-        (fused_softmax, "get_sliding_window_causal_mask", sliding_window_causal_mask),
-        (fused_softmax, "get_default_causal_mask", default_causal_mask),
-        (utils, "get_sliding_window_causal_mask", sliding_window_causal_mask),
-        (utils, "get_default_causal_mask", default_causal_mask),
+        # moe_utils binds TransformerEngine's GEMM only when TE imports, then tests it against None
+        # in the router's gating GEMM: without TE the name must be None.
+        (moe_utils, "te_general_gemm", None),
         (stack_module, "TENorm", LocalNorm),
         # random.py binds these three only when TransformerEngine imports; CheckpointWithoutOutput
         # (layernorm, mla_up_proj and moe_act recompute) calls them whatever the precision

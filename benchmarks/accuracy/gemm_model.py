@@ -12,6 +12,9 @@ Reads a sweep written by ``gpu_kernel_sweep.py`` on a lent GPU and prints:
 3. Streaming kernels: the fraction of HBM bandwidth reached by size, against the model's
    ``bytes / (hbm * hbm_efficiency) + kernel_overhead``.
 4. Fused attention (PyTorch's flash backend): the fraction of dense peak forward and backward.
+5. Expert GEMMs (``grouped_gemm_sweep.py``'s CSV): one grouped kernel per expert linear, as
+   vtrain costs TEGroupedMLP (a batch of the experts' GEMMs), and one GEMM per expert, as it costs
+   SequentialMLP, against the model.
 
 Everything uses the KernelModel the estimator uses, with the device's ``default`` calibration for
 every constant that is not being scanned.
@@ -76,6 +79,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", type=Path, default=RESULTS / "h100_kernel_sweep.csv")
     parser.add_argument("--gpu", default="h100-sxm", help="device preset the sweep was measured on")
+    parser.add_argument("--grouped", type=Path, default=RESULTS / "h100_grouped_gemm.csv",
+                        help="expert GEMMs timed by grouped_gemm_sweep.py")
     args = parser.parse_args()
     device = get_device(args.gpu)
     base = calibration_for(device.name, "default").constants
@@ -120,6 +125,33 @@ def main() -> None:
                  f"{r.tflops / device.peak_bf16_tflop_per_s:.3f}"] for r in attention.itertuples()]
         print("\nfused attention, PyTorch flash backend (causal FLOPs)")
         print(render_table(rows, ["kernel", "shape", "TFLOP/s", "of peak"]))
+
+    if args.grouped.exists():
+        print("\nexpert GEMMs, bf16 (grouped: torch._grouped_mm, one kernel; loop: one torch.mm per expert)")
+        print(render_table(expert_gemm_rows(pd.read_csv(args.grouped), KernelModel(device, base)),
+                           ["shape", "GEMM", "experts x m x k x n", "grouped us", "model us", "err %",
+                            "loop us", "model us", "err %"]))
+
+
+def expert_gemm_rows(frame: pd.DataFrame, model: KernelModel) -> list[list[str]]:
+    """Each expert GEMM measured as one grouped kernel and as a loop, beside the model's time for
+    each: the grouped kernel as a batch of ``experts`` GEMMs, the loop as ``experts`` GEMMs of one."""
+    n = len(frame)
+    f = lambda col: frame[col].to_numpy(float)  # noqa: E731
+    flops = 2 * f("experts") * f("m") * f("k") * f("n")
+    nbytes = 2 * f("experts") * (f("m") * f("k") + f("k") * f("n") + f("m") * f("n"))
+
+    def batch(experts: np.ndarray, scale: np.ndarray) -> KernelBatch:
+        return KernelBatch(kind=np.full(n, KernelKind.GEMM, np.int8),
+                           dtype=np.full(n, tensor_dtype_code(Dtype.BF16), np.int8),
+                           flops=flops * scale, nbytes=nbytes * scale, batch=experts, m=f("m"), n=f("n"), k=f("k"),
+                           backward=np.zeros(n, bool))
+
+    grouped_us = model.device_ns(batch(f("experts"), np.ones(n))) / 1e3
+    loop_us = f("experts") * model.device_ns(batch(np.ones(n), 1 / f("experts"))) / 1e3
+    return [[r.shape, r.gemm, f"{r.experts} x {r.m} x {r.k} x {r.n}", f"{r.grouped_us:,.1f}", f"{g:,.1f}",
+             f"{100 * (g / r.grouped_us - 1):+.0f}", f"{r.loop_us:,.1f}", f"{lo:,.1f}", f"{100 * (lo / r.loop_us - 1):+.0f}"]
+            for r, g, lo in zip(frame.itertuples(), grouped_us, loop_us)]
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ for real, and write predicted against measured iteration time and peak memory.
         [--db PATH] [--out benchmarks/results/h100_validation.csv] [--export benchmarks/results/h100_profiles.json]
     python -m benchmarks.device.h100_validation --smoke     # two tiny plans on the CPU: checks the script, measures nothing
 
-For every plan (:data:`PLANS`: GPT and Llama, sizes, micro-batches and recompute modes that fit one
-80 GB GPU with Adam, in bf16): the one-device plan (:func:`vtrain_plugin.measured.one_device.single_device_run`:
+For every plan (:data:`PLANS`: GPT, Llama, Qwen3 with QK-norm and an MLA model, sizes, micro-batches
+and recompute modes that fit one 80 GB GPU with Adam, in bf16; ``ground_truth.sh`` runs them): the one-device plan (:func:`vtrain_plugin.measured.one_device.single_device_run`:
 megatron-core's local spec, the kernels the real step runs) is traced, each of its kernels not yet
 in the profile database is timed on the device (GEMMs, attention batched GEMMs, softmax, norms and
 the other memory-bound kernels, the optimizer's; a single GPU runs no collectives), then the real
@@ -16,7 +16,9 @@ the estimate's tensors on the device (weights, gradients, optimizer state, activ
 without the allowance for the CUDA context and fragmentation) against ``torch.cuda.max_memory_allocated``.
 
 Writes ``--out`` (CSV, atomically: ``plan, predicted_ms, measured_ms, error_pct, predicted_peak_gib,
-measured_peak_gib``; with ``--plans`` the rows of other plans already in the file are kept) and the
+measured_peak_gib, analytic_ms, analytic_error_pct, device``, where ``predicted`` is the estimate
+from the profiled kernels and ``analytic`` the one from the kernel model alone; with ``--plans`` the
+rows of other plans already in the file are kept) and the
 profile database as a portable JSON export (``--export``; ``vtrain profile-import`` reads it). A run
 that fails (out of memory, a kernel that cannot be replayed) is reported and the others go on.
 
@@ -41,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-COLUMNS = ["plan", "predicted_ms", "measured_ms", "error_pct", "predicted_peak_gib", "measured_peak_gib"]
+COLUMNS = ["plan", "predicted_ms", "measured_ms", "error_pct", "predicted_peak_gib", "measured_peak_gib",
+           "analytic_ms", "analytic_error_pct", "device"]
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, seq: int) -> dict[str, Any]:
@@ -75,19 +78,49 @@ PLANS: dict[str, dict[str, Any]] = {
     "llama-1b_mb2_selective": _plan(LLAMA_1B, 2, 8, "selective", "dgx-h100"),
 }
 
+# Today's layer kinds on the local spec (TransformerEngine does not install on the lent machine):
+# Qwen3 0.6B as published (QK RMSNorm, GQA 16/8, head dim 128 != hidden / heads, tied embeddings); a
+# DeepSeek-V2-Lite-shaped MLA model (KV LoRA 512, no-RoPE / RoPE / value head dims 128 / 64 / 128);
+# a functional-test-sized GPT (12 x 512, host-bound: what NVIDIA's CI runs measure); Llama 3.2 1B
+# with selective recompute.
+QWEN3_06B = {**_llama("qwen3-0.6b", 28, 1024, 16, 8, 3072, 4096), "vocab_size": 151936, "kv_channels": 128,
+             "qk_layernorm": True, "tied_embeddings": True}
+MLA_SMALL = {**{k: v for k, v in _llama("mla-0.5b", 12, 1024, 16, 16, 2816, 4096).items() if k != "num_query_groups"},
+             "multi_latent_attention": True, "kv_lora_rank": 512, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64,
+             "v_head_dim": 128}
+CI_GPT = _gpt("ci-gpt-126m", 12, 512, 8, 1024)
+LLAMA32_1B = {**_llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 4096), "vocab_size": 128256, "tied_embeddings": True}
+PLANS.update({
+    "qwen3-0.6b_mb1_none": _plan(QWEN3_06B, 1, 4, "none", "dgx-h100"),
+    "mla-0.5b_mb1_none": _plan(MLA_SMALL, 1, 4, "none", "dgx-h100"),
+    "ci-gpt-126m_mb4_none": _plan(CI_GPT, 4, 32, "none", "dgx-h100"),
+    "llama3.2-1b_mb1_selective": _plan(LLAMA32_1B, 1, 4, "selective", "dgx-h100"),
+    "qwen3-0.6b_mb2_full": _plan(QWEN3_06B, 2, 8, "full", "dgx-h100"),
+})
+
 # --smoke: the same steps on the CPU with models small enough for seconds (checks the script only).
 SMOKE_PLANS: dict[str, dict[str, Any]] = {
     "gpt-tiny_mb2_none": _plan({**_gpt("gpt-tiny", 2, 64, 4, 32), "vocab_size": 256, "dtype": "fp32"},
                                2, 4, "none", "local-cpu"),
     "llama-tiny_mb1_full": _plan({**_llama("llama-tiny", 2, 64, 4, 2, 256, 32), "vocab_size": 256, "dtype": "fp32"},
                                  1, 2, "full", "local-cpu"),
+    "mla-tiny_mb1_none": _plan({**{k: v for k, v in _llama("mla-tiny", 2, 64, 4, 4, 128, 32).items()
+                                   if k != "num_query_groups"}, "vocab_size": 256, "dtype": "fp32",
+                                "multi_latent_attention": True, "kv_lora_rank": 32, "qk_head_dim": 16,
+                                "qk_pos_emb_head_dim": 16, "v_head_dim": 16}, 1, 2, "none", "local-cpu"),
 }
 
 
 def validate_plan(name: str, mapping: dict[str, Any], device: str, db_path: Path, iterations: int,
-                  warmup: int) -> dict[str, Any]:
-    """Profile the plan's kernels on ``device``, train it there, and return its CSV row."""
+                  warmup: int, out: Path) -> dict[str, Any]:
+    """Train the plan on ``device`` (compared with the analytical estimate), write that row, then
+    profile its kernels there and return the row with the estimate from the profiled kernels.
+
+    Training comes first: a kernel replay that breaks the device (an illegal address) cannot then
+    lose the measurement; the row is rewritten once the profiled estimate exists.
+    """
     from profiler.db import ProfileDB
+    from profiler.fingerprint import current_fingerprint
     from profiler.replay import profile_kernels
     from vtrain_plugin.runs import run_config_from_dict
     from vtrain_plugin.capture.tracer import trace
@@ -97,16 +130,25 @@ def validate_plan(name: str, mapping: dict[str, Any], device: str, db_path: Path
 
     run = run_config_from_dict(mapping, source=name)
     single, _ = single_device_run(run, device)
+    result = validate(run, device=device, db_path=None, iterations=iterations, warmup=warmup)
+    analytic = estimate(single)
+    c = result.comparison
+    row = {"plan": name, "predicted_ms": math.nan, "measured_ms": c.measured_ms, "error_pct": math.nan,
+           "predicted_peak_gib": analytic.memory_gib[0].tensors_gib,
+           "measured_peak_gib": result.peak_memory_measured_gib, "analytic_ms": analytic.iteration_time_ms,
+           "analytic_error_pct": 100 * (analytic.iteration_time_ms / c.measured_ms - 1),
+           "device": current_fingerprint(device).label}
+    write_rows([row], out)
+    _say(f"{name}: measured {c.measured_ms:,.1f} ms, analytic {analytic.iteration_time_ms:,.1f} ms, "
+         f"peak {row['measured_peak_gib']:.2f} GiB; profiling")
     with ProfileDB.open(db_path) as db:
         summary = profile_kernels(trace(single.model, single.parallel).unique_kernels(), device, db, progress=False)
     _say(f"{name}: profiled {summary.measured} kernels ({summary.skipped} already there, "
          f"{len(summary.failed)} failed)")
-    result = validate(run, device=device, db_path=db_path, iterations=iterations, warmup=warmup)
     predicted = estimate(single, profile_db=db_path)
-    c = result.comparison
-    return {"plan": name, "predicted_ms": c.predicted_ms, "measured_ms": c.measured_ms, "error_pct": c.error_pct,
-            "predicted_peak_gib": predicted.memory_gib[0].tensors_gib,
-            "measured_peak_gib": result.peak_memory_measured_gib}
+    row.update(predicted_ms=predicted.iteration_time_ms,
+               error_pct=100 * (predicted.iteration_time_ms / c.measured_ms - 1))
+    return row
 
 
 def write_rows(rows: list[dict[str, Any]], path: Path, columns: list[str] = COLUMNS) -> None:
@@ -118,7 +160,8 @@ def write_rows(rows: list[dict[str, Any]], path: Path, columns: list[str] = COLU
     frame = pd.DataFrame(rows, columns=columns)
     if path.exists():
         old = pd.read_csv(path)
-        if list(old.columns) == columns:
+        if set(old.columns) <= set(columns):  # rows of an older layout keep their values, new columns empty
+            old = old.reindex(columns=columns)
             frame = pd.concat([old[~old["plan"].isin(frame["plan"])], frame], ignore_index=True)
     atomic_write_text(path, frame.to_csv(index=False, float_format="%.3f"))
 
@@ -141,7 +184,11 @@ def each_in_its_own_process(script: str, names: list[str], args: argparse.Namesp
             command += ["--export", str(args.export)] if args.export is not None else []
             command += ["--device", args.device] if args.device else []
             command += ["--smoke"] if args.smoke else []
-            failed += subprocess.run(command, check=False).returncode != 0
+            try:
+                failed += subprocess.run(command, check=False, timeout=args.plan_timeout).returncode != 0
+            except subprocess.TimeoutExpired:  # the rows it wrote before the limit stay in the CSV
+                _say(f"{name}: stopped after {args.plan_timeout:.0f} s (--plan-timeout)")
+                failed += 1
     print(f"{len(names) - failed} of {len(names)} plans ran; rows in {args.out}")
     return 1 if failed else 0
 
@@ -163,7 +210,9 @@ def parse_run_arguments(doc: str, argv: list[str] | None, *, plans: dict[str, An
     parser.add_argument("--db", type=Path, default=None, help="profile database (default: a temporary file)")
     parser.add_argument("--out", type=Path, default=out)
     parser.add_argument("--export", type=Path, default=export, help="portable JSON export of the profile database")
-    parser.add_argument("--smoke", action="store_true", help="two tiny plans on the CPU, 1 iteration")
+    parser.add_argument("--smoke", action="store_true", help="tiny plans on the CPU, 1 iteration")
+    parser.add_argument("--plan-timeout", type=float, default=None,
+                        help="seconds each plan's process may run (on a GPU, where each plan has its own)")
     args = parser.parse_args(argv)
 
     catalogue = smoke_plans if args.smoke else plans
@@ -190,8 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             start = time.perf_counter()
             try:
-                row = validate_plan(name, catalogue[name], device, db_path, iterations, warmup)
+                row = validate_plan(name, catalogue[name], device, db_path, iterations, warmup, args.out)
             except Exception as exc:  # one failed plan (out of memory, say) must not lose the others
+                import traceback
+
+                traceback.print_exc()  # a benchmark's log: the whole story of a failed plan
                 _say(f"{name}: FAILED: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
                 continue
             rows.append(row)
