@@ -4,8 +4,9 @@ Layers are folded only when verified identical: same kernels, shapes, phases, co
 module paths (with the layer index removed), in the same order. A layer that differs keeps a block
 of its own. A chunk that mixes MoE and dense layers has a template per kind, each counted as many
 times as the chunk holds that kind (:func:`fold_layer_kinds`).
-A chunk that alternates sliding-window and full-attention layers folds into one template of each
-kind (:func:`fold_window_kinds`), counted from the stage's layer numbers.
+A chunk that alternates sliding-window and full-attention layers, or NoPE and RoPE layers, folds
+into one template of each kind (:func:`fold_window_kinds`, :func:`fold_nope_kinds`), counted from the
+stage's layer numbers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import replace
 
 from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveNode, Node, OpNode, ParallelGroup)
 from megatron_adapters.conventions import (EMBEDDING, SHARED_BY_CORE_ATTENTION, is_core_attention_module,
-                                          is_embedding_module, is_head_module, split_layer_module)
+                                          is_embedding_module, is_head_module, split_layer_module,
+                                          traced_nope_layers)
 from vtrain_plugin.core.errors import TraceError
 from vtrain_plugin.capture.records import OpRecord, Record
 
@@ -176,17 +178,37 @@ def fold_window_kinds(blocks: Sequence[Block], total_layers: int, windowed: int)
     """Fold the traced layers of a chunk that alternates windowed and full-attention layers into one
     template of each kind, counted ``windowed`` and ``total_layers - windowed``; a kind with no layer in
     this chunk is left out. The traced layers of each kind must be identical."""
-    layers = [b for b in blocks if b.kind is BlockKind.LAYER]
+    return _fold_two_kinds(blocks, total_layers, windowed, [is_windowed(b) for b in _layers(blocks)],
+                           ("windowed", "full-attention"))
+
+
+def fold_nope_kinds(blocks: Sequence[Block], total_layers: int, nope: int) -> list[Block]:
+    """Fold the traced layers of a chunk that mixes NoPE and RoPE layers (built as
+    :func:`~megatron_adapters.conventions.traced_nope_layers` says) into one template of each kind,
+    counted ``nope`` and ``total_layers - nope``, as :func:`fold_window_kinds` does."""
+    traced = _layers(blocks)
+    return _fold_two_kinds(blocks, total_layers, nope, list(traced_nope_layers(len(traced), True)), ("NoPE", "RoPE"))
+
+
+def _layers(blocks: Sequence[Block]) -> list[Block]:
+    return [b for b in blocks if b.kind is BlockKind.LAYER]
+
+
+def _fold_two_kinds(blocks: Sequence[Block], total_layers: int, count: int, is_kind: list[bool],
+                    names: tuple[str, str]) -> list[Block]:
+    """The traced layers (``is_kind``: whether each is of the first kind) folded into one template of
+    each kind, counted ``count`` and ``total_layers - count``; a kind without layers left out."""
+    layers = _layers(blocks)
     others_before = [b for b in blocks if b.kind in (BlockKind.EMBEDDING, BlockKind.STAGE)]
     others_after = [b for b in blocks if b.kind is BlockKind.HEAD]
     kinds: dict[bool, list[Block]] = {}
-    for b in layers:
-        kinds.setdefault(is_windowed(b), []).append(b)
+    for b, kind in zip(layers, is_kind, strict=True):
+        kinds.setdefault(kind, []).append(b)
     if set(kinds) != {True, False}:
-        raise TraceError(f"a chunk of windowed and full-attention layers traced {len(layers)} layer(s) of one kind")
+        raise TraceError(f"a chunk of {names[0]} and {names[1]} layers traced {len(layers)} layer(s) of one kind")
     for kind, group in kinds.items():
         if any(_signature(b) != _signature(group[0]) for b in group[1:]):
-            raise TraceError(f"the traced {'windowed' if kind else 'full-attention'} layers differ")
-    counts = {True: windowed, False: total_layers - windowed}
+            raise TraceError(f"the traced {names[0] if kind else names[1]} layers differ")
+    counts = {True: count, False: total_layers - count}
     folded = [replace(kinds[kind][0], count=counts[kind]) for kind in (True, False) if counts[kind]]
     return others_before + folded + others_after

@@ -227,6 +227,10 @@ def _layer_label(model) -> str:
         parts.append(f"rotary {model.rotary_percent:.0%}")
     parts += ["QK layer norm"] * model.qk_layernorm + ["QK L2 norm"] * model.qk_l2_norm
     parts += ["layernorm-1p"] * model.layernorm_zero_centered_gamma
+    if isinstance(model.no_rope_freq, int):
+        parts.append("NoPE on every layer" if model.no_rope_freq == 1 else f"NoPE every {model.no_rope_freq} layers")
+    elif model.no_rope_freq is not None:
+        parts.append(f"NoPE on {sum(model.no_rope_freq)} of {model.num_layers} layers")
     return "".join(f", {p}" for p in parts)
 
 

@@ -173,6 +173,9 @@ class ModelSpec:
     window_size: tuple[int, int] | None = None
     window_attn_skip_freq: int | None = None
     softmax_type: str = "vanilla"
+    # NoPE layers (Llama 4), megatron-core's no_rope_freq: N, every N-th layer (layers N, 2N, ...) without
+    # the rotary embedding; or 0 (RoPE) / 1 (NoPE) per layer. None: RoPE on every layer.
+    no_rope_freq: int | tuple[int, ...] | None = None
     # Multi-token prediction (megatron-core's MTP block on the last pipeline stage): this many MTP
     # layers, each a transformer layer of the model's kind after its embedding and hidden norms and
     # projection, sharing the embedding and output layer. None: off.

@@ -165,7 +165,12 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     plan_fields = {f.name for f in dataclasses.fields(ParallelPlan)}
     assert model_fields == (set(MODEL_VARIANTS) | set(MOE_MODEL_VARIANTS) | set(HYBRID_MODEL_VARIANTS)
                             | set(MODEL_FIELDS_NOT_IN_KEY) | MODEL_FIELDS_REFUSED | set(LAYER_VARIANTS)
-                            | {"rotary_percent", "add_qkv_bias"} | set(GLU_VARIANTS) | set(ATTENTION_VARIANTS))
+                            | {"rotary_percent", "add_qkv_bias"} | set(GLU_VARIANTS) | set(ATTENTION_VARIANTS)
+                            | {"no_rope_freq"})
+    llama = dataclasses.replace(MODEL, family="llama")  # NoPE layers skip RoPE, which a llama has
+    assert shape_key(dataclasses.replace(llama, no_rope_freq=1), PLAN, True, True, 2) != \
+        shape_key(llama, PLAN, True, True, 2)
+    assert "no_rope_freq" not in named_shape_key(shape_key(llama, PLAN, True, True, 2))["model"]
     assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
                            | {"virtual_pipeline", "recompute_modules"} | set(LAYOUT_NOT_IN_KEY)
                            | {"hierarchical_context_parallel_sizes"}  # like cp_comm_type: derived when costing
