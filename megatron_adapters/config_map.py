@@ -167,12 +167,15 @@ MOE_FEATURES = tuple(MOE_FEATURE_DEFAULTS)
 
 def _moe_features(config: Any) -> dict[str, Any]:
     """The MoE feature fields of ``config`` (shared experts and their overlap, the MoE layer pattern,
-    grouped-GEMM experts, the router's variants, the capacity factor): ModelSpec checks them."""
+    grouped-GEMM experts, the router's variants and sinkhorn load balancing, the capacity factor):
+    ModelSpec checks them."""
     if not getattr(config, "num_moe_experts", None):
         return {}
     out: dict[str, Any] = {}
     for name in MOE_FEATURES:
         value = getattr(config, name, MOE_FEATURE_DEFAULTS[name])
+        if name == "moe_router_load_balancing_type" and value != "sinkhorn":
+            continue  # an auxiliary loss of any kind: vtrain traces its own (LOAD_BALANCING)
         if isinstance(value, list):
             value = tuple(value)
         if value != MOE_FEATURE_DEFAULTS[name]:

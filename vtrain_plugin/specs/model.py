@@ -30,6 +30,21 @@ class RouterScore(StrEnum):
     SIGMOID = "sigmoid"
 
 
+class LoadBalancing(StrEnum):
+    """The router's load balancing (megatron-core's moe_router_load_balancing_type) vtrain traces."""
+
+    AUX_LOSS = "aux_loss"  # an auxiliary loss (coefficient 0.01; Megatron-LM's other loss types traced as it)
+    SINKHORN = "sinkhorn"  # S-BASE: sinkhorn-normalised scores pick the experts; no auxiliary loss
+
+
+# Iterations of megatron-core's sinkhorn per MoE layer and step, assumed: it iterates until the mean
+# change of its expert scaling is under 1e-4, which is data. Measured with megatron-core's own loop on
+# 8192 tokens of random logits: 2 to 12 iterations over logit standard deviations 0.1 to 4 and 8 to 128
+# experts; 4 at a standard deviation of 2, above a router's at initialisation (0.02 x sqrt(hidden) ~ 1.3
+# at hidden 4096).
+SINKHORN_ITERATIONS = 4
+
+
 class TokenDropPolicy(StrEnum):
     """Which tokens an expert over capacity drops (megatron-core's moe_token_drop_policy)."""
 
@@ -131,6 +146,7 @@ class ModelSpec:
     moe_expert_capacity_factor: float | None = None  # an expert takes at most this x the balanced share
     moe_pad_expert_input_to_capacity: bool = False  # ... and is padded up to it
     moe_token_drop_policy: TokenDropPolicy = TokenDropPolicy.PROBS
+    moe_router_load_balancing_type: LoadBalancing = LoadBalancing.AUX_LOSS
     # The layer's choices (megatron-core's names, :data:`LAYER_FIELD_DEFAULTS`); None: the family's
     # (:data:`FAMILY_LAYERS`, read through :attr:`layer`). A value equal to the family's is stored as
     # None, so a model has one spelling whatever the input path.
@@ -188,6 +204,9 @@ class ModelSpec:
             "model.moe_router_score_function", self.moe_router_score_function, [r.value for r in RouterScore])))
         object.__setattr__(self, "moe_token_drop_policy", TokenDropPolicy(v.one_of(
             "model.moe_token_drop_policy", self.moe_token_drop_policy, [p.value for p in TokenDropPolicy])))
+        object.__setattr__(self, "moe_router_load_balancing_type", LoadBalancing(v.one_of(
+            "model.moe_router_load_balancing_type", self.moe_router_load_balancing_type,
+            [b.value for b in LoadBalancing])))
         if isinstance(self.moe_layer_freq, list):  # a plan file's list
             object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
         for name, limit in (("num_layers", limits.NUM_LAYERS), ("hidden_size", limits.HIDDEN_SIZE),
@@ -381,7 +400,7 @@ MOE_FEATURE_DEFAULTS = {
     "moe_grouped_gemm": False, "moe_router_score_function": RouterScore.SOFTMAX, "moe_router_num_groups": None,
     "moe_router_group_topk": None, "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None,
     "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
-    "moe_token_drop_policy": TokenDropPolicy.PROBS,
+    "moe_token_drop_policy": TokenDropPolicy.PROBS, "moe_router_load_balancing_type": LoadBalancing.AUX_LOSS,
 }
 
 
@@ -519,6 +538,12 @@ def check_moe_fields(model: ModelSpec) -> None:
                           "(megatron-core's aux-loss-free routing)")
     _check_layer_freq(model)
     _check_group_routing(model)
+    if model.moe_router_load_balancing_type is LoadBalancing.SINKHORN:
+        ignored = [name for name in ("moe_router_score_function", "moe_router_num_groups",
+                                     "moe_router_enable_expert_bias") if getattr(model, name) != MOE_FEATURE_DEFAULTS[name]]
+        if ignored:
+            raise ConfigError(f"model.{ignored[0]} with model.moe_router_load_balancing_type sinkhorn: megatron-core's "
+                              f"sinkhorn router ignores it (it scores with softmax, or sigmoid at top-1, alone)")
     if model.moe_router_topk_scaling_factor is not None:
         v.positive_finite_number("model.moe_router_topk_scaling_factor", model.moe_router_topk_scaling_factor)
     if model.moe_expert_capacity_factor is not None:
