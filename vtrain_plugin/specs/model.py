@@ -169,7 +169,7 @@ class ModelSpec:
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: float | None = None
     # Mamba hybrid (megatron-core MambaModel, vtrain_plugin/specs/hybrid.py): one letter per layer,
-    # M Mamba-2, * attention, - MLP; None: a transformer (GPTModel). The mamba_* fields default to
+    # M Mamba-2, * attention, - MLP, E MoE (of num_experts experts); None: a transformer (GPTModel). The mamba_* fields default to
     # megatron-core's (state 128, head dim 64, 8 groups, heads 2 * hidden / head dim).
     hybrid_layer_pattern: str | None = None
     mamba_state_dim: int | None = None
@@ -262,6 +262,8 @@ class ModelSpec:
         0, k, 2k, ...); every layer is dense in a dense model."""
         if not self.is_moe:
             return (False,) * self.num_layers
+        if self.hybrid_layer_pattern is not None:
+            return tuple(kind == hybrid.MOE for kind in self.hybrid_layer_pattern)
         freq = self.moe_layer_freq
         if isinstance(freq, tuple):
             return tuple(bool(x) for x in freq)
@@ -273,8 +275,9 @@ class ModelSpec:
 
     @property
     def has_dense_layers_between_moe(self) -> bool:
-        """A MoE model with some dense layers (moe_layer_freq other than 1)."""
-        return self.is_moe and not all(self.moe_layer_pattern)
+        """A transformer with MoE and dense layers (moe_layer_freq other than 1); a hybrid's layers are
+        its pattern's."""
+        return self.is_moe and not self.is_hybrid and not all(self.moe_layer_pattern)
 
     @property
     def is_hybrid(self) -> bool:
@@ -368,6 +371,7 @@ class ModelSpec:
             return (counts[hybrid.MAMBA] * (norm * h + self._mamba_mixer_parameters())
                     + counts[hybrid.ATTENTION] * (norm * h + attn + qk_norms)
                     + counts[hybrid.MLP] * (norm * h + dense_mlp)
+                    + counts[hybrid.MOE] * (norm * h + moe_mlp)
                     + embed + positions + norm * h)
         return (self.num_layers * (attn + qk_norms + 2 * norm * h) + moe_layers * moe_mlp
                 + (self.num_layers - moe_layers) * dense_mlp + embed + positions + norm * h + mtp)
@@ -486,9 +490,12 @@ def check_hybrid_fields(model: ModelSpec) -> None:
     if len(pattern) != model.num_layers:
         raise ConfigError(f"model.hybrid_layer_pattern has {len(pattern)} layers, model.num_layers is "
                           f"{model.num_layers}: one letter per layer")
-    if model.is_moe:
-        raise ConfigError("model.num_experts with model.hybrid_layer_pattern: MoE layers in a hybrid are not "
-                          "modelled by vtrain yet")
+    if model.is_moe != (hybrid.MOE in pattern):
+        raise ConfigError("model.num_experts and a MoE layer (E) in model.hybrid_layer_pattern go together: "
+                          "the pattern places a hybrid's MoE layers, num_experts sizes them")
+    if model.moe_layer_freq != 1:
+        raise ConfigError("model.moe_layer_freq with model.hybrid_layer_pattern: a hybrid's MoE layers are its "
+                          "pattern's E layers")
     for name in mamba:
         if getattr(model, name) is not None:
             v.positive_int(f"model.{name}", getattr(model, name))
