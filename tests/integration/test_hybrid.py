@@ -18,6 +18,7 @@ from vtrain_plugin.cost.kernels.op_classes import OpClass, classify
 from vtrain_plugin.cost.lowering.fusion import op_name
 from vtrain_plugin.cost.lowering.mamba import MixerDims, mixer_dims, mixer_saved_delta
 from vtrain_plugin.cost.lowering.stacks import map_nodes
+from vtrain_plugin.cli.render import layer_kinds
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.runs import load_run_config
 from vtrain_plugin.specs.model import ModelSpec
@@ -131,6 +132,8 @@ def test_moe_layers_of_a_hybrid_are_megatron_cores_moe_layers_counted_per_stage(
     modules = {n.module.split(".", 3)[-1] for n in moe.nodes}
     assert {"mlp.router", "mlp.experts.local_experts.0.linear_fc1"} <= modules
     assert any(n.group.value == "ep" for n in moe.nodes if not isinstance(n, OpNode))  # the token all-to-all
+    assert [[(kind, count) for kind, count, *_ in layer_kinds(s, model)] for s in graph.stages] == [
+        [("Mamba", 1), ("attention", 1), ("MoE", 1)], [("Mamba", 1), ("MoE", 1), ("MLP", 1)]]  # as vtrain trace shows
     traced = [sum(b.count * b.num_parameters for b in s.blocks) for s in graph.stages]
     assert traced == megatron_core_shards(model, MOE_PLAN)
     assert model.num_parameters == sum(megatron_core_shards(model, ParallelPlan()))

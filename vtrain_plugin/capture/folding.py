@@ -174,6 +174,45 @@ def is_windowed(block: Block) -> bool:
                for n in block.nodes)
 
 
+MTP_LAYER = "mtp.layers.0"  # the first multi-token-prediction layer, in the head block (its others alike)
+
+
+def layer_kind(block: Block, *, nope_possible: bool = False) -> str:
+    """What kind of layer a folded layer block is, from the modules its ops ran in: ``Mamba`` (a
+    hybrid's mixer), ``MoE`` (a router), ``attention`` or ``MLP`` (a hybrid's layers of one part),
+    else ``dense``; with `` window`` when its core attention builds a sliding-window mask, and
+    `` NoPE`` when ``nope_possible`` (the model has NoPE layers) and no rotary embedding ran in its
+    self-attention. An MTP layer (:data:`MTP_LAYER`, in the head) is ``MTP`` plus its layer's kind."""
+    modules = {n.module for n in block.nodes}
+
+    def has(part: str) -> bool:
+        return any(part in m for m in modules)
+
+    if has(".mixer"):
+        kind = "Mamba"
+    elif has(".mlp.router"):
+        kind = "MoE"
+    elif has(".self_attention") != has(".mlp"):
+        kind = "attention" if has(".self_attention") else "MLP"
+    else:
+        kind = "dense"
+    if is_windowed(block):
+        kind += " window"
+    if nope_possible and has(".self_attention") and not any(
+            isinstance(n, OpNode) and n.key.op == ROTARY_OP and ".self_attention" in n.module for n in block.nodes):
+        kind += " NoPE"
+    return kind
+
+
+ROTARY_OP = "aten.cos.default"  # the local spec's unfused RoPE takes the cosine of the frequencies per layer
+
+
+def mtp_layer(head: Block) -> Block | None:
+    """The first MTP layer's ops of a head block, as a block of their own (None without MTP)."""
+    nodes = tuple(n for n in head.nodes if n.module == MTP_LAYER or n.module.startswith(MTP_LAYER + "."))
+    return replace(head, name=MTP_LAYER, nodes=nodes) if nodes else None
+
+
 def fold_window_kinds(blocks: Sequence[Block], total_layers: int, windowed: int) -> list[Block]:
     """Fold the traced layers of a chunk that alternates windowed and full-attention layers into one
     template of each kind, counted ``windowed`` and ``total_layers - windowed``; a kind with no layer in
