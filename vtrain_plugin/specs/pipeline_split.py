@@ -109,7 +109,7 @@ def _per_rank(plan: ParallelPlan, model: ModelSpec) -> tuple[tuple[int, ...], st
         if slots % pp:
             if slots == total:
                 return (), (f"pipeline_parallel_size ({pp}) must divide num_layers ({total}): {total} = {pp} x "
-                            f"{total // pp} + {total % pp}{_then_virtual(plan)}{_remedy(plan, total)}")
+                            f"{total // pp} + {total % pp}{_remedy(plan, total)}{_then_virtual(plan)}")
             return (), f"{_slot_sum(plan, total)} = {slots} layer slots must be divisible by pipeline_parallel_size ({pp})"
         return (slots // pp,) * pp, None
     given = [(name, n) for name, n in (("decoder_first_pipeline_num_layers", first),
@@ -166,7 +166,7 @@ _SLOT_SETTINGS = (("account_for_embedding_in_pipeline_split", 1), ("account_for_
 
 def _then_virtual(plan: ParallelPlan) -> str:
     vp = plan.virtual_pipeline
-    return (f" (megatron-core splits the layers over the pipeline ranks, then each rank's over its {vp} virtual "
+    return (f" (megatron-core splits the layers over the pipeline ranks before each rank's over its {vp} virtual "
             f"stages)") if vp > 1 else ""
 
 
@@ -179,7 +179,7 @@ def _remedy(plan: ParallelPlan, total: int) -> str:
         slots = total + extra
         if slots % (pp * vp) == 0:
             stages = f"{pp} x {vp} x {slots // (pp * vp)}" if vp > 1 else f"{pp} x {slots // pp}"
-            return f"; with {settings} the layer slots are {total} + {extra} = {slots} = {stages}"
+            return f"; with {settings}: {total} + {extra} = {slots} = {stages} layer slots"
     return ("; neither the embedding nor the loss as a layer slot makes it divide: set "
             "decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers or a pipeline_layout")
 

@@ -100,14 +100,14 @@ def test_the_qwen3_235b_command_line_is_refused_with_the_remedy():
     with pytest.raises(ConfigError) as err:
         run_config_from_megatron_args(args, gpus=8)
     assert str(err.value).startswith("pipeline_parallel_size (8) must divide num_layers (94): 94 = 8 x 11 + 6")
-    assert str(err.value).endswith("account_for_loss_in_pipeline_split the layer slots are 94 + 2 = 96 = 8 x 4 x 3")
+    assert "account_for_loss_in_pipeline_split: 94 + 2 = 96 = 8 x 4 x 3 layer slots" in str(err.value)
 
 
 @pytest.mark.parametrize("layers,plan,message", [
     (126, ParallelPlan(pipeline_parallel=8),
      "pipeline_parallel_size (8) must divide num_layers (126): 126 = 8 x 15 + 6; with "
-     "account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split the layer slots are "
-     "126 + 2 = 128 = 8 x 16"),
+     "account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split: 126 + 2 = 128 = 8 x 16 "
+     "layer slots"),
     (126, ParallelPlan(pipeline_parallel=8, account_for_embedding_in_pipeline_split=True),
      "num_layers (126) + 1 (embedding) = 127 layer slots must be divisible by pipeline_parallel_size (8)"),
     (126, ParallelPlan(pipeline_parallel=8, virtual_pipeline=3, account_for_embedding_in_pipeline_split=True,
@@ -132,10 +132,10 @@ def test_the_qwen3_235b_command_line_is_refused_with_the_remedy():
     # Qwen3 235B-A22B as published (PP 8 x VP 4, no account-for flags): megatron-core's
     # get_num_layers_to_build asserts num_layers % pp before each rank's layers % vp
     (94, ParallelPlan(pipeline_parallel=8, virtual_pipeline=4),
-     "pipeline_parallel_size (8) must divide num_layers (94): 94 = 8 x 11 + 6 (megatron-core splits the layers "
-     "over the pipeline ranks, then each rank's over its 4 virtual stages); with "
-     "account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split the layer slots are "
-     "94 + 2 = 96 = 8 x 4 x 3"),
+     "pipeline_parallel_size (8) must divide num_layers (94): 94 = 8 x 11 + 6; with "
+     "account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split: 94 + 2 = 96 = 8 x 4 x 3 "
+     "layer slots (megatron-core splits the layers over the pipeline ranks before each rank's over its 4 virtual "
+     "stages)"),
 ])
 def test_a_split_that_does_not_divide_shows_the_arithmetic(layers, plan, message):
     with pytest.raises(ConfigError) as err:
