@@ -60,7 +60,6 @@ UNMODELLED = (
     Unmodelled("cpu_offloading", _is_false, "activation offloading to the CPU"),
     Unmodelled("fine_grained_activation_offloading", _is_false, "activation offloading to the CPU"),
     Unmodelled("heterogeneous_block_specs", _is_false, "heterogeneous layers"),
-    Unmodelled("no_rope_freq", _is_none, "layers without rotary embeddings (NoPE)"),
     *(Unmodelled(feature.config_field, _is_false, feature.what) for feature in REFUSED),
 )
 
@@ -118,7 +117,8 @@ def consumed_attention_fields(config: Any) -> frozenset[str]:
 def attention_fields_of_config(config: Any) -> dict[str, Any]:
     """The ModelSpec fields of the config's attention variants (:mod:`vtrain_plugin.specs.attention`):
     multi-latent attention (an ``MLATransformerConfig``: its ranks and head dims; its rotary type and
-    YaRN factors change values only), a sliding window and its skip frequency, the softmax type."""
+    YaRN factors change values only), a sliding window and its skip frequency, the softmax type, the
+    NoPE layers (``no_rope_freq``, a per-layer list once the config is built)."""
     out: dict[str, Any] = {}
     if getattr(config, "multi_latent_attention", False):
         if not getattr(config, "qk_layernorm", False):
@@ -139,6 +139,9 @@ def attention_fields_of_config(config: Any) -> dict[str, Any]:
         raise not_modelled("TransformerConfig.softmax_type='off-by-one'", "an off-by-one softmax")
     if softmax != "vanilla":
         out["softmax_type"] = softmax
+    no_rope = getattr(config, "no_rope_freq", None)
+    if no_rope:
+        out["no_rope_freq"] = tuple(no_rope) if isinstance(no_rope, list) else no_rope
     if getattr(config, "mtp_num_layers", None):  # multi-token prediction (not an attention variant; read here too)
         out["mtp_num_layers"] = config.mtp_num_layers
     return out
@@ -164,12 +167,15 @@ MOE_FEATURES = tuple(MOE_FEATURE_DEFAULTS)
 
 def _moe_features(config: Any) -> dict[str, Any]:
     """The MoE feature fields of ``config`` (shared experts and their overlap, the MoE layer pattern,
-    grouped-GEMM experts, the router's variants, the capacity factor): ModelSpec checks them."""
+    grouped-GEMM experts, the router's variants and sinkhorn load balancing, the capacity factor):
+    ModelSpec checks them."""
     if not getattr(config, "num_moe_experts", None):
         return {}
     out: dict[str, Any] = {}
     for name in MOE_FEATURES:
         value = getattr(config, name, MOE_FEATURE_DEFAULTS[name])
+        if name == "moe_router_load_balancing_type" and value != "sinkhorn":
+            continue  # an auxiliary loss of any kind: vtrain traces its own (LOAD_BALANCING)
         if isinstance(value, list):
             value = tuple(value)
         if value != MOE_FEATURE_DEFAULTS[name]:

@@ -108,6 +108,14 @@ def is_core_attention_module(name: str) -> bool:
     return split is not None and (split[2] == CORE_ATTENTION or split[2].startswith(CORE_ATTENTION + "."))
 
 
+def traced_nope_layers(count: int, mixed: bool) -> tuple[bool, ...]:
+    """Which of a chunk's ``count`` traced layers are built without the rotary embedding, for a model
+    with NoPE layers: RoPE, NoPE, RoPE, ... when the model mixes the two (the tracer then builds at
+    least two layers, one of each), else every one. :mod:`megatron_adapters.gpt` builds them so and
+    :func:`vtrain_plugin.capture.folding.fold_nope_kinds` folds them so."""
+    return tuple(i % 2 == 1 for i in range(count)) if mixed else (True,) * count
+
+
 def is_embedding_module(name: str) -> bool:
     return name.startswith(EMBEDDING)
 

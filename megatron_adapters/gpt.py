@@ -71,7 +71,7 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
     from megatron_adapters.hybrid import hybrid_config_fields  # Mamba hybrids: megatron_adapters/hybrid.py
 
     hybrid = hybrid_config_fields(model)
-    attention = attention_config_fields(model)
+    attention = attention_config_fields(model, layers_per_chunk=layers_per_chunk, chunks=plan.num_model_chunks)
     config_class = MLATransformerConfig if model.multi_latent_attention else TransformerConfig
     return config_class(
         num_layers=layers_per_chunk * plan.num_model_chunks,
@@ -114,13 +114,16 @@ def transformer_config(model: ModelSpec, plan: ParallelPlan, *, layers_per_chunk
     )
 
 
-def attention_config_fields(model: ModelSpec) -> dict:
+def attention_config_fields(model: ModelSpec, *, layers_per_chunk: int, chunks: int) -> dict:
     """The TransformerConfig / MLATransformerConfig fields of ``model``'s attention variants (none
-    when off). A model that alternates windowed and full layers is traced with a window on every
-    other layer (``window_attn_skip_freq=2``: two consecutive layers are one of each kind, whatever
-    the chunk's first layer number), and the tracer counts each kind per stage from the model's own
-    frequency (:mod:`vtrain_plugin.specs.attention`)."""
-    from vtrain_plugin.specs.attention import mixes_windows, mla_dim
+    when off), for ``chunks`` chunks of ``layers_per_chunk`` layers. A model that alternates windowed
+    and full layers is traced with a window on every other layer (``window_attn_skip_freq=2``: two
+    consecutive layers are one of each kind, whatever the chunk's first layer number); NoPE layers
+    are given per layer number (``no_rope_freq`` as a list: each chunk's traced layers are
+    :func:`megatron_adapters.conventions.traced_nope_layers`); the tracer counts each kind per stage
+    from the model's own pattern (:mod:`vtrain_plugin.specs.attention`)."""
+    from megatron_adapters.conventions import traced_nope_layers
+    from vtrain_plugin.specs.attention import mixes_nope, mixes_windows, mla_dim
 
     fields: dict = {}
     if model.multi_latent_attention:
@@ -136,6 +139,8 @@ def attention_config_fields(model: ModelSpec) -> dict:
         fields["softmax_type"] = model.softmax_type
     if model.mtp_num_layers is not None:
         fields["mtp_num_layers"] = model.mtp_num_layers
+    if model.no_rope_freq is not None:
+        fields["no_rope_freq"] = [int(nope) for nope in traced_nope_layers(layers_per_chunk, mixes_nope(model))] * chunks
     return fields
 
 

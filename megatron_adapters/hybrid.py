@@ -46,7 +46,8 @@ def hybrid_config_fields(model: ModelSpec) -> dict:
 
 def build_hybrid_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole):
     """Build the MambaModel chunk of ``role`` with one layer of each kind of ``model``'s pattern
-    (call inside fake_world and FakeTensorMode; ``plan`` is the trace world's)."""
+    (call inside fake_world and FakeTensorMode; ``plan`` is the trace world's); its MoE layers (``E``)
+    as :func:`megatron_adapters.gpt.build_chunk` prepares a GPT's."""
     from megatron.core.models.mamba import MambaModel
 
     from megatron_adapters.stand_ins import hybrid_stack_spec
@@ -57,7 +58,7 @@ def build_hybrid_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole):
         warnings.simplefilter("ignore")
         mamba = MambaModel(
             config=config,
-            mamba_stack_spec=hybrid_stack_spec(),
+            mamba_stack_spec=hybrid_stack_spec(num_experts=model.num_experts),
             vocab_size=model.padded_vocab_size(plan.tensor_parallel),
             max_sequence_length=model.seq_length,
             pre_process=role.pre_process,
@@ -67,6 +68,11 @@ def build_hybrid_chunk(model: ModelSpec, plan: ParallelPlan, role: ChunkRole):
             position_embedding_type=_POSITION_EMBEDDING[model.family],
         )
     _cast_parameters(mamba, torch_dtype(model.dtype))
+    if model.is_moe:  # E layers: megatron-core's MoE layer, its dispatcher under the routing assumption
+        from megatron_adapters.flex_routing import flex_dispatch
+        from megatron_adapters.moe import prepare_moe_layers
+
+        prepare_moe_layers(mamba, model.moe_routing_skew, flex_dispatch(model, plan))
     return mamba
 
 

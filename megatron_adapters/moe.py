@@ -46,13 +46,16 @@ from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
 LOAD_BALANCING_LOSS = "load_balancing_loss"  # the name TopKRouter logs its auxiliary loss under
 # Megatron-LM's Mixtral / DeepSeek recipes: auxiliary load-balancing loss with coefficient 1e-2.
 LOAD_BALANCING = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
+# Sinkhorn routing: megatron-core's router asserts that no auxiliary loss comes with it.
+SINKHORN = dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0)
 
 
 def moe_config_fields(model: ModelSpec, plan: ParallelPlan) -> dict:
     """The TransformerConfig fields of ``model``'s MoE layers under ``plan`` (none for a dense model):
     unfused permutation, local experts; softmax before the top-k when k is 1 (megatron-core requires
     it: a softmax over one expert has no gradient); the model's MoE features as megatron-core names
-    them (:func:`moe_feature_fields`)."""
+    them (:func:`moe_feature_fields`); the router's load balancing, sinkhorn (its iterations by the
+    stand-in :func:`megatron_adapters.stand_ins.sinkhorn`) or vtrain's auxiliary loss."""
     if not model.is_moe:
         return {}
     # megatron-core cannot build the flex dispatcher without DeepEP: the layer is built with the
@@ -62,7 +65,9 @@ def moe_config_fields(model: ModelSpec, plan: ParallelPlan) -> dict:
                 moe_ffn_hidden_size=model.expert_ffn_size, expert_model_parallel_size=plan.expert_parallel,
                 expert_tensor_parallel_size=plan.expert_tp, moe_token_dispatcher_type=built,
                 moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
-                moe_router_pre_softmax=model.router_topk == 1, **LOAD_BALANCING, **moe_feature_fields(model, plan))
+                moe_router_pre_softmax=model.router_topk == 1,
+                **(SINKHORN if model.moe_router_load_balancing_type.value == "sinkhorn" else LOAD_BALANCING),
+                **moe_feature_fields(model, plan))
 
 
 def moe_feature_fields(model: ModelSpec, plan: ParallelPlan) -> dict:

@@ -19,8 +19,9 @@ Two kinds, neither applied at import:
   CPU stand-ins, by :func:`megatron_adapters.cpu_patches.cpu_tracing_patches` (which restores them
   on exit): multi-latent attention's belief that TransformerEngine is installed, the attention
   masks megatron-core builds with ``device="cuda"``
-  (:func:`sliding_window_causal_mask`, :func:`default_causal_mask`) and the TransformerEngine norm the
-  Mamba stack builds for its final norm whatever its spec says (:class:`LocalNorm`).
+  (:func:`sliding_window_causal_mask`, :func:`default_causal_mask`), the TransformerEngine norm the
+  Mamba stack builds for its final norm whatever its spec says (:class:`LocalNorm`), and the MoE
+  router's sinkhorn, whose loop runs until a device value converges (:func:`sinkhorn`).
 
 What is *not* here: megatron-core's ``megatron.core.ssm.mamba_mixer`` is never imported (it imports
 triton at import time, and its mixer needs ``mamba_ssm`` and ``einops``), so nothing fake is put in
@@ -97,6 +98,8 @@ MEGATRON_CORE_NAMES: dict[str, str] = {
         "fp32 whatever it says)",
     "ssm.mamba_layer.MambaLayerSubmodules, ssm.mlp_layer.MLPLayer":
         "same names in 0.19.2 (MLPLayer adds add_layer_offset= and name=, passed by the stack)",
+    "transformer.moe.router.sinkhorn (the module global TopKRouter.sinkhorn_load_balancing calls)":
+        "imported from moe_utils by name and patched there: unchanged in 0.19.2",
     "models.backends.LocalSpecProvider, models.gpt.moe_module_specs.get_moe_module_spec_for_backend":
         "same in 0.19.2 (the latter adds an optional use_te_activation_func)",
 }
@@ -494,6 +497,31 @@ def hybrid_stack_spec(*, num_experts: int | None = None, mamba_chunk_size: int |
 # --------------------------------------------------------------------------------------------------
 
 
+def sinkhorn(cost: torch.Tensor, tol: float = 0.0001) -> torch.Tensor:
+    """Stand-in for megatron-core's ``moe_utils.sinkhorn`` (S-BASE routing, in the router's no-grad
+    block): the same ops, iterated :data:`vtrain_plugin.specs.model.SINKHORN_ITERATIONS` times.
+
+    Why: megatron-core iterates ``while error > tol``, reading a device value on the host each time;
+    under fake tensors that value is unknown (and how many iterations a run takes is data). Ops: the
+    exponential, then per iteration the two scaled row and column sums, their reciprocals, the mean
+    absolute change and its comparison with ``tol``; the final scaling. The host read of each
+    comparison is not recorded (no kernel)."""
+    from vtrain_plugin.specs.model import SINKHORN_ITERATIONS
+
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
+    eps = 0.00000001
+    d1_old = d1
+    for _ in range(SINKHORN_ITERATIONS):
+        d0 = (1 / d0.size(0)) * 1 / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        error = torch.mean(torch.abs(d1_old - d1))
+        _ = error > tol  # megatron-core's loop condition, on the device
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
 class ExpertActivationRecompute(MLP):
     """A SequentialMLP expert whose activation is checkpointed (``recompute_modules`` "moe_act").
 
@@ -577,8 +605,12 @@ def stand_in_patches() -> list[tuple[Any, str, Any]]:
     applied and restored by :func:`megatron_adapters.cpu_patches.cpu_tracing_patches`."""
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils
+    from megatron.core.transformer.moe import router
 
     return [
+        # TopKRouter.sinkhorn_load_balancing calls the sinkhorn router.py imported from moe_utils; its
+        # loop runs until a device value converges, which fake tensors cannot decide
+        (router, "sinkhorn", sinkhorn),
         # fused_softmax imported both names into its own namespace: patched there, where they are called
         (fused_softmax, "get_sliding_window_causal_mask", sliding_window_causal_mask),
         (fused_softmax, "get_default_causal_mask", default_causal_mask),

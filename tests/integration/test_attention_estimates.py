@@ -1,5 +1,5 @@
-"""Multi-latent attention, sliding windows, attention sinks, multi-token prediction and pipeline
-layouts: traced from megatron-core's own layers, lowered to TransformerEngine's kernels, estimated,
+"""Multi-latent attention, sliding windows, attention sinks, NoPE layers, multi-token prediction and
+pipeline layouts: traced from megatron-core's own layers, lowered to TransformerEngine's kernels, estimated,
 and read alike from a ModelSpec, a megatron-core config, Megatron-LM arguments and a plan file."""
 
 import json
@@ -166,6 +166,40 @@ def test_sinks_add_one_learned_logit_per_head_and_no_gemm_work():
 
 
 # ------------------------------------------------------------------------------------------------
+# NoPE layers (Llama 4's no_rope_freq)
+# ------------------------------------------------------------------------------------------------
+
+ROPE_FWD = "te.fused_rope.default"
+
+
+def rope_kernels(block) -> int:
+    return sum(1 for n in megatron_core_te(block.nodes) if isinstance(n, OpNode) and n.key.op == ROPE_FWD)
+
+
+def test_nope_layers_run_no_rotary_kernel_and_each_stage_counts_its_own():
+    # 8 layers over 2 stages (layers 1-4 | 5-8); no_rope_freq 4: layers 4 and 8 skip RoPE
+    graph = vtrain.trace(spec(8, no_rope_freq=4), ParallelPlan(pipeline_parallel=2))
+    for stage in graph.stages:
+        # per layer: queries and keys rotated in one fused kernel each, or neither
+        assert {rope_kernels(b): b.count for b in layers(stage)} == {2: 3, 0: 1}
+    assert total_parameters(graph) == spec(8).num_parameters  # NoPE has no weights of its own
+    every = vtrain.trace(spec(4, no_rope_freq=1), ParallelPlan())
+    assert [(rope_kernels(b), b.count) for b in layers(every.stages[0])] == [(0, 4)]
+
+
+def test_nope_layers_shorten_the_estimate():
+    """Ablation: each NoPE layer drops the rotary kernels of queries and keys, forward and backward."""
+    def est(**fields):
+        return estimate(vtrain.trace(spec(4, seq_length=4096, **fields), ParallelPlan()), cluster=CLUSTER,
+                        global_batch_size=8)
+
+    rope, quarter, every = est(), est(no_rope_freq=4), est(no_rope_freq=1)
+    for phase in ("forward", "backward"):
+        assert every.breakdown_ms[phase] < quarter.breakdown_ms[phase] < rope.breakdown_ms[phase]
+    assert every.iteration_time_ms < quarter.iteration_time_ms < rope.iteration_time_ms
+
+
+# ------------------------------------------------------------------------------------------------
 # One answer on every input path
 # ------------------------------------------------------------------------------------------------
 
@@ -202,7 +236,8 @@ def plan_file(**fields) -> dict:
     (MLA_FLAGS, True, MLA),
     (WINDOW_FLAGS, False, WINDOW_FIELDS),
     ("--mtp-num-layers 1 --mtp-loss-scaling-factor 0.1", False, dict(mtp_num_layers=1)),
-], ids=["mla", "window-and-sinks", "mtp"])
+    ("--no-rope-freq 2", False, dict(no_rope_freq=2)),
+], ids=["mla", "window-and-sinks", "mtp", "nope"])
 def test_every_input_path_gives_the_same_model_and_estimate(flags, mla, fields):
     from_args = run_config_from_megatron_args(f"{FLAGS} {flags}", gpus=1, cluster=CLUSTER)
     from_plan = run_config_from_dict(plan_file(**{k: list(v) if isinstance(v, tuple) else v

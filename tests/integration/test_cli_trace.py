@@ -62,12 +62,34 @@ training: {global_batch_size: 8}
     assert lines[0].startswith("model: llama") and lines[0].endswith("stack: megatron_core_te")
     assert "all_gather tp" in proc.stdout and "reduce_scatter tp" in proc.stdout
     # per layer: norm, QKV, 2 RoPE, attention, projection, add, norm, FC1, SwiGLU, FC2, add
-    assert lines[2].split()[:6] == ["stage", "layers", "fwd/layer", "bwd/layer", "recomp/layer", "stack"]
-    assert [line.split()[5] for line in lines[4:6]] == ["12/17/0", "12/17/0"]
+    assert lines[2].split()[:7] == ["stage", "layers", "kind", "fwd/layer", "bwd/layer", "recomp/layer", "stack"]
+    assert [line.split()[:3] + line.split()[6:7] for line in lines[4:6]] == [["0", "2", "dense", "12/17/0"],
+                                                                           ["1", "2", "dense", "12/17/0"]]
     assert proc.stderr == ""
     fp8_plan = plan.replace("training: {global_batch_size: 8}", "training: {global_batch_size: 8, fp8: hybrid}")
     fp8 = run_cli("trace", write(tmp_path, "fp8.yaml", fp8_plan + "cluster: {preset: dgx-h100}\n"), check=True)
     assert fp8.stdout.splitlines()[0].endswith("stack: megatron_core_te (fp8 hybrid, delayed scaling)")
+
+
+def test_trace_shows_every_layer_kind_of_every_stage(tmp_path, run_cli):
+    """Dense and MoE layers mixed, an MTP layer in the last stage's head (JSON); NoPE layers (table)."""
+    plan = """
+model: {family: llama, num_layers: 8, hidden_size: 256, num_attention_heads: 8, seq_length: 128, vocab_size: 1000,
+        dtype: bf16, num_experts: 4, moe_layer_freq: [0, 1, 1, 1, 0, 1, 1, 1], mtp_num_layers: 1}
+parallel: {pipeline_parallel: 2, data_parallel: 2, expert_parallel: 2}
+training: {global_batch_size: 8}
+"""
+    data = json.loads(run_cli("trace", write(tmp_path, "moe.yaml", plan), "--format", "json", check=True).stdout)
+    assert [[(k["kind"], k["count"]) for k in stage["layer_kinds"]] for stage in data["stages"]] == [
+        [("dense", 1), ("MoE", 3)], [("dense", 1), ("MoE", 3), ("MTP MoE", 1)]]
+    nope = plan.replace("num_experts: 4, moe_layer_freq: [0, 1, 1, 1, 0, 1, 1, 1], mtp_num_layers: 1",
+                        "no_rope_freq: 4").replace(", expert_parallel: 2", "")
+    lines = run_cli("trace", write(tmp_path, "nope.yaml", nope), check=True).stdout.splitlines()
+    assert [line.split()[:3] for line in lines[4:8]] == [["0", "1", "dense"], ["0", "3", "dense"],
+                                                           ["1", "1", "dense"], ["1", "3", "dense"]]
+    nope_row, rope_row = lines[4].split(), lines[5].split()
+    assert nope_row[3] == "NoPE" and rope_row[3] != "NoPE"
+    assert int(nope_row[4]) < int(rope_row[3])  # forward ops per layer: no rotary embedding
 
 
 @pytest.mark.parametrize("change,message", [

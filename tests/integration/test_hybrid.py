@@ -18,6 +18,8 @@ from vtrain_plugin.cost.kernels.op_classes import OpClass, classify
 from vtrain_plugin.cost.lowering.fusion import op_name
 from vtrain_plugin.cost.lowering.mamba import MixerDims, mixer_dims, mixer_saved_delta
 from vtrain_plugin.cost.lowering.stacks import map_nodes
+from vtrain_plugin.cli.render import layer_kinds
+from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.runs import load_run_config
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
@@ -59,7 +61,7 @@ def megatron_core_shards(model: ModelSpec, plan: ParallelPlan) -> list[int]:
             reset_global_memory_buffer()
             with FakeTensorMode(allow_non_fake_inputs=True):
                 config = transformer_config(model, plan, layers_per_chunk=model.num_layers // plan.pipeline_parallel)
-                mamba = MambaModel(config, hybrid_stack_spec(), vocab_size=model.padded_vocab_size(plan.tensor_parallel),
+                mamba = MambaModel(config, hybrid_stack_spec(num_experts=model.num_experts), vocab_size=model.padded_vocab_size(plan.tensor_parallel),
                                    max_sequence_length=model.seq_length, pre_process=rank == 0,
                                    post_process=rank == plan.pipeline_parallel - 1,
                                    hybrid_override_pattern=model.hybrid_layer_pattern,
@@ -109,6 +111,46 @@ def test_a_nemotron_h_56b_shaped_spec_counts_its_parameters_as_megatron_core():
     shard, = megatron_core_shards(model, ParallelPlan(tensor_parallel=tp, sequence_parallel=True))
     norms = (len(pattern) + 1) * 8192  # RMSNorm weights, whole on every TP rank
     assert shard == (model.num_parameters - norms) // tp + norms
+
+
+# MoE layers (E) in a hybrid: megatron-core's MoE transformer layer, four experts of half the MLP's
+# FFN, top-2, so a token's expert GEMMs are those of the dense MLP ('-')
+MOE_FIELDS = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=2 * H)
+DGX_H100 = get_cluster_preset("dgx-h100")
+MOE_PLAN = ParallelPlan(tensor_parallel=TP, sequence_parallel=True, pipeline_parallel=2, data_parallel=2,
+                        expert_parallel=2, expert_tensor_parallel=1)
+
+
+def test_moe_layers_of_a_hybrid_are_megatron_cores_moe_layers_counted_per_stage():
+    model = replace(MODEL, hybrid_layer_pattern="M*EM-E", **MOE_FIELDS)
+    graph = trace(model, MOE_PLAN)
+    # traced kinds M, *, E, - (layers 0-3); rank 0 holds "M*E", rank 1 "M-E"
+    assert [[(b.name, b.count) for b in s.blocks if b.kind is BlockKind.LAYER] for s in graph.stages] == [
+        [("decoder.layers.0", 1), ("decoder.layers.1", 1), ("decoder.layers.2", 1)],
+        [("decoder.layers.0", 1), ("decoder.layers.2", 1), ("decoder.layers.3", 1)]]
+    moe = next(b for b in graph.stages[0].blocks if b.name == "decoder.layers.2")
+    modules = {n.module.split(".", 3)[-1] for n in moe.nodes}
+    assert {"mlp.router", "mlp.experts.local_experts.0.linear_fc1"} <= modules
+    assert any(n.group.value == "ep" for n in moe.nodes if not isinstance(n, OpNode))  # the token all-to-all
+    assert [[(kind, count) for kind, count, *_ in layer_kinds(s, model)] for s in graph.stages] == [
+        [("Mamba", 1), ("attention", 1), ("MoE", 1)], [("Mamba", 1), ("MoE", 1), ("MLP", 1)]]  # as vtrain trace shows
+    traced = [sum(b.count * b.num_parameters for b in s.blocks) for s in graph.stages]
+    assert traced == megatron_core_shards(model, MOE_PLAN)
+    assert model.num_parameters == sum(megatron_core_shards(model, ParallelPlan()))
+
+
+def test_a_moe_layer_in_place_of_an_mlp_keeps_the_model_flops_and_adds_routing_time():
+    """Ablation: E for - with the same expert GEMMs per token: Megatron's FLOP count is unchanged,
+    the router, the permutation and the token all-to-all add time."""
+    plan = replace(MOE_PLAN, pipeline_parallel=1, data_parallel=4)  # the same GPUs, the dense model without EP
+    dense_plan = replace(plan, expert_parallel=1, expert_tensor_parallel=None)
+    mlp = estimate(trace(replace(MODEL, hybrid_layer_pattern="M*-M--"), dense_plan), cluster=DGX_H100, global_batch_size=8,
+                   profile_db=False)
+    moe = estimate(trace(replace(MODEL, hybrid_layer_pattern="M*-M-E", **MOE_FIELDS), plan), cluster=DGX_H100,
+                   global_batch_size=8, profile_db=False)
+    assert moe.model_flops_per_iteration == mlp.model_flops_per_iteration
+    assert moe.iteration_time_ms > mlp.iteration_time_ms and moe.breakdown_ms["ep_comm"] > 0 == mlp.breakdown_ms["ep_comm"]
+    assert any(line.startswith("MoE routing balanced") for line in moe.assumptions)
 
 
 def test_the_mixer_runs_mamba_ssms_kernels_with_the_flops_and_bytes_of_their_math(graph):

@@ -92,6 +92,7 @@ def test_a_refused_feature_is_refused_alike_on_every_path(caplog, flags, config,
     ("--kv-channels 32", dict(GPT, kv_channels=32), dict(kv_channels=32)),
     ("--qk-layernorm", dict(GPT, qk_layernorm=True), dict(qk_layernorm=True)),
     ("--qk-l2-norm", dict(GPT, qk_l2_norm=True), dict(qk_l2_norm=True)),
+    (f"{SWIGLU} --no-rope-freq 2", dict(LLAMA, no_rope_freq=2), dict(family="llama", no_rope_freq=2)),
 ])
 def test_a_layer_feature_is_the_same_model_on_every_path(caplog, flags, config, plan_model):
     """Regression: these were noted ("vtrain does not model") or refused, differently by path; each

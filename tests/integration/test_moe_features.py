@@ -1,6 +1,7 @@
 """MoE features beyond the routed experts, traced from megatron-core's own MoELayer: shared experts
-(and their overlap), dense and MoE layers mixed, grouped-GEMM experts, router variants, capacity
-factor and token dropping; each on the traced graph and as the direction it moves the estimate."""
+(and their overlap), dense and MoE layers mixed, grouped-GEMM experts, router variants, sinkhorn
+routing, capacity factor and token dropping; each on the traced graph and as the direction it moves
+the estimate."""
 
 from collections import Counter
 from dataclasses import replace
@@ -14,7 +15,7 @@ from vtrain_plugin.cost.lowering.megatron_core_te import GROUPED_GEMM
 from vtrain_plugin.cost.lowering.stacks import map_nodes
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.hardware.clusters import get_cluster_preset
-from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.model import SINKHORN_ITERATIONS, ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import TrainingSpec
 
@@ -185,6 +186,32 @@ def test_router_variants_are_traced_as_megatrons_top_k_router_runs_them(base):
         gemms(base.stages[0].layer_template(), Phase.FORWARD, ".mlp.router")  # small kernels only
 
 
+def test_sinkhorn_routing_runs_its_iterations_in_the_router(base):
+    aux, sinkhorn = _router_ops(base), _router_ops(traced(moe_router_load_balancing_type="sinkhorn"))
+    assert "exp" not in aux and "gt" not in aux
+    # megatron-core's sinkhorn: one exponential, then per iteration two scaled sums and their
+    # reciprocals, the mean change and its check against the tolerance
+    assert sinkhorn["exp"] == 1 and sinkhorn["gt"] == sinkhorn["mean"] == SINKHORN_ITERATIONS
+    assert sinkhorn["reciprocal"] == 2 * SINKHORN_ITERATIONS
+    assert sinkhorn["topk"] == 1 and aux["topk"] == 2  # the sinkhorn scores' top-k; the aux loss's top-k too
+
+
+def test_sinkhorn_routing_adds_forward_time_and_names_its_assumption(base):
+    aux = estimate(base, cluster=CLUSTER, training=TRAINING, profile_db=False)
+    sinkhorn = estimated(moe_router_load_balancing_type="sinkhorn")
+    assert sinkhorn.breakdown_ms["forward"] > aux.breakdown_ms["forward"]
+    assert any(f"sinkhorn: {SINKHORN_ITERATIONS} iterations" in line for line in sinkhorn.assumptions)
+    assert not any("sinkhorn" in line for line in aux.assumptions)
+
+
+def test_sinkhorn_reads_alike_on_every_path_and_other_losses_stay_the_traced_aux_loss():
+    sinkhorn = dict(moe_router_load_balancing_type="sinkhorn")
+    models = read_on_every_path(sinkhorn, "--moe-router-load-balancing-type sinkhorn", moe_aux_loss_coeff=0.0)
+    assert models == [replace(ModelSpec(**COMMON, **sinkhorn), tied_embeddings=None)] * 3
+    (from_config, *_) = read_on_every_path({}, "", moe_router_load_balancing_type="seq_aux_loss")
+    assert from_config == replace(ModelSpec(**COMMON), tied_embeddings=None)
+
+
 # -- capacity factor and token dropping -------------------------------------------------------------
 
 def _expert_fc1_rows(graph):
@@ -221,7 +248,20 @@ FEATURES = dict(moe_shared_expert_intermediate_size=1024, moe_shared_expert_over
                 moe_token_drop_policy="position")
 
 
-def test_the_moe_features_read_alike_from_flags_a_transformer_config_and_a_plan_file():
+COMMON = dict(family="llama", num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=8,
+              ffn_hidden_size=1536, seq_length=256, vocab_size=1024, dtype="bf16", num_experts=8,
+              moe_router_topk=2, moe_ffn_hidden_size=256)
+COMMON_FLAGS = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 1536 --seq-length 256 "
+                "--vocab-size 1024 --bf16 --swiglu --normalization RMSNorm --disable-bias-linear "
+                "--group-query-attention --num-query-groups 8 "
+                "--position-embedding-type rope --hidden-dropout 0 --attention-dropout 0 --micro-batch-size 1 "
+                "--untie-embeddings-and-output-weights --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256 "
+                "--moe-token-dispatcher-type alltoall")
+
+
+def read_on_every_path(features: dict, flags: str, **config_fields) -> list[ModelSpec]:
+    """The model of COMMON with ``features`` from a TransformerConfig (with ``config_fields``), a plan
+    file and Megatron-LM flags (COMMON_FLAGS with ``flags``), each spelled as the path spells it."""
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -230,33 +270,30 @@ def test_the_moe_features_read_alike_from_flags_a_transformer_config_and_a_plan_
     from vtrain_plugin.specs.megatron.launch_script import read_command_line
     from vtrain_plugin.specs.plan_file import parse_plan
 
-    common = dict(family="llama", num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=8,
-                  ffn_hidden_size=1536, seq_length=256, vocab_size=1024, dtype="bf16", num_experts=8,
-                  moe_router_topk=2, moe_ffn_hidden_size=256)
-    expected = ModelSpec(**common, **FEATURES)
     config = TransformerConfig(
         num_layers=4, hidden_size=512, num_attention_heads=8, ffn_hidden_size=1536, bf16=True,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0, num_moe_experts=8, moe_router_topk=2,
         moe_ffn_hidden_size=256, moe_token_dispatcher_type="alltoall",
-        **{k: (list(v) if isinstance(v, tuple) else v) for k, v in FEATURES.items()})
-    assert model_spec_from_transformer_config(config, vocab_size=1024, seq_length=256) == \
-        replace(expected, tied_embeddings=None)
-    plan_file = parse_plan({"model": {**common, **FEATURES, "moe_layer_freq": [0, 1, 1, 1]},
+        **{k: (list(v) if isinstance(v, tuple) else v) for k, v in features.items()}, **config_fields)
+    from_config = model_spec_from_transformer_config(config, vocab_size=1024, seq_length=256)
+    plan_file = parse_plan({"model": {**COMMON, **{k: (list(v) if isinstance(v, tuple) else v)
+                                                   for k, v in features.items()}},
                             "parallel": {"moe_token_dispatcher": "alltoall"}, "training": {"global_batch_size": 8}})
-    assert plan_file.model == expected
-    flags = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 1536 --seq-length 256 "
-             "--vocab-size 1024 --bf16 --swiglu --normalization RMSNorm --disable-bias-linear --group-query-attention "
-             "--num-query-groups 8 "
-             "--position-embedding-type rope --hidden-dropout 0 --attention-dropout 0 --micro-batch-size 1 "
-             "--untie-embeddings-and-output-weights --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256 "
-             "--moe-token-dispatcher-type alltoall --moe-shared-expert-intermediate-size 1024 "
+    read = megatron_plan(read_command_line(f"{COMMON_FLAGS} {flags}"), gpus=1)
+    assert read.warning is None
+    return [replace(from_config, tied_embeddings=None), replace(plan_file.model, tied_embeddings=None),
+            replace(read.model, tied_embeddings=None)]
+
+
+def test_the_moe_features_read_alike_from_flags_a_transformer_config_and_a_plan_file():
+    flags = ("--moe-shared-expert-intermediate-size 1024 "
              "--moe-shared-expert-overlap --moe-layer-freq '([0]*1+[1]*3)' --moe-grouped-gemm "
              "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 4 "
              "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 --moe-expert-capacity-factor 1.25 "
              "--moe-pad-expert-input-to-capacity --moe-token-drop-policy position")
-    read = megatron_plan(read_command_line(flags), gpus=1)
-    assert read.model == replace(expected, tied_embeddings=False) and read.warning is None
+    expected = ModelSpec(**COMMON, **FEATURES)
+    assert read_on_every_path(FEATURES, flags) == [replace(expected, tied_embeddings=None)] * 3
 
 
 def test_the_cli_lists_the_assumptions_in_json_and_in_the_footer(tmp_path, run_cli):

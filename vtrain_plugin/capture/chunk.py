@@ -40,9 +40,10 @@ class ChunkTrace:
     # Folded blocks per chunk layer count, filled by the tracer: every stage of this role (in every
     # plan that shares the trace) gets the same blocks, folded once. Not part of the stored form.
     # (keyed by the layer count; by the layer kinds, True for MoE, of a chunk that mixes MoE and dense
-    # layers; by (layer count, windowed layers) for alternating windows; or by a hybrid stage's pattern).
-    folded: dict[int | tuple[bool, ...] | tuple[int, int] | str, tuple[Block, ...]] = field(default_factory=dict,
-                                                                                          compare=False)
+    # layers; by (layer count, NoPE?, windowed or NoPE layers) for alternating windows or NoPE layers; or
+    # by a hybrid stage's pattern).
+    folded: dict[int | tuple[bool, ...] | tuple[int, bool, int] | str, tuple[Block, ...]] = field(
+        default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"blocks": [b.to_dict() for b in self.blocks],

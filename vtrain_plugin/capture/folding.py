@@ -4,8 +4,9 @@ Layers are folded only when verified identical: same kernels, shapes, phases, co
 module paths (with the layer index removed), in the same order. A layer that differs keeps a block
 of its own. A chunk that mixes MoE and dense layers has a template per kind, each counted as many
 times as the chunk holds that kind (:func:`fold_layer_kinds`).
-A chunk that alternates sliding-window and full-attention layers folds into one template of each
-kind (:func:`fold_window_kinds`), counted from the stage's layer numbers.
+A chunk that alternates sliding-window and full-attention layers, or NoPE and RoPE layers, folds
+into one template of each kind (:func:`fold_window_kinds`, :func:`fold_nope_kinds`), counted from the
+stage's layer numbers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import replace
 
 from vtrain_plugin.core.graph import (Block, BlockKind, CollectiveNode, Node, OpNode, ParallelGroup)
 from megatron_adapters.conventions import (EMBEDDING, SHARED_BY_CORE_ATTENTION, is_core_attention_module,
-                                          is_embedding_module, is_head_module, split_layer_module)
+                                          is_embedding_module, is_head_module, split_layer_module,
+                                          traced_nope_layers)
 from vtrain_plugin.core.errors import TraceError
 from vtrain_plugin.capture.records import OpRecord, Record
 
@@ -172,21 +174,80 @@ def is_windowed(block: Block) -> bool:
                for n in block.nodes)
 
 
+MTP_LAYER = "mtp.layers.0"  # the first multi-token-prediction layer, in the head block (its others alike)
+
+
+def layer_kind(block: Block, *, nope_possible: bool = False) -> str:
+    """What kind of layer a folded layer block is, from the modules its ops ran in: ``Mamba`` (a
+    hybrid's mixer), ``MoE`` (a router), ``attention`` or ``MLP`` (a hybrid's layers of one part),
+    else ``dense``; with `` window`` when its core attention builds a sliding-window mask, and
+    `` NoPE`` when ``nope_possible`` (the model has NoPE layers) and no rotary embedding ran in its
+    self-attention. An MTP layer (:data:`MTP_LAYER`, in the head) is ``MTP`` plus its layer's kind."""
+    modules = {n.module for n in block.nodes}
+
+    def has(part: str) -> bool:
+        return any(part in m for m in modules)
+
+    if has(".mixer"):
+        kind = "Mamba"
+    elif has(".mlp.router"):
+        kind = "MoE"
+    elif has(".self_attention") != has(".mlp"):
+        kind = "attention" if has(".self_attention") else "MLP"
+    else:
+        kind = "dense"
+    if is_windowed(block):
+        kind += " window"
+    if nope_possible and has(".self_attention") and not any(
+            isinstance(n, OpNode) and n.key.op == ROTARY_OP and ".self_attention" in n.module for n in block.nodes):
+        kind += " NoPE"
+    return kind
+
+
+ROTARY_OP = "aten.cos.default"  # the local spec's unfused RoPE takes the cosine of the frequencies per layer
+
+
+def mtp_layer(head: Block) -> Block | None:
+    """The first MTP layer's ops of a head block, as a block of their own (None without MTP)."""
+    nodes = tuple(n for n in head.nodes if n.module == MTP_LAYER or n.module.startswith(MTP_LAYER + "."))
+    return replace(head, name=MTP_LAYER, nodes=nodes) if nodes else None
+
+
 def fold_window_kinds(blocks: Sequence[Block], total_layers: int, windowed: int) -> list[Block]:
     """Fold the traced layers of a chunk that alternates windowed and full-attention layers into one
     template of each kind, counted ``windowed`` and ``total_layers - windowed``; a kind with no layer in
     this chunk is left out. The traced layers of each kind must be identical."""
-    layers = [b for b in blocks if b.kind is BlockKind.LAYER]
+    return _fold_two_kinds(blocks, total_layers, windowed, [is_windowed(b) for b in _layers(blocks)],
+                           ("windowed", "full-attention"))
+
+
+def fold_nope_kinds(blocks: Sequence[Block], total_layers: int, nope: int) -> list[Block]:
+    """Fold the traced layers of a chunk that mixes NoPE and RoPE layers (built as
+    :func:`~megatron_adapters.conventions.traced_nope_layers` says) into one template of each kind,
+    counted ``nope`` and ``total_layers - nope``, as :func:`fold_window_kinds` does."""
+    traced = _layers(blocks)
+    return _fold_two_kinds(blocks, total_layers, nope, list(traced_nope_layers(len(traced), True)), ("NoPE", "RoPE"))
+
+
+def _layers(blocks: Sequence[Block]) -> list[Block]:
+    return [b for b in blocks if b.kind is BlockKind.LAYER]
+
+
+def _fold_two_kinds(blocks: Sequence[Block], total_layers: int, count: int, is_kind: list[bool],
+                    names: tuple[str, str]) -> list[Block]:
+    """The traced layers (``is_kind``: whether each is of the first kind) folded into one template of
+    each kind, counted ``count`` and ``total_layers - count``; a kind without layers left out."""
+    layers = _layers(blocks)
     others_before = [b for b in blocks if b.kind in (BlockKind.EMBEDDING, BlockKind.STAGE)]
     others_after = [b for b in blocks if b.kind is BlockKind.HEAD]
     kinds: dict[bool, list[Block]] = {}
-    for b in layers:
-        kinds.setdefault(is_windowed(b), []).append(b)
+    for b, kind in zip(layers, is_kind, strict=True):
+        kinds.setdefault(kind, []).append(b)
     if set(kinds) != {True, False}:
-        raise TraceError(f"a chunk of windowed and full-attention layers traced {len(layers)} layer(s) of one kind")
+        raise TraceError(f"a chunk of {names[0]} and {names[1]} layers traced {len(layers)} layer(s) of one kind")
     for kind, group in kinds.items():
         if any(_signature(b) != _signature(group[0]) for b in group[1:]):
-            raise TraceError(f"the traced {'windowed' if kind else 'full-attention'} layers differ")
-    counts = {True: windowed, False: total_layers - windowed}
+            raise TraceError(f"the traced {names[0] if kind else names[1]} layers differ")
+    counts = {True: count, False: total_layers - count}
     folded = [replace(kinds[kind][0], count=counts[kind]) for kind in (True, False) if counts[kind]]
     return others_before + folded + others_after

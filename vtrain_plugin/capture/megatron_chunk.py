@@ -22,7 +22,7 @@ from vtrain_plugin.capture.recorder import OpRecorder
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import TraceError
 from vtrain_plugin.core.graph import ParallelGroup
-from vtrain_plugin.specs.attention import mixes_windows
+from vtrain_plugin.specs.attention import mixes_nope, mixes_windows
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
@@ -90,6 +90,7 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
     nodes = [folding.to_node(r, group_of) for r in recorder.records]
     blocks = folding.split_blocks(nodes, recorder.saved_nbytes)
     if (isinstance(built, int) and not model.is_hybrid and not mixes_windows(model)  # else one of each kind
+            and not mixes_nope(model)
             and not folding.layers_identical(blocks)):
         log.warning("traced layers differ; they are kept as separate blocks")
     return ChunkTrace(blocks=tuple(blocks), params_by_block=params_by_block,

@@ -33,7 +33,7 @@ from vtrain_plugin.capture.child_trace import Role, trace_chunks
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import OpGraph, StageGraph
 from vtrain_plugin.specs.hybrid import stage_patterns, traced_kinds
-from vtrain_plugin.specs.attention import mixes_windows, windowed_layers
+from vtrain_plugin.specs.attention import mixes_nope, mixes_windows, nope_layers, windowed_layers
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
@@ -131,9 +131,9 @@ def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, i
     none); chunks of one role share a trace."""
     roles = []
     kinds_of = _chunk_layer_kinds(model, plan) if model.has_dense_layers_between_moe else {}
-    # Windowed and full-attention layers alternate: at least one of each is traced (two consecutive
-    # layers), and each stage counts its own of each kind from its layer numbers.
-    fewest = 2 if mixes_windows(model) else 1
+    # Windowed and full-attention layers (NoPE and RoPE layers) alternate: at least one of each is
+    # traced (two consecutive layers), and each stage counts its own of each kind from its layer numbers.
+    fewest = 2 if mixes_windows(model) or mixes_nope(model) else 1
     for rank, chunk, num_layers in chunks:
         role = chunk_role(plan, rank, chunk)
         built: int | tuple[bool, ...] = max(fewest, num_layers if traced_layers is None
@@ -149,9 +149,10 @@ def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, i
         return tuple(_assemble_hybrid_stage(traces[role], model, rank, patterns[rank])
                      for role, (rank, _, _) in zip(roles, chunks, strict=True))
     first = first_layer_numbers(model, plan) if fewest == 2 else None
+    counted = nope_layers if mixes_nope(model) else windowed_layers
     return tuple(_assemble_stage(traces[role], rank, chunk, num_layers, kinds_of.get((rank, chunk)),
-                                 windowed=None if first is None else windowed_layers(model, first[rank][chunk],
-                                                                                     num_layers))
+                                 two_kinds=None if first is None else (counted is nope_layers, counted(
+                                     model, first[rank][chunk], num_layers)))
                  for role, (rank, chunk, num_layers) in zip(roles, chunks, strict=True))
 
 
@@ -228,20 +229,22 @@ def _remember(key: tuple, traced: ChunkTrace) -> None:
 
 
 def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int,
-                    kinds: tuple[bool, ...] | None = None, *, windowed: int | None = None) -> StageGraph:
+                    kinds: tuple[bool, ...] | None = None, *, two_kinds: tuple[bool, int] | None = None
+                    ) -> StageGraph:
     """One stage's graph from its role's trace: layers folded to the chunk's count (to the count of
-    each kind, MoE and dense, with ``kinds``; ``windowed`` of them with a sliding window, when the
-    model alternates), parameters per block. Stages of one role share their blocks' node tuples, so
-    each is costed once."""
+    each kind, MoE and dense, with ``kinds``; with ``two_kinds`` (NoPE, count), that many of them
+    NoPE layers, or with a sliding window, when the model alternates them), parameters per block.
+    Stages of one role share their blocks' node tuples, so each is costed once."""
     key: int | tuple = per_chunk if kinds is None else kinds
-    if windowed is not None:
-        key = (per_chunk, windowed)
+    if two_kinds is not None:
+        key = (per_chunk, *two_kinds)
     blocks = traced.folded.get(key)
     if blocks is None:
         if kinds is not None:
             folded = folding.fold_layer_kinds(traced.blocks, kinds)
-        elif windowed is not None:
-            folded = folding.fold_window_kinds(traced.blocks, per_chunk, windowed)
+        elif two_kinds is not None:
+            fold = folding.fold_nope_kinds if two_kinds[0] else folding.fold_window_kinds
+            folded = fold(traced.blocks, per_chunk, two_kinds[1])
         else:
             folded = folding.fold_layers(traced.blocks, per_chunk)
         blocks = traced.folded[key] = tuple(

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vtrain_plugin.core.dtypes import Dtype
-from vtrain_plugin.core.graph import Block, OpGraph, OpNode, Phase, StageGraph
+from vtrain_plugin.capture.folding import layer_kind, mtp_layer
+from vtrain_plugin.core.graph import Block, BlockKind, OpGraph, OpNode, Phase, StageGraph
 from vtrain_plugin.core.units import GBYTE, MEGABYTE, SECONDS_PER_HOUR, SECONDS_PER_MINUTE
 from vtrain_plugin.cost.comm.context_parallel import ContextParallel, model_flops, with_context_parallel
 from vtrain_plugin.cost.lowering.stacks import map_nodes
@@ -53,24 +54,26 @@ def render_table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def trace_table(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = None) -> str:
-    """Per stage: the traced kernels per layer and phase, and the kernels ``stack`` runs for them."""
-    header = ["stage", "layers", "fwd/layer", "bwd/layer", "recomp/layer", "stack fwd/bwd/recomp", "unique kernels",
-              "TFLOP/micro-batch/rank", "collectives per layer"]
+    """Per stage and layer kind (:func:`layer_kinds`): the traced kernels per layer and phase, and the
+    kernels ``stack`` runs for them; the stage's unique kernels and FLOPs on its first row."""
+    header = ["stage", "layers", "kind", "fwd/layer", "bwd/layer", "recomp/layer", "stack fwd/bwd/recomp",
+              "unique kernels", "TFLOP/micro-batch/rank", "collectives per layer"]
     rows = []
     cp = ContextParallel.of(graph)
     for s, costed in zip(graph.stages, with_context_parallel(graph).stages):
-        layer, costed_layer = s.layer_template(), costed.layer_template()
-        counts = Counter(op.phase for op in layer.ops()) if layer else Counter()
-        lowered = Counter(n.phase for n in map_nodes(costed_layer.nodes, stack, fp8) if isinstance(n, OpNode)) \
-            if layer else Counter()
-        per_stage = {op.key for b in s.blocks for op in b.ops()}
-        rows.append([
-            _stage_name(s, graph), str(s.num_layers), str(counts[Phase.FORWARD]), str(counts[Phase.BACKWARD]),
-            str(counts[Phase.RECOMPUTE]),
-            f"{lowered[Phase.FORWARD]}/{lowered[Phase.BACKWARD]}/{lowered[Phase.RECOMPUTE]}",
-            str(len(per_stage)), f"{model_flops(s.blocks, cp) / 1e12:.2f}",
-            _collective_summary(costed_layer) if layer else "-",
-        ])
+        per_stage = [str(len({op.key for b in s.blocks for op in b.ops()})), f"{model_flops(s.blocks, cp) / 1e12:.2f}"]
+        kinds = layer_kinds(s, graph.model, costed) or [("-", 0, None, None)]
+        for i, (kind, count, layer, costed_layer) in enumerate(kinds):
+            counts = Counter(op.phase for op in layer.ops()) if layer else Counter()
+            lowered = Counter(n.phase for n in map_nodes(costed_layer.nodes, stack, fp8) if isinstance(n, OpNode)) \
+                if costed_layer else Counter()
+            rows.append([
+                _stage_name(s, graph), str(count), kind, str(counts[Phase.FORWARD]), str(counts[Phase.BACKWARD]),
+                str(counts[Phase.RECOMPUTE]),
+                f"{lowered[Phase.FORWARD]}/{lowered[Phase.BACKWARD]}/{lowered[Phase.RECOMPUTE]}",
+                *(per_stage if i == 0 else ["", ""]),
+                _collective_summary(costed_layer) if costed_layer else "-",
+            ])
     model, plan = graph.model, graph.parallel
     dims = f"layers={model.num_layers} hidden={model.hidden_size}" if model is not None else "layers=? hidden=?"
     title = (f"model: {graph.name} {dims}  "
@@ -85,6 +88,23 @@ def trace_table(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = 
     footer = (f"unique kernels: {len(graph.unique_kernels())}   model FLOPs per micro-batch "
               f"(all {ranks}): {total / 1e12:.1f} TFLOP")
     return "\n".join([title, "", render_table(rows, header), "", footer])
+
+
+def layer_kinds(stage: StageGraph, model: ModelSpec | None, costed: StageGraph | None = None
+                ) -> list[tuple[str, int, Block, Block]]:
+    """Each layer kind of ``stage`` (every folded layer template, then the MTP layers of its head):
+    its label (:func:`~vtrain_plugin.capture.folding.layer_kind`), how many layers of it the stage
+    holds, its traced block, and that block in ``costed`` (the stage as costed, e.g. with its CP
+    attention; ``stage`` itself when None)."""
+    costed = costed or stage
+    nope = model is not None and model.no_rope_freq is not None
+    out = [(layer_kind(b, nope_possible=nope), b.count, b, c)
+           for b, c in zip(stage.blocks, costed.blocks, strict=True) if b.kind is BlockKind.LAYER]
+    for b, c in zip(stage.blocks, costed.blocks, strict=True):
+        mtp = mtp_layer(b) if b.kind is BlockKind.HEAD and model is not None and model.mtp_num_layers else None
+        if mtp is not None:
+            out.append((f"MTP {layer_kind(mtp, nope_possible=nope)}", model.mtp_num_layers, mtp, mtp_layer(c)))
+    return out
 
 
 def _cp_label(plan: ParallelPlan) -> str:
@@ -137,6 +157,8 @@ def trace_json(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = N
         _, collectives = _merged(derived)
         kernels, _ = _merged([(b.kind.value, b.count, map_nodes(b.nodes, stack, fp8)) for b in costed.blocks])
         stages.append({"pipeline_rank": s.pipeline_rank, "chunk": s.chunk, "num_layers": s.num_layers,
+                       "layer_kinds": [{"kind": kind, "count": count, "block": block.name}
+                                       for kind, count, block, _ in layer_kinds(s, graph.model)],
                        "num_parameters": s.num_parameters, "flops": s.flops(),
                        "ops": ops, "stack_kernels": kernels, "collectives": collectives})
     return {"schema_version": graph.schema_version,
@@ -227,6 +249,10 @@ def _layer_label(model) -> str:
         parts.append(f"rotary {model.rotary_percent:.0%}")
     parts += ["QK layer norm"] * model.qk_layernorm + ["QK L2 norm"] * model.qk_l2_norm
     parts += ["layernorm-1p"] * model.layernorm_zero_centered_gamma
+    if isinstance(model.no_rope_freq, int):
+        parts.append("NoPE on every layer" if model.no_rope_freq == 1 else f"NoPE every {model.no_rope_freq} layers")
+    elif model.no_rope_freq is not None:
+        parts.append(f"NoPE on {sum(model.no_rope_freq)} of {model.num_layers} layers")
     return "".join(f", {p}" for p in parts)
 
 

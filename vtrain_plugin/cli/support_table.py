@@ -93,7 +93,7 @@ def support_rows() -> list[tuple[str, str, str]]:
                            "GQA, head dim, biases, dropout, QK layer / L2 norm",
          f"{positions_refused}; {features_refused}"),
         ("model features", "mixture of experts (top-k, shared experts, grouped GEMM, capacity and token dropping, "
-                           "router groups), multi-latent attention, multi-token prediction, sliding windows, "
+                           "router groups, sinkhorn routing), multi-latent attention, multi-token prediction, sliding windows, NoPE layers, "
                            f"softmax {_codes(SOFTMAX_TYPES)}, Mamba hybrids (layers {_codes(LAYER_KINDS)})",
          "`off-by-one` softmax; " + _reasons("DeepSeek sparse attention (DSA)",
                                              "experimental attention variants (gated delta net, DSA)",

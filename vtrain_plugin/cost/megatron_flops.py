@@ -16,7 +16,8 @@ multiply-add, so ``6 T`` per weight-like term over ``T = sequences x s`` tokens:
   ``6 T (3 h + 2 h^2)`` for its norms and projection and one more logits product;
 * logits: ``6 T h V`` over the padded vocabulary (128 x TP);
 * a Mamba hybrid: Megatron's hybrid branch (attention ``4 T h p (h + h g / n) + 2 B s^2 h p`` with
-  ``p = kv_channels n / h``, MLP ``4 T h f`` x 3/2 gated, Mamba ``2 T h (2 d + 2 G N + H) + 7 T d N
+  ``p = kv_channels n / h``, MLP ``4 T h f`` x 3/2 gated, MoE the same over ``topk`` x the expert FFN
+  plus the shared experts' FFN, Mamba ``2 T h (2 d + 2 G N + H) + 7 T d N
   + 2 T d h`` with Megatron's ``d = 2 h``, logits once per MTP layer and the model's), times 3.
 
 Why Megatron's count and not the traced kernels': MFU is then the quantity Megatron logs (the
@@ -88,7 +89,7 @@ def _attention_terms(model: ModelSpec) -> tuple[int, int]:
 
 def hybrid_forward_flops(model: ModelSpec, *, sequences: int, tensor_parallel: int = 1) -> int:
     """FLOPs of one forward of ``sequences`` sequences through a Mamba hybrid: Megatron-LM's
-    ``hybrid_flops`` before its factor 3 (MoE layers are refused in a hybrid, so it has none)."""
+    ``hybrid_flops`` before its factor 3."""
     assert model.hybrid_layer_pattern is not None
     counts = hybrid.layer_counts(model.hybrid_layer_pattern)
     s, h = model.seq_length, model.hidden_size
@@ -96,11 +97,14 @@ def hybrid_forward_flops(model: ModelSpec, *, sequences: int, tensor_parallel: i
     n, g, d = model.num_attention_heads, model.query_groups, model.head_dim
     # 4 T h p (h + h g / n) + 2 B s^2 h p with p = d n / h
     attention = 4 * tokens * d * (n * h + h * g) + 2 * sequences * s * s * d * n
-    mlp = 2 * tokens * h * model.ffn_size * (3 if model.layer.gated_linear_unit else 2)
+    gemms = 3 if model.layer.gated_linear_unit else 2
+    mlp = 2 * tokens * h * model.ffn_size * gemms
+    moe = 2 * tokens * h * (model.expert_ffn_size * model.router_topk
+                            + (model.moe_shared_expert_intermediate_size or 0)) * gemms
     d_in = hybrid.EXPAND * h  # Megatron's formula, whatever mamba_num_heads says
     heads = model.mamba_num_heads or d_in // model.mamba_headdim
     mamba = (2 * tokens * h * (2 * d_in + 2 * model.mamba_groups * model.mamba_state + heads)
              + 7 * tokens * d_in * model.mamba_state + 2 * tokens * d_in * h)
     logits = 2 * tokens * h * model.padded_vocab_size(tensor_parallel) * (1 + (model.mtp_num_layers or 0))
-    return (counts[hybrid.ATTENTION] * attention + counts[hybrid.MLP] * mlp + counts[hybrid.MAMBA] * mamba
-            + logits)
+    return (counts[hybrid.ATTENTION] * attention + counts[hybrid.MLP] * mlp + counts[hybrid.MOE] * moe
+            + counts[hybrid.MAMBA] * mamba + logits)

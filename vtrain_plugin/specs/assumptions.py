@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.model import SINKHORN_ITERATIONS, LoadBalancing, ModelSpec
 from vtrain_plugin.specs.optimizer import OptimizerKind
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import TrainingSpec
@@ -32,7 +32,13 @@ def moe_assumptions(model: ModelSpec, plan: ParallelPlan) -> tuple[str, ...]:
     else:
         routing = (f"MoE routing skewed: the busiest expert receives {model.moe_routing_skew:g} x the balanced share "
                    f"and sets the layer's pace; MFU counts balanced routing")
-    lines = [routing, "MoE router load balancing traced as the auxiliary loss (coefficient 0.01)"]
+    if model.moe_router_load_balancing_type is LoadBalancing.SINKHORN:
+        balancing = (f"MoE router sinkhorn: {SINKHORN_ITERATIONS} iterations per layer and step traced by a stand-in "
+                     f"(megatron-core iterates to a tolerance, which is data: 2-12 measured on random logits); the "
+                     f"host read of each iteration's check not priced")
+    else:
+        balancing = "MoE router load balancing traced as the auxiliary loss (coefficient 0.01)"
+    lines = [routing, balancing]
     if model.moe_expert_capacity_factor is not None:
         lines.append(f"MoE capacity factor {model.moe_expert_capacity_factor:g} under balanced routing: each expert "
                      f"computes min(balanced share, capacity) tokens"

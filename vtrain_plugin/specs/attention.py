@@ -1,13 +1,14 @@
-"""The attention variants of a ModelSpec: multi-latent attention, sliding windows, attention sinks.
+"""The attention variants of a ModelSpec: multi-latent attention, sliding windows, attention sinks, NoPE layers.
 
 Checks their fields, and derives what they imply: MLA's ranks and head dims (Megatron-LM's defaults
-where unset) and parameter count, which layers have a window, the sink parameters.
+where unset) and parameter count, which layers have a window or no rotary embedding, the sink parameters.
 
 megatron-core builds each variant itself (``MLASelfAttention``; ``DotProductAttention`` with a
 window or a learnable softmax offset) and vtrain traces what it builds
 (:mod:`megatron_adapters.gpt`); this module holds only the arithmetic the specs need before any trace:
 the parameter count of :attr:`ModelSpec.num_parameters`, and which of a stage's layers have a
-window (megatron-core's ``is_layer_window_attention``), since windowed and full layers are traced
+window (megatron-core's ``is_layer_window_attention``) or skip the rotary embedding (NoPE,
+megatron-core's ``no_rope_freq``), since windowed and full layers, NoPE and RoPE layers, are traced
 once each and counted per stage (:mod:`vtrain_plugin.capture.tracer`).
 """
 
@@ -28,7 +29,7 @@ SOFTMAX_TYPES = ("vanilla", "learnable")  # "off-by-one": a fixed zero logit, no
 # ModelSpec fields of this module (and multi-token prediction's): a chunk trace's key leaves them out
 # while at these values, so a model without them keeps the key it had before they existed.
 OFF = {"multi_latent_attention": False, **dict.fromkeys(MLA_FIELDS), "window_size": None,
-       "window_attn_skip_freq": None, "softmax_type": "vanilla", "mtp_num_layers": None}
+       "window_attn_skip_freq": None, "softmax_type": "vanilla", "mtp_num_layers": None, "no_rope_freq": None}
 
 
 def check_attention_fields(model: ModelSpec) -> None:
@@ -73,6 +74,54 @@ def check_attention_fields(model: ModelSpec) -> None:
     if model.softmax_type == "off-by-one":
         raise ConfigError("model.softmax_type='off-by-one': an off-by-one softmax is not modelled by vtrain yet")
     v.one_of("model.softmax_type", model.softmax_type, SOFTMAX_TYPES)
+    _check_nope(model)
+
+
+def _check_nope(model: ModelSpec) -> None:
+    """``no_rope_freq`` checked as megatron-core checks it (an integer must divide the layers, a list
+    has one 0 / 1 per layer) and stored in one spelling: a list that repeats ``[0]*(N-1)+[1]`` as
+    the integer N, one without a NoPE layer as None."""
+    freq = model.no_rope_freq
+    if freq is None:
+        return
+    n = model.num_layers
+    if isinstance(freq, (list, tuple)):
+        if len(freq) != n or any(isinstance(x, bool) or x not in (0, 1) for x in freq):
+            raise ConfigError(f"model.no_rope_freq: a per-layer pattern needs model.num_layers ({n}) entries, each 0 "
+                              f"(RoPE) or 1 (NoPE); got {len(freq)}")
+        freq = _as_frequency(tuple(int(x) for x in freq))
+    elif isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+        raise ConfigError(f"model.no_rope_freq must be a positive integer or a list of 0 / 1 per layer, got {freq!r}")
+    elif n % freq:
+        raise ConfigError(f"model.no_rope_freq ({freq}) must divide model.num_layers ({n}) (megatron-core's rule)")
+    object.__setattr__(model, "no_rope_freq", freq)
+    if freq is None:
+        return
+    if model.layer.position_embedding_type.value != "rope":
+        raise ConfigError("model.no_rope_freq needs model.position_embedding_type rope (NoPE layers skip the rotary "
+                          "embedding)")
+    if model.multi_latent_attention:
+        raise ConfigError("model.no_rope_freq with multi-latent attention: megatron-core's MLA applies its rotary "
+                          "embedding on every layer (only SelfAttention reads no_rope_freq)")
+    if model.mtp_num_layers is not None:
+        raise ConfigError("model.no_rope_freq with model.mtp_num_layers: megatron-core 0.16 looks an MTP layer's "
+                          "number up in no_rope_freq, past its num_layers entries")
+    if model.hybrid_layer_pattern is not None:
+        raise ConfigError("model.no_rope_freq with model.hybrid_layer_pattern: NoPE layers in a Mamba hybrid are not "
+                          "modelled by vtrain yet")
+    if mixes_nope(model) and (mixes_windows(model) or model.has_dense_layers_between_moe):
+        other = "windowed and full-attention layers" if mixes_windows(model) else "dense and MoE layers"
+        raise ConfigError(f"model.no_rope_freq: NoPE and RoPE layers mixed with {other} are not modelled by "
+                          f"vtrain yet")
+
+
+def _as_frequency(pattern: tuple[int, ...]) -> int | tuple[int, ...] | None:
+    if not any(pattern):
+        return None
+    for freq in range(1, len(pattern) + 1):
+        if len(pattern) % freq == 0 and pattern == ((0,) * (freq - 1) + (1,)) * (len(pattern) // freq):
+            return freq
+    return pattern
 
 
 def _window_edge(name: str, value: Any) -> int:
@@ -126,6 +175,28 @@ def is_windowed_layer(model: ModelSpec, layer_number: int) -> bool:
 def windowed_layers(model: ModelSpec, first_layer: int, count: int) -> int:
     """How many of the ``count`` layers from ``first_layer`` (1-based) have a window."""
     return sum(is_windowed_layer(model, n) for n in range(first_layer, first_layer + count))
+
+
+def nope_pattern(model: ModelSpec) -> tuple[bool, ...]:
+    """Whether each layer skips the rotary embedding (megatron-core's ``no_rope_freq``, 0-based by
+    layer number - 1: an integer N makes layers N, 2N, ... NoPE)."""
+    freq, n = model.no_rope_freq, model.num_layers
+    if freq is None:
+        return (False,) * n
+    if isinstance(freq, int):
+        return tuple(i % freq == freq - 1 for i in range(n))
+    return tuple(bool(x) for x in freq)
+
+
+def mixes_nope(model: ModelSpec) -> bool:
+    """Whether ``model`` has both NoPE and RoPE layers."""
+    pattern = nope_pattern(model)
+    return any(pattern) and not all(pattern)
+
+
+def nope_layers(model: ModelSpec, first_layer: int, count: int) -> int:
+    """How many of the ``count`` layers from ``first_layer`` (1-based) skip the rotary embedding."""
+    return sum(nope_pattern(model)[first_layer - 1:first_layer - 1 + count])
 
 
 def off(model_dict: dict[str, Any]) -> dict[str, Any]:

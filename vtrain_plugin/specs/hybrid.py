@@ -2,11 +2,11 @@
 
 A hybrid is described by one letter per layer (megatron-core's ``hybrid_override_pattern``,
 Megatron-LM's ``--hybrid-layer-pattern``): ``M`` a Mamba-2 layer, ``*`` a self-attention layer,
-``-`` an MLP layer. The pattern is the model's depth; a pipeline rank holds the contiguous slice of
+``-`` an MLP layer, ``E`` a MoE layer (megatron-core's MoE transformer layer, the model's
+``num_experts``). The pattern is the model's depth; a pipeline rank holds the contiguous slice of
 it megatron-core's ``MambaStack`` selects, so each stage is costed from one traced layer of each
 kind, counted per stage (:func:`stage_patterns`). megatron-core's own defaults fill the Mamba
-dimensions a spec leaves unset (:data:`DEFAULT_STATE_DIM` and the rest). ``E`` (MoE layers in a
-hybrid) is refused: a MoE layer there is not modelled yet.
+dimensions a spec leaves unset (:data:`DEFAULT_STATE_DIM` and the rest).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from vtrain_plugin.specs.parallel import ParallelPlan
 
 MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
-LAYER_KINDS = (MAMBA, ATTENTION, MLP)  # modelled
+LAYER_KINDS = (MAMBA, ATTENTION, MLP, MOE)  # megatron-core 0.16's Symbols.VALID
 # megatron-core 0.16 TransformerConfig defaults, and MambaMixer's expand (d_inner = 2 * hidden)
 DEFAULT_STATE_DIM, DEFAULT_HEAD_DIM, DEFAULT_NUM_GROUPS, EXPAND = 128, 64, 8, 2
 CHUNK_SIZE = 128  # MambaMixer's chunk_size (no config field sets it)
@@ -31,12 +31,10 @@ D_CONV = 4  # MambaMixer's d_conv
 def check_pattern(field: str, pattern: str) -> str:
     """``pattern`` if every letter is a modelled layer kind, else a one-line ConfigError."""
     if not isinstance(pattern, str) or not pattern:
-        raise ConfigError(f"{field} must be a non-empty string of layer letters (M, *, -), got {pattern!r}")
-    if MOE in pattern:
-        raise ConfigError(f"{field}: 'E' (a MoE layer in a hybrid) is not modelled by vtrain yet")
+        raise ConfigError(f"{field} must be a non-empty string of layer letters (M, *, -, E), got {pattern!r}")
     unknown = sorted(set(pattern) - set(LAYER_KINDS))
     if unknown:
-        raise ConfigError(f"{field}: {unknown[0]!r} is not a layer letter (M Mamba, * attention, - MLP), "
+        raise ConfigError(f"{field}: {unknown[0]!r} is not a layer letter (M Mamba, * attention, - MLP, E MoE), "
                           f"in {pattern!r}")
     return pattern
 

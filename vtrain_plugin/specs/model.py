@@ -30,6 +30,21 @@ class RouterScore(StrEnum):
     SIGMOID = "sigmoid"
 
 
+class LoadBalancing(StrEnum):
+    """The router's load balancing (megatron-core's moe_router_load_balancing_type) vtrain traces."""
+
+    AUX_LOSS = "aux_loss"  # an auxiliary loss (coefficient 0.01; Megatron-LM's other loss types traced as it)
+    SINKHORN = "sinkhorn"  # S-BASE: sinkhorn-normalised scores pick the experts; no auxiliary loss
+
+
+# Iterations of megatron-core's sinkhorn per MoE layer and step, assumed: it iterates until the mean
+# change of its expert scaling is under 1e-4, which is data. Measured with megatron-core's own loop on
+# 8192 tokens of random logits: 2 to 12 iterations over logit standard deviations 0.1 to 4 and 8 to 128
+# experts; 4 at a standard deviation of 2, above a router's at initialisation (0.02 x sqrt(hidden) ~ 1.3
+# at hidden 4096).
+SINKHORN_ITERATIONS = 4
+
+
 class TokenDropPolicy(StrEnum):
     """Which tokens an expert over capacity drops (megatron-core's moe_token_drop_policy)."""
 
@@ -131,6 +146,7 @@ class ModelSpec:
     moe_expert_capacity_factor: float | None = None  # an expert takes at most this x the balanced share
     moe_pad_expert_input_to_capacity: bool = False  # ... and is padded up to it
     moe_token_drop_policy: TokenDropPolicy = TokenDropPolicy.PROBS
+    moe_router_load_balancing_type: LoadBalancing = LoadBalancing.AUX_LOSS
     # The layer's choices (megatron-core's names, :data:`LAYER_FIELD_DEFAULTS`); None: the family's
     # (:data:`FAMILY_LAYERS`, read through :attr:`layer`). A value equal to the family's is stored as
     # None, so a model has one spelling whatever the input path.
@@ -153,7 +169,7 @@ class ModelSpec:
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: float | None = None
     # Mamba hybrid (megatron-core MambaModel, vtrain_plugin/specs/hybrid.py): one letter per layer,
-    # M Mamba-2, * attention, - MLP; None: a transformer (GPTModel). The mamba_* fields default to
+    # M Mamba-2, * attention, - MLP, E MoE (of num_experts experts); None: a transformer (GPTModel). The mamba_* fields default to
     # megatron-core's (state 128, head dim 64, 8 groups, heads 2 * hidden / head dim).
     hybrid_layer_pattern: str | None = None
     mamba_state_dim: int | None = None
@@ -173,6 +189,9 @@ class ModelSpec:
     window_size: tuple[int, int] | None = None
     window_attn_skip_freq: int | None = None
     softmax_type: str = "vanilla"
+    # NoPE layers (Llama 4), megatron-core's no_rope_freq: N, every N-th layer (layers N, 2N, ...) without
+    # the rotary embedding; or 0 (RoPE) / 1 (NoPE) per layer. None: RoPE on every layer.
+    no_rope_freq: int | tuple[int, ...] | None = None
     # Multi-token prediction (megatron-core's MTP block on the last pipeline stage): this many MTP
     # layers, each a transformer layer of the model's kind after its embedding and hidden norms and
     # projection, sharing the embedding and output layer. None: off.
@@ -185,6 +204,9 @@ class ModelSpec:
             "model.moe_router_score_function", self.moe_router_score_function, [r.value for r in RouterScore])))
         object.__setattr__(self, "moe_token_drop_policy", TokenDropPolicy(v.one_of(
             "model.moe_token_drop_policy", self.moe_token_drop_policy, [p.value for p in TokenDropPolicy])))
+        object.__setattr__(self, "moe_router_load_balancing_type", LoadBalancing(v.one_of(
+            "model.moe_router_load_balancing_type", self.moe_router_load_balancing_type,
+            [b.value for b in LoadBalancing])))
         if isinstance(self.moe_layer_freq, list):  # a plan file's list
             object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
         for name, limit in (("num_layers", limits.NUM_LAYERS), ("hidden_size", limits.HIDDEN_SIZE),
@@ -240,6 +262,8 @@ class ModelSpec:
         0, k, 2k, ...); every layer is dense in a dense model."""
         if not self.is_moe:
             return (False,) * self.num_layers
+        if self.hybrid_layer_pattern is not None:
+            return tuple(kind == hybrid.MOE for kind in self.hybrid_layer_pattern)
         freq = self.moe_layer_freq
         if isinstance(freq, tuple):
             return tuple(bool(x) for x in freq)
@@ -251,8 +275,9 @@ class ModelSpec:
 
     @property
     def has_dense_layers_between_moe(self) -> bool:
-        """A MoE model with some dense layers (moe_layer_freq other than 1)."""
-        return self.is_moe and not all(self.moe_layer_pattern)
+        """A transformer with MoE and dense layers (moe_layer_freq other than 1); a hybrid's layers are
+        its pattern's."""
+        return self.is_moe and not self.is_hybrid and not all(self.moe_layer_pattern)
 
     @property
     def is_hybrid(self) -> bool:
@@ -346,6 +371,7 @@ class ModelSpec:
             return (counts[hybrid.MAMBA] * (norm * h + self._mamba_mixer_parameters())
                     + counts[hybrid.ATTENTION] * (norm * h + attn + qk_norms)
                     + counts[hybrid.MLP] * (norm * h + dense_mlp)
+                    + counts[hybrid.MOE] * (norm * h + moe_mlp)
                     + embed + positions + norm * h)
         return (self.num_layers * (attn + qk_norms + 2 * norm * h) + moe_layers * moe_mlp
                 + (self.num_layers - moe_layers) * dense_mlp + embed + positions + norm * h + mtp)
@@ -378,7 +404,7 @@ MOE_FEATURE_DEFAULTS = {
     "moe_grouped_gemm": False, "moe_router_score_function": RouterScore.SOFTMAX, "moe_router_num_groups": None,
     "moe_router_group_topk": None, "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None,
     "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
-    "moe_token_drop_policy": TokenDropPolicy.PROBS,
+    "moe_token_drop_policy": TokenDropPolicy.PROBS, "moe_router_load_balancing_type": LoadBalancing.AUX_LOSS,
 }
 
 
@@ -464,9 +490,12 @@ def check_hybrid_fields(model: ModelSpec) -> None:
     if len(pattern) != model.num_layers:
         raise ConfigError(f"model.hybrid_layer_pattern has {len(pattern)} layers, model.num_layers is "
                           f"{model.num_layers}: one letter per layer")
-    if model.is_moe:
-        raise ConfigError("model.num_experts with model.hybrid_layer_pattern: MoE layers in a hybrid are not "
-                          "modelled by vtrain yet")
+    if model.is_moe != (hybrid.MOE in pattern):
+        raise ConfigError("model.num_experts and a MoE layer (E) in model.hybrid_layer_pattern go together: "
+                          "the pattern places a hybrid's MoE layers, num_experts sizes them")
+    if model.moe_layer_freq != 1:
+        raise ConfigError("model.moe_layer_freq with model.hybrid_layer_pattern: a hybrid's MoE layers are its "
+                          "pattern's E layers")
     for name in mamba:
         if getattr(model, name) is not None:
             v.positive_int(f"model.{name}", getattr(model, name))
@@ -516,6 +545,12 @@ def check_moe_fields(model: ModelSpec) -> None:
                           "(megatron-core's aux-loss-free routing)")
     _check_layer_freq(model)
     _check_group_routing(model)
+    if model.moe_router_load_balancing_type is LoadBalancing.SINKHORN:
+        ignored = [name for name in ("moe_router_score_function", "moe_router_num_groups",
+                                     "moe_router_enable_expert_bias") if getattr(model, name) != MOE_FEATURE_DEFAULTS[name]]
+        if ignored:
+            raise ConfigError(f"model.{ignored[0]} with model.moe_router_load_balancing_type sinkhorn: megatron-core's "
+                              f"sinkhorn router ignores it (it scores with softmax, or sigmoid at top-1, alone)")
     if model.moe_router_topk_scaling_factor is not None:
         v.positive_finite_number("model.moe_router_topk_scaling_factor", model.moe_router_topk_scaling_factor)
     if model.moe_expert_capacity_factor is not None:

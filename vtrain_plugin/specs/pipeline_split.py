@@ -108,7 +108,8 @@ def _per_rank(plan: ParallelPlan, model: ModelSpec) -> tuple[tuple[int, ...], st
         slots = total + plan.account_for_embedding_in_pipeline_split + plan.account_for_loss_in_pipeline_split
         if slots % pp:
             if slots == total:
-                return (), f"pipeline_parallel_size ({pp}) must divide num_layers ({total})"
+                return (), (f"pipeline_parallel_size ({pp}) must divide num_layers ({total}): {total} = {pp} x "
+                            f"{total // pp} + {total % pp}{_remedy(plan, total)}{_then_virtual(plan)}")
             return (), f"{_slot_sum(plan, total)} = {slots} layer slots must be divisible by pipeline_parallel_size ({pp})"
         return (slots // pp,) * pp, None
     given = [(name, n) for name, n in (("decoder_first_pipeline_num_layers", first),
@@ -139,7 +140,8 @@ def _per_chunk(plan: ParallelPlan, model: ModelSpec) -> tuple[tuple[tuple[int, .
         if n % vp:
             if not _uneven(plan):
                 return (), (f"pipeline_parallel_size ({pp}) * virtual_pipeline ({vp}) = {pp * vp} must divide "
-                            f"num_layers ({model.num_layers})")
+                            f"num_layers ({model.num_layers}): the {n} layers of each pipeline rank over its {vp} "
+                            f"virtual stages{_remedy(plan, model.num_layers)}")
             return (), f"the {n} layer slots of pipeline rank {rank} must be divisible by virtual_pipeline ({vp})"
     layers = [[n // vp] * vp for n in per_rank]
     # Never below zero: every virtual stage has at least one slot, the first and the last two
@@ -154,6 +156,32 @@ def _per_chunk(plan: ParallelPlan, model: ModelSpec) -> tuple[tuple[tuple[int, .
 def _uneven(plan: ParallelPlan) -> bool:
     return (plan.decoder_first_pipeline_num_layers is not None or plan.decoder_last_pipeline_num_layers is not None
             or plan.account_for_embedding_in_pipeline_split or plan.account_for_loss_in_pipeline_split)
+
+
+# The settings that make the embedding and the loss take a layer slot each (ParallelPlan's names,
+# Megatron-LM's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split).
+_SLOT_SETTINGS = (("account_for_embedding_in_pipeline_split", 1), ("account_for_loss_in_pipeline_split", 1),
+                  ("account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split", 2))
+
+
+def _then_virtual(plan: ParallelPlan) -> str:
+    vp = plan.virtual_pipeline
+    return (f" (megatron-core splits the layers over the pipeline ranks before each rank's over its {vp} virtual "
+            f"stages)") if vp > 1 else ""
+
+
+def _remedy(plan: ParallelPlan, total: int) -> str:
+    """How megatron-core could split ``total`` layers over an even plan's pipeline ranks and virtual
+    stages (``num_layers % pp``, then each rank's ``% vp``): the fewest extra layer slots (the
+    embedding, the loss, or both) that make them divide, with the arithmetic; else the uneven splits."""
+    pp, vp = plan.pipeline_parallel, plan.virtual_pipeline
+    for settings, extra in _SLOT_SETTINGS:
+        slots = total + extra
+        if slots % (pp * vp) == 0:
+            stages = f"{pp} x {vp} x {slots // (pp * vp)}" if vp > 1 else f"{pp} x {slots // pp}"
+            return f"; with {settings}: {total} + {extra} = {slots} = {stages} layer slots"
+    return ("; neither the embedding nor the loss as a layer slot makes it divide: set "
+            "decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers or a pipeline_layout")
 
 
 def _slot_sum(plan: ParallelPlan, total: int) -> str:

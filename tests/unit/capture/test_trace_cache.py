@@ -31,7 +31,8 @@ MOE_MODEL = dataclasses.replace(MODEL, num_experts=4)
 MOE_MODEL_VARIANTS = {"moe_router_topk": 1, "moe_ffn_hidden_size": 128, "moe_routing_skew": 2.0,
                       "moe_shared_expert_intermediate_size": 128,
                       "moe_router_score_function": "sigmoid", "moe_router_topk_scaling_factor": 2.0,
-                      "moe_expert_capacity_factor": 1.0, "moe_token_drop_policy": "position"}
+                      "moe_expert_capacity_factor": 1.0, "moe_token_drop_policy": "position",
+                      "moe_router_load_balancing_type": "sinkhorn"}
 # MoE fields that need another set with them (each also changes the key; see test_moe_features_key).
 MOE_FIELDS_WITH_OTHERS = {"moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
                           "moe_pad_expert_input_to_capacity"}
@@ -165,7 +166,12 @@ def test_the_key_covers_every_field_that_shapes_the_trace():
     plan_fields = {f.name for f in dataclasses.fields(ParallelPlan)}
     assert model_fields == (set(MODEL_VARIANTS) | set(MOE_MODEL_VARIANTS) | set(HYBRID_MODEL_VARIANTS)
                             | set(MODEL_FIELDS_NOT_IN_KEY) | MODEL_FIELDS_REFUSED | set(LAYER_VARIANTS)
-                            | {"rotary_percent", "add_qkv_bias"} | set(GLU_VARIANTS) | set(ATTENTION_VARIANTS))
+                            | {"rotary_percent", "add_qkv_bias"} | set(GLU_VARIANTS) | set(ATTENTION_VARIANTS)
+                            | {"no_rope_freq"})
+    llama = dataclasses.replace(MODEL, family="llama")  # NoPE layers skip RoPE, which a llama has
+    assert shape_key(dataclasses.replace(llama, no_rope_freq=1), PLAN, True, True, 2) != \
+        shape_key(llama, PLAN, True, True, 2)
+    assert "no_rope_freq" not in named_shape_key(shape_key(llama, PLAN, True, True, 2))["model"]
     assert plan_fields == (set(PLAN_VARIANTS) | set(PLAN_FIELDS_NOT_IN_KEY) | set(UNEVEN_SPLIT_NOT_IN_KEY)
                            | {"virtual_pipeline", "recompute_modules"} | set(LAYOUT_NOT_IN_KEY)
                            | {"hierarchical_context_parallel_sizes"}  # like cp_comm_type: derived when costing

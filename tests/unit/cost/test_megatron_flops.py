@@ -138,6 +138,17 @@ def test_mamba_hybrid(family):
     assert_megatron_count(model, args, sequences=8)
 
 
+@pytest.mark.parametrize("shared", [None, 128])
+def test_mamba_hybrid_with_moe_layers(shared):
+    pattern = "M*EM-E"
+    model = ModelSpec(family="llama", num_layers=6, hidden_size=256, num_attention_heads=8, num_query_groups=2,
+                      seq_length=256, vocab_size=1000, hybrid_layer_pattern=pattern, num_experts=8, moe_router_topk=2,
+                      moe_ffn_hidden_size=96, moe_shared_expert_intermediate_size=shared)
+    args = {**LLAMA_ARGS, "num_layers": 6, "seq_length": 256, "hybrid_layer_pattern": pattern, "num_experts": 8,
+            "moe_router_topk": 2, "moe_ffn_hidden_size": 96, "moe_shared_expert_intermediate_size": shared}
+    assert_megatron_count(model, args, sequences=8)
+
+
 def test_mamba_hybrid_with_its_own_heads_and_kv_channels():
     pattern = "M*M-"
     model = ModelSpec(family="llama", num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2,

@@ -82,3 +82,49 @@ def test_context_parallelism_with_mla_or_a_window_is_refused_by_name():
             plan.check_fits(spec(**fields))
         assert str(err.value) == (f"context_parallel_size (2) with {what}: context-parallel attention of that kind "
                                   f"is not modelled by vtrain yet")
+
+
+@pytest.mark.parametrize("freq", [4, [0, 1] * 6, [1] + [0] * 11, 1])
+def test_nope_layers_follow_megatron_cores_rule(freq):
+    """vtrain's NoPE pattern is the list megatron-core's TransformerConfig makes of no_rope_freq."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from vtrain_plugin.specs.attention import nope_pattern
+
+    config = TransformerConfig(num_layers=12, hidden_size=64, num_attention_heads=4, no_rope_freq=freq)
+    assert [int(x) for x in nope_pattern(spec(no_rope_freq=freq))] == config.no_rope_freq
+
+
+def test_nope_layers_have_one_spelling_and_are_counted_per_stage():
+    from vtrain_plugin.specs.attention import nope_layers
+
+    assert spec(no_rope_freq=[0, 0, 0, 1] * 3).no_rope_freq == 4  # megatron-core's list of the integer 4
+    assert spec(no_rope_freq=[0] * 12).no_rope_freq is None
+    assert spec(no_rope_freq=[1] + [0] * 11).no_rope_freq == (1,) + (0,) * 11
+    assert [nope_layers(spec(no_rope_freq=4), first, 3) for first in (1, 4, 7, 10)] == [0, 1, 1, 1]  # 4 | 8 | 12
+    assert nope_layers(spec(no_rope_freq=4), 1, 12) == 3
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(no_rope_freq=5), "model.no_rope_freq (5) must divide model.num_layers (12) (megatron-core's rule)"),
+    (dict(no_rope_freq=[0, 1]), "model.no_rope_freq: a per-layer pattern needs model.num_layers (12) entries, each "
+                                "0 (RoPE) or 1 (NoPE); got 2"),
+    (dict(no_rope_freq=0), "model.no_rope_freq must be a positive integer or a list of 0 / 1 per layer, got 0"),
+    (dict(no_rope_freq=4, position_embedding_type="learned_absolute"),
+     "model.no_rope_freq needs model.position_embedding_type rope (NoPE layers skip the rotary embedding)"),
+    (dict(no_rope_freq=4, multi_latent_attention=True),
+     "model.no_rope_freq with multi-latent attention: megatron-core's MLA applies its rotary embedding on every "
+     "layer (only SelfAttention reads no_rope_freq)"),
+    (dict(no_rope_freq=4, mtp_num_layers=1),
+     "model.no_rope_freq with model.mtp_num_layers: megatron-core 0.16 looks an MTP layer's number up in "
+     "no_rope_freq, past its num_layers entries"),
+    (dict(no_rope_freq=4, num_experts=4, moe_layer_freq=2),
+     "model.no_rope_freq: NoPE and RoPE layers mixed with dense and MoE layers are not modelled by vtrain yet"),
+    (dict(no_rope_freq=4, window_size=(8, 0), window_attn_skip_freq=2),
+     "model.no_rope_freq: NoPE and RoPE layers mixed with windowed and full-attention layers are not modelled "
+     "by vtrain yet"),
+])
+def test_bad_nope_fields_are_refused_in_one_line(fields, message):
+    with pytest.raises(ConfigError) as err:
+        spec(**fields)
+    assert str(err.value) == message

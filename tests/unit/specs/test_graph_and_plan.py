@@ -55,9 +55,13 @@ def test_graph_of_another_schema_version_is_refused(tmp_path):
 
 @pytest.mark.parametrize("plan,message", [
     (dict(tensor_parallel=5), "tensor_parallel_size (5) must divide num_attention_heads (96)"),
-    (dict(pipeline_parallel=5), "pipeline_parallel_size (5) must divide num_layers (96)"),
+    (dict(pipeline_parallel=5), "pipeline_parallel_size (5) must divide num_layers (96): 96 = 5 x 19 + 1; neither "
+     "the embedding nor the loss as a layer slot makes it divide: set decoder_first_pipeline_num_layers / "
+     "decoder_last_pipeline_num_layers or a pipeline_layout"),
     (dict(pipeline_parallel=4, virtual_pipeline=5),
-     "pipeline_parallel_size (4) * virtual_pipeline (5) = 20 must divide num_layers (96)"),
+     "pipeline_parallel_size (4) * virtual_pipeline (5) = 20 must divide num_layers (96): the 24 layers of each "
+     "pipeline rank over its 5 virtual stages; neither the embedding nor the loss as a layer slot makes it divide: "
+     "set decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers or a pipeline_layout"),
 ])
 def test_layout_that_does_not_fit_names_the_arithmetic(plan, message):
     model = ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048)

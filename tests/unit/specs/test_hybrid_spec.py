@@ -19,9 +19,14 @@ def hybrid(pattern: str = "M*-M-M", **fields) -> ModelSpec:
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(pattern="M*X"), "model.hybrid_layer_pattern: 'X' is not a layer letter (M Mamba, * attention, - MLP), "
-                          "in 'M*X'"),
-    (dict(pattern="ME"), "model.hybrid_layer_pattern: 'E' (a MoE layer in a hybrid) is not modelled by vtrain yet"),
+    (dict(pattern="M*X"), "model.hybrid_layer_pattern: 'X' is not a layer letter (M Mamba, * attention, - MLP, "
+                          "E MoE), in 'M*X'"),
+    (dict(pattern="ME"), "model.num_experts and a MoE layer (E) in model.hybrid_layer_pattern go together: the "
+                         "pattern places a hybrid's MoE layers, num_experts sizes them"),
+    (dict(pattern="M*", num_experts=4), "model.num_experts and a MoE layer (E) in model.hybrid_layer_pattern go "
+                                        "together: the pattern places a hybrid's MoE layers, num_experts sizes them"),
+    (dict(pattern="M*E", num_experts=4, moe_layer_freq=2),
+     "model.moe_layer_freq with model.hybrid_layer_pattern: a hybrid's MoE layers are its pattern's E layers"),
     (dict(pattern="M*-", num_layers=4), "model.hybrid_layer_pattern has 3 layers, model.num_layers is 4: one letter "
                                         "per layer"),
     (dict(mamba_head_dim=48), "model.mamba_head_dim (48) must divide the Mamba inner width 2 x model.hidden_size "
@@ -90,6 +95,14 @@ def test_pretrain_mamba_reads_the_pattern_in_either_spelling_or_allocates_it():
         .hybrid_layer_pattern == allocate_pattern(10, 0.2, 0.4)
 
 
+def test_pretrain_mamba_reads_moe_layers_and_their_experts():
+    model = mamba_plan("--hybrid-layer-pattern 'M*EM-E' --num-experts 4 --moe-router-topk 2 "
+                       "--moe-ffn-hidden-size 128").model
+    assert (model.hybrid_layer_pattern, model.num_experts, model.router_topk, model.expert_ffn_size) == \
+        ("M*EM-E", 4, 2, 128)
+    assert model.moe_layer_pattern == (False, False, True, False, False, True) and model.num_moe_layers == 2
+
+
 @pytest.mark.parametrize("flags, script, message", [
     ("--hybrid-layer-pattern M*-", "pretrain_gpt.py", "--hybrid-layer-pattern with pretrain_gpt.py: a Mamba hybrid is "
                                                       "trained by pretrain_mamba.py (pretrain_gpt.py builds a GPT and "
@@ -97,7 +110,7 @@ def test_pretrain_mamba_reads_the_pattern_in_either_spelling_or_allocates_it():
     ("--hybrid-layer-pattern M*- --num-layers 4", "pretrain_mamba.py", "--hybrid-layer-pattern has 3 layers, "
                                                                        "--num-layers is 4: one letter per layer"),
     ("--hybrid-layer-pattern 'M*|M*'", "pretrain_mamba.py", "--hybrid-layer-pattern: '|' is not a layer letter (M "
-                                                            "Mamba, * attention, - MLP), in 'M*|M*'"),
+                                                            "Mamba, * attention, - MLP, E MoE), in 'M*|M*'"),
     ("--num-layers 4 --disable-mamba-mem-eff-path", "pretrain_mamba.py", "--disable-mamba-mem-eff-path: the unfused "
                                                                          "Mamba path (causal_conv1d and "
                                                                          "mamba_chunk_scan_combined apart) is not "

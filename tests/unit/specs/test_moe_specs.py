@@ -60,6 +60,15 @@ def test_mixtral_parameter_count_is_46_7_billion():
                                                   "model.moe_expert_capacity_factor"),
     (dict(moe_expert_capacity_factor=0.0), "model.moe_expert_capacity_factor"),
     (dict(moe_expert_capacity_factor=1.0, moe_routing_skew=2.0), "vtrain assumes balanced routing under a capacity"),
+    (dict(moe_router_load_balancing_type="seq_aux_loss"),
+     "model.moe_router_load_balancing_type must be one of aux_loss, sinkhorn"),
+    (dict(num_experts=None, moe_router_load_balancing_type="sinkhorn"),
+     "model.moe_router_load_balancing_type needs model.num_experts"),
+    (dict(moe_router_load_balancing_type="sinkhorn", moe_router_score_function="sigmoid"),
+     "model.moe_router_score_function with model.moe_router_load_balancing_type sinkhorn: megatron-core's sinkhorn "
+     "router ignores it (it scores with softmax, or sigmoid at top-1, alone)"),
+    (dict(moe_router_load_balancing_type="sinkhorn", moe_router_num_groups=4, moe_router_group_topk=2),
+     "model.moe_router_num_groups with model.moe_router_load_balancing_type sinkhorn"),
 ])
 def test_bad_moe_fields_name_the_rule(kw, message):
     with pytest.raises(ConfigError) as err:

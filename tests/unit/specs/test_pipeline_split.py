@@ -64,6 +64,9 @@ RECIPES = [
     pytest.param(61, ParallelPlan(pipeline_parallel=8, virtual_pipeline=4, pipeline_layout="Et|(tt|)*30L"),
                  id="deepseek-v3 layout pp8 vp4 without mtp"),
     pytest.param(7, ParallelPlan(pipeline_parallel=4, pipeline_layout="Ett,t|t*2|t|tL"), id="uneven layout"),
+    pytest.param(94, ParallelPlan(pipeline_parallel=8, virtual_pipeline=4, account_for_embedding_in_pipeline_split=True,
+                                  account_for_loss_in_pipeline_split=True),
+                 id="qwen3-235b pp8 vp4 with the remedy the refusal names"),
 ]
 
 
@@ -81,8 +84,30 @@ def test_llama_405b_split_written_out():
     assert all(split[r] == (2,) * 8 for r in range(1, 7))
 
 
+def test_megatron_core_refuses_the_published_qwen3_235b_split():
+    """The rule behind the refusal is megatron-core's: num_layers % pp, before the virtual stages."""
+    with pytest.raises(AssertionError, match="num_layers should be divisible by pipeline_model_parallel_size"):
+        megatron_layers(94, ParallelPlan(pipeline_parallel=8, virtual_pipeline=4))
+
+
+def test_the_qwen3_235b_command_line_is_refused_with_the_remedy():
+    """Megatron-LM flags as qwen3_235b_a22b.sh gives them: the same one line, the remedy's arithmetic last."""
+    from vtrain_plugin.runs import run_config_from_megatron_args
+
+    args = ("--num-layers 94 --hidden-size 4096 --num-attention-heads 64 --seq-length 4096 --vocab-size 151936 "
+            "--pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 4 --micro-batch-size 1 "
+            "--global-batch-size 64 --bf16")
+    with pytest.raises(ConfigError) as err:
+        run_config_from_megatron_args(args, gpus=8)
+    assert str(err.value).startswith("pipeline_parallel_size (8) must divide num_layers (94): 94 = 8 x 11 + 6")
+    assert "account_for_loss_in_pipeline_split: 94 + 2 = 96 = 8 x 4 x 3 layer slots" in str(err.value)
+
+
 @pytest.mark.parametrize("layers,plan,message", [
-    (126, ParallelPlan(pipeline_parallel=8), "pipeline_parallel_size (8) must divide num_layers (126)"),
+    (126, ParallelPlan(pipeline_parallel=8),
+     "pipeline_parallel_size (8) must divide num_layers (126): 126 = 8 x 15 + 6; with "
+     "account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split: 126 + 2 = 128 = 8 x 16 "
+     "layer slots"),
     (126, ParallelPlan(pipeline_parallel=8, account_for_embedding_in_pipeline_split=True),
      "num_layers (126) + 1 (embedding) = 127 layer slots must be divisible by pipeline_parallel_size (8)"),
     (126, ParallelPlan(pipeline_parallel=8, virtual_pipeline=3, account_for_embedding_in_pipeline_split=True,
@@ -101,7 +126,16 @@ def test_llama_405b_split_written_out():
                       decoder_last_pipeline_num_layers=9),
      "the 5 layer slots of pipeline rank 0 must be divisible by virtual_pipeline (2)"),
     (96, ParallelPlan(pipeline_parallel=4, virtual_pipeline=5),
-     "pipeline_parallel_size (4) * virtual_pipeline (5) = 20 must divide num_layers (96)"),
+     "pipeline_parallel_size (4) * virtual_pipeline (5) = 20 must divide num_layers (96): the 24 layers of each "
+     "pipeline rank over its 5 virtual stages; neither the embedding nor the loss as a layer slot makes it divide: "
+     "set decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers or a pipeline_layout"),
+    # Qwen3 235B-A22B as published (PP 8 x VP 4, no account-for flags): megatron-core's
+    # get_num_layers_to_build asserts num_layers % pp before each rank's layers % vp
+    (94, ParallelPlan(pipeline_parallel=8, virtual_pipeline=4),
+     "pipeline_parallel_size (8) must divide num_layers (94): 94 = 8 x 11 + 6; with "
+     "account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split: 94 + 2 = 96 = 8 x 4 x 3 "
+     "layer slots (megatron-core splits the layers over the pipeline ranks before each rank's over its 4 virtual "
+     "stages)"),
 ])
 def test_a_split_that_does_not_divide_shows_the_arithmetic(layers, plan, message):
     with pytest.raises(ConfigError) as err:

@@ -34,7 +34,7 @@ from vtrain_plugin.specs.megatron import offload_args
 from vtrain_plugin.specs.megatron.attention import consumed_by_attention
 from vtrain_plugin.specs.megatron.flag_values import non_negative_int, positive_int
 from vtrain_plugin.specs.megatron.model import Given, model_fields, recompute_mode, recompute_modules
-from vtrain_plugin.specs.megatron.moe_flags import capacity_factor, flex_dispatcher_fields, moe_layer_freq, number
+from vtrain_plugin.specs.megatron.moe_flags import capacity_factor, flex_dispatcher_fields, layer_freq, number
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.optimizer import OptimizerSpec
 from vtrain_plugin.specs.model_features import REFUSED, unmodelled_warning
@@ -158,7 +158,7 @@ FIELDS: tuple[FlagField, ...] = (
     # MoE layer features (megatron-core's MoELayer builds them; ModelSpec checks them)
     FlagField("--moe-shared-expert-intermediate-size", "model.moe_shared_expert_intermediate_size"),
     FlagField("--moe-shared-expert-overlap", "model.moe_shared_expert_overlap", convert=_as_given),
-    FlagField("--moe-layer-freq", "model.moe_layer_freq", convert=moe_layer_freq),
+    FlagField("--moe-layer-freq", "model.moe_layer_freq", convert=layer_freq),
     FlagField("--moe-grouped-gemm", "model.moe_grouped_gemm", convert=_as_given),
     FlagField("--moe-router-score-function", "model.moe_router_score_function", convert=_as_given),
     FlagField("--moe-router-num-groups", "model.moe_router_num_groups"),

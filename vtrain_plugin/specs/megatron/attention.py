@@ -2,8 +2,9 @@
 
 Multi-latent attention (``--multi-latent-attention`` with ``--q-lora-rank``, ``--kv-lora-rank``,
 ``--qk-head-dim``, ``--qk-pos-emb-head-dim``, ``--v-head-dim``), sliding windows (``--window-size``,
-``--window-attn-skip-freq``) and attention sinks (``--softmax-type learnable``), with one answer on
-every input path (:mod:`vtrain_plugin.specs.attention` checks the fields).
+``--window-attn-skip-freq``), attention sinks (``--softmax-type learnable``) and NoPE layers
+(``--no-rope-freq``), with one answer on every input path (:mod:`vtrain_plugin.specs.attention`
+checks the fields).
 
 MLA's other flags change the values of YaRN's rotary frequencies only (``--rotary-scaling-factor``,
 ``--mscale``, ``--mscale-all-dim``), not time or memory: accepted. ``--qk-layernorm`` with MLA is
@@ -20,6 +21,7 @@ from typing import Any
 
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.megatron.flag_values import positive_int
+from vtrain_plugin.specs.megatron.moe_flags import layer_freq
 from vtrain_plugin.specs.model_features import not_modelled
 
 MLA_FLAGS = {"--q-lora-rank": "q_lora_rank", "--kv-lora-rank": "kv_lora_rank", "--qk-head-dim": "qk_head_dim",
@@ -64,6 +66,8 @@ def attention_fields(given: Mapping[str, Any], notes: list[str]) -> dict[str, An
         raise not_modelled("--softmax-type off-by-one", "an off-by-one softmax")
     if softmax != "vanilla":
         out["softmax_type"] = softmax
+    if "--no-rope-freq" in given:
+        out["no_rope_freq"] = layer_freq("--no-rope-freq", given["--no-rope-freq"])
     if given.get("--enable-gpt-oss"):
         missing = [flag for flag in GPT_OSS_STATED if flag not in given]
         if missing:

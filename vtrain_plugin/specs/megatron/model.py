@@ -81,7 +81,9 @@ def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: in
     out.update(attention_fields(given, notes))
     balancing = given.get("--moe-router-load-balancing-type", [MOE_LOAD_BALANCING])  # one type, or several summed
     balancing = [balancing] if isinstance(balancing, str) else balancing
-    if set(balancing) != {MOE_LOAD_BALANCING}:
+    if balancing == ["sinkhorn"] and "--num-experts" in given:  # S-BASE routing, traced (one type only)
+        out["moe_router_load_balancing_type"] = "sinkhorn"
+    elif set(balancing) != {MOE_LOAD_BALANCING}:
         notes.append(f"--moe-router-load-balancing-type {' '.join(balancing)} (vtrain's router: {MOE_LOAD_BALANCING})")
     return out
 

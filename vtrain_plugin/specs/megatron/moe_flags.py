@@ -1,9 +1,10 @@
 """The values of Megatron-LM's MoE flags that are no plain integer: the layer pattern, the
 capacity factor, a scaling factor; the flex dispatcher's flags, which several spell.
 
-``--moe-layer-freq`` takes an integer or a Python list expression (``"([0]*3+[1]*58)"``), which
-Megatron-LM evaluates; vtrain reads the same expressions without ``eval``: integer lists, their
-repetition by an integer and their concatenation, nothing else.
+``--moe-layer-freq`` (and ``--no-rope-freq``, read by :mod:`vtrain_plugin.specs.megatron.attention`)
+takes an integer or a Python list expression (``"([0]*3+[1]*58)"``), which Megatron-LM evaluates;
+vtrain reads the same expressions without ``eval``: integer lists, their repetition by an integer
+and their concatenation, nothing else.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ def capacity_factor(flag: str, text: Any) -> float | None:
     return None if value < 0 else value
 
 
-def moe_layer_freq(flag: str, text: Any) -> int | tuple[int, ...]:
-    """An integer k (every k-th layer MoE) or the per-layer list of 0 / 1 a list expression gives."""
+def layer_freq(flag: str, text: Any) -> int | tuple[int, ...]:
+    """An integer k (every k-th layer MoE, or NoPE) or the per-layer list of 0 / 1 a list expression gives."""
     text = str(text).strip()
     try:
         tree = ast.parse(text, mode="eval").body

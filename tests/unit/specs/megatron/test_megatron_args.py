@@ -303,9 +303,11 @@ def test_recompute_modules(flags, modules):
     assert parallel.recompute_modules == modules
 
 
-def test_nope_layers_are_named_in_the_warning():
-    """NoPE skips the rotary kernel (elementwise, on q and k) on some layers: a second-order effect."""
-    assert "--no-rope-freq 4" in plan("--position-embedding-type rope --no-rope-freq 4").unmodelled
+@pytest.mark.parametrize("value, freq", [("4", 4), ("'([0]*3+[1])*2'", 4), ("'[1]+[0]*7'", (1,) + (0,) * 7)])
+def test_nope_layers_are_a_model_field(value, freq):
+    """--no-rope-freq takes an integer or Megatron-LM's list expression; the model holds one spelling."""
+    read = plan(f"--position-embedding-type rope --no-rope-freq {value}")
+    assert read.model.no_rope_freq == freq and read.unmodelled == ()
 
 
 def test_an_inline_yaml_list_is_read_as_its_items():
