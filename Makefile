@@ -39,7 +39,7 @@ goldens: setup  ## the headline numbers pinned in tests/golden
 accuracy: setup  ## every published run estimated against its measured time (about 13 minutes)
 	$(PY) -m benchmarks.accuracy.published_runs --cv-evals 300
 
-docs: setup  ## rewrite README's and docs/inputs.md's generated tables from the code's registries
+docs: setup  ## rewrite the generated tables of README.md, docs/inputs.md and docs/layout.md
 	$(PY) -m vtrain_plugin.cli.support_table --write
 
 docs-check: setup  ## run every example of README.md and docs/, and check the generated tables

@@ -1,7 +1,8 @@
-"""The inputs of every command that estimates a run, read one way: plan files and vTrain configs,
-Megatron-LM launch scripts (``.sh``), ``--megatron-args`` and Megatron-Bridge ConfigContainer YAML
-(told apart by :func:`vtrain_plugin.runs.load_run`), with the shared options ``--gpu``, ``--cluster``,
-``--gpus-per-node``, ``--gpus`` and ``--env``, each added here once.
+"""The inputs of every command that estimates a run, read one way (plan files, vTrain configs,
+launch scripts, ``--megatron-args``, Megatron-Bridge YAML), and the options they share.
+
+Inputs are told apart by :func:`vtrain_plugin.runs.load_run`; the shared options ``--gpu``,
+``--cluster``, ``--gpus-per-node``, ``--gpus`` and ``--env`` are each added here once.
 
 Why one module: estimate, search, compare and calibrate must give the same estimate for the same
 run, whichever way the user wrote it down.

@@ -1,10 +1,11 @@
-"""What vtrain supports and refuses, rendered as Markdown from the code's own registries.
+"""What vtrain supports and refuses, rendered as Markdown from the code's own registries, and
+docs/layout.md's list of every module, rendered from the source tree's module docstrings.
 
-README.md and docs/inputs.md hold the rendered tables between markers
-(``<!-- support-table:start -->`` ... ``<!-- support-table:end -->``, and ``refused-flags``); a test
-renders them again and asserts the files match, so the tables cannot drift from the code. After a
-change to a registry, ``make docs`` (``python -m vtrain_plugin.cli.support_table --write``) rewrites
-them; ``--check`` exits 1 where a file is stale.
+README.md, docs/inputs.md and docs/layout.md hold the rendered tables between markers
+(``<!-- support-table:start -->`` ... ``<!-- support-table:end -->``, ``refused-flags``,
+``modules``); a test renders them again and asserts the files match, so the tables cannot drift from
+the code. After a change to a registry or a module, ``make docs`` (``python -m
+vtrain_plugin.cli.support_table --write``) rewrites them; ``--check`` exits 1 where a file is stale.
 
 The sources: the spec enums (model families, norms, activations, positions, schedules, software
 stacks, precisions, recompute modules, optimizers, FSDP strategies, token dispatchers), the model
@@ -16,6 +17,7 @@ cluster data files, the input kinds :mod:`vtrain_plugin.runs` reads, and Megatro
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import sys
@@ -163,8 +165,44 @@ def render_commands() -> str:
     return "\n".join(lines)
 
 
-BLOCKS = {"support-table": render_support_table, "refused-flags": render_refused_flags, "commands": render_commands}
-FILES = {"README.md": ("support-table", "commands"), "docs/inputs.md": ("refused-flags",)}
+PACKAGES = ("vtrain_plugin", "megatron_adapters", "profiler")
+_ROLE = re.compile(r":\w+:`(~?)([^`]+)`")  # :func:`~a.b` shows b, :func:`a.b` a.b
+
+
+def module_summary(path: Path) -> str:
+    """The first paragraph of the module docstring of ``path`` (what the module is), on one line."""
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+    if not doc:
+        raise ValueError(f"{path}: no module docstring")
+    return " ".join(line.strip() for line in doc.strip().split("\n\n")[0].splitlines())
+
+
+def _markdown(text: str) -> str:
+    """reStructuredText roles and literals of a docstring as Markdown code, in a table cell."""
+    text = _ROLE.sub(lambda m: f"`{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}`", text)
+    text = text.replace("``", "`")
+    return text.replace("|", "\\|")
+
+
+def render_modules() -> str:
+    """Every folder of the three packages (its ``__init__``'s summary) and every module in it (its own)."""
+    lines = []
+    for package in PACKAGES:
+        for folder in sorted({path.parent for path in (ROOT / package).rglob("*.py")}):
+            init = folder / "__init__.py"
+            summary = _markdown(module_summary(init)) if init.exists() else "(a namespace folder)"
+            lines += [f"**`{folder.relative_to(ROOT).as_posix()}/`**: {summary}", "",
+                      "| module | what it is |", "|---|---|"]
+            lines += [f"| `{path.name}` | {_markdown(module_summary(path))} |"
+                      for path in sorted(folder.glob("*.py")) if path.name != "__init__.py"]
+            lines.append("")
+    return "\n".join(lines[:-1])
+
+
+BLOCKS = {"support-table": render_support_table, "refused-flags": render_refused_flags, "commands": render_commands,
+          "modules": render_modules}
+FILES = {"README.md": ("support-table", "commands"), "docs/inputs.md": ("refused-flags",),
+         "docs/layout.md": ("modules",)}
 
 
 def replace_block(text: str, name: str, body: str) -> str:
@@ -184,7 +222,7 @@ def rendered(path: Path, blocks: Iterable[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vtrain_plugin.cli.support_table", description=__doc__.split("\n")[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the tables of README.md and docs/inputs.md")
+    parser.add_argument("--write", action="store_true", help="rewrite the tables of README.md, docs/inputs.md and docs/layout.md")
     parser.add_argument("--check", action="store_true", help="exit 1 if a file's tables are stale")
     args = parser.parse_args(argv)
     if not (args.write or args.check):

@@ -1,7 +1,8 @@
 """What Megatron-Core's TransformerEngine modules keep for backward where it differs from what the
-traced local spec keeps, module by module (bytes per block instance and micro-batch, added by
-:func:`~vtrain_plugin.cost.stack_memory.stack_rank_memory`; the attention's own difference is
-:func:`~vtrain_plugin.cost.lowering.megatron_core_te.fused_attention_saved_delta`).
+traced local spec keeps, module by module, in bytes per block instance and micro-batch.
+
+The differences are added by :func:`~vtrain_plugin.cost.stack_memory.stack_rank_memory`; the
+attention's own is :func:`~vtrain_plugin.cost.lowering.megatron_core_te.fused_attention_saved_delta`.
 
 The trace records each saving module's bytes (``Block.saved_by_module``); for a norm input of ``n``
 elements of ``e`` bytes in rows of ``h`` and an FC1 output of ``f`` elements:
