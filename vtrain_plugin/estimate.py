@@ -44,7 +44,7 @@ from vtrain_plugin.specs.assumptions import assumptions, training_assumptions
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.run import RunConfig
-from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
+from vtrain_plugin.specs.training import Fp8Recipe, SoftwareStack, TrainingSpec
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -85,16 +85,16 @@ class Estimate:
     # the traced ones for a plain module): the TFLOP/s of Megatron's log line
     tflops_per_gpu: float
     hardware_tflops_per_gpu: float  # the traced kernels' FLOPs, recompute included
-    mfu: float  # tflops_per_gpu over mfu_peak_tflop_per_s: the GPU's dense peak for the model dtype (also in FP8)
+    mfu: float  # tflops_per_gpu over mfu_peak_tflop_per_s: the GPU's dense peak for the GEMMs' precision
     gpu: str
     software_stack: str  # the kernels assumed (TrainingSpec.stack_for)
-    fp8: str | None = None  # FP8 format of the GEMMs (TrainingSpec.fp8); MFU stays against the model dtype's peak
+    fp8: str | None = None  # FP8 format of the GEMMs (TrainingSpec.fp8); MFU is then against the FP8 peak
     # FLOPs of one iteration behind tflops_per_gpu: Megatron-LM's num_floating_point_operations of the
     # global batch (vtrain_plugin.cost.megatron_flops), or the traced model FLOPs of a plain module
     model_flops_per_iteration: float | None = None
     model_flops_counted_as: str = ""  # "megatron-lm" or "traced"
     mfu_peak_tflop_per_s: float | None = None  # the peak MFU is against
-    mfu_peak: str = ""  # that peak in words, e.g. "h100-sxm dense bf16 peak 989 TFLOP/s"
+    mfu_peak: str = ""  # that peak in words, e.g. "h100-sxm dense bf16 peak 989 TFLOP/s", "... dense fp8 peak 1,979 ..."
     distributed_optimizer: bool = False  # Megatron-Core's distributed optimizer (TrainingSpec.distributed_optimizer)
     fsdp: str | None = None  # FSDP implementation and strategy (FsdpSettings.label); None: DDP
     cost_usd: float | None  # of this iteration, at the cluster's price per GPU-hour
@@ -316,7 +316,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
                                            tensor_parallel=plan.tensor_parallel)
     else:  # a plain module: no Megatron-LM count, the traced forward and backward
         model_flops = per_microbatch * replicas_work
-    peak_tflop_per_s, peak_words = _mfu_peak(device, graph.dtype)
+    peak_tflop_per_s, peak_words = _mfu_peak(device, graph.dtype, training)
     tflops = model_flops / seconds / gpus / 1e12
     price = cluster.price_per_gpu_hour_usd
     unmeasured = tuple(
@@ -375,11 +375,20 @@ def _traced_flops(graph: OpGraph, costing: Costing) -> dict[Phase, int]:
     return {phase: sum(blocks_model_flops(s.blocks, cp, phase) for s in balanced.stages) for phase in Phase}
 
 
-def _mfu_peak(device: DeviceSpec, dtype: str) -> tuple[float, str]:
-    """The peak MFU is against: the device's dense tensor-core rate for the model dtype (TF32 for
-    fp32), also when the GEMMs run in FP8 (Megatron-LM logs TFLOP/s only; this states the choice)."""
-    tflop_per_s = device.tensor_flop_per_ns(dtype) * NS_PER_S / 1e12
-    kind = "tf32" if canonical_dtype(dtype) is Dtype.FP32 else canonical_dtype(dtype).value
+def _mfu_peak(device: DeviceSpec, dtype: str, training: TrainingSpec) -> tuple[float, str]:
+    """The peak MFU is against: the device's dense tensor-core rate for the precision the GEMMs run
+    in: FP4 with an FP4 recipe (NVFP4), FP8 with an FP8 one (MXFP8 runs at the FP8 rate), else the
+    model dtype (TF32 for fp32). Layers kept in bf16 under FP8 do not change the peak named: the
+    output says which one it is, as Megatron-LM logs TFLOP/s only."""
+    if training.fp4 is not None:
+        gemm_dtype, kind = Dtype.FP4.value, training.fp4_recipe.value
+    elif training.fp8 is not None:
+        mx = training.fp8_recipe is Fp8Recipe.MXFP8
+        gemm_dtype, kind = Dtype.FP8.value, "mxfp8" if mx else "fp8"
+    else:
+        gemm_dtype = dtype
+        kind = "tf32" if canonical_dtype(dtype) is Dtype.FP32 else canonical_dtype(dtype).value
+    tflop_per_s = device.tensor_flop_per_ns(gemm_dtype) * NS_PER_S / 1e12
     return tflop_per_s, f"{device.name} dense {kind} peak {tflop_per_s:,.0f} TFLOP/s"
 
 
