@@ -100,7 +100,9 @@ class Estimate:
     cost_usd: float | None  # of this iteration, at the cluster's price per GPU-hour
     measured_fraction: float  # share of kernel time from measured profiles (0..1)
     memory_gib: tuple[RankMemory, ...]  # per pipeline rank, see vtrain_plugin.cost.memory
-    gpu_memory_gib: float  # capacity of one GPU
+    gpu_memory_gib: float  # capacity of one GPU, the datasheet's
+    # what "fits" is checked against: the capacity CUDA reports (DeviceSpec.usable_memory_gib); None: gpu_memory_gib
+    gpu_usable_memory_gib: float | None = None
     largest_unmeasured: tuple[UnmeasuredKernel, ...] = ()
     total_tokens: float | None = None  # of the whole run
     iterations: int | None = None  # that train total_tokens
@@ -115,11 +117,22 @@ class Estimate:
 
     @property
     def peak_memory_gib(self) -> float:
+        """The most one GPU needs: peak allocated plus the allowance, on the stage that needs most."""
         return max(m.total_gib for m in self.memory_gib)
 
     @property
+    def peak_allocated_gib(self) -> float:
+        """The most the tensors of one GPU take at once: what Megatron-LM's ``max allocated`` and
+        ``torch.cuda.max_memory_allocated`` report (the allowance left out)."""
+        return max(m.tensors_gib for m in self.memory_gib)
+
+    @property
+    def usable_memory_gib(self) -> float:
+        return self.gpu_memory_gib if self.gpu_usable_memory_gib is None else self.gpu_usable_memory_gib
+
+    @property
     def fits_in_memory(self) -> bool:
-        return self.peak_memory_gib <= self.gpu_memory_gib
+        return self.peak_memory_gib <= self.usable_memory_gib
 
     @property
     def train_days(self) -> float | None:
@@ -187,7 +200,9 @@ class Estimate:
             "cost_usd": self.cost_usd,
             "measured_fraction": self.measured_fraction,
             "peak_memory_gib": self.peak_memory_gib,
+            "peak_allocated_gib": self.peak_allocated_gib,
             "gpu_memory_gib": self.gpu_memory_gib,
+            "gpu_usable_memory_gib": self.usable_memory_gib,
             "fits_in_memory": self.fits_in_memory,
             "memory_gib_per_stage": [m.to_dict() for m in self.memory_gib],
             "total_tokens": self.total_tokens,
@@ -348,6 +363,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         largest_unmeasured=unmeasured,
         memory_gib=stack_rank_memory(graph, schedule.peak_live, stack, training),
         gpu_memory_gib=device.memory_bytes / GIB,
+        gpu_usable_memory_gib=device.usable_memory_gib,
         total_tokens=training.total_tokens,
         iterations=training.train_iterations(graph.seq_length),
         seq_length=graph.seq_length,
@@ -356,7 +372,8 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         checkpoint=checkpoint_size(graph),
         reliability=training.reliability,
         assumptions=(assumptions(graph.model, plan) + training_assumptions(training)
-                     + device.unvalidated_rates(training) + recipe_assumptions(training.fp8_settings)),
+                     + device.unvalidated_rates(training) + recipe_assumptions(training.fp8_settings)
+                     + device.unmeasured_capacity()),
         timeline=result.timeline,
     )
 

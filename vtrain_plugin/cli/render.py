@@ -191,13 +191,14 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
             lines.extend(failures_lines(result.train_totals()))
     lines.append(f"kernel time measured: {100 * result.measured_fraction:.1f}% (rest modeled)")
     peak = max(result.memory_gib, key=lambda m: m.total_gib)
+    usable = result.usable_memory_gib
     verdict = "fits" if result.fits_in_memory else "DOES NOT FIT"
-    if not result.fits_in_memory and peak.tensors_gib <= result.gpu_memory_gib:
+    if not result.fits_in_memory and peak.tensors_gib <= usable:
         verdict += f" with the allowance (the tensors alone, {peak.tensors_gib:.1f} GiB, fit)"
-    lines.append(f"memory per GPU (peak stage): {peak.total_gib:.1f} GiB of {result.gpu_memory_gib:.0f} GiB, "
-                 f"{verdict} (weights {peak.weights_gib:.1f}, gradients {peak.gradients_gib:.1f}, "
+    lines.append(f"memory per GPU (peak stage): {peak.total_gib:.1f} GiB of {usable:.1f} GiB usable, {verdict} "
+                 f"(allocated {peak.tensors_gib:.1f}: weights {peak.weights_gib:.1f}, gradients {peak.gradients_gib:.1f}, "
                  f"optimizer {peak.optimizer_gib:.1f}, activations {peak.activations_gib:.1f} for "
-                 f"{peak.inflight_microbatches} micro-batches in flight, allowance {peak.allowance_gib:.1f})")
+                 f"{peak.inflight_microbatches} micro-batches in flight; allowance {peak.allowance_gib:.1f})")
     lines.extend(f"assumed: {line}" for line in result.assumptions)
     if result.largest_unmeasured:
         lines.append("")
