@@ -35,6 +35,7 @@ from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.cost.kernels.stragglers import slowest_gpu_factor
 from vtrain_plugin.hardware.calibration import DeviceConstants, calibration_for
 from vtrain_plugin.hardware.devices import DeviceSpec, get_device
+from vtrain_plugin.hardware.error_bands import ErrorBand, error_band
 from vtrain_plugin.hardware.nccl import NcclTable
 from vtrain_plugin.sim.engine import BREAKDOWN_FIELDS, RankBreakdown, SimResult, simulate
 from vtrain_plugin.sim.run_totals import TrainTotals, train_totals
@@ -113,6 +114,9 @@ class Estimate:
     reliability: ReliabilitySpec | None = None  # TrainingSpec.reliability (None: failures off)
     # What the estimate assumed or costed other than by tracing (vtrain_plugin.specs.assumptions)
     assumptions: tuple[str, ...] = ()
+    # How far off the iteration time (and cost) likely is: the errors of the published runs of its
+    # regime (vtrain_plugin.hardware.error_bands); None: no error-band file
+    error_band: ErrorBand | None = None
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -133,6 +137,16 @@ class Estimate:
     @property
     def fits_in_memory(self) -> bool:
         return self.peak_memory_gib <= self.usable_memory_gib
+
+    @property
+    def iteration_time_band_ms(self) -> tuple[float, float] | None:
+        """The iteration time likely measured, low and high (None: no band)."""
+        return None if self.error_band is None else self.error_band.measured(self.iteration_time_ms)
+
+    @property
+    def cost_band_usd(self) -> tuple[float, float] | None:
+        """The cost of an iteration likely measured, low and high (None: no band or no price)."""
+        return None if self.error_band is None or self.cost_usd is None else self.error_band.measured(self.cost_usd)
 
     @property
     def train_days(self) -> float | None:
@@ -216,13 +230,20 @@ class Estimate:
             "goodput": totals.goodput if expected else None,
             "failures": totals.failures.to_dict() if expected else None,
             "assumptions": list(self.assumptions),
+            "error_band": None if self.error_band is None else self.error_band.to_dict(self.iteration_time_ms,
+                                                                                       self.cost_usd),
         }
 
     def to_row(self) -> dict[str, Any]:
         """The scalar fields of :meth:`to_dict`, with the bottleneck stage's breakdown flattened to
         ``<part>_ms`` columns: one row of a table of estimates."""
         row = {k: v for k, v in self.to_dict().items()
-               if k not in ("breakdown_ms", "stage_breakdown_ms", "memory_gib_per_stage", "failures", "assumptions")}
+               if k not in ("breakdown_ms", "stage_breakdown_ms", "memory_gib_per_stage", "failures", "assumptions",
+                            "error_band")}
+        band = self.iteration_time_band_ms
+        row.update({"iteration_time_low_ms": None if band is None else band[0],
+                    "iteration_time_high_ms": None if band is None else band[1],
+                    "far_from_calibration": None if self.error_band is None else self.error_band.far})
         row.update({f"{part}_ms": ms for part, ms in self.breakdown_ms.items()})
         return row
 
@@ -334,6 +355,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
     peak_tflop_per_s, peak_words = _mfu_peak(device, graph.dtype, training)
     tflops = model_flops / seconds / gpus / 1e12
     price = cluster.price_per_gpu_hour_usd
+    checkpoint = checkpoint_size(graph)
     unmeasured = tuple(
         UnmeasuredKernel(op=op.op, input_shapes=op.key.input_shapes, dtypes=op.key.dtypes, phase=op.phase.value,
                          module=op.module, time_ms=ns / NS_PER_MS)
@@ -369,11 +391,13 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         seq_length=graph.seq_length,
         gpus_per_node=cluster.gpus_per_node,
         price_per_gpu_hour_usd=price,
-        checkpoint=checkpoint_size(graph),
+        checkpoint=checkpoint,
         reliability=training.reliability,
         assumptions=(assumptions(graph.model, plan) + training_assumptions(training)
                      + device.unvalidated_rates(training) + recipe_assumptions(training.fp8_settings)
                      + device.unmeasured_capacity()),
+        error_band=error_band(architecture=device.architecture.value, software_stack=stack.value, num_gpus=gpus,
+                              parameters=checkpoint.parameters),
         timeline=result.timeline,
     )
 

@@ -189,6 +189,11 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
                      + (" without failures" if result.reliability is not None else ""))
         if result.reliability is not None:
             lines.extend(failures_lines(result.train_totals()))
+    if result.error_band is not None:
+        low, high = result.iteration_time_band_ms
+        cost_band = "" if result.cost_band_usd is None else \
+            f", {_money(result.cost_band_usd[0])}-{_money(result.cost_band_usd[1])} per iteration"
+        lines.append(f"likely {low:,.1f}-{high:,.1f} ms per iteration{cost_band}: {result.error_band.words()}")
     lines.append(f"kernel time measured: {100 * result.measured_fraction:.1f}% (rest modeled)")
     peak = max(result.memory_gib, key=lambda m: m.total_gib)
     usable = result.usable_memory_gib
@@ -337,7 +342,7 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
     experts = bool((table["expert_parallel"] > 1).any())  # an ep column when some plan splits experts
     header = ["rank", "tp", "cp", "pp", "dp", *(["ep"] if experts else []), "mb", "vp", "sp", "recompute",
               "grad reduce", "dist opt", *(_VARIED_HEADERS[c] for c in varied), "GPUs", "iteration ms",
-              "tokens/s", "MFU", "memory GiB", "fits", "$/iteration", *(["days", "$ to train"] if trained else []),
+              "likely ms", "tokens/s", "MFU", "memory GiB", "fits", "$/iteration", *(["days", "$ to train"] if trained else []),
               *(["expected days", "expected $", "goodput", "ckpt every"] if expected else []), "front"]
     rows = []
     for row in result.top().to_dict(orient="records"):
@@ -346,7 +351,7 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
             str(row["data_parallel"]), *([str(row["expert_parallel"])] if experts else []),
             str(row["micro_batch_size"]), str(row["virtual_pipeline"]), "on" if row["sequence_parallel"] else "off",
             row["recompute"], row["grad_reduce"], "on" if row["distributed_optimizer"] else "off", *(str(row[c] or "off") for c in varied),
-            f"{row['num_gpus']:,}", f"{row['iteration_time_ms']:,.1f}",
+            f"{row['num_gpus']:,}", f"{row['iteration_time_ms']:,.1f}", _likely(row),
             f"{row['tokens_per_second']:,.0f}", f"{100 * row['mfu']:.1f}%", f"{row['peak_memory_gib']:.1f}",
             "yes" if row["fits_in_memory"] else "NO", _money(row["cost_usd"]),
             *([f"{row['train_days']:,.1f}", _money(row["train_cost_usd"])] if trained else []),
@@ -366,6 +371,12 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
 
 
 _VARIED_HEADERS = {"software_stack": "stack", "fp8": "fp8"}
+
+
+def _likely(row: Mapping[str, Any]) -> str:
+    """The iteration time a plan likely measures, from its error band (n/a without one)."""
+    low, high = row.get("iteration_time_low_ms", math.nan), row.get("iteration_time_high_ms", math.nan)
+    return "n/a" if math.isnan(low) else f"{low:,.0f}-{high:,.0f}"
 
 
 def _baseline_line(result: SearchResult, baseline: Mapping[str, Any]) -> str:
