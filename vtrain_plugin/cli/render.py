@@ -182,6 +182,11 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
     counted = "Megatron-LM's FLOP count" if result.model_flops_counted_as == "megatron-lm" else "traced FLOPs"
     lines.append(f"tokens/s {tokens}   model TFLOP/s per GPU {result.tflops_per_gpu:.1f} ({counted})   "
                  f"MFU {100 * result.mfu:.1f}% of {result.mfu_peak}   cost {cost}")
+    if result.error_band is not None:
+        low, high = result.iteration_time_band_ms
+        cost_band = "" if result.cost_band_usd is None else \
+            f", {_money(result.cost_band_usd[0])}-{_money(result.cost_band_usd[1])} per iteration"
+        lines.append(f"likely {low:,.1f}-{high:,.1f} ms per iteration{cost_band}: {result.error_band.words()}")
     if result.iterations is not None:
         train_cost = "" if result.train_cost_usd is None else f", ${result.train_cost_usd:,.0f}"
         lines.append(f"to train {result.total_tokens:,.0f} tokens: {result.iterations:,} iterations, "
@@ -189,11 +194,6 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
                      + (" without failures" if result.reliability is not None else ""))
         if result.reliability is not None:
             lines.extend(failures_lines(result.train_totals()))
-    if result.error_band is not None:
-        low, high = result.iteration_time_band_ms
-        cost_band = "" if result.cost_band_usd is None else \
-            f", {_money(result.cost_band_usd[0])}-{_money(result.cost_band_usd[1])} per iteration"
-        lines.append(f"likely {low:,.1f}-{high:,.1f} ms per iteration{cost_band}: {result.error_band.words()}")
     lines.append(f"kernel time measured: {100 * result.measured_fraction:.1f}% (rest modeled)")
     peak = max(result.memory_gib, key=lambda m: m.total_gib)
     usable = result.usable_memory_gib
