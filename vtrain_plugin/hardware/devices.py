@@ -183,7 +183,7 @@ class DeviceSpec:
         if self.usable_memory_gibibytes is not None or self.host_runs_kernels:
             return ()
         return (f"usable memory of {self.name} not measured: fits is checked against the datasheet's "
-                f"{self.memory_gibibytes:g} GiB, less the driver's reservation on a real card",)
+                f"{self.memory_gibibytes:g} GiB (a real card gives a process a little less: the driver reserves some)",)
 
     @property
     def l2_cache_bytes(self) -> int:
