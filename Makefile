@@ -7,7 +7,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 2  # pytest-xdist workers: the CI machine has 2 cores
 
-.PHONY: help setup run test lint goldens accuracy docs docs-check clean
+.PHONY: help setup run test lint goldens accuracy error-bands docs docs-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 24
@@ -38,6 +38,9 @@ goldens: setup  ## the headline numbers pinned in tests/golden
 
 accuracy: setup  ## every published run estimated against its measured time (about 13 minutes)
 	$(PY) -m benchmarks.accuracy.published_runs --cv-evals 300
+
+error-bands: setup  ## rewrite the error-band file from every published run (after any calibration change)
+	$(PY) -m benchmarks.accuracy.error_bands
 
 docs: setup  ## rewrite the generated tables of README.md, docs/inputs.md and docs/layout.md
 	$(PY) -m vtrain_plugin.cli.support_table --write

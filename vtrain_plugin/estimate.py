@@ -35,6 +35,7 @@ from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.cost.kernels.stragglers import slowest_gpu_factor
 from vtrain_plugin.hardware.calibration import DeviceConstants, calibration_for
 from vtrain_plugin.hardware.devices import DeviceSpec, get_device
+from vtrain_plugin.hardware.error_bands import ErrorBand, error_band
 from vtrain_plugin.hardware.nccl import NcclTable
 from vtrain_plugin.sim.engine import BREAKDOWN_FIELDS, RankBreakdown, SimResult, simulate
 from vtrain_plugin.sim.run_totals import TrainTotals, train_totals
@@ -44,7 +45,7 @@ from vtrain_plugin.specs.assumptions import assumptions, training_assumptions
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.run import RunConfig
-from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
+from vtrain_plugin.specs.training import Fp8Recipe, SoftwareStack, TrainingSpec
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -85,22 +86,24 @@ class Estimate:
     # the traced ones for a plain module): the TFLOP/s of Megatron's log line
     tflops_per_gpu: float
     hardware_tflops_per_gpu: float  # the traced kernels' FLOPs, recompute included
-    mfu: float  # tflops_per_gpu over mfu_peak_tflop_per_s: the GPU's dense peak for the model dtype (also in FP8)
+    mfu: float  # tflops_per_gpu over mfu_peak_tflop_per_s: the GPU's dense peak for the GEMMs' precision
     gpu: str
     software_stack: str  # the kernels assumed (TrainingSpec.stack_for)
-    fp8: str | None = None  # FP8 format of the GEMMs (TrainingSpec.fp8); MFU stays against the model dtype's peak
+    fp8: str | None = None  # FP8 format of the GEMMs (TrainingSpec.fp8); MFU is then against the FP8 peak
     # FLOPs of one iteration behind tflops_per_gpu: Megatron-LM's num_floating_point_operations of the
     # global batch (vtrain_plugin.cost.megatron_flops), or the traced model FLOPs of a plain module
     model_flops_per_iteration: float | None = None
     model_flops_counted_as: str = ""  # "megatron-lm" or "traced"
     mfu_peak_tflop_per_s: float | None = None  # the peak MFU is against
-    mfu_peak: str = ""  # that peak in words, e.g. "h100-sxm dense bf16 peak 989 TFLOP/s"
+    mfu_peak: str = ""  # that peak in words, e.g. "h100-sxm dense bf16 peak 989 TFLOP/s", "... dense fp8 peak 1,979 ..."
     distributed_optimizer: bool = False  # Megatron-Core's distributed optimizer (TrainingSpec.distributed_optimizer)
     fsdp: str | None = None  # FSDP implementation and strategy (FsdpSettings.label); None: DDP
     cost_usd: float | None  # of this iteration, at the cluster's price per GPU-hour
     measured_fraction: float  # share of kernel time from measured profiles (0..1)
     memory_gib: tuple[RankMemory, ...]  # per pipeline rank, see vtrain_plugin.cost.memory
-    gpu_memory_gib: float  # capacity of one GPU
+    gpu_memory_gib: float  # capacity of one GPU, the datasheet's
+    # what "fits" is checked against: the capacity CUDA reports (DeviceSpec.usable_memory_gib); None: gpu_memory_gib
+    gpu_usable_memory_gib: float | None = None
     largest_unmeasured: tuple[UnmeasuredKernel, ...] = ()
     total_tokens: float | None = None  # of the whole run
     iterations: int | None = None  # that train total_tokens
@@ -111,15 +114,39 @@ class Estimate:
     reliability: ReliabilitySpec | None = None  # TrainingSpec.reliability (None: failures off)
     # What the estimate assumed or costed other than by tracing (vtrain_plugin.specs.assumptions)
     assumptions: tuple[str, ...] = ()
+    # How far off the iteration time (and cost) likely is: the errors of the published runs of its
+    # regime (vtrain_plugin.hardware.error_bands); None: no error-band file
+    error_band: ErrorBand | None = None
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
 
     @property
     def peak_memory_gib(self) -> float:
+        """The most one GPU needs: peak allocated plus the allowance, on the stage that needs most."""
         return max(m.total_gib for m in self.memory_gib)
 
     @property
+    def peak_allocated_gib(self) -> float:
+        """The most the tensors of one GPU take at once: what Megatron-LM's ``max allocated`` and
+        ``torch.cuda.max_memory_allocated`` report (the allowance left out)."""
+        return max(m.tensors_gib for m in self.memory_gib)
+
+    @property
+    def usable_memory_gib(self) -> float:
+        return self.gpu_memory_gib if self.gpu_usable_memory_gib is None else self.gpu_usable_memory_gib
+
+    @property
     def fits_in_memory(self) -> bool:
-        return self.peak_memory_gib <= self.gpu_memory_gib
+        return self.peak_memory_gib <= self.usable_memory_gib
+
+    @property
+    def iteration_time_band_ms(self) -> tuple[float, float] | None:
+        """The iteration time likely measured, low and high (None: no band)."""
+        return None if self.error_band is None else self.error_band.measured(self.iteration_time_ms)
+
+    @property
+    def cost_band_usd(self) -> tuple[float, float] | None:
+        """The cost of an iteration likely measured, low and high (None: no band or no price)."""
+        return None if self.error_band is None or self.cost_usd is None else self.error_band.measured(self.cost_usd)
 
     @property
     def train_days(self) -> float | None:
@@ -187,7 +214,9 @@ class Estimate:
             "cost_usd": self.cost_usd,
             "measured_fraction": self.measured_fraction,
             "peak_memory_gib": self.peak_memory_gib,
+            "peak_allocated_gib": self.peak_allocated_gib,
             "gpu_memory_gib": self.gpu_memory_gib,
+            "gpu_usable_memory_gib": self.usable_memory_gib,
             "fits_in_memory": self.fits_in_memory,
             "memory_gib_per_stage": [m.to_dict() for m in self.memory_gib],
             "total_tokens": self.total_tokens,
@@ -201,13 +230,20 @@ class Estimate:
             "goodput": totals.goodput if expected else None,
             "failures": totals.failures.to_dict() if expected else None,
             "assumptions": list(self.assumptions),
+            "error_band": None if self.error_band is None else self.error_band.to_dict(self.iteration_time_ms,
+                                                                                       self.cost_usd),
         }
 
     def to_row(self) -> dict[str, Any]:
         """The scalar fields of :meth:`to_dict`, with the bottleneck stage's breakdown flattened to
         ``<part>_ms`` columns: one row of a table of estimates."""
         row = {k: v for k, v in self.to_dict().items()
-               if k not in ("breakdown_ms", "stage_breakdown_ms", "memory_gib_per_stage", "failures", "assumptions")}
+               if k not in ("breakdown_ms", "stage_breakdown_ms", "memory_gib_per_stage", "failures", "assumptions",
+                            "error_band")}
+        band = self.iteration_time_band_ms
+        row.update({"iteration_time_low_ms": None if band is None else band[0],
+                    "iteration_time_high_ms": None if band is None else band[1],
+                    "far_from_calibration": None if self.error_band is None else self.error_band.far})
         row.update({f"{part}_ms": ms for part, ms in self.breakdown_ms.items()})
         return row
 
@@ -316,9 +352,10 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
                                            tensor_parallel=plan.tensor_parallel)
     else:  # a plain module: no Megatron-LM count, the traced forward and backward
         model_flops = per_microbatch * replicas_work
-    peak_tflop_per_s, peak_words = _mfu_peak(device, graph.dtype)
+    peak_tflop_per_s, peak_words = _mfu_peak(device, graph.dtype, training)
     tflops = model_flops / seconds / gpus / 1e12
     price = cluster.price_per_gpu_hour_usd
+    checkpoint = checkpoint_size(graph)
     unmeasured = tuple(
         UnmeasuredKernel(op=op.op, input_shapes=op.key.input_shapes, dtypes=op.key.dtypes, phase=op.phase.value,
                          module=op.module, time_ms=ns / NS_PER_MS)
@@ -348,15 +385,19 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         largest_unmeasured=unmeasured,
         memory_gib=stack_rank_memory(graph, schedule.peak_live, stack, training),
         gpu_memory_gib=device.memory_bytes / GIB,
+        gpu_usable_memory_gib=device.usable_memory_gib,
         total_tokens=training.total_tokens,
         iterations=training.train_iterations(graph.seq_length),
         seq_length=graph.seq_length,
         gpus_per_node=cluster.gpus_per_node,
         price_per_gpu_hour_usd=price,
-        checkpoint=checkpoint_size(graph),
+        checkpoint=checkpoint,
         reliability=training.reliability,
         assumptions=(assumptions(graph.model, plan) + training_assumptions(training)
-                     + device.unvalidated_rates(training) + recipe_assumptions(training.fp8_settings)),
+                     + device.unvalidated_rates(training) + recipe_assumptions(training.fp8_settings)
+                     + device.unmeasured_capacity()),
+        error_band=error_band(architecture=device.architecture.value, software_stack=stack.value, num_gpus=gpus,
+                              parameters=checkpoint.parameters),
         timeline=result.timeline,
     )
 
@@ -375,11 +416,20 @@ def _traced_flops(graph: OpGraph, costing: Costing) -> dict[Phase, int]:
     return {phase: sum(blocks_model_flops(s.blocks, cp, phase) for s in balanced.stages) for phase in Phase}
 
 
-def _mfu_peak(device: DeviceSpec, dtype: str) -> tuple[float, str]:
-    """The peak MFU is against: the device's dense tensor-core rate for the model dtype (TF32 for
-    fp32), also when the GEMMs run in FP8 (Megatron-LM logs TFLOP/s only; this states the choice)."""
-    tflop_per_s = device.tensor_flop_per_ns(dtype) * NS_PER_S / 1e12
-    kind = "tf32" if canonical_dtype(dtype) is Dtype.FP32 else canonical_dtype(dtype).value
+def _mfu_peak(device: DeviceSpec, dtype: str, training: TrainingSpec) -> tuple[float, str]:
+    """The peak MFU is against: the device's dense tensor-core rate for the precision the GEMMs run
+    in: FP4 with an FP4 recipe (NVFP4), FP8 with an FP8 one (MXFP8 runs at the FP8 rate), else the
+    model dtype (TF32 for fp32). Layers kept in bf16 under FP8 do not change the peak named: the
+    output says which one it is, as Megatron-LM logs TFLOP/s only."""
+    if training.fp4 is not None:
+        gemm_dtype, kind = Dtype.FP4.value, training.fp4_recipe.value
+    elif training.fp8 is not None:
+        mx = training.fp8_recipe is Fp8Recipe.MXFP8
+        gemm_dtype, kind = Dtype.FP8.value, "mxfp8" if mx else "fp8"
+    else:
+        gemm_dtype = dtype
+        kind = "tf32" if canonical_dtype(dtype) is Dtype.FP32 else canonical_dtype(dtype).value
+    tflop_per_s = device.tensor_flop_per_ns(gemm_dtype) * NS_PER_S / 1e12
     return tflop_per_s, f"{device.name} dense {kind} peak {tflop_per_s:,.0f} TFLOP/s"
 
 

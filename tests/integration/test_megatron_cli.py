@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tests.support.megatron_examples import GPT3_175B, LLAMA3_8B_FP8, SMALL_GPT
 
 SLURM_GPT = """#!/bin/bash
@@ -112,12 +114,13 @@ def test_the_llama3_8b_fp8_recipe_is_costed_with_fp8_weights_and_bf16_gradients(
                                                                              "megatron_core_te")
     table = run_cli("estimate", str(script), "--gpu", "H100", check=True).stdout
     memory = next(line for line in table.splitlines() if line.startswith("memory per GPU"))
-    assert "(weights 15.0, gradients 15.0, optimizer 11.2," in memory
+    assert "(allocated 75.0: weights 15.0, gradients 15.0, optimizer 11.2," in memory
     stage = plan["memory_gib_per_stage"][0]
     tensors = stage["weights"] + stage["gradients"] + stage["optimizer"] + stage["activations"]
     assert round(tensors, 1) == 75.0 and round(stage["total"], 1) == 80.7 and not plan["fits_in_memory"]
-    assert memory.startswith("memory per GPU (peak stage): 80.7 GiB of 80 GiB, DOES NOT FIT with the allowance "
-                             "(the tensors alone, 75.0 GiB, fit) (weights 15.0,")
+    assert plan["peak_allocated_gib"] == pytest.approx(tensors) and plan["gpu_usable_memory_gib"] == 79.1787109375
+    assert memory.startswith("memory per GPU (peak stage): 80.7 GiB of 79.2 GiB usable, DOES NOT FIT with the "
+                             "allowance (the tensors alone, 75.0 GiB, fit) (allocated 75.0: weights 15.0,")
 
 
 def test_deterministic_mode_with_unfused_attention_is_priced_not_refused(run_cli):

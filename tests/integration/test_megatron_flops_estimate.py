@@ -65,12 +65,20 @@ def test_recompute_adds_hardware_flops_not_model_flops():
     assert work(plain) > plain.tflops_per_gpu * plain.iteration_time_ms
 
 
-def test_fp8_gemms_keep_mfu_against_the_model_dtypes_peak():
+@pytest.mark.parametrize(("preset", "precision", "words", "peak"), [
+    ("dgx-h100", {"fp8": "hybrid"}, "h100-sxm dense fp8 peak 1,979 TFLOP/s", 1979.0),
+    ("dgx-b200", {"fp8": "e4m3", "fp8_recipe": "mxfp8"}, "b200-sxm dense mxfp8 peak 4,500 TFLOP/s", 4500.0),
+    ("dgx-b200", {"fp4": "e2m1"}, "b200-sxm dense nvfp4 peak 9,000 TFLOP/s", 9000.0),
+])
+def test_mfu_is_against_the_peak_of_the_gemms_precision(preset, precision, words, peak):
+    """FP8 / MXFP8 / NVFP4 GEMMs: MFU against that precision's dense peak from the device data (the
+    datasheet rates), named; the model FLOPs stay Megatron-LM's count."""
     model = ModelSpec(family="llama", num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=128,
                       vocab_size=1000, dtype="bf16")
     graph = trace(model, ParallelPlan())
-    cluster = get_cluster_preset("dgx-h100")
-    fp8 = estimate(graph, cluster=cluster, training=TrainingSpec(global_batch_size=8, fp8="hybrid"))
-    assert fp8.mfu_peak == "h100-sxm dense bf16 peak 989 TFLOP/s"
-    assert fp8.mfu == pytest.approx(fp8.tflops_per_gpu / 989.0, rel=1e-12)
-    assert fp8.model_flops_counted_as == "megatron-lm"
+    low = estimate(graph, cluster=get_cluster_preset(preset),
+                   training=TrainingSpec(global_batch_size=8, software_stack="megatron_core_te", **precision))
+    assert low.mfu_peak == words
+    assert low.mfu_peak_tflop_per_s == peak
+    assert low.mfu == pytest.approx(low.tflops_per_gpu / peak, rel=1e-12)
+    assert low.model_flops_counted_as == "megatron-lm"

@@ -39,14 +39,15 @@ def test_compare_run_states_the_logged_figures(tmp_path, small_estimate):
     assert c.iterations_used == 110 and c.warmup_iterations == 10
     assert (c.measured_p10_ms, c.measured_p90_ms) == (float(np.percentile(used, 10)), float(np.percentile(used, 90)))
     assert [(s.first_iteration, s.iteration, s.iteration_time_ms) for s in c.slow] == [(61, 70, 48.5)]
-    assert c.measured_peak_memory_gib == 3000.0 / 1024 and c.logged_tflops_per_gpu == 150.0
+    assert c.measured_peak_allocated_gib == 3000.0 / 1024 and c.logged_tflops_per_gpu == 150.0
+    assert c.measured_peak_reserved_gib == 3500.0 / 1024
     ratio = small_estimate.iteration_time_ms / c.measured_iteration_time_ms
     assert c.measured_mfu == small_estimate.mfu * ratio
     assert c.iteration_time_error_pct == pytest.approx(100 * (ratio - 1))
     assert c.drift_pct == pytest.approx(100 * (np.median(used[-3:]) / np.median(used[:3]) - 1))
     frame = c.to_frame()
     assert list(frame["quantity"]) == ["iteration_time_ms", "tokens_per_second", "tflops_per_gpu", "mfu",
-                                       "peak_memory_gib"]
+                                       "peak_allocated_gib"]
     assert frame["measured"].iloc[0] == c.measured_iteration_time_ms
 
 
@@ -116,3 +117,25 @@ def test_compare_cli_on_the_fixture_logs(run_cli, log, intervals_used):
     used = TIMES_MS[len(TIMES_MS) - intervals_used:]
     assert row["measured_iteration_time_ms"] == pytest.approx(float(np.median(used)))
     assert row["intervals_used"] == intervals_used
+
+
+def test_compare_sets_peak_allocated_against_max_allocated(run_cli):
+    """Like for like: the fixture log's ``max allocated`` (2048.5 MiB) against the predicted tensors
+    alone; the allowance and the total it makes are printed beside, with the log's max reserved."""
+    script = FIXTURES / "launch_scripts" / "small_gpt.sh"
+    log = FIXTURES / "logs" / "small_gpt_megatron.log"
+    est = vtrain.estimate(vtrain.load_megatron_script(script))
+    row = json.loads(run_cli("compare", str(script), str(log), "--format", "json", check=True).stdout)
+    assert row["measured_peak_allocated_gib"] == 2048.5 / 1024 and row["measured_peak_reserved_gib"] == 3072.0 / 1024
+    assert row["predicted_peak_allocated_gib"] == pytest.approx(max(m.tensors_gib for m in est.memory_gib))
+    assert row["predicted_peak_allocated_gib"] < row["predicted_peak_memory_gib"]
+    assert row["peak_allocated_gib_error_pct"] == pytest.approx(
+        100 * (row["predicted_peak_allocated_gib"] / (2048.5 / 1024) - 1))
+    neediest = max(est.memory_gib, key=lambda m: m.total_gib)
+    assert row["predicted_allowance_gib"] == pytest.approx(neediest.allowance_gib)
+    assert row["predicted_peak_memory_gib"] == pytest.approx(est.peak_memory_gib)
+    table = run_cli("compare", str(script), str(log), check=True).stdout
+    allocated = next(line for line in table.splitlines() if line.startswith("peak allocated GiB"))
+    assert allocated.split()[3:5] == [f"{row['predicted_peak_allocated_gib']:,.2f}", "2.00"]
+    assert (f"with the predicted allowance {neediest.allowance_gib:,.2f} GiB (context, NCCL buffers, workspaces, "
+            f"fragmentation) the GPU needs {est.peak_memory_gib:,.2f} GiB; the logs' max reserved 3.00 GiB") in table

@@ -97,7 +97,8 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
                       expert_params_by_block=expert_params_by_block,
                       word_embedding_params=word_embedding,
                       activation_shape=stage_input_shape(local, plan),
-                      activation_dtype=Dtype(model.dtype).torch_name)
+                      activation_dtype=Dtype(model.dtype).torch_name,
+                      held_nbytes=recorder.held_nbytes, backward_peak_nbytes=recorder.backward_peak_nbytes)
 
 
 def _parameter_counts(module: torch.nn.Module

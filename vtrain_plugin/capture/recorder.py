@@ -5,6 +5,7 @@ a stack kept by forward hooks. Backward ops take the module that created the aut
 run: when a module's forward returns, the nodes it created (those with a sequence number at or
 above the one current when it started, not yet claimed by an inner module) are tagged with its
 name (inner modules' hooks run first, so the innermost module wins). A module forward that runs while backward is in progress is activation recompute.
+The bytes the step's ops hold are followed too (:mod:`~vtrain_plugin.capture.live_memory`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.distributed._tools.fake_collectives import CollectiveOp, collective_o
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vtrain_plugin.capture import opinfo
+from vtrain_plugin.capture.live_memory import LiveMemory
 from vtrain_plugin.capture.records import CollectiveRecord, OpRecord, Record
 from vtrain_plugin.core.errors import TraceError
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey, Phase
@@ -75,10 +77,18 @@ class OpRecorder:
         self._handles: list[Any] = []
         self._param_owner: dict[int, str] = {}
         self.saved_nbytes: dict[str, int] = {}  # activation bytes kept for backward, per module
+        self._saved_storages: set[int] = set()  # their storage keys
         self._saved: list[weakref.ref[_SavedTensor]] = []  # in the order forward saved them
         self._last_layer = ""  # the transformer layer whose forward started last
-        self._param_storages: set[int] = {stand_ins.get(id(p), p).untyped_storage()._cdata
-                                          for p in root.parameters()}
+        self._params = [stand_ins.get(id(p), p) for p in root.parameters()]
+        self._param_storages: set[int] = {p.untyped_storage()._cdata for p in self._params}
+        self._live = LiveMemory(self._param_storages)
+        # Bytes alive beside the saved activations when the backward began, and the most the backward
+        # (its recompute included, the parameters' gradients left out) rose above that level;
+        # measured when the backward ends (StageGraph.held_nbytes, backward_peak_nbytes)
+        self.held_nbytes = 0
+        self.backward_peak_nbytes = 0
+        self._backward_measured = False
         self._module_override: str | None = None
         self._default_module = ""
         for name, module in root.named_modules(prefix=prefix):
@@ -98,6 +108,7 @@ class OpRecorder:
         try:
             with mode, hooks:
                 yield
+            self._measure_backward()  # a step without an optimizer phase
         finally:
             for h in self._handles:
                 h.remove()
@@ -106,7 +117,18 @@ class OpRecorder:
     def phase(self, phase: Phase) -> contextlib.AbstractContextManager[None]:
         if phase is Phase.BACKWARD and not self.saved_nbytes:
             self._count_saved_activations()
+        if phase is Phase.BACKWARD:
+            self._live.begin_backward(self._saved_storages)
+        if phase is Phase.OPTIMIZER:  # the gradients are still the parameters' .grad
+            self._measure_backward()
         return self._setting("_phase", phase)
+
+    def _measure_backward(self) -> None:
+        if self._backward_measured:
+            return
+        self._backward_measured = True
+        self.backward_peak_nbytes = self._live.backward_peak(p.grad for p in self._params if p.grad is not None)
+        self.held_nbytes = self._live.held_nbytes
 
     def module(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Attribute ops run outside any module forward (e.g. optimizer steps) to ``name``."""
@@ -204,6 +226,7 @@ class OpRecorder:
                 continue
             savers.setdefault(key, []).append(saved.module)
             sizes[key] = storage.nbytes()
+        self._saved_storages = set(sizes)
         for key, modules in savers.items():
             owner = _owner(modules)
             self.saved_nbytes[owner] = self.saved_nbytes.get(owner, 0) + sizes[key]
@@ -222,6 +245,7 @@ class OpRecorder:
 
     def _record(self, func, args, kwargs, out) -> None:
         phase, module = self._current()
+        self._live.saw(func, out)
         if func in collective_ops:
             self.records.append(self._collective(func, args, kwargs, out, phase, module))
             return

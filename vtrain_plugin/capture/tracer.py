@@ -255,7 +255,8 @@ def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int,
             for block in folded)
     return StageGraph(pipeline_rank=rank, chunk=chunk, blocks=blocks,
                       activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,
-                      word_embedding_parameters=traced.word_embedding_params)
+                      word_embedding_parameters=traced.word_embedding_params, held_nbytes=traced.held_nbytes,
+                      backward_peak_nbytes=traced.backward_peak_nbytes)
 
 
 def _assemble_hybrid_stage(traced: ChunkTrace, model: ModelSpec, rank: int, pattern: str) -> StageGraph:
@@ -268,7 +269,8 @@ def _assemble_hybrid_stage(traced: ChunkTrace, model: ModelSpec, rank: int, patt
             _with_parameters(traced, block) for block in folding.fold_hybrid_layers(traced.blocks, kinds, pattern))
     return StageGraph(pipeline_rank=rank, chunk=0, blocks=blocks,
                       activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,
-                      word_embedding_parameters=traced.word_embedding_params)
+                      word_embedding_parameters=traced.word_embedding_params, held_nbytes=traced.held_nbytes,
+                      backward_peak_nbytes=traced.backward_peak_nbytes)
 
 
 def _with_parameters(traced: ChunkTrace, block):

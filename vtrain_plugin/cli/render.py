@@ -204,6 +204,11 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
     counted = "Megatron-LM's FLOP count" if result.model_flops_counted_as == "megatron-lm" else "traced FLOPs"
     lines.append(f"tokens/s {tokens}   model TFLOP/s per GPU {result.tflops_per_gpu:.1f} ({counted})   "
                  f"MFU {100 * result.mfu:.1f}% of {result.mfu_peak}   cost {cost}")
+    if result.error_band is not None:
+        low, high = result.iteration_time_band_ms
+        cost_band = "" if result.cost_band_usd is None else \
+            f", {_money(result.cost_band_usd[0])}-{_money(result.cost_band_usd[1])} per iteration"
+        lines.append(f"likely {low:,.1f}-{high:,.1f} ms per iteration{cost_band}: {result.error_band.words()}")
     if result.iterations is not None:
         train_cost = "" if result.train_cost_usd is None else f", ${result.train_cost_usd:,.0f}"
         lines.append(f"to train {result.total_tokens:,.0f} tokens: {result.iterations:,} iterations, "
@@ -213,13 +218,14 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
             lines.extend(failures_lines(result.train_totals()))
     lines.append(f"kernel time measured: {100 * result.measured_fraction:.1f}% (rest modeled)")
     peak = max(result.memory_gib, key=lambda m: m.total_gib)
+    usable = result.usable_memory_gib
     verdict = "fits" if result.fits_in_memory else "DOES NOT FIT"
-    if not result.fits_in_memory and peak.tensors_gib <= result.gpu_memory_gib:
+    if not result.fits_in_memory and peak.tensors_gib <= usable:
         verdict += f" with the allowance (the tensors alone, {peak.tensors_gib:.1f} GiB, fit)"
-    lines.append(f"memory per GPU (peak stage): {peak.total_gib:.1f} GiB of {result.gpu_memory_gib:.0f} GiB, "
-                 f"{verdict} (weights {peak.weights_gib:.1f}, gradients {peak.gradients_gib:.1f}, "
+    lines.append(f"memory per GPU (peak stage): {peak.total_gib:.1f} GiB of {usable:.1f} GiB usable, {verdict} "
+                 f"(allocated {peak.tensors_gib:.1f}: weights {peak.weights_gib:.1f}, gradients {peak.gradients_gib:.1f}, "
                  f"optimizer {peak.optimizer_gib:.1f}, activations {peak.activations_gib:.1f} for "
-                 f"{peak.inflight_microbatches} micro-batches in flight, allowance {peak.allowance_gib:.1f})")
+                 f"{peak.inflight_microbatches} micro-batches in flight; allowance {peak.allowance_gib:.1f})")
     lines.extend(f"assumed: {line}" for line in result.assumptions)
     if result.largest_unmeasured:
         lines.append("")
@@ -362,7 +368,7 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
     experts = bool((table["expert_parallel"] > 1).any())  # an ep column when some plan splits experts
     header = ["rank", "tp", "cp", "pp", "dp", *(["ep"] if experts else []), "mb", "vp", "sp", "recompute",
               "grad reduce", "dist opt", *(_VARIED_HEADERS[c] for c in varied), "GPUs", "iteration ms",
-              "tokens/s", "MFU", "memory GiB", "fits", "$/iteration", *(["days", "$ to train"] if trained else []),
+              "likely ms", "tokens/s", "MFU", "memory GiB", "fits", "$/iteration", *(["days", "$ to train"] if trained else []),
               *(["expected days", "expected $", "goodput", "ckpt every"] if expected else []), "front"]
     rows = []
     for row in result.top().to_dict(orient="records"):
@@ -371,7 +377,7 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
             str(row["data_parallel"]), *([str(row["expert_parallel"])] if experts else []),
             str(row["micro_batch_size"]), str(row["virtual_pipeline"]), "on" if row["sequence_parallel"] else "off",
             row["recompute"], row["grad_reduce"], "on" if row["distributed_optimizer"] else "off", *(str(row[c] or "off") for c in varied),
-            f"{row['num_gpus']:,}", f"{row['iteration_time_ms']:,.1f}",
+            f"{row['num_gpus']:,}", f"{row['iteration_time_ms']:,.1f}", _likely(row),
             f"{row['tokens_per_second']:,.0f}", f"{100 * row['mfu']:.1f}%", f"{row['peak_memory_gib']:.1f}",
             "yes" if row["fits_in_memory"] else "NO", _money(row["cost_usd"]),
             *([f"{row['train_days']:,.1f}", _money(row["train_cost_usd"])] if trained else []),
@@ -391,6 +397,12 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
 
 
 _VARIED_HEADERS = {"software_stack": "stack", "fp8": "fp8"}
+
+
+def _likely(row: Mapping[str, Any]) -> str:
+    """The iteration time a plan likely measures, from its error band (n/a without one)."""
+    low, high = row.get("iteration_time_low_ms", math.nan), row.get("iteration_time_high_ms", math.nan)
+    return "n/a" if math.isnan(low) else f"{low:,.0f}-{high:,.0f}"
 
 
 def _baseline_line(result: SearchResult, baseline: Mapping[str, Any]) -> str:

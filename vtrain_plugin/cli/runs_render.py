@@ -10,7 +10,7 @@ from vtrain_plugin.measured.compare_run import RunComparison
 
 _LABELS = {"iteration_time_ms": ("iteration ms", "{:,.1f}"), "tokens_per_second": ("tokens/s", "{:,.0f}"),
            "tflops_per_gpu": ("TFLOP/s per GPU", "{:,.1f}"), "mfu": ("MFU", "{:.1%}"),
-           "peak_memory_gib": ("peak memory GiB", "{:,.2f}")}
+           "peak_allocated_gib": ("peak allocated GiB", "{:,.2f}"), "memory_gib": ("GiB", "{:,.2f}")}
 
 
 def _value(name: str, value: float | None) -> str:
@@ -36,6 +36,11 @@ def comparison_table(plan: str, c: RunComparison) -> str:
                                                                      f"of the intervals against the first third)"
     lines.append(f"measured iteration: median {c.measured_iteration_time_ms:,.1f} ms, p10-p90 "
                  f"{c.measured_p10_ms:,.1f}-{c.measured_p90_ms:,.1f} ms; drift {drift}")
+    reserved = "" if c.measured_peak_reserved_gib is None else \
+        f"; the logs' max reserved {c.measured_peak_reserved_gib:,.2f} GiB (the allocator's, without context or NCCL)"
+    lines.append(f"memory: peak allocated as Megatron's max allocated counts it; with the predicted allowance "
+                 f"{c.predicted_allowance_gib:,.2f} GiB (context, NCCL buffers, workspaces, fragmentation) the GPU "
+                 f"needs {c.predicted_peak_memory_gib:,.2f} GiB{reserved}")
     if c.logged_tflops_per_gpu is not None:
         lines.append(f"the log's own throughput: {c.logged_tflops_per_gpu:,.1f} TFLOP/s per GPU (median; "
                      f"the FLOP count of the measured figures above, Megatron-LM's own)")
@@ -55,11 +60,13 @@ def comparisons_summary(results: Sequence[tuple[str, RunComparison]]) -> str:
     rows = [[plan, str(len(c.runs)), str(c.intervals_used), _value("iteration_time_ms", c.predicted_iteration_time_ms),
              _value("iteration_time_ms", c.measured_iteration_time_ms), _pct(c.iteration_time_error_pct),
              _value("mfu", c.predicted_mfu), _value("mfu", c.measured_mfu),
-             _value("peak_memory_gib", c.measured_peak_memory_gib), _pct(c.peak_memory_error_pct),
+             _value("memory_gib", c.predicted_peak_allocated_gib), _value("memory_gib", c.measured_peak_allocated_gib),
+             _pct(c.peak_allocated_error_pct),
              "n/a" if c.drift_pct is None else f"{c.drift_pct:+.1f}%", str(len(c.slow))]
             for plan, c in results]
     return render_table(rows, ["plan", "runs", "intervals", "predicted ms", "measured ms", "error", "predicted MFU",
-                               "measured MFU", "measured GiB", "memory error", "drift", "slow"])
+                               "measured MFU", "predicted allocated GiB", "max allocated GiB", "memory error",
+                               "drift", "slow"])
 
 
 def calibration_table(fit: CalibrationFit) -> str:

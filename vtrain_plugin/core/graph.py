@@ -24,9 +24,9 @@ if TYPE_CHECKING:  # the specs layer sits above core; the graph only holds its v
     from vtrain_plugin.specs.model import ModelSpec
     from vtrain_plugin.specs.parallel import ParallelPlan
 
-SCHEMA_VERSION = 6  # 2: model and parallel are specs, module_name names a plain module; 3: parameter_numels;
+SCHEMA_VERSION = 7  # 2: model and parallel are specs, module_name names a plain module; 3: parameter_numels;
 # 4: expert_parameter_numels; 5: the causal mask the layers' core attention keeps is a stage block of its own;
-# 6: saved_by_module
+# 6: saved_by_module; 7: a stage's held and backward peak bytes
 
 Scalar = Union[int, float, bool, str, None]
 
@@ -282,6 +282,13 @@ class StageGraph:
     # Elements of the word embedding (first stage) or output weight (last stage) held here: the
     # tensor whose gradient Megatron all-reduces between the two when they are tied.
     word_embedding_parameters: int = 0
+    # Bytes one micro-batch's step holds beside its saved activations when its backward begins
+    # (megatron-core's global buffer of attention scores, what the step still references), and the
+    # most its backward (recompute included) then rises above that level: one recomputed layer's
+    # activations and the gradients in flight, less what it freed before
+    # (vtrain_plugin.capture.live_memory). 0: not measured (a plain module).
+    held_nbytes: int = 0
+    backward_peak_nbytes: int = 0
 
     @property
     def num_parameters(self) -> int:
@@ -323,6 +330,8 @@ class StageGraph:
             "activation_shape": list(self.activation_shape),
             "activation_dtype": self.activation_dtype,
             "word_embedding_parameters": self.word_embedding_parameters,
+            "held_nbytes": self.held_nbytes,
+            "backward_peak_nbytes": self.backward_peak_nbytes,
             "blocks": [b.to_dict() for b in self.blocks],
         }
 
@@ -334,6 +343,8 @@ class StageGraph:
             activation_shape=tuple(d["activation_shape"]),
             activation_dtype=d["activation_dtype"],
             word_embedding_parameters=d["word_embedding_parameters"],
+            held_nbytes=d["held_nbytes"],
+            backward_peak_nbytes=d["backward_peak_nbytes"],
             blocks=tuple(Block.from_dict(b) for b in d["blocks"]),
         )
 

@@ -30,7 +30,11 @@ parameters of its chunks:
   tensors of the real model, captured while tracing), at the schedule's peak of micro-batches in
   flight: the most activation bytes the rank holds at once when walking its task order (1F1B:
   ``min(pp - rank, m)`` micro-batches; interleaved: Megatron's ``pp + (pp - 1) / vp`` micro-batches
-  on the first rank, per chunk as the chunks' sizes differ);
+  on the first rank, per chunk as the chunks' sizes differ); plus, with ``backward_peaks``, what the
+  traced step held beside them and what its backward added at its peak, the most of any chunk of
+  the rank (:attr:`~vtrain_plugin.core.graph.StageGraph.held_nbytes`, ``backward_peak_nbytes``:
+  megatron-core's global buffer of attention scores, one recomputed layer's activations under full
+  recompute, the gradients in flight), as ``max allocated`` sees them;
 - an allowance (:data:`RESERVED_GIB`, :data:`FRAGMENTATION`): the CUDA context and kernel images,
   NCCL's communicator buffers, cuBLAS / cuDNN workspaces and the caching allocator's fragmentation.
   These are not modeled, they are a round allowance so that "fits" leaves room for them: about
@@ -38,10 +42,11 @@ parameters of its chunks:
   workspaces and Megatron's scratch buffers, plus 5% of the tensors for fragmentation (PyTorch's
   ``memory_reserved`` over ``memory_allocated`` in steady-state training).
 
-Not counted: the transient activations of the layer being recomputed or back-propagated, logits
-freed before the peak (the model-dtype logits while the loss casts them to fp32, ``2 s b V / t``
-bytes, as Megatron-LM's ``theoretical_memory_usage`` leaves them out too), and the optimizer step's
-temporaries (with bf16 gradients, the fp32 copy of the rank's gradient shard).
+Not counted: without ``backward_peaks``, the transient activations of the layer being recomputed or
+back-propagated and the logits freed before the peak (the model-dtype logits while the loss casts
+them to fp32, ``2 s b V / t`` bytes, as Megatron-LM's ``theoretical_memory_usage`` leaves them out
+too); the optimizer step's temporaries (with bf16 gradients, the fp32 copy of the rank's gradient
+shard).
 """
 
 from __future__ import annotations
@@ -93,8 +98,10 @@ class RankMemory:
 
 def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: bool = False,
                 gradients: Dtype | None = None, fsdp: FsdpSettings | None = None,
-                optimizer: OptimizerSpec | None = None) -> tuple[RankMemory, ...]:
+                optimizer: OptimizerSpec | None = None, backward_peaks: bool = False) -> tuple[RankMemory, ...]:
     """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule;
+    ``backward_peaks``: add the traced step's held bytes and backward peak (a stack that runs the
+    traced attention and softmax kernels);
     ``gradients``: the run's gradient dtype (None: Megatron-LM's default for the model dtype);
     ``fsdp``: the run's FSDP (None: DDP, with the distributed optimizer or not);
     ``optimizer``: the run's (None: Adam in fp32)."""
@@ -115,7 +122,11 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
     held = [(0, 0)] * plan.pipeline_parallel  # FSDP: elements of the units gathered, of their gradients
     matrices = [[0, 0] for _ in range(plan.pipeline_parallel)]  # Muon's 2-D weights: dense, experts
     chunks: list[list[int]] = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]
+    transient = [0] * plan.pipeline_parallel  # held beside the stash plus the backward's rise, the most of any chunk
     for stage in graph.stages:
+        if backward_peaks:
+            transient[stage.pipeline_rank] = max(transient[stage.pipeline_rank],
+                                                 stage.held_nbytes + stage.backward_peak_nbytes)
         params[stage.pipeline_rank] += stage.num_parameters
         experts[stage.pipeline_rank] += stage.num_expert_parameters
         chunks[stage.pipeline_rank][stage.chunk] = stage.activation_nbytes
@@ -128,6 +139,7 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
     out = []
     for rank, count in enumerate(params):
         activations, inflight = peak_live(rank, chunks[rank])
+        activations += transient[rank]
         dense, expert = count - experts[rank], experts[rank]
         dense_matrices, expert_matrices = matrices[rank]
 

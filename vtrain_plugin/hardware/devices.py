@@ -34,8 +34,9 @@ _NOT_SXM = ("pcie", "nvl")
 _POSITIVE_FIELDS = ("peak_fp16_tflop_per_s", "peak_bf16_tflop_per_s", "peak_tf32_tflop_per_s",
                     "peak_fp32_tflop_per_s", "peak_fp8_tflop_per_s", "peak_fp4_tflop_per_s", "hbm_bandwidth_gbytes_per_s",
                     "memory_gibibytes", "l2_cache_mebibytes", "nvlink_gbytes_per_s_per_direction",
-                    "gemm_ceiling_bf16_tflop_per_s", "host_link_gbytes_per_s_per_direction")
-_OPTIONAL_FIELDS = ("peak_fp8_tflop_per_s", "peak_fp4_tflop_per_s", "gemm_ceiling_bf16_tflop_per_s", "host_link_gbytes_per_s_per_direction")
+                    "gemm_ceiling_bf16_tflop_per_s", "host_link_gbytes_per_s_per_direction", "usable_memory_gibibytes")
+_OPTIONAL_FIELDS = ("peak_fp8_tflop_per_s", "peak_fp4_tflop_per_s", "gemm_ceiling_bf16_tflop_per_s", "host_link_gbytes_per_s_per_direction",
+                    "usable_memory_gibibytes")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +59,10 @@ class DeviceSpec:
     gemm_ceiling_bf16_tflop_per_s: float | None = None
     hbm_bandwidth_gbytes_per_s: float
     memory_gibibytes: float
+    # What a process can allocate in: the total CUDA reports (``total_memory``: the datasheet's memory
+    # less what the driver reserves), measured where ``reference`` says. None: not measured, the
+    # datasheet's memory stands for it (and the estimate says so).
+    usable_memory_gibibytes: float | None = None
     sm_count: int
     l2_cache_mebibytes: float
     nvlink_gbytes_per_s_per_direction: float
@@ -84,6 +89,9 @@ class DeviceSpec:
         if self.gemm_ceiling is not None and self.gemm_ceiling > 1.0:
             raise ConfigError(f"{where} gemm_ceiling_bf16_tflop_per_s ({self.gemm_ceiling_bf16_tflop_per_s:g}) "
                               f"must not exceed peak_bf16_tflop_per_s ({self.peak_bf16_tflop_per_s:g})")
+        if self.usable_memory_gibibytes is not None and self.usable_memory_gibibytes > self.memory_gibibytes:
+            raise ConfigError(f"{where} usable_memory_gibibytes ({self.usable_memory_gibibytes:g}) must not exceed "
+                              f"memory_gibibytes ({self.memory_gibibytes:g})")
         v.boolean(f"{where} host_runs_kernels", self.host_runs_kernels)
         object.__setattr__(self, "datasheet_only", tuple(
             v.one_of(f"{where} datasheet_only", name, _POSITIVE_FIELDS) for name in self.datasheet_only))
@@ -164,6 +172,18 @@ class DeviceSpec:
     @property
     def memory_bytes(self) -> int:
         return round(self.memory_gibibytes * 2**30)
+
+    @property
+    def usable_memory_gib(self) -> float:
+        """The capacity "fits" is checked against: the measured usable memory, else the datasheet's."""
+        return self.memory_gibibytes if self.usable_memory_gibibytes is None else self.usable_memory_gibibytes
+
+    def unmeasured_capacity(self) -> tuple[str, ...]:
+        """The assumption line of a device whose usable memory was not measured (none when it was)."""
+        if self.usable_memory_gibibytes is not None or self.host_runs_kernels:
+            return ()
+        return (f"usable memory of {self.name} not measured: fits is checked against the datasheet's "
+                f"{self.memory_gibibytes:g} GiB (a real card gives a process a little less: the driver reserves some)",)
 
     @property
     def l2_cache_bytes(self) -> int:

@@ -5,8 +5,12 @@ The measured iteration time is the median of the logged intervals after warm-up 
 that begin within the first ``warmup_iterations`` iterations of each start of the job are left
 out), pooled over every log given, with the 10th and 90th percentiles as its spread. Throughput and
 MFU are counted with vtrain's model FLOPs and tokens over the measured time, so that both sides
-count the same work (the log's own TFLOP/s, Megatron's FLOP count, is kept beside them); peak
-memory is the largest ``max allocated`` any rank reported. Intervals slower than ``slow_factor``
+count the same work (the log's own TFLOP/s, Megatron's FLOP count, is kept beside them). Memory is
+compared like for like: the predicted peak allocated (the tensors, without the allowance) against
+the largest ``max allocated`` any rank reported; the allowance (CUDA context, NCCL buffers,
+workspaces, fragmentation) and the total it makes are stated beside it, with the largest ``max
+reserved`` of the logs (the caching allocator's, which holds neither the context nor NCCL's
+buffers, so not the total's measure). Intervals slower than ``slow_factor``
 times the median are listed (checkpoints, evaluation, stragglers), and the drift is the median of
 the last third of the intervals against the first third's.
 """
@@ -69,8 +73,11 @@ class RunComparison:
     logged_tflops_per_gpu: float | None  # median of the log's own figure (Megatron's FLOP count)
     predicted_mfu: float
     measured_mfu: float
-    predicted_peak_memory_gib: float
-    measured_peak_memory_gib: float | None  # None when no log reports memory
+    predicted_peak_allocated_gib: float  # the tensors of the stage that holds most (Estimate.peak_allocated_gib)
+    measured_peak_allocated_gib: float | None  # the largest max allocated; None when no log reports memory
+    predicted_allowance_gib: float  # of the stage that needs most in all: context, NCCL, workspaces, fragmentation
+    predicted_peak_memory_gib: float  # that stage's allocated plus allowance (Estimate.peak_memory_gib)
+    measured_peak_reserved_gib: float | None  # the largest max reserved; None when no log reports it
     slow: tuple[SlowInterval, ...]
     drift_pct: float | None  # None with fewer than six intervals after warm-up
     restarts: int
@@ -96,8 +103,8 @@ class RunComparison:
         return _error(self.predicted_mfu, self.measured_mfu)
 
     @property
-    def peak_memory_error_pct(self) -> float | None:
-        return _error(self.predicted_peak_memory_gib, self.measured_peak_memory_gib)
+    def peak_allocated_error_pct(self) -> float | None:
+        return _error(self.predicted_peak_allocated_gib, self.measured_peak_allocated_gib)
 
     def quantities(self) -> list[tuple[str, float | None, float | None, float | None]]:
         """``(quantity, predicted, measured, error %)`` of each compared figure."""
@@ -109,8 +116,8 @@ class RunComparison:
             ("tflops_per_gpu", self.predicted_tflops_per_gpu, self.measured_tflops_per_gpu,
              self.tflops_per_gpu_error_pct),
             ("mfu", self.predicted_mfu, self.measured_mfu, self.mfu_error_pct),
-            ("peak_memory_gib", self.predicted_peak_memory_gib, self.measured_peak_memory_gib,
-             self.peak_memory_error_pct),
+            ("peak_allocated_gib", self.predicted_peak_allocated_gib, self.measured_peak_allocated_gib,
+             self.peak_allocated_error_pct),
         ]
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,6 +129,9 @@ class RunComparison:
             "measured_p10_ms": self.measured_p10_ms, "measured_p90_ms": self.measured_p90_ms,
             "intervals_used": self.intervals_used, "iterations_used": self.iterations_used,
             "logged_tflops_per_gpu": self.logged_tflops_per_gpu, "drift_pct": self.drift_pct,
+            "predicted_allowance_gib": self.predicted_allowance_gib,
+            "predicted_peak_memory_gib": self.predicted_peak_memory_gib,
+            "measured_peak_reserved_gib": self.measured_peak_reserved_gib,
             "restarts": self.restarts, "truncated": list(self.truncated),
             "skipped_iterations": self.skipped_iterations, "nan_iterations": self.nan_iterations,
             "slow": [{"path": s.path, "first_iteration": s.first_iteration, "iteration": s.iteration,
@@ -170,6 +180,8 @@ def compare_run(estimate: Estimate, logs: str | os.PathLike | RunLog | Iterable[
     ratio = estimate.iteration_time_ms / median  # measured quantities that scale with speed
     logged_tflops = [i.tflops_per_gpu for _, i in used if i.tflops_per_gpu is not None]
     peaks = [log.peak_memory_mib for log in parsed if log.peak_memory_mib is not None]
+    reserved = [m.max_reserved_mib for log in parsed for m in log.memory if m.max_reserved_mib is not None]
+    neediest = max(estimate.memory_gib, key=lambda m: m.total_gib)
     every = [i for log in parsed for i in log.intervals]
     return RunComparison(
         runs=tuple(log.path for log in parsed), warmup_iterations=warmup_iterations, slow_factor=slow_factor,
@@ -181,8 +193,10 @@ def compare_run(estimate: Estimate, logs: str | os.PathLike | RunLog | Iterable[
         predicted_tflops_per_gpu=estimate.tflops_per_gpu, measured_tflops_per_gpu=estimate.tflops_per_gpu * ratio,
         logged_tflops_per_gpu=statistics.median(logged_tflops) if logged_tflops else None,
         predicted_mfu=estimate.mfu, measured_mfu=estimate.mfu * ratio,
-        predicted_peak_memory_gib=estimate.peak_memory_gib,
-        measured_peak_memory_gib=max(peaks) / _MIB_PER_GIB if peaks else None,
+        predicted_peak_allocated_gib=estimate.peak_allocated_gib,
+        measured_peak_allocated_gib=max(peaks) / _MIB_PER_GIB if peaks else None,
+        predicted_allowance_gib=neediest.allowance_gib, predicted_peak_memory_gib=estimate.peak_memory_gib,
+        measured_peak_reserved_gib=max(reserved) / _MIB_PER_GIB if reserved else None,
         slow=tuple(SlowInterval(path=log.path, first_iteration=i.first_iteration, iteration=i.iteration,
                                 iteration_time_ms=i.iteration_time_ms, times_median=i.iteration_time_ms / median,
                                 line=i.line)

@@ -27,8 +27,9 @@ Row = dict[str, Any]
 PLAN_COLUMNS = ("tensor_parallel", "context_parallel", "pipeline_parallel", "data_parallel", "expert_parallel",
                 "micro_batch_size", "virtual_pipeline", "sequence_parallel", "recompute", "grad_reduce",
                 "distributed_optimizer", "schedule", "software_stack", "fp8")
-ESTIMATE_COLUMNS = ("num_gpus", "num_microbatches", "iteration_time_ms", "tokens_per_second", "tflops_per_gpu",
-                    "mfu", "peak_memory_gib", "fits_in_memory", "cost_usd", "gpu_hours")
+ESTIMATE_COLUMNS = ("num_gpus", "num_microbatches", "iteration_time_ms", "iteration_time_low_ms",
+                    "iteration_time_high_ms", "tokens_per_second", "tflops_per_gpu", "mfu", "peak_memory_gib",
+                    "fits_in_memory", "cost_usd", "gpu_hours")
 TRAIN_COLUMNS = ("iterations", "train_days", "train_cost_usd")  # with TrainingSpec.total_tokens
 # With total_tokens and TrainingSpec.reliability: the run with failures, restarts and checkpoints.
 EXPECTED_COLUMNS = ("expected_train_days", "expected_train_cost_usd", "goodput", "checkpoint_interval_iterations")
@@ -73,6 +74,8 @@ def plan_row(candidate: Candidate, est: Estimate) -> Row:
         "num_gpus": est.num_gpus,
         "num_microbatches": est.num_microbatches,
         "iteration_time_ms": est.iteration_time_ms,
+        # the iteration time likely measured (Estimate.error_band; NaN without the band file)
+        **dict(zip(("iteration_time_low_ms", "iteration_time_high_ms"), est.iteration_time_band_ms or (math.nan,) * 2)),
         "tokens_per_second": est.tokens_per_second,
         "tflops_per_gpu": est.tflops_per_gpu,
         "mfu": est.mfu,

@@ -325,3 +325,14 @@ def test_a_calibration_above_its_devices_gemm_ceiling_is_refused_before_it_is_wr
                                           r"ceiling \(0.8009 of peak\)"):
         write_calibration(over)
     assert not user_calibrations.exists()
+
+
+def test_usable_memory_is_the_measured_capacity_else_the_datasheets_and_says_so():
+    h100, b200 = get_device("h100-sxm"), get_device("b200-sxm")
+    assert h100.usable_memory_gib == 85017493504 / 2**30 and h100.unmeasured_capacity() == ()
+    assert b200.usable_memory_gib == 180.0
+    assert b200.unmeasured_capacity() == ("usable memory of b200-sxm not measured: fits is checked against the "
+                                          "datasheet's 180 GiB (a real card gives a process a little less: the "
+                                          "driver reserves some)",)
+    with pytest.raises(ConfigError, match=r"usable_memory_gibibytes \(81\) must not exceed memory_gibibytes \(80\)$"):
+        dataclasses.replace(h100, usable_memory_gibibytes=81.0)

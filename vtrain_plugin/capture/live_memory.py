@@ -1,0 +1,89 @@
+"""The bytes a traced step holds op by op: what the backward pass (and the recompute inside it) adds
+above the activations saved for it, module by module.
+
+Every storage an op creates is counted from its first tensor until its last tensor dies (a weak
+reference on each tensor that uses it; a fake tensor dies exactly when the real one would, as
+autograd frees saved tensors after their node runs). Parameters' storages and tensors made before
+recording are never counted; a parameter's gradient (``.grad``, which the trace keeps where
+Megatron's DDP adds it into its gradient buffer and frees it) is left out of the whole backward.
+
+Why: the saved activations are not the peak. Under full recompute the backward of each layer runs
+its forward again and keeps all of that layer's activations while it back-propagates through them,
+with the gradients in flight (score-sized ones in an unfused attention), and megatron-core's local
+attention keeps a global buffer of scores that no saved tensor counts: the step's real peak is the
+stash plus those. Measured on the traced step, they are what megatron-core does, op for op.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+
+class LiveMemory:
+    """Counts the storages of op outputs: :attr:`held_nbytes` and :meth:`backward_peak`."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        self._excluded = excluded  # storage keys never counted (the parameters')
+        self._storages: dict[int, list[int]] = {}  # key -> [nbytes, tensors alive, allocation id]
+        self._events: list[tuple[int, int]] = []  # (allocation id, +/- bytes), in order
+        self._backward_start: int | None = None  # events before the backward began
+        self.held_nbytes = 0  # alive when the backward began, in no saved tensor
+        self._allocations = 0
+
+    def saw(self, func, out) -> None:
+        """Count the storages ``func`` created (not those of a view or in-place result of an
+        uncounted tensor) and follow every output tensor to its death."""
+        aliasing = any(r.alias_info is not None for r in func._schema.returns)
+        for tensor in _tensors(out):
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse, nested: no storage of one piece
+                continue
+            key = storage._cdata
+            entry = self._storages.get(key)
+            if entry is None:
+                if aliasing or key in self._excluded:
+                    continue
+                self._allocations += 1
+                entry = self._storages[key] = [storage.nbytes(), 0, self._allocations]
+                self._events.append((entry[2], entry[0]))
+            entry[1] += 1
+            weakref.finalize(tensor, self._release, key, entry[2])
+
+    def _release(self, key: int, allocation: int) -> None:
+        entry = self._storages.get(key)
+        if entry is None or entry[2] != allocation:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._storages[key]
+            self._events.append((allocation, -entry[0]))
+
+    def begin_backward(self, saved: set[int]) -> None:
+        """The backward begins; ``saved``: the storage keys of the tensors saved for it."""
+        self._backward_start = len(self._events)
+        self.held_nbytes = sum(nbytes for key, (nbytes, _, _) in self._storages.items() if key not in saved)
+
+    def backward_peak(self, gradients: Iterable[torch.Tensor]) -> int:
+        """The most the bytes alive rose above their level when the backward began, without the
+        storages of ``gradients`` (the parameters' ``.grad`` now); 0 before any backward."""
+        if self._backward_start is None:
+            return 0
+        grads = {self._storages[k][2] for k in (g.untyped_storage()._cdata for g in gradients) if k in self._storages}
+        live = peak = 0
+        for allocation, delta in self._events[self._backward_start:]:
+            if allocation not in grads:
+                live += delta
+                peak = max(peak, live)
+        return peak
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
