@@ -12,7 +12,8 @@ when that is not modelled), blocking with their whole time or, when they run bes
 and all-gather buckets), pipeline transfers and the tied-embedding synchronisation.
 Each task (a forward, a recompute, a backward of one micro-batch on one chunk) starts with the
 pipeline empty, as after Megatron's synchronisation around pipeline transfers, and each forward also
-pays ``microbatch_overhead_ns`` of host work outside the model. Under CUDA graphs the captured
+pays ``microbatch_overhead_ns`` of host work outside the model, and each pipeline rank's optimizer
+step ``iteration_overhead_ns`` (the loop's host work and synchronisations, once per iteration). Under CUDA graphs the captured
 kernels cost the host one graph launch per region (:mod:`vtrain_plugin.cost.cuda_graphs`). Host time is spent per kernel
 (the timer's), per module call and per layer (:func:`vtrain_plugin.cost.prepare.host_calls`). Activation offloading (:mod:`vtrain_plugin.cost.activation_offload`) adds, per layer and phase, the
 host-link copy time its compute cannot hide. Activation checkpointing recomputes
@@ -76,7 +77,7 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
                           f"the training spec says {training.shards_optimizer}")
     provenance = Provenance()
     chunks: list[ChunkWork] = []
-    optimizer = [0.0] * pp
+    optimizer = [timer.constants.iteration_overhead_ns] * pp  # once per rank, every chunk's step after it
     embedding_sync_ns = 0.0
     placements = comm.rank_signatures()
     costed: dict[tuple, StageCost] = {}  # stages of one role whose ranks time every collective alike

@@ -149,3 +149,24 @@ def test_distributed_optimizer_runs_each_parameter_kernel_on_its_shard():
     assert sharded.nbytes == 160_000 * 3334 // 10_000
     assert (same_scalar, same_forward) == (scalar, forward)
     assert shard_optimizer([adam], 1) == (adam,)
+
+
+@pytest.mark.parametrize("pipeline", [1, 2])
+def test_the_iteration_overhead_is_paid_once_per_iteration_on_every_pipeline_rank(pipeline):
+    from dataclasses import replace
+
+    from vtrain_plugin.capture.tracer import trace
+    from vtrain_plugin.cost.prepare import prepare_run
+    from vtrain_plugin.estimate import predict
+    from vtrain_plugin.hardware.calibration import calibration_for
+
+    model = ModelSpec(name="tiny", num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256,
+                      vocab_size=1024, dtype="bf16")
+    plan = ParallelPlan(pipeline_parallel=pipeline, data_parallel=8 // pipeline, micro_batch_size=1)
+    training = TrainingSpec(global_batch_size=16, software_stack="megatron_core_te")
+    prepared = prepare_run(trace(model, plan), training.software_stack, training)
+    cluster = get_cluster_preset("dgx-h100")
+    base = calibration_for("h100-sxm", "megatron_core_te").constants
+    times = [predict(prepared, cluster=cluster, training=training,
+                     constants=replace(base, iteration_overhead_ns=value))[1].iteration_ns for value in (1e6, 4e6)]
+    assert times[1] - times[0] == pytest.approx(3e6, rel=1e-9)

@@ -325,3 +325,13 @@ def test_a_calibration_above_its_devices_gemm_ceiling_is_refused_before_it_is_wr
                                           r"ceiling \(0.8009 of peak\)"):
         write_calibration(over)
     assert not user_calibrations.exists()
+
+
+def test_the_range_of_a_constant_on_a_device_includes_its_gemm_ceiling():
+    from vtrain_plugin.hardware.calibration import CONSTANT_RANGES, constant_range
+
+    assert constant_range("gemm_efficiency", "h100-sxm") == (0.5, get_device("h100-sxm").gemm_ceiling)
+    assert constant_range("gemm_efficiency", "a100-sxm4-80gb") == (0.5, 267.9 / 312)  # below the documented 0.859
+    assert constant_range("iteration_overhead_ns", "b200-sxm") == CONSTANT_RANGES["iteration_overhead_ns"] == (5e5, 5e7)
+    with pytest.raises(ConfigError, match=r"device constant 'speed' is unknown; choose from gemm_efficiency, "):
+        constant_range("speed", "h100-sxm")
