@@ -79,6 +79,13 @@ Optional constants (a file may leave them out; then the neutral value below appl
   validated on any GPU: 5-20 host synchronisations at 20-200 us each (a drained queue restarts at a
   kernel launch's latency plus the host's reaction) and 0.5-40 ms of Python in the loop and the
   optimizer's per-parameter loops (5-30 us per parameter tensor, hundreds of tensors per rank).
+- ``host_time_factor`` in [1.0, 1.6], neutral 1.0: how much longer the CPU of this GPU's usual node
+  takes for the same host work than the node the stack's host costs stand for (a DGX H100's Xeon
+  Platinum 8480C, Sapphire Rapids, 3.8 GHz boost): every host cost above is multiplied by it on this
+  device. Python and the CUDA driver's launch path run on one core, so the ratio is that of single-
+  thread speed: a DGX A100's EPYC 7742 (Zen 2, 3.4 GHz boost, 2019) trails a 2023 core by its clock
+  (3.4 vs 3.8 GHz) and four years of per-clock gains, 1.1-1.5x together; 1.6 leaves room for
+  memory latency. Our own estimate from clocks and generations, not validated on any GPU.
 - ``network_efficiency`` in [0.7, 0.95], neutral 1.0: the fraction of a node's nominal network
   bandwidth NCCL reaches between nodes (protocol overhead, PCIe between GPU and NIC, congestion);
   nccl-tests on InfiniBand HDR / NDR report 70-95% of line rate for large all-reduce buses.
@@ -128,6 +135,7 @@ CONSTANT_RANGES: dict[str, tuple[float, float]] = {
     "collective_host_overhead_ns": (5000.0, 100000.0),
     "microbatch_overhead_ns": (100_000.0, 5_000_000.0),
     "iteration_overhead_ns": (500_000.0, 50_000_000.0),
+    "host_time_factor": (1.0, 1.6),
     "network_efficiency": (0.7, 0.95),
     "attention_efficiency": (0.3, 0.9),
     "gpu_speed_spread": (0.003, 0.03),
@@ -144,6 +152,7 @@ OPTIONAL_CONSTANTS: dict[str, float] = {
     "collective_host_overhead_ns": 0.0,
     "microbatch_overhead_ns": 0.0,
     "iteration_overhead_ns": 0.0,
+    "host_time_factor": 1.0,
     "network_efficiency": 1.0,
     "attention_efficiency": 0.0,
     "gpu_speed_spread": 0.0,
@@ -164,6 +173,7 @@ class DeviceConstants:
     collective_host_overhead_ns: float = OPTIONAL_CONSTANTS["collective_host_overhead_ns"]
     microbatch_overhead_ns: float = OPTIONAL_CONSTANTS["microbatch_overhead_ns"]
     iteration_overhead_ns: float = OPTIONAL_CONSTANTS["iteration_overhead_ns"]
+    host_time_factor: float = OPTIONAL_CONSTANTS["host_time_factor"]
     network_efficiency: float = OPTIONAL_CONSTANTS["network_efficiency"]
     attention_efficiency: float = OPTIONAL_CONSTANTS["attention_efficiency"]
     gpu_speed_spread: float = OPTIONAL_CONSTANTS["gpu_speed_spread"]
