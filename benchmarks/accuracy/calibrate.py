@@ -8,19 +8,19 @@ bounded least squares on the log error, every constant inside
 :func:`~vtrain_plugin.hardware.calibration.constant_range`, each set weighing the same, a host cost
 one value per software stack (on every GPU), a device constant one value per GPU, the network
 efficiency and the spread of GPU speeds one value for every cluster (:data:`SHARED`). No term
-belongs to one run or one model size. Then it reports, per set, the calibration MAPE and bias (the
+belongs to one run or one model size. The functional tests of megatron-core's local spec are
+reported but not fitted (:func:`in_fit`). Then it reports, per set, the calibration MAPE and bias (the
 functional tests per GPU and deterministic or not), leave-out refits (per test case, per model
 size, per run of the small sets; each a bounded Gauss-Newton step from the joint fit without the
 runs left out: :meth:`~vtrain_plugin.measured.calibrate.JointFit.linearised_refit`), the bias by
 scale (GPUs x parameters) and every constant that ends on a bound of its range. ``--dry-run``
 writes nothing; otherwise each fitted (device, stack) file is written, and the files that take
-their constants from a fitted GPU (:data:`DERIVED`) get them too, their own ``source`` kept.
+their constants from a fitted GPU (:data:`DERIVED`) get them too, saying why.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +32,7 @@ from benchmarks.accuracy import a100_data, b200_data, ci_data, h100_data, sc21_d
 from benchmarks.accuracy.a100_data import SOURCE_LABELS, MeasuredRun, add_data_argument, error_stats, prepare_runs
 
 from vtrain_plugin.cli.render import render_table
-from vtrain_plugin.hardware.calibration import (Calibration, calibration_for, package_calibration_dir, write_calibration)
+from vtrain_plugin.hardware.calibration import (Calibration, calibration_for, write_calibration)
 from vtrain_plugin.measured.calibrate import JointFit, JointSpace, MeasuredPlan, fit_constants, scope_of
 
 SETS: dict[str, Callable[[Path], list[MeasuredRun]]] = {
@@ -43,19 +43,32 @@ SETS: dict[str, Callable[[Path], list[MeasuredRun]]] = {
 # What is fitted: every host cost of each stack, the device constants of each GPU, the two network ones.
 FITTED = ("gemm_efficiency", "hbm_efficiency", "kernel_overhead_ns", "attention_efficiency", "host_overhead_ns",
           "module_host_overhead_ns", "layer_host_overhead_ns", "collective_host_overhead_ns",
-          "microbatch_overhead_ns", "iteration_overhead_ns", "network_efficiency", "gpu_speed_spread")
+          "microbatch_overhead_ns", "iteration_overhead_ns", "host_time_factor", "network_efficiency",
+          "gpu_speed_spread")
 # One value for every cluster of the sets: InfiniBand's share of line rate through NCCL and the
 # spread of nominally equal GPUs are the data centre's, and the H100 and B200 sets have too few
 # multi-node runs to tell their own apart.
 SHARED = ("network_efficiency", "gpu_speed_spread")
 # (constant, scope) left at the shipped value: what a set cannot inform. B200's three runs inform its
 # GEMM and attention rates; the kernel overhead and HBM efficiency of its few long kernels are not seen.
-FIXED = (("hbm_efficiency", "b200-sxm"), ("kernel_overhead_ns", "b200-sxm"))
-# Files whose constants are those of a fitted (device, stack): same die or same Blackwell parts.
-DERIVED = {("a100-sxm4-40gb", "megatron_core_te"): ("a100-sxm4-80gb", "megatron_core_te"),
-           ("h200-sxm", "megatron_core_te"): ("h100-sxm", "megatron_core_te"),
-           ("gb200", "megatron_core_te"): ("b200-sxm", "megatron_core_te"),
-           ("gb300", "megatron_core_te"): ("b200-sxm", "megatron_core_te")}
+# The host costs stand for a DGX H100's CPU (host_time_factor 1 there, the reference); a DGX B200's
+# Xeon 8570 is as fast per core, and B200's long kernels could not tell.
+FIXED = (("hbm_efficiency", "b200-sxm"), ("kernel_overhead_ns", "b200-sxm"), ("host_time_factor", "h100-sxm"),
+         ("host_time_factor", "b200-sxm"))
+# Files whose constants are those of a fitted (device, stack), and why.
+DERIVED = {
+    ("a100-sxm4-40gb", "megatron_core_te"): (("a100-sxm4-80gb", "megatron_core_te"),
+                                             "the same GA100 die and DGX A100 host; its HBM efficiency is the same "
+                                             "fraction of its own 1555 GB/s"),
+    ("h200-sxm", "megatron_core_te"): (("h100-sxm", "megatron_core_te"),
+                                       "the same GH100 die with the same 989 TFLOP/s, kernels and DGX host; its HBM "
+                                       "efficiency is the same fraction of its own 4.8 TB/s"),
+    ("gb200", "megatron_core_te"): (("b200-sxm", "megatron_core_te"),
+                                    "the B200's Blackwell tensor cores, memory and software at a higher clock and power "
+                                    "limit, efficiencies being fractions of its own peaks; no published GB200 run"),
+    ("gb300", "megatron_core_te"): (("b200-sxm", "megatron_core_te"),
+                                    "the B200's Blackwell tensor cores, memory and software at a higher clock and power "
+                                    "limit, efficiencies being fractions of its own peaks; no published GB300 run")}
 GPU_BUCKETS = ((8, "8 GPUs"), (64, "9-64"), (512, "65-512"), (4096, "513-4,096"))
 SIZE_BUCKETS = ((1e9, "< 1B"), (10e9, "1-10B"), (100e9, "10-100B"), (math.inf, "> 100B"))
 HEADER = ["set", "evaluation", "runs", "MAPE %", "median %", "p90 %", "bias %"]
@@ -80,15 +93,24 @@ def stats_row(data_set: str, evaluation: str, predicted: np.ndarray, measured: n
     return [data_set, evaluation, str(s.count), f"{s.mape:.2f}", f"{s.median:.2f}", f"{s.p90:.2f}", f"{s.bias:+.2f}"]
 
 
+def in_fit(plan: MeasuredPlan) -> bool:
+    """Whether the fit uses the plan: a functional test whose layers are megatron-core's local spec
+    is priced with the Megatron-DeepSpeed kernels, but its host work is megatron-core's, not that
+    stack's: reported, not fitted."""
+    return not (plan.data_set == "ci" and plan.stack == "megatron_deepspeed_2023")
+
+
 def leave_out(fit: JointFit, plans: Sequence[MeasuredPlan], key: Callable[[int], object]) -> np.ndarray:
-    """Each plan predicted by the fit refitted (linearised) without every plan of its ``key``."""
+    """Each plan predicted by the fit refitted (linearised) without every plan of its ``key`` (a plan
+    outside the fit: as calibrated)."""
+    rows = [i for i, p in enumerate(plans) if in_fit(p)]  # the fit's rows, in order
     keys = [key(i) for i in range(len(plans))]
-    out = np.zeros(len(plans))
-    for value in dict.fromkeys(keys):
-        held = np.array([k == value for k in keys])
-        unit = fit.linearised_refit(~held)
-        for i in np.flatnonzero(held):
-            out[i] = plans[i].predict_ms(fit.space.constants(plans[i], unit))
+    out = np.array([p.predict_ms(fit.space.constants(p, fit.unit)) for p in plans])
+    for value in dict.fromkeys(keys[i] for i in rows):
+        unit = fit.linearised_refit(np.array([keys[i] != value for i in rows]))
+        for i in rows:
+            if keys[i] == value:
+                out[i] = plans[i].predict_ms(fit.space.constants(plans[i], unit))
     return out
 
 
@@ -113,7 +135,7 @@ def bias_by_scale(plans: Sequence[MeasuredPlan], predicted: np.ndarray, measured
 
 def report(fit: JointFit, plans: Sequence[MeasuredPlan]) -> str:
     measured = np.array([p.measured_ms for p in plans])
-    predicted = measured * np.exp(fit.residuals)
+    predicted = np.array([p.predict_ms(fit.space.constants(p, fit.unit)) for p in plans])
     by_size = leave_out(fit, plans, lambda i: (plans[i].data_set, size_of(plans[i])))
     by_case = leave_out(fit, plans, lambda i: (plans[i].data_set, ci_data.test_case_of(plans[i].label)
                                                if plans[i].data_set == "ci" else i))
@@ -123,7 +145,8 @@ def report(fit: JointFit, plans: Sequence[MeasuredPlan]) -> str:
         label = SOURCE_LABELS[data_set]
         rows.append(stats_row(label, "calibration", predicted[idx], measured[idx]))
         if data_set == "ci":
-            for name, pick in (("A100", lambda p: p.device.startswith("a100")), ("H100", lambda p: p.device == "h100-sxm"),
+            for name, pick in (("fitted", in_fit), ("local spec, not fitted", lambda p: not in_fit(p)),
+                               ("A100", lambda p: p.device.startswith("a100")), ("H100", lambda p: p.device == "h100-sxm"),
                                ("deterministic", lambda p: p.run.training.deterministic),
                                ("non-deterministic", lambda p: not p.run.training.deterministic)):
                 sub = [i for i in idx if pick(plans[i])]
@@ -149,23 +172,25 @@ def write_files(fit: JointFit, plans: Sequence[MeasuredPlan], command: str, into
     fitted: dict[tuple[str, str], MeasuredPlan] = {}
     for p in plans:
         fitted.setdefault((p.device, p.stack), p)
-    sets = ", ".join(f"{SOURCE_LABELS[s]} ({sum(p.data_set == s for p in plans)})"
+    sets = ", ".join(f"{SOURCE_LABELS[s]} ({sum(p.data_set == s and in_fit(p) for p in plans)})"
                      for s in dict.fromkeys(p.data_set for p in plans))
     paths = []
     for (device, stack), plan in fitted.items():
         constants = fit.constants(plan)
-        source = (f"Joint fit of {len(plans)} published runs ({sets}; benchmarks/data, each set weighted equally) by "
+        own = sorted({SOURCE_LABELS[p.data_set] for p in plans if (p.device, p.stack) == (device, stack) and in_fit(p)})
+        source = (f"Joint fit of {sum(map(in_fit, plans))} published runs ({sets}; benchmarks/data, each set weighted equally) by "
                   f"vtrain's fitter (bounded least squares on the log error, each constant inside its documented "
                   f"range; host costs one value per software stack, device constants one per GPU, network "
-                  f"efficiency and GPU speed spread one for every cluster). This file's runs: "
-                  f"{', '.join(sorted({SOURCE_LABELS[p.data_set] for p in plans if (p.device, p.stack) == (device, stack)}))}.")
+                  f"efficiency and GPU speed spread one for every cluster). Runs of this file fitted: "
+                  f"{', '.join(own) or 'none (the stack host costs and the GPU device constants of the fit)'}.")
         paths.append(write_calibration(Calibration(device=device, software_stack=stack, source=source, command=command,
                                                    constants=constants), into_package=into_package))
-        for (other, other_stack), origin in DERIVED.items():
+        for (other, other_stack), (origin, why) in DERIVED.items():
             if origin == (device, stack):
-                old = json.loads((package_calibration_dir() / other / f"{other_stack}.json").read_text())
-                paths.append(write_calibration(Calibration(device=other, software_stack=other_stack,
-                                                           source=old["source"], command=command, constants=constants),
+                derived = (f"The constants of {device}/{stack}.json, from the same joint fit, not fitted on runs of "
+                           f"this GPU: {why}.")
+                paths.append(write_calibration(Calibration(device=other, software_stack=other_stack, source=derived,
+                                                           command=command, constants=constants),
                                                into_package=into_package))
     return paths
 
@@ -184,7 +209,7 @@ def main() -> None:
     plans = measured_plans(runs)
     print(f"traced and prepared {len(plans)} runs in {time.perf_counter() - start:.0f} s")
     space = JointSpace(plans, FITTED, fixed=FIXED, scope=scope)
-    fit = fit_constants(plans, FITTED, space=space, max_nfev=args.max_evals)
+    fit = fit_constants([p for p in plans if in_fit(p)], FITTED, space=space, max_nfev=args.max_evals, verbose=2)
     print(f"fitted {len(space.params)} constants in {time.perf_counter() - start:.0f} s\n")
     print(report(fit, plans))
     if not args.dry_run:

@@ -253,7 +253,7 @@ class JointFit:
 
 
 def fit_constants(plans: Sequence[MeasuredPlan], names: Sequence[str], *, start: np.ndarray | None = None,
-                  space: JointSpace | None = None, max_nfev: int | None = None) -> JointFit:
+                  space: JointSpace | None = None, max_nfev: int | None = None, verbose: int = 0) -> JointFit:
     """Fit ``names`` to ``plans`` by bounded least squares on the log error (see the module doc)."""
     from scipy.optimize import least_squares  # here: a second to load, and only calibration needs it
 
@@ -269,7 +269,7 @@ def fit_constants(plans: Sequence[MeasuredPlan], names: Sequence[str], *, start:
 
     x0 = np.clip(space.start(plans) if start is None else start, 0.0, 1.0)
     result = least_squares(lambda u: weights * residuals(u), x0, bounds=(0.0, 1.0), method="trf", diff_step=1e-3,
-                           x_scale=1.0, max_nfev=max_nfev)
+                           x_scale=1.0, max_nfev=max_nfev, verbose=verbose)
     return JointFit(space=space, unit=result.x, residuals=result.fun / weights, jacobian=result.jac / weights[:, None],
                     weights=weights)
 
