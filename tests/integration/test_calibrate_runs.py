@@ -60,7 +60,10 @@ def test_calibrate_recovers_known_constants_within_ranges(runs):
         assert fit.ranges[name][0] <= fitted <= fit.ranges[name][1] <= CONSTANT_RANGES[name][1]
     assert fit.after.backward_host_overhead_ns == fit.after.host_overhead_ns
     assert fit.error_after_pct < 0.5 < fit.error_before_pct
-    assert fit.leave_one_out_error_pct is not None and all(r.leave_one_out_ms is not None for r in fit.runs)
+    # left out where the others still identify the constants: not the one host-bound run (without it
+    # the three others, all host-informed under the shipped host costs, cannot separate them)
+    assert fit.leave_one_out_error_pct is not None
+    assert [r.plan for r in fit.runs if r.leave_one_out_ms is None] == ["small"]
     assert [r.informs for r in fit.runs][0] == ("host_overhead_ns",)
 
 
