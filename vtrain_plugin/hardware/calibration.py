@@ -14,9 +14,9 @@ the package.
 The device constants (:class:`DeviceConstants`) and their physically plausible ranges. A
 calibration is a bounded fit inside these ranges (not clipped afterwards); a file whose constant
 lies outside its range is refused. Host time is modelled the way the CPU spends it: per launched
-kernel, per module call, per transformer layer and per micro-batch, each its own constant, so that
-constants fitted on one model, GPU or scale carry over to another (host costs are software costs:
-they do not change with the GPU).
+kernel, per module call, per transformer layer, per micro-batch and per iteration, each its own
+constant, so that constants fitted on one model, GPU or scale carry over to another (host costs are
+software costs: they do not change with the GPU, only with the node's CPU, ``host_time_factor``).
 
 Software constants (:data:`SOFTWARE_CONSTANTS`: every host cost) belong to the software stack: the
 package's files of one stack state the same values on every GPU (a test holds them to it), so that
