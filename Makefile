@@ -36,8 +36,9 @@ lint: setup  ## pyflakes and the import-linter layer contract, where installed
 goldens: setup  ## the headline numbers pinned in tests/golden
 	$(PY) -m pytest tests/golden
 
-accuracy: setup  ## every published run estimated against its measured time (about 13 minutes)
-	$(PY) -m benchmarks.accuracy.published_runs --cv-evals 300
+accuracy: setup  ## every published run against its measured time, then the joint fit's held-out report
+	$(PY) -m benchmarks.accuracy.published_runs
+	$(PY) -m benchmarks.accuracy.calibrate --dry-run
 
 error-bands: setup  ## rewrite the error-band file from every published run (after any calibration change)
 	$(PY) -m benchmarks.accuracy.error_bands

@@ -1,6 +1,7 @@
 """The measured A100 runs published with vTrain, as vTrain configs and vtrain run configs.
 
-Shared by ``calibrate.py`` and ``published_runs.py``. The calibration CSVs live in
+Shared by ``calibrate.py`` and ``published_runs.py``, with the helpers every set's reader and report
+uses (:class:`MeasuredRun`, :func:`prepare_runs`, :func:`error_stats`). The calibration CSVs live in
 ``benchmarks/data`` (override with ``--data DIR``); each row becomes the vTrain
 config that describes the measured run (Megatron-DeepSpeed, fp16, full activation recompute, 1F1B,
 one gradient all-reduce after the last backward, DGX A100 nodes with 8 x 200 Gb/s InfiniBand).
@@ -11,18 +12,19 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from vtrain_plugin.runs import run_config_from_dict
+from vtrain_plugin.runs import run_config_from_dict, run_config_from_megatron_args
+from vtrain_plugin.hardware.clusters import cluster_for_gpu
 from vtrain_plugin.capture.tracer import trace
-from vtrain_plugin.cost.prepare import PreparedGraph, prepare
+from vtrain_plugin.cost.prepare import PreparedGraph, prepare_run
 from vtrain_plugin.estimate import predict
-from vtrain_plugin.hardware.calibration import CONSTANT_RANGES, DeviceConstants
+from vtrain_plugin.hardware.calibration import DeviceConstants
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.specs.run import RunConfig
 
@@ -31,18 +33,25 @@ SINGLE_NODE_CSV = "a100_single_node_calibration.csv"
 MULTI_NODE_CSV = "a100_multi_node_calibration.csv"
 
 # How reports name each source of measured runs (MeasuredRun.source).
-SOURCE_LABELS = {"single": "vTrain single-node", "multi": "vTrain multi-node", "sc21": "SC'21", "h100": "H100"}
+SOURCE_LABELS = {"single": "vTrain single-node", "multi": "vTrain multi-node", "sc21": "SC'21", "h100": "H100",
+                 "b200": "NeMo B200", "ci": "Megatron-LM functional tests"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeasuredRun:
-    source: str  # "single" or "multi" (vTrain), "sc21" (sc21_data.py) or "h100" (h100_data.py)
-    config: dict[str, Any]  # the vTrain config of the run
+    source: str  # "single" or "multi" (vTrain), "sc21", "h100", "b200" or "ci" (see SOURCE_LABELS)
+    config: dict[str, Any]  # the vTrain config (plan mapping) of the run, or its Megatron-LM arguments (ci_data.py)
     measured_ms: float
+    name: str = ""  # how reports name the run (its model, its test case)
 
     @property
     def run(self) -> RunConfig:
-        return run_config_from_dict(self.config, source=f"{SOURCE_LABELS[self.source]} row")
+        c = self.config
+        where = f"{SOURCE_LABELS[self.source]} row {self.name}".rstrip()
+        if "megatron_args" in c:
+            return run_config_from_megatron_args(c["megatron_args"], gpus=c["gpus"], cluster=cluster_for_gpu(c["gpu"]),
+                                                 source=where)
+        return run_config_from_dict(c, source=where)
 
     def group(self, name: str) -> Any:
         """The value of one grouping key: tp, pp, dp, micro_batch, hidden, num_gpus or nodes."""
@@ -135,155 +144,15 @@ class PreparedRun:
 
 
 def prepare_runs(runs: Sequence[MeasuredRun]) -> list[PreparedRun]:
+    """Every run traced and prepared as ``vtrain estimate`` prepares it (the run's stack and training options)."""
     out = []
     for m in runs:
         run = m.run
         graph = trace(run.model, run.parallel)
-        out.append(PreparedRun(measured=m, run=run, prepared=prepare(graph, run.training.stack_for(
-            run.model, get_device(run.cluster.gpu).architecture), fp8=run.training.fp8_settings)))
+        stack = run.training.stack_for(run.model, get_device(run.cluster.gpu).architecture, run.parallel)
+        out.append(PreparedRun(measured=m, run=run, prepared=prepare_run(graph, stack, run.training)))
     return out
 
 
 def predict_all(prepared: Sequence[PreparedRun], constants: DeviceConstants) -> np.ndarray:
     return np.array([p.predict_ms(constants) for p in prepared])
-
-
-# ---- the fit ---------------------------------------------------------------------------------------
-
-def within_gemm_ceiling(fitted: dict[str, tuple[float, float, bool]], device: str) -> dict[str, tuple[float, float, bool]]:
-    """The search ranges with the GEMM efficiency's top at ``device``'s measured ceiling."""
-    ceiling = get_device(device).gemm_ceiling
-    if "gemm_efficiency" not in fitted or ceiling is None:
-        return fitted
-    low, high, log = fitted["gemm_efficiency"]
-    return {**fitted, "gemm_efficiency": (low, min(high, ceiling), log)}
-
-
-# The constants the A100 calibration fits, each searched exactly inside its plausible range
-# (vtrain_plugin.hardware.calibration.CONSTANT_RANGES: a bounded fit, never clipped afterwards; the
-# GEMM efficiency below the A100's measured ceiling), and whether the search is on a log scale.
-FITTED: dict[str, tuple[float, float, bool]] = within_gemm_ceiling({
-    name: (*CONSTANT_RANGES[name], log) for name, log in (
-        ("gemm_efficiency", False),
-        ("hbm_efficiency", False),
-        ("kernel_overhead_ns", True),
-        ("host_overhead_ns", True),
-        ("module_host_overhead_ns", True),
-        ("layer_host_overhead_ns", True),
-        ("collective_host_overhead_ns", True),
-        ("microbatch_overhead_ns", True),
-        ("network_efficiency", False),
-        ("gpu_speed_spread", False),
-    )
-}, "a100-sxm4-80gb")
-
-
-# Constants set from a fitted one rather than fitted themselves (see constants_from_unit).
-TIED = ("backward_host_overhead_ns",)
-
-
-# Where every fit starts: typical values from the documentation of each constant, not from the data.
-START = DeviceConstants(gemm_efficiency=0.8, hbm_efficiency=0.8, kernel_overhead_ns=2000.0, host_overhead_ns=5000.0,
-                        backward_host_overhead_ns=5000.0, module_host_overhead_ns=20000.0,
-                        layer_host_overhead_ns=100_000.0, collective_host_overhead_ns=20000.0, microbatch_overhead_ns=500_000.0, network_efficiency=0.85,
-                        gpu_speed_spread=0.01)
-
-
-def _to_unit(name: str, value: float, fitted: Mapping[str, tuple[float, float, bool]]) -> float:
-    low, high, log = fitted[name]
-    value = min(max(value, low), high)
-    return (math.log(value / low) / math.log(high / low)) if log else (value - low) / (high - low)
-
-
-def _from_unit(name: str, u: float, fitted: Mapping[str, tuple[float, float, bool]]) -> float:
-    low, high, log = fitted[name]
-    u = min(max(u, 0.0), 1.0)
-    value = low * (high / low) ** u if log else low + u * (high - low)
-    return min(max(value, low), high)  # exactly inside the range despite rounding
-
-
-def constants_from_unit(base: DeviceConstants, u: np.ndarray,
-                        fitted: Mapping[str, tuple[float, float, bool]] = FITTED) -> DeviceConstants:
-    """Constants at unit-cube point ``u``. Backward kernels get the forward per-kernel host cost:
-    dispatch and launch cost the same from autograd's engine (the Python of both directions is the
-    per-module cost), and a separate constant is not identifiable from iteration times."""
-    values = {name: _from_unit(name, float(x), fitted) for name, x in zip(fitted, u)}
-    if "host_overhead_ns" in values:
-        values["backward_host_overhead_ns"] = values["host_overhead_ns"]
-    return DeviceConstants(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **values})
-
-
-def log_error(predicted: np.ndarray, measured: np.ndarray) -> float:
-    """Mean absolute log ratio: symmetric in over- and underestimates, about MAPE/100 when small."""
-    return float(np.mean(np.abs(np.log(predicted / measured))))
-
-
-def fit(prepared: Sequence[PreparedRun], base: DeviceConstants, *, max_evals: int = 1500,
-        fitted: Mapping[str, tuple[float, float, bool]] = FITTED,
-        log: Callable[[str], None] = lambda s: None) -> tuple[DeviceConstants, float]:
-    """Nelder-Mead on the unit cube of :data:`FITTED` (restarted from the best point until it stalls).
-
-    Every source of runs present (vTrain single-node, vTrain multi-node, SC'21, ...) weighs equally
-    (the mean of each source's mean error), so the 26 multi-node and the 10 SC'21 runs are not
-    drowned by the 144 single-node ones.
-    """
-    measured = np.array([p.measured.measured_ms for p in prepared])
-    sources = [p.measured.source for p in prepared]
-    groups = [np.array([s == source for s in sources]) for source in dict.fromkeys(sources)]
-
-    def cost(u: np.ndarray) -> float:
-        predicted = predict_all(prepared, constants_from_unit(base, u, fitted))
-        return float(np.mean([log_error(predicted[mask], measured[mask]) for mask in groups]))
-
-    x0 = np.array([_to_unit(name, getattr(base, name), fitted) for name in fitted])
-    best_x, best_f = x0, cost(x0)
-    evals = 1
-    step = 0.25
-    while evals < max_evals and step > 0.01:
-        x, f, used = _nelder_mead(cost, best_x, step, max_evals - evals)
-        evals += used
-        improved = f < best_f - 1e-6
-        if f < best_f:
-            best_x, best_f = x, f
-        log(f"  restart: error {best_f:.5f} after {evals} evaluations (step {step:.3f})")
-        step = step if improved else step / 2
-    return constants_from_unit(base, best_x, fitted), best_f
-
-
-def _nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float, budget: int,
-                 tol: float = 1e-6) -> tuple[np.ndarray, float, int]:
-    """Plain Nelder-Mead (reflection 1, expansion 2, contraction and shrink 1/2) in [0, 1]^n."""
-    n = len(x0)
-    clip = lambda x: np.clip(x, 0.0, 1.0)  # noqa: E731
-    simplex = [clip(x0)] + [clip(x0 + step * np.eye(n)[i] * (1 if x0[i] < 0.5 else -1)) for i in range(n)]
-    values = [f(x) for x in simplex]
-    used = n + 1
-    while used < budget:
-        order = np.argsort(values)
-        simplex = [simplex[i] for i in order]
-        values = [values[i] for i in order]
-        if values[-1] - values[0] < tol:
-            break
-        centroid = np.mean(simplex[:-1], axis=0)
-        reflected = clip(centroid + (centroid - simplex[-1]))
-        fr = f(reflected)
-        used += 1
-        if fr < values[0]:
-            expanded = clip(centroid + 2 * (centroid - simplex[-1]))
-            fe = f(expanded)
-            used += 1
-            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
-        elif fr < values[-2]:
-            simplex[-1], values[-1] = reflected, fr
-        else:
-            contracted = clip(centroid + 0.5 * (simplex[-1] - centroid))
-            fc = f(contracted)
-            used += 1
-            if fc < values[-1]:
-                simplex[-1], values[-1] = contracted, fc
-            else:
-                simplex = [simplex[0]] + [simplex[0] + 0.5 * (x - simplex[0]) for x in simplex[1:]]
-                values = [values[0]] + [f(x) for x in simplex[1:]]
-                used += n
-    i = int(np.argmin(values))
-    return simplex[i], values[i], used

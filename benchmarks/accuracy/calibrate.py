@@ -1,134 +1,222 @@
-"""Fit a calibration file: the device constants of one (device, software stack) on measured runs.
+"""Make the shipped calibration files: one joint fit of every published set, by vtrain's own fitter.
 
-``.venv/bin/python -m benchmarks.accuracy.calibrate a100-sxm4-80gb megatron_deepspeed_2023`` reproduces the
-shipped A100 file from the published A100 runs: a joint fit on vTrain's 144 single-node and 26
-multi-node runs and the 10 large-scale runs of Narayanan et al. (SC'21, ``sc21_data.py``; tracing
-the 180 runs once takes about a minute on two cores, then every candidate set of constants re-costs
-all runs). Only the named constants of ``a100_data.FITTED`` are fitted, each inside its
-plausible range (``vtrain_plugin.hardware.devices``); the backward host cost is tied to the forward one
-(``a100_data.TIED``); nothing depends on an individual row: the objective is the mean absolute log
-error of each source of runs (single-node, multi-node, SC'21), the sources weighted equally.
-Then leave-one-out over the runs that judge the fit beyond its bulk (the SC'21 runs for the A100,
-every run for the H100): refit without each, predict it (one more fit per run; ``--no-loo`` skips it).
-``--dry-run`` prints the result without writing it; the file goes to the user's calibration folder
-(``$VTRAIN_CALIBRATION_DIR``, ...) unless ``--into-package`` asks for the package's own.
+``.venv/bin/python -m benchmarks.accuracy.calibrate --into-package`` traces the six published sets
+(vTrain's A100 single- and multi-node runs, SC'21, NeMo H100, NeMo B200, the Megatron-LM functional
+tests; a few minutes on two cores, seconds once the trace cache holds them) and fits them at once
+with :func:`vtrain_plugin.measured.calibrate.fit_constants`, the fitter of ``vtrain calibrate``:
+bounded least squares on the log error, every constant inside
+:func:`~vtrain_plugin.hardware.calibration.constant_range`, each set weighing the same, a host cost
+one value per software stack (on every GPU), a device constant one value per GPU, the network
+efficiency and the spread of GPU speeds one value for every cluster (:data:`SHARED`). No term
+belongs to one run or one model size. The functional tests of megatron-core's local spec are
+reported but not fitted (:func:`in_fit`). Then it reports, per set, the calibration MAPE and bias (the
+functional tests per GPU and deterministic or not), leave-out refits (per test case, per model
+size, per run of the small sets; each a bounded Gauss-Newton step from the joint fit without the
+runs left out: :meth:`~vtrain_plugin.measured.calibrate.JointFit.linearised_refit`), the bias by
+scale (GPUs x parameters) and every constant that ends on a bound of its range. ``--dry-run``
+writes nothing; otherwise each fitted (device, stack) file is written, and the files that take
+their constants from a fitted GPU (:data:`DERIVED`) get them too, saying why.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from benchmarks.accuracy import h100_data, sc21_data
-from benchmarks.accuracy.a100_data import (FITTED, SOURCE_LABELS, START, MeasuredRun, PreparedRun, add_data_argument,
-                       error_stats, fit, predict_all, prepare_runs)
+import numpy as np
+
+from benchmarks.accuracy import a100_data, b200_data, ci_data, h100_data, sc21_data
+from benchmarks.accuracy.a100_data import SOURCE_LABELS, MeasuredRun, add_data_argument, error_stats, prepare_runs
 
 from vtrain_plugin.cli.render import render_table
-from vtrain_plugin.hardware.calibration import (CONSTANT_RANGES, OPTIONAL_CONSTANTS, Calibration, DeviceConstants,
-                                                write_calibration)
+from vtrain_plugin.hardware.calibration import (Calibration, calibration_for, write_calibration)
+from vtrain_plugin.measured.calibrate import JointFit, JointSpace, MeasuredPlan, fit_constants, scope_of
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Dataset:
-    """The measured data this script can fit on for one (device, software stack)."""
+SETS: dict[str, Callable[[Path], list[MeasuredRun]]] = {
+    "single": lambda d: a100_data.read_runs(d, which=("single",)),
+    "multi": lambda d: a100_data.read_runs(d, which=("multi",)),
+    "sc21": sc21_data.read_runs, "h100": h100_data.read_runs, "b200": b200_data.read_runs, "ci": ci_data.read_runs}
 
-    source: str  # the calibration file's provenance text
-    read_runs: Callable[[Path], list[MeasuredRun]]
-    start: Callable[[], DeviceConstants]  # where the fit starts
-    fitted: Mapping[str, tuple[float, float, bool]]  # the constants it fits, as a100_data.FITTED
-    left_out: str  # the source of the runs that leave-one-out refits without, one at a time
+# What is fitted: every host cost of each stack, the device constants of each GPU, the two network ones.
+FITTED = ("gemm_efficiency", "hbm_efficiency", "kernel_overhead_ns", "attention_efficiency", "host_overhead_ns",
+          "module_host_overhead_ns", "layer_host_overhead_ns", "collective_host_overhead_ns",
+          "microbatch_overhead_ns", "iteration_overhead_ns", "host_time_factor", "network_efficiency",
+          "gpu_speed_spread")
+# One value for every cluster of the sets: InfiniBand's share of line rate through NCCL and the
+# spread of nominally equal GPUs are the data centre's, and the H100 and B200 sets have too few
+# multi-node runs to tell their own apart.
+SHARED = ("network_efficiency", "gpu_speed_spread")
+# (constant, scope) left at the shipped value: what a set cannot inform. B200's three runs inform its
+# GEMM and attention rates; the kernel overhead and HBM efficiency of its few long kernels are not seen.
+# The host costs stand for a DGX H100's CPU (host_time_factor 1 there, the reference); a DGX B200's
+# Xeon 8570 is as fast per core, and B200's long kernels could not tell.
+FIXED = (("hbm_efficiency", "b200-sxm"), ("kernel_overhead_ns", "b200-sxm"), ("host_time_factor", "h100-sxm"),
+         ("host_time_factor", "b200-sxm"))
+# Files whose constants are those of a fitted (device, stack), and why.
+DERIVED = {
+    ("a100-sxm4-40gb", "megatron_core_te"): (("a100-sxm4-80gb", "megatron_core_te"),
+                                             "the same GA100 die and DGX A100 host; its HBM efficiency is the same "
+                                             "fraction of its own 1555 GB/s"),
+    ("h200-sxm", "megatron_core_te"): (("h100-sxm", "megatron_core_te"),
+                                       "the same GH100 die with the same 989 TFLOP/s, kernels and DGX host; its HBM "
+                                       "efficiency is the same fraction of its own 4.8 TB/s"),
+    ("gb200", "megatron_core_te"): (("b200-sxm", "megatron_core_te"),
+                                    "the B200's Blackwell tensor cores, memory and software at a higher clock and power "
+                                    "limit, efficiencies being fractions of its own peaks; no published GB200 run"),
+    ("gb300", "megatron_core_te"): (("b200-sxm", "megatron_core_te"),
+                                    "the B200's Blackwell tensor cores, memory and software at a higher clock and power "
+                                    "limit, efficiencies being fractions of its own peaks; no published GB300 run")}
+GPU_BUCKETS = ((8, "8 GPUs"), (64, "9-64"), (512, "65-512"), (4096, "513-4,096"))
+SIZE_BUCKETS = ((1e9, "< 1B"), (10e9, "1-10B"), (100e9, "10-100B"), (math.inf, "> 100B"))
+HEADER = ["set", "evaluation", "runs", "MAPE %", "median %", "p90 %", "bias %"]
 
 
-DATASETS = {("a100-sxm4-80gb", "megatron_deepspeed_2023"): Dataset(
-    source="Joint fit on three sets of A100 SXM 80GB iteration times (Megatron fp16 with fused kernels, full "
-    "recompute, DGX A100 nodes with 8 x 200 Gb/s InfiniBand): the 144 single-node and 26 multi-node runs published "
-    "with vTrain (MICRO'24, Megatron-DeepSpeed, benchmarks/data/a100_{single,multi}_node_calibration.csv) and the "
-    "10 runs of Narayanan et al. SC'21 Table 1 (Megatron-LM 2021, GPT 1.7B to 1T on 32 to 3,072 GPUs, "
-    "benchmarks/data/a100_published_megatron_sc21.csv). Nelder-Mead bounded to each constant's plausible range on "
-    "the mean absolute log error, the three sets weighted equally; the backward per-kernel host cost is tied to "
-    "the forward one.", read_runs=sc21_data.joint_a100_runs, start=lambda: START, fitted=FITTED, left_out="sc21"),
-    ("h100-sxm", "megatron_core_te"): Dataset(
-    source="4 published H100 runs (NVIDIA NeMo 24.07 performance summary, DGX H100, FP8 hybrid with "
-    "TransformerEngine, Megatron-Core), benchmarks/data/h100_published_calibration.csv: GPT-3 5B and 175B, Llama 2 "
-    "7B and 70B. Only gemm_efficiency (FP8 GEMMs), attention_efficiency and hbm_efficiency are fitted (bounded "
-    "Nelder-Mead on the mean absolute log error); host costs, kernel overhead, network efficiency and GPU speed spread are the A100 "
-    "fit's (software and platform constants).", read_runs=h100_data.read_runs, start=h100_data.start_constants,
-    fitted=h100_data.FITTED_H100, left_out="h100")}
+def scope(name: str, plan: MeasuredPlan) -> str:
+    return "every cluster" if name in SHARED else scope_of(name, plan)
 
 
-def leave_one_out(prepared: Sequence[PreparedRun], start: DeviceConstants,
-                  fitted: Mapping[str, tuple[float, float, bool]], max_evals: int,
-                  held_out: Sequence[int] | None = None) -> list[tuple[str, float, float]]:
-    """Per run of ``held_out`` (indices into ``prepared``; None: every run): refit on all the other
-    runs, predict it; (name, predicted ms, measured ms). A subset lets the few runs of one source be
-    judged while the fit keeps every run of the others."""
+def measured_plans(runs: Sequence[MeasuredRun]) -> list[MeasuredPlan]:
     out = []
-    for i in range(len(prepared)) if held_out is None else held_out:
-        held = prepared[i]
-        constants, _ = fit([p for j, p in enumerate(prepared) if j != i], start, max_evals=max_evals, fitted=fitted)
-        out.append((held.run.model.name or str(i), float(predict_all([held], constants)[0]), held.measured.measured_ms))
+    for p in prepare_runs(runs):
+        device, stack = p.run.cluster.gpu, p.prepared.stack.value
+        out.append(MeasuredPlan(label=p.measured.name or p.run.model.name or p.measured.source, run=p.run,
+                                prepared=p.prepared, measured_ms=p.measured.measured_ms, device=device, stack=stack,
+                                base=calibration_for(device, stack).constants, data_set=p.measured.source))
     return out
 
 
-def print_leave_one_out(prepared: Sequence[PreparedRun], dataset: Dataset, base: DeviceConstants,
-                        max_evals: int) -> None:
-    held_out = [i for i, p in enumerate(prepared) if p.measured.source == dataset.left_out]
-    loo = leave_one_out(prepared, base, dataset.fitted, max_evals, held_out)
-    print(render_table([[n, f"{p:,.1f}", f"{m:,.1f}", f"{100 * (p - m) / m:+.1f}%"] for n, p, m in loo],
-                       ["left out", "predicted ms", "measured ms", "error"]))
-    s = error_stats([p for _, p, _ in loo], [m for _, _, m in loo])
-    print(f"{SOURCE_LABELS[dataset.left_out]} leave-one-out: MAPE {s.mape:.2f}%  "
-          f"max {max(abs(100 * (p - m) / m) for _, p, m in loo):.2f}%  bias {s.bias:+.2f}%")
+def stats_row(data_set: str, evaluation: str, predicted: np.ndarray, measured: np.ndarray) -> list[str]:
+    s = error_stats(predicted, measured)
+    return [data_set, evaluation, str(s.count), f"{s.mape:.2f}", f"{s.median:.2f}", f"{s.p90:.2f}", f"{s.bias:+.2f}"]
+
+
+def in_fit(plan: MeasuredPlan) -> bool:
+    """Whether the fit uses the plan: a functional test whose layers are megatron-core's local spec
+    is priced with the Megatron-DeepSpeed kernels, but its host work is megatron-core's, not that
+    stack's: reported, not fitted."""
+    return not (plan.data_set == "ci" and plan.stack == "megatron_deepspeed_2023")
+
+
+def leave_out(fit: JointFit, plans: Sequence[MeasuredPlan], key: Callable[[int], object]) -> np.ndarray:
+    """Each plan predicted by the fit refitted (linearised) without every plan of its ``key`` (a plan
+    outside the fit: as calibrated)."""
+    rows = [i for i, p in enumerate(plans) if in_fit(p)]  # the fit's rows, in order
+    keys = [key(i) for i in range(len(plans))]
+    out = np.array([p.predict_ms(fit.space.constants(p, fit.unit)) for p in plans])
+    for value in dict.fromkeys(keys[i] for i in rows):
+        unit = fit.linearised_refit(np.array([keys[i] != value for i in rows]))
+        for i in rows:
+            if keys[i] == value:
+                out[i] = plans[i].predict_ms(fit.space.constants(plans[i], unit))
+    return out
+
+
+def size_of(plan: MeasuredPlan) -> tuple[int, int]:
+    return plan.run.model.hidden_size, plan.run.model.num_layers
+
+
+def bucket(value: float, buckets: Sequence[tuple[float, str]]) -> str:
+    return next(label for bound, label in buckets if value <= bound)
+
+
+def bias_by_scale(plans: Sequence[MeasuredPlan], predicted: np.ndarray, measured: np.ndarray) -> str:
+    cells: dict[tuple[str, str], list[int]] = {}
+    for i, p in enumerate(plans):
+        cells.setdefault((bucket(p.run.parallel.world_size, GPU_BUCKETS),
+                          bucket(p.run.model.num_parameters, SIZE_BUCKETS)), []).append(i)
+    rows = [[gpus, *(f"{error_stats(predicted[cells[gpus, size]], measured[cells[gpus, size]]).bias:+.1f}% "
+                     f"({len(cells[gpus, size])})" if (gpus, size) in cells else "-" for _, size in SIZE_BUCKETS)]
+            for _, gpus in GPU_BUCKETS]
+    return render_table(rows, ["GPUs", *(label for _, label in SIZE_BUCKETS)])
+
+
+def report(fit: JointFit, plans: Sequence[MeasuredPlan]) -> str:
+    measured = np.array([p.measured_ms for p in plans])
+    predicted = np.array([p.predict_ms(fit.space.constants(p, fit.unit)) for p in plans])
+    by_size = leave_out(fit, plans, lambda i: (plans[i].data_set, size_of(plans[i])))
+    by_case = leave_out(fit, plans, lambda i: (plans[i].data_set, ci_data.test_case_of(plans[i].label)
+                                               if plans[i].data_set == "ci" else i))
+    rows = []
+    for data_set in dict.fromkeys(p.data_set for p in plans):
+        idx = [i for i, p in enumerate(plans) if p.data_set == data_set]
+        label = SOURCE_LABELS[data_set]
+        rows.append(stats_row(label, "calibration", predicted[idx], measured[idx]))
+        if data_set == "ci":
+            for name, pick in (("fitted", in_fit), ("local spec, not fitted", lambda p: not in_fit(p)),
+                               ("A100", lambda p: p.device.startswith("a100")), ("H100", lambda p: p.device == "h100-sxm"),
+                               ("deterministic", lambda p: p.run.training.deterministic),
+                               ("non-deterministic", lambda p: not p.run.training.deterministic)):
+                sub = [i for i in idx if pick(plans[i])]
+                rows.append(stats_row(f"  {name}", "calibration", predicted[sub], measured[sub]))
+            rows.append(stats_row(label, "leave-one-test-case-out", by_case[idx], measured[idx]))
+            for name in ("A100", "H100"):
+                sub = [i for i in idx if plans[i].label.endswith(f"({name})")]
+                rows.append(stats_row(f"  {name}", "leave-one-test-case-out", by_case[sub], measured[sub]))
+        elif len(idx) <= 10:
+            rows.append(stats_row(label, "leave-one-run-out", by_case[idx], measured[idx]))
+        rows.append(stats_row(label, "leave-one-model-size-out", by_size[idx], measured[idx]))
+    constants = [[fit.space.label(p), f"{fit.value(p):.6g}", f"[{low:g}, {high:g}]",
+                  "on its bound" if p in fit.on_bound() else ""] for p, (low, high) in fit.space.ranges.items()]
+    return "\n\n".join([
+        "fitted constants\n" + render_table(constants, ["constant (scope)", "fitted", "range", ""]),
+        "per set\n" + render_table(rows, HEADER),
+        "signed bias by scale, every run, calibration\n" + bias_by_scale(plans, predicted, measured),
+        "signed bias by scale, every run, leave-one-model-size-out\n" + bias_by_scale(plans, by_size, measured)])
+
+
+def write_files(fit: JointFit, plans: Sequence[MeasuredPlan], command: str, into_package: bool) -> list[Path]:
+    """Each fitted (device, stack) file, and the files :data:`DERIVED` from one, with the fitted constants."""
+    fitted: dict[tuple[str, str], MeasuredPlan] = {}
+    for p in plans:
+        fitted.setdefault((p.device, p.stack), p)
+    sets = ", ".join(f"{SOURCE_LABELS[s]} ({sum(p.data_set == s and in_fit(p) for p in plans)})"
+                     for s in dict.fromkeys(p.data_set for p in plans))
+    paths = []
+    for (device, stack), plan in fitted.items():
+        constants = fit.constants(plan)
+        own = sorted({SOURCE_LABELS[p.data_set] for p in plans if (p.device, p.stack) == (device, stack) and in_fit(p)})
+        source = (f"Joint fit of {sum(map(in_fit, plans))} published runs ({sets}; benchmarks/data, each set weighted equally) by "
+                  f"vtrain's fitter (bounded least squares on the log error, each constant inside its documented "
+                  f"range; host costs one value per software stack, device constants one per GPU, network "
+                  f"efficiency and GPU speed spread one for every cluster). Runs of this file fitted: "
+                  f"{', '.join(own) or 'none (the stack host costs and the GPU device constants of the fit)'}.")
+        paths.append(write_calibration(Calibration(device=device, software_stack=stack, source=source, command=command,
+                                                   constants=constants), into_package=into_package))
+        for (other, other_stack), (origin, why) in DERIVED.items():
+            if origin == (device, stack):
+                derived = (f"The constants of {device}/{stack}.json, from the same joint fit, not fitted on runs of "
+                           f"this GPU: {why}.")
+                paths.append(write_calibration(Calibration(device=other, software_stack=other_stack, source=derived,
+                                                           command=command, constants=constants),
+                                               into_package=into_package))
+    return paths
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("device", help="device preset, e.g. a100-sxm4-80gb")
-    parser.add_argument("stack", help="software stack, e.g. megatron_deepspeed_2023")
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_argument(parser)
-    parser.add_argument("--into-package", action="store_true",
-                        help="write into the package's calibration folder instead of the user's")
-    parser.add_argument("--max-evals", type=int, default=2500, help="objective evaluations of the search")
+    parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated sets to fit (default: all: {','.join(SETS)})")
+    parser.add_argument("--into-package", action="store_true", help="write into the package's calibration folder")
     parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
-    parser.add_argument("--no-loo", action="store_true", help="skip the leave-one-out refits")
+    parser.add_argument("--max-evals", type=int, default=None, help="bound on the fitter's evaluations")
     args = parser.parse_args()
-    dataset = DATASETS.get((args.device, args.stack))
-    if dataset is None:
-        parser.error(f"no measured data for ({args.device}, {args.stack}); have: "
-                     f"{', '.join(f'{d} {s}' for d, s in DATASETS)}")
-
-    base, fitted = dataset.start(), dataset.fitted
     start = time.perf_counter()
-    runs = dataset.read_runs(args.data)
-    prepared = prepare_runs(runs)
-    print(f"traced and prepared {len(runs)} runs in {time.perf_counter() - start:.1f} s")
-    fit_start = time.perf_counter()
-    constants, error = fit(prepared, base, max_evals=args.max_evals, fitted=fitted, log=print)
-    print(f"fit in {time.perf_counter() - fit_start:.1f} s, mean absolute log error {error:.4f}")
-
-    rows = [[name, f"{getattr(base, name):.4g}", f"{getattr(constants, name):.4g}",
-             f"[{fitted[name][0]:g}, {fitted[name][1]:g}]", f"[{CONSTANT_RANGES[name][0]:g}, {CONSTANT_RANGES[name][1]:g}]"]
-            for name in fitted]
-    print(render_table(rows, ["constant", "start", "fitted", "searched", "plausible"]))
-    predicted = predict_all(prepared, constants)
-    for source in dict.fromkeys(r.source for r in runs):
-        idx = [i for i, r in enumerate(runs) if r.source == source]
-        s = error_stats(predicted[idx], [runs[i].measured_ms for i in idx])
-        print(f"{SOURCE_LABELS[source]}: MAPE {s.mape:.2f}%  median {s.median:.2f}%  p90 {s.p90:.2f}%  "
-              f"bias {s.bias:+.2f}%")
-    if not args.no_loo:
-        print_leave_one_out(prepared, dataset, base, args.max_evals)
+    runs = [run for name in args.sets.split(",") for run in SETS[name](args.data)]
+    plans = measured_plans(runs)
+    print(f"traced and prepared {len(plans)} runs in {time.perf_counter() - start:.0f} s")
+    space = JointSpace(plans, FITTED, fixed=FIXED, scope=scope)
+    fit = fit_constants([p for p in plans if in_fit(p)], FITTED, space=space, max_nfev=args.max_evals, verbose=2)
+    print(f"fitted {len(space.params)} constants in {time.perf_counter() - start:.0f} s\n")
+    print(report(fit, plans))
     if not args.dry_run:
-        names = [n for n in CONSTANT_RANGES if n not in OPTIONAL_CONSTANTS or getattr(constants, n) != OPTIONAL_CONSTANTS[n]]
-        values = {name: round(float(getattr(constants, name)), 6) for name in names}
-        calibration = Calibration(device=args.device, software_stack=args.stack, source=dataset.source,
-                                  command=f".venv/bin/python -m benchmarks.accuracy.calibrate {args.device} {args.stack}",
-                                  constants=DeviceConstants(**values))
-        path = write_calibration(calibration, into_package=args.into_package)
-        print(f"wrote {len(values)} constants to {path}")
-    print(f"total {time.perf_counter() - start:.1f} s")
+        command = ".venv/bin/python -m benchmarks.accuracy.calibrate --into-package"
+        for path in write_files(fit, plans, command, args.into_package):
+            print(f"wrote {path}")
+    print(f"total {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -9,20 +9,13 @@ signed bias of every A100 run (vTrain and SC'21) by scale, GPUs against paramete
 three sets of very different sizes, and a bias that grows with scale is what a joint fit hides in
 its pooled figures. Predicted-vs-measured plots (matplotlib) for the vTrain and the SC'21 runs.
 
-Then the refits, each starting from the documented typical values as ``calibrate.py`` does: a
-leave-one-group-out cross-validation of the vTrain runs (the constants refitted without one hidden
-size, or one TP size, and the SC'21 runs; the left-out runs predicted; pooled over the folds, the
-honest proxy for held-out runs), leave-one-out of the SC'21 runs (refitted on every vTrain run and
-the nine other SC'21 runs), and the H100 section: the four published NeMo H100 runs predicted with
-the shipped h100-sxm megatron_core_te constants (calibration) and leave-one-out (three H100 constants
-refitted without each run), with a plot of its own. Last, one summary table: A100 single- and
-multi-node (calibration and each cross-validation), SC'21 (calibration and leave-one-out), H100
-(calibration and leave-one-out), each with MAPE, median, p90 and bias.
+Then the H100 (NeMo 24.07), B200 (NeMo 25.02) and Megatron-LM functional-test sets with their
+shipped constants, per run for the small sets, per GPU and deterministic or not for the functional
+tests. The refits that judge held-out error (leave one test case, model size or run out) are the
+joint calibration's own report: ``python -m benchmarks.accuracy.calibrate --dry-run``.
 
-Run with ``.venv/bin/python -m benchmarks.accuracy.published_runs`` (about 20 minutes on two cores: each refit is
-``--cv-evals`` evaluations of about 0.1 s, and the ten SC'21 refits add some 13 minutes to the
-earlier 6; ``--no-cv``: no refit, under two minutes, most of it tracing the 180 A100 runs, seconds
-once the trace cache holds them).
+Run with ``.venv/bin/python -m benchmarks.accuracy.published_runs`` (a few minutes on two cores, most of
+it tracing; seconds once the trace cache holds the runs).
 """
 
 from __future__ import annotations
@@ -36,11 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.accuracy.a100_data import (FITTED, START, MeasuredRun, PreparedRun, add_data_argument, error_stats, fit,
-                       grouped, predict_all, prepare_runs, read_runs)
+from benchmarks.accuracy.a100_data import (MeasuredRun, PreparedRun, add_data_argument, error_stats, grouped,
+                                           predict_all, prepare_runs, read_runs)
 
-from benchmarks.accuracy import h100_data, sc21_data
-from benchmarks.accuracy.calibrate import leave_one_out
+from benchmarks.accuracy import b200_data, ci_data, h100_data, sc21_data
 
 from vtrain_plugin.hardware.calibration import calibration_for
 from vtrain_plugin.estimate import estimate
@@ -76,53 +68,30 @@ def accuracy_tables(runs: Sequence[MeasuredRun], predicted: np.ndarray) -> str:
     return "\n\n".join(out)
 
 
-def cross_validate(prepared: Sequence[PreparedRun], key: str, max_evals: int,
-                   always: Sequence[PreparedRun] = ()) -> tuple[np.ndarray, list[list[str]]]:
-    """Leave one value of ``key`` out at a time: refit on the rest and on ``always`` (the runs of
-    the joint calibration that are not cross-validated by ``key``), predict it."""
-    runs = [p.measured for p in prepared]
-    predicted = np.full(len(runs), np.nan)
-    rows = []
-    for value, members in grouped(runs, lambda r: r.group(key)).items():
-        held = set(members)
-        train = [p for i, p in enumerate(prepared) if i not in held] + list(always)
-        start = time.perf_counter()
-        constants, _ = fit(train, START, max_evals=max_evals)
-        test = [prepared[i] for i in members]
-        predicted[members] = predict_all(test, constants)
-        measured = np.array([runs[i].measured_ms for i in members])
-        s = error_stats(predicted[members], measured)
-        rows.append([f"{key} {value} left out", str(s.count), f"{s.mape:.2f}", f"{s.median:.2f}", f"{s.p90:.2f}",
-                     f"{s.bias:+.2f}", f"{time.perf_counter() - start:.0f} s"])
-    return predicted, rows
-
-
-def h100_predictions(data: Path, max_evals: int) -> tuple[list[MeasuredRun], np.ndarray, np.ndarray]:
-    """The published H100 runs, their estimates with the shipped constants and their leave-one-out
-    estimates (the three H100 constants refitted without the run)."""
-    runs = h100_data.read_runs(data)
-    prepared = prepare_runs(runs)
-    predicted = predict_all(prepared, calibration_for("h100-sxm", "megatron_core_te").constants)
-    loo = np.array([p for _, p, _ in leave_one_out(prepared, h100_data.start_constants(), h100_data.FITTED_H100,
-                                                   max_evals)])
-    return runs, predicted, loo
-
-
-def h100_tables(runs: Sequence[MeasuredRun], predicted: np.ndarray, loo: np.ndarray) -> str:
-    """Per published H100 run and pooled: the shipped constants' error and the leave-one-out error."""
+def per_run_tables(title: str, runs: Sequence[MeasuredRun], predicted: np.ndarray) -> str:
+    """Per run of a small set (H100, B200) and pooled: the shipped constants' error."""
     measured = np.array([r.measured_ms for r in runs])
-    per_run = [[r.run.model.name, f"{m:,.1f}", f"{p:,.1f}", f"{100 * (p - m) / m:+.1f}", f"{q:,.1f}",
-                f"{100 * (q - m) / m:+.1f}"] for r, m, p, q in zip(runs, measured, predicted, loo)]
-    pooled = [stats_row("calibration", predicted, measured), stats_row("leave-one-out", loo, measured)]
-    return (f"H100 runs (NeMo 24.07, FP8, megatron_core_te)\n"
-            f"{render_table(per_run, ['run', 'measured ms', 'calibrated ms', 'error %', 'left out ms', 'error %'])}"
-            f"\n\n{render_table(pooled, HEADER)}")
+    per_run = [[r.name, f"{m:,.1f}", f"{p:,.1f}", f"{100 * (p - m) / m:+.1f}"] for r, m, p in zip(runs, measured, predicted)]
+    return (f"{title}\n{render_table(per_run, ['run', 'measured ms', 'predicted ms', 'error %'])}\n\n"
+            f"{render_table([stats_row('calibration', predicted, measured)], HEADER)}")
 
 
-def sc21_leave_one_out(prepared: Sequence[PreparedRun], sc21: Sequence[PreparedRun], max_evals: int) -> np.ndarray:
-    """Each SC'21 run predicted by constants refitted on every vTrain run and the other SC'21 runs."""
-    loo = leave_one_out([*prepared, *sc21], START, FITTED, max_evals, range(len(prepared), len(prepared) + len(sc21)))
-    return np.array([p for _, p, _ in loo])
+def ci_tables(runs: Sequence[MeasuredRun], prepared: Sequence[PreparedRun], predicted: np.ndarray) -> str:
+    """The functional-test runs pooled, per GPU and deterministic or not."""
+    measured = np.array([r.measured_ms for r in runs])
+    groups = {"all": range(len(runs))}
+    for gpu in ("A100", "H100"):
+        groups[gpu] = [i for i, r in enumerate(runs) if r.name.endswith(f"({gpu})")]
+    groups["deterministic"] = [i for i, p in enumerate(prepared) if p.run.training.deterministic]
+    groups["non-deterministic"] = [i for i, p in enumerate(prepared) if not p.run.training.deterministic]
+    rows = [stats_row(name, predicted[list(idx)], measured[list(idx)]) for name, idx in groups.items()]
+    return f"Megatron-LM functional-test runs (megatron_core_te and local)\n{render_table(rows, HEADER)}"
+
+
+def shipped_predictions(prepared: Sequence[PreparedRun]) -> np.ndarray:
+    """Each run with the calibration ``vtrain estimate`` reads for its GPU and stack."""
+    return np.array([p.predict_ms(calibration_for(p.run.cluster.gpu, p.prepared.stack.value).constants)
+                     for p in prepared])
 
 
 def sc21_tables(runs: Sequence[MeasuredRun], predicted: np.ndarray, loo: np.ndarray | None) -> str:
@@ -238,12 +207,9 @@ def main() -> None:
     results = Path(__file__).resolve().parents[1] / "results"
     parser.add_argument("--plot", type=Path, default=results / "a100_accuracy.png", help="A100 predicted-vs-measured PNG")
     parser.add_argument("--sc21-plot", type=Path, default=results / "sc21_accuracy.png",
-                        help="SC'21 predicted-vs-measured PNG (calibration, and leave-one-out unless --no-cv)")
+                        help="SC'21 predicted-vs-measured PNG")
     parser.add_argument("--h100-plot", type=Path, default=results / "h100_accuracy.png",
-                        help="H100 predicted-vs-measured PNG (calibration and leave-one-out)")
-    parser.add_argument("--no-cv", action="store_true",
-                        help="skip every refit: the cross-validations, the SC'21 and the H100 leave-one-out")
-    parser.add_argument("--cv-evals", type=int, default=800, help="objective evaluations per refit")
+                        help="H100, B200 and functional tests predicted-vs-measured PNG")
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -255,8 +221,7 @@ def main() -> None:
     print(f"estimated {len(runs) + len(sc21_runs)} runs in {time.perf_counter() - start:.1f} s (tracing included)\n")
     print(accuracy_tables(runs, predicted))
     print()
-    sc21_loo = None if args.no_cv else sc21_leave_one_out(prepared, sc21_prepared, args.cv_evals)
-    print(sc21_tables(sc21_runs, sc21_predicted, sc21_loo))
+    print(sc21_tables(sc21_runs, sc21_predicted, None))
     print()
     print(bias_by_scale([*prepared, *sc21_prepared], np.concatenate([predicted, sc21_predicted])))
     print()
@@ -266,36 +231,33 @@ def main() -> None:
     print()
     plot(a100_series(runs, predicted), "vtrain on A100 (calibration runs)", args.plot)
     sc21_measured = np.array([r.measured_ms for r in sc21_runs])
-    plot([("calibration", "o", sc21_measured, sc21_predicted)]
-         + ([] if sc21_loo is None else [("leave-one-out", "^", sc21_measured, sc21_loo)]),
-         "vtrain on A100 (SC'21 runs)", args.sc21_plot)
+    plot([("calibration", "o", sc21_measured, sc21_predicted)], "vtrain on A100 (SC'21 runs)", args.sc21_plot)
     measured = np.array([r.measured_ms for r in runs])
-    sources = {source: [i for i, r in enumerate(runs) if r.source == source] for source in ("single", "multi")}
     summary = [[f"A100 {source}-node", *stats_row("calibration", predicted[idx], measured[idx])]
-               for source, idx in sources.items()]
-    sc21_summary = [["A100 SC'21", *stats_row("calibration", sc21_predicted, sc21_measured)]]
-    if args.no_cv:
-        print(f"\nsummary\n{render_table(summary + sc21_summary, SUMMARY_HEADER)}")
-        return
-    sc21_summary.append(["A100 SC'21", *stats_row("leave-one-out", sc21_loo, sc21_measured)])
-    h100_runs, h100_predicted, h100_loo = h100_predictions(args.data, args.cv_evals)
-    print(h100_tables(h100_runs, h100_predicted, h100_loo))
-    h100_measured = np.array([r.measured_ms for r in h100_runs])
-    plot([("calibration", "o", h100_measured, h100_predicted), ("leave-one-out", "^", h100_measured, h100_loo)],
-         "vtrain on H100 (NeMo 24.07 runs)", args.h100_plot)
-    for key in ("hidden", "tp"):
-        cv_start = time.perf_counter()
-        cv, rows = cross_validate(prepared, key, args.cv_evals, always=sc21_prepared)
-        for source, idx in sources.items():
-            rows.append([f"pooled, {source}-node", *stats_row("", cv[idx], measured[idx])[1:], ""])
-            summary.append([f"A100 {source}-node", *stats_row(f"leave-one-{key}-out", cv[idx], measured[idx])])
-        print(f"\nleave-one-{key}-out cross-validation, SC'21 runs always fitted ({time.perf_counter() - cv_start:.0f} s)")
-        print(render_table(rows, [*HEADER, "fit"]))
-    summary.sort(key=lambda row: row[0] != "A100 single-node")
-    summary += sc21_summary
-    summary += [["H100", *stats_row("calibration", h100_predicted, h100_measured)],
-                ["H100", *stats_row("leave-one-out", h100_loo, h100_measured)]]
-    print(f"\nsummary\n{render_table(summary, SUMMARY_HEADER)}")
+               for source, idx in ((s, [i for i, r in enumerate(runs) if r.source == s]) for s in ("single", "multi"))]
+    summary.append(["A100 SC'21", *stats_row("calibration", sc21_predicted, sc21_measured)])
+    series = []
+    for title, reader, marker in (("H100 runs (NeMo 24.07, FP8, megatron_core_te)", h100_data.read_runs, "o"),
+                                  ("B200 runs (NeMo 25.02, FP8, megatron_core_te)", b200_data.read_runs, "s")):
+        small = reader(args.data)
+        small_prepared = prepare_runs(small)
+        small_predicted = shipped_predictions(small_prepared)
+        check_fast_path(small, small_predicted)
+        print(per_run_tables(title, small, small_predicted))
+        print()
+        small_measured = np.array([r.measured_ms for r in small])
+        summary.append([title.split(" (")[0], *stats_row("calibration", small_predicted, small_measured)])
+        series.append((title.split(" (")[0], marker, small_measured, small_predicted))
+    ci = ci_data.read_runs(args.data)
+    ci_prepared = prepare_runs(ci)
+    ci_predicted = shipped_predictions(ci_prepared)
+    print(ci_tables(ci, ci_prepared, ci_predicted))
+    ci_measured = np.array([r.measured_ms for r in ci])
+    summary.append(["functional tests", *stats_row("calibration", ci_predicted, ci_measured)])
+    series.append(("functional tests", "^", ci_measured, ci_predicted))
+    plot(series, "vtrain on today's stack (H100, B200, functional tests)", args.h100_plot)
+    print(f"\nsummary (held-out figures: python -m benchmarks.accuracy.calibrate --dry-run)\n"
+          f"{render_table(summary, SUMMARY_HEADER)}")
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 

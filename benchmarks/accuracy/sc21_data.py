@@ -65,7 +65,8 @@ def plan_mapping(row: dict[str, str]) -> dict[str, Any]:
 
 def read_runs(data_dir: Path = DEFAULT_DATA_DIR) -> list[MeasuredRun]:
     with open(data_dir / SC21_CSV, newline="") as f:
-        return [MeasuredRun(source="sc21", config=plan_mapping(row), measured_ms=1000.0 * float(row["iteration_time_s"]))
+        return [MeasuredRun(source="sc21", config=plan_mapping(row), measured_ms=1000.0 * float(row["iteration_time_s"]),
+                            name=row["model"])
                 for row in csv.DictReader(f)]
 
 

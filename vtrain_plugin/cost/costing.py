@@ -12,9 +12,11 @@ when that is not modelled), blocking with their whole time or, when they run bes
 and all-gather buckets), pipeline transfers and the tied-embedding synchronisation.
 Each task (a forward, a recompute, a backward of one micro-batch on one chunk) starts with the
 pipeline empty, as after Megatron's synchronisation around pipeline transfers, and each forward also
-pays ``microbatch_overhead_ns`` of host work outside the model. Under CUDA graphs the captured
+pays ``microbatch_overhead_ns`` of host work outside the model, and each pipeline rank's optimizer
+step ``iteration_overhead_ns`` (the loop's host work and synchronisations, once per iteration). Under CUDA graphs the captured
 kernels cost the host one graph launch per region (:mod:`vtrain_plugin.cost.cuda_graphs`). Host time is spent per kernel
-(the timer's), per module call and per layer (:func:`vtrain_plugin.cost.prepare.host_calls`). Activation offloading (:mod:`vtrain_plugin.cost.activation_offload`) adds, per layer and phase, the
+(the timer's), per module call and per layer (:func:`vtrain_plugin.cost.prepare.host_calls`), every
+host cost times the node's ``host_time_factor``. Activation offloading (:mod:`vtrain_plugin.cost.activation_offload`) adds, per layer and phase, the
 host-link copy time its compute cannot hide. Activation checkpointing recomputes
 each layer right before its backward, so one layer's recompute and backward form one pipelined unit;
 the task's time is split between the two in proportion to their stand-alone times for the breakdown.
@@ -76,7 +78,8 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
                           f"the training spec says {training.shards_optimizer}")
     provenance = Provenance()
     chunks: list[ChunkWork] = []
-    optimizer = [0.0] * pp
+    # once per rank, every chunk's step after it
+    optimizer = [timer.constants.iteration_overhead_ns * timer.constants.host_time_factor] * pp
     embedding_sync_ns = 0.0
     placements = comm.rank_signatures()
     costed: dict[tuple, StageCost] = {}  # stages of one role whose ranks time every collective alike
@@ -140,7 +143,9 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     rank = stage.pipeline_rank
     constants = timer.constants
     device, host = timer.times_ns(role.kernels, role.measured_ns)
-    host += constants.module_host_overhead_ns * role.module_calls + constants.layer_host_overhead_ns * role.layer_calls
+    slow = constants.host_time_factor  # every host cost below runs on the node's CPU
+    host += slow * (constants.module_host_overhead_ns * role.module_calls
+                    + constants.layer_host_overhead_ns * role.layer_calls)
     is_comm = np.zeros(len(device), bool)
     is_cp = np.zeros(len(device), bool)
     is_ep = np.zeros(len(device), bool)
@@ -151,8 +156,8 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         # CP and MoE partners exist only where they overlap; TP ones with TE's userbuffers.
         overlapped = c.partner >= 0 and (on_cp or node.group in MOE_GROUPS or training.tp_comm_overlap)
         device[c.row] = exposed_ns(comm_ns, device[c.partner]) if overlapped else comm_ns
-        host[c.row] = constants.collective_host_overhead_ns or (
-            constants.backward_host_overhead_ns if node.phase is Phase.BACKWARD else constants.host_overhead_ns)
+        host[c.row] = slow * (constants.collective_host_overhead_ns or (
+            constants.backward_host_overhead_ns if node.phase is Phase.BACKWARD else constants.host_overhead_ns))
         is_comm[c.row] = True
         is_cp[c.row] = on_cp
         is_ep[c.row] = node.group in MOE_GROUPS
@@ -160,7 +165,7 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         modules = [n.module if n is not None else "" for n in role.nodes]
         for c in role.comm_rows:
             modules[c.row] = c.node.module
-        host = graphed_host_ns(host, modules, role.segments, stage.blocks, training, constants.host_overhead_ns)
+        host = graphed_host_ns(host, modules, role.segments, stage.blocks, training, slow * constants.host_overhead_ns)
     if timer.device.host_runs_kernels:  # a CPU issues and runs each op: no overlap to model
         device, host = device + host, np.zeros_like(host)
     segments = role.segments
@@ -196,7 +201,7 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         cp[s.phase] += s.count * cp_comm[i]
         ep[s.phase] += s.count * ep_comm[i]
 
-    forward_total = totals[Phase.FORWARD] + constants.microbatch_overhead_ns
+    forward_total = totals[Phase.FORWARD] + slow * constants.microbatch_overhead_ns
     backward_total = totals[Phase.BACKWARD]
     ep_forward, ep_backward = ep[Phase.FORWARD], ep[Phase.BACKWARD] + ep[Phase.RECOMPUTE]
     if ep_overlap is not None and ep_forward + ep_backward > 0:

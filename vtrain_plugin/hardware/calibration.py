@@ -14,9 +14,9 @@ the package.
 The device constants (:class:`DeviceConstants`) and their physically plausible ranges. A
 calibration is a bounded fit inside these ranges (not clipped afterwards); a file whose constant
 lies outside its range is refused. Host time is modelled the way the CPU spends it: per launched
-kernel, per module call, per transformer layer and per micro-batch, each its own constant, so that
-constants fitted on one model, GPU or scale carry over to another (host costs are software costs:
-they do not change with the GPU).
+kernel, per module call, per transformer layer, per micro-batch and per iteration, each its own
+constant, so that constants fitted on one model, GPU or scale carry over to another (host costs are
+software costs: they do not change with the GPU, only with the node's CPU, ``host_time_factor``).
 
 Software constants (:data:`SOFTWARE_CONSTANTS`: every host cost) belong to the software stack: the
 package's files of one stack state the same values on every GPU (a test holds them to it), so that
@@ -69,6 +69,23 @@ Optional constants (a file may leave them out; then the neutral value below appl
 - ``microbatch_overhead_ns`` in [100000, 5000000], neutral 0: host time each pipeline stage spends
   per micro-batch outside the model's ops (the schedule's Python, fetching and broadcasting the
   batch to the tensor-parallel ranks, the synchronisation after each pipeline transfer): 0.1-5 ms.
+- ``iteration_overhead_ns`` in [500000, 50000000], neutral 0: host time each pipeline rank spends once
+  per iteration outside the model's ops and their micro-batches, with the device drained: the
+  training loop's Python (``train_step``, ``finalize_model_grads``, the optimizer step's loops over
+  parameter groups, the learning-rate scheduler, the per-step log) and its host synchronisations,
+  each of which empties the launch queue so the host work after it hides behind no kernel: the
+  gradient-norm and found-inf ``.item()`` s after their all-reduces, the loss reduction read for the
+  log, and the interval timer's barrier with ``torch.cuda.synchronize``. Our own estimate, not
+  validated on any GPU: 5-20 host synchronisations at 20-200 us each (a drained queue restarts at a
+  kernel launch's latency plus the host's reaction) and 0.5-40 ms of Python in the loop and the
+  optimizer's per-parameter loops (5-30 us per parameter tensor, hundreds of tensors per rank).
+- ``host_time_factor`` in [1.0, 1.6], neutral 1.0: how much longer the CPU of this GPU's usual node
+  takes for the same host work than the node the stack's host costs stand for (a DGX H100's Xeon
+  Platinum 8480C, Sapphire Rapids, 3.8 GHz boost): every host cost above is multiplied by it on this
+  device. Python and the CUDA driver's launch path run on one core, so the ratio is that of single-
+  thread speed: a DGX A100's EPYC 7742 (Zen 2, 3.4 GHz boost, 2019) trails a 2023 core by its clock
+  (3.4 vs 3.8 GHz) and four years of per-clock gains, 1.1-1.5x together; 1.6 leaves room for
+  memory latency. Our own estimate from clocks and generations, not validated on any GPU.
 - ``network_efficiency`` in [0.7, 0.95], neutral 1.0: the fraction of a node's nominal network
   bandwidth NCCL reaches between nodes (protocol overhead, PCIe between GPU and NIC, congestion);
   nccl-tests on InfiniBand HDR / NDR report 70-95% of line rate for large all-reduce buses.
@@ -117,13 +134,16 @@ CONSTANT_RANGES: dict[str, tuple[float, float]] = {
     "layer_host_overhead_ns": (10000.0, 1_000_000.0),
     "collective_host_overhead_ns": (5000.0, 100000.0),
     "microbatch_overhead_ns": (100_000.0, 5_000_000.0),
+    "iteration_overhead_ns": (500_000.0, 50_000_000.0),
+    "host_time_factor": (1.0, 1.6),
     "network_efficiency": (0.7, 0.95),
     "attention_efficiency": (0.3, 0.9),
     "gpu_speed_spread": (0.003, 0.03),
 }
 # Host costs: properties of the CPU and the software stack, the same for a stack on every GPU.
 SOFTWARE_CONSTANTS = ("host_overhead_ns", "backward_host_overhead_ns", "module_host_overhead_ns",
-                      "layer_host_overhead_ns", "collective_host_overhead_ns", "microbatch_overhead_ns")
+                      "layer_host_overhead_ns", "collective_host_overhead_ns", "microbatch_overhead_ns",
+                      "iteration_overhead_ns")
 # Constants a file may omit; missing ones take these neutral values ("not modelled"), exempt from the ranges.
 OPTIONAL_CONSTANTS: dict[str, float] = {
     "backward_host_overhead_ns": 1000.0,
@@ -131,6 +151,8 @@ OPTIONAL_CONSTANTS: dict[str, float] = {
     "layer_host_overhead_ns": 0.0,
     "collective_host_overhead_ns": 0.0,
     "microbatch_overhead_ns": 0.0,
+    "iteration_overhead_ns": 0.0,
+    "host_time_factor": 1.0,
     "network_efficiency": 1.0,
     "attention_efficiency": 0.0,
     "gpu_speed_spread": 0.0,
@@ -150,6 +172,8 @@ class DeviceConstants:
     layer_host_overhead_ns: float = OPTIONAL_CONSTANTS["layer_host_overhead_ns"]
     collective_host_overhead_ns: float = OPTIONAL_CONSTANTS["collective_host_overhead_ns"]
     microbatch_overhead_ns: float = OPTIONAL_CONSTANTS["microbatch_overhead_ns"]
+    iteration_overhead_ns: float = OPTIONAL_CONSTANTS["iteration_overhead_ns"]
+    host_time_factor: float = OPTIONAL_CONSTANTS["host_time_factor"]
     network_efficiency: float = OPTIONAL_CONSTANTS["network_efficiency"]
     attention_efficiency: float = OPTIONAL_CONSTANTS["attention_efficiency"]
     gpu_speed_spread: float = OPTIONAL_CONSTANTS["gpu_speed_spread"]
@@ -254,6 +278,19 @@ def _read(path: str, device: str, stack: str) -> Calibration:
     return Calibration(device=device, software_stack=stack, source=data["source"], command=data["command"],
                        constants=constants, path=path,
                        provenance=None if provenance is None else dict(v.mapping(f"{where} provenance", provenance)))
+
+
+def constant_range(name: str, device: str) -> tuple[float, float]:
+    """The range a calibration of ``device`` (a preset name) searches ``name`` in: its documented
+    range (:data:`CONSTANT_RANGES`), the GEMM efficiency's top lowered to the device's measured
+    ceiling."""
+    if name not in CONSTANT_RANGES:
+        raise ConfigError(f"device constant {name!r} is unknown; choose from {', '.join(CONSTANT_RANGES)}")
+    low, high = CONSTANT_RANGES[name]
+    ceiling = get_device(device).gemm_ceiling
+    if name == "gemm_efficiency" and ceiling is not None:
+        high = min(high, ceiling)
+    return low, high
 
 
 def check_gemm_ceiling(constants: DeviceConstants, device: str, *, where: str) -> None:

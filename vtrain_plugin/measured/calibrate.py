@@ -12,13 +12,20 @@ the plans use now. A fit the runs cannot identify (:mod:`~vtrain_plugin.measured
 refused. Leave-one-out refits without each plan in turn, where the others still identify the
 constants, and predicts it. Predictions use the analytical kernel model (no profile database): it
 is the model the calibration file feeds.
+
+:func:`fit_constants` is the fit itself, also over plans of several devices and software stacks at
+once (the shipped calibration files: ``benchmarks/accuracy/calibrate.py``): a host cost
+(:data:`~vtrain_plugin.hardware.calibration.SOFTWARE_CONSTANTS`) is one parameter per software
+stack, any other constant one per device, each searched in
+:func:`~vtrain_plugin.hardware.calibration.constant_range`; plans carry a data set's name, and each
+set weighs the same (its residuals scaled by one over the root of its size).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -31,7 +38,8 @@ from vtrain_plugin.cost.prepare import PreparedGraph, prepare_run
 from vtrain_plugin.estimate import estimate, predict
 from vtrain_plugin.measured.compare_run import DEFAULT_WARMUP_ITERATIONS, compare_run
 from vtrain_plugin.measured.identify import check_identifiable, informed, unidentifiable
-from vtrain_plugin.hardware.calibration import CONSTANT_RANGES, Calibration, DeviceConstants, calibration_for
+from vtrain_plugin.hardware.calibration import (CONSTANT_RANGES, SOFTWARE_CONSTANTS, Calibration, DeviceConstants,
+                                                calibration_for, constant_range)
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.specs.run import RunConfig
 
@@ -118,52 +126,152 @@ def _mean_abs(errors: Sequence[float | None]) -> float:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class _Prepared:
+class MeasuredPlan:
+    """A prepared plan with its measured iteration time: what :func:`fit_constants` fits."""
+
     label: str
     run: RunConfig
     prepared: PreparedGraph
     measured_ms: float
-    logs: tuple[str, ...]
+    device: str  # preset name
+    stack: str  # software stack value
+    base: DeviceConstants  # the constants it is predicted with where not fitted
+    data_set: str = ""  # each data set weighs the same in a fit
+    logs: tuple[str, ...] = ()
 
     def predict_ms(self, constants: DeviceConstants) -> float:
         _, result = predict(self.prepared, cluster=self.run.cluster, training=self.run.training, constants=constants)
         return float(result.iteration_ns / NS_PER_MS)
 
 
-class _Space:
-    """The fitted constants as a point of the unit cube (log scale for the times in ns)."""
+def measured_plan(label: str, run: RunConfig, measured_ms: float, *, data_set: str = "",
+                  logs: tuple[str, ...] = ()) -> MeasuredPlan:
+    """``run`` traced and prepared as ``vtrain estimate`` prepares it, with the calibration it uses now."""
+    device = get_device(run.cluster.gpu)
+    stack = run.training.stack_for(run.model, device.architecture, run.parallel)
+    graph = prepare_run(trace(run.model, run.parallel), stack, run.training)
+    return MeasuredPlan(label=label, run=run, prepared=graph, measured_ms=measured_ms, device=device.name,
+                        stack=stack.value, base=calibration_for(device.name, stack).constants, data_set=data_set,
+                        logs=logs)
 
-    def __init__(self, base: DeviceConstants, names: Sequence[str], ranges: dict[str, tuple[float, float]]) -> None:
-        self.base, self.names, self.ranges = base, tuple(names), ranges
 
-    def constants(self, unit: np.ndarray) -> DeviceConstants:
-        values = {}
-        for name, u in zip(self.names, unit):
-            low, high = self.ranges[name]
-            u = min(max(float(u), 0.0), 1.0)
-            value = low * (high / low) ** u if name.endswith("_ns") else low + u * (high - low)
-            values[name] = min(max(value, low), high)  # exactly inside despite rounding
-        values.update({TIED[n]: values[n] for n in self.names if n in TIED})
-        return replace(self.base, **values)
+def scope_of(name: str, plan: MeasuredPlan) -> str:
+    """What one fitted value of ``name`` is shared by: its software stack for a host cost, else its device."""
+    return plan.stack if name in SOFTWARE_CONSTANTS else plan.device
 
-    def unit(self, constants: DeviceConstants) -> np.ndarray:
-        out = []
-        for name in self.names:
-            low, high = self.ranges[name]
-            value = min(max(getattr(constants, name), low), high)
-            out.append(math.log(value / low) / math.log(high / low) if name.endswith("_ns")
-                       else (value - low) / (high - low))
-        return np.array(out)
 
-    def effects(self, plans: Sequence[_Prepared], at: np.ndarray) -> np.ndarray:
-        """Per plan and constant: log(time at the top of its range / time at the bottom), others at ``at``."""
-        out = np.zeros((len(plans), len(self.names)))
-        for j in range(len(self.names)):
+class JointSpace:
+    """The fitted parameters ((constant, scope) pairs) as a point of the unit cube (log scale for the
+    times in ns), each inside its range."""
+
+    def __init__(self, plans: Sequence[MeasuredPlan], names: Sequence[str],
+                 fixed: Collection[tuple[str, str]] = (),
+                 scope: Callable[[str, MeasuredPlan], str] = scope_of) -> None:
+        """``fixed``: (constant, scope) pairs of ``names`` left at each plan's own value; ``scope``: what
+        one value of a constant is shared by (:func:`scope_of` by default)."""
+        self.names, self.scope = tuple(names), scope
+        params: dict[tuple[str, str], tuple[float, float]] = {}
+        for plan in plans:
+            for name in self.names:
+                if (name, scope(name, plan)) not in fixed:
+                    params.setdefault((name, scope(name, plan)), constant_range(name, plan.device))
+        self.params = tuple(params)
+        self.ranges = params
+        self.index = {p: i for i, p in enumerate(self.params)}
+
+    def value(self, param: tuple[str, str], u: float) -> float:
+        low, high = self.ranges[param]
+        u = min(max(float(u), 0.0), 1.0)
+        value = low * (high / low) ** u if param[0].endswith("_ns") else low + u * (high - low)
+        return min(max(value, low), high)  # exactly inside despite rounding
+
+    def to_unit(self, param: tuple[str, str], value: float) -> float:
+        low, high = self.ranges[param]
+        value = min(max(value, low), high)
+        return math.log(value / low) / math.log(high / low) if param[0].endswith("_ns") else (value - low) / (high - low)
+
+    def constants(self, plan: MeasuredPlan, unit: np.ndarray) -> DeviceConstants:
+        params = [(n, self.scope(n, plan)) for n in self.names]
+        values = {p[0]: self.value(p, unit[self.index[p]]) for p in params if p in self.index}
+        values.update({TIED[n]: values[n] for n in values if n in TIED})
+        return replace(plan.base, **values)
+
+    def start(self, plans: Sequence[MeasuredPlan]) -> np.ndarray:
+        """The unit point of the plans' own constants (the first plan of each scope's)."""
+        unit = np.zeros(len(self.params))
+        for plan in reversed(plans):
+            for n in self.names:
+                param = (n, self.scope(n, plan))
+                if param in self.index:
+                    unit[self.index[param]] = self.to_unit(param, getattr(plan.base, n))
+        return unit
+
+    def label(self, param: tuple[str, str]) -> str:
+        return f"{param[0]} ({param[1]})"
+
+    def effects(self, plans: Sequence[MeasuredPlan], at: np.ndarray) -> np.ndarray:
+        """Per plan and parameter: log(time at the top of its range / time at the bottom), others at ``at``."""
+        out = np.zeros((len(plans), len(self.params)))
+        for j in range(len(self.params)):
             low, high = at.copy(), at.copy()
             low[j], high[j] = 0.0, 1.0
-            lo_c, hi_c = self.constants(low), self.constants(high)
-            out[:, j] = [math.log(p.predict_ms(hi_c) / p.predict_ms(lo_c)) for p in plans]
+            out[:, j] = [math.log(p.predict_ms(self.constants(p, high)) / p.predict_ms(self.constants(p, low)))
+                         for p in plans]
         return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JointFit:
+    """The result of :func:`fit_constants`: the fitted point, and per plan its log residual and its
+    response to each parameter there (the Jacobian, for linearised refits)."""
+
+    space: JointSpace
+    unit: np.ndarray
+    residuals: np.ndarray  # log(predicted / measured) per plan
+    jacobian: np.ndarray  # d residual / d unit, plans x parameters
+    weights: np.ndarray  # per plan
+
+    def value(self, param: tuple[str, str]) -> float:
+        return self.space.value(param, self.unit[self.space.index[param]])
+
+    def constants(self, plan: MeasuredPlan) -> DeviceConstants:
+        return self.space.constants(plan, self.unit)
+
+    def on_bound(self, tolerance: float = 1e-3) -> list[tuple[str, str]]:
+        """The parameters at (within ``tolerance`` of the unit range of) a bound of their range."""
+        return [p for p, u in zip(self.space.params, self.unit) if u <= tolerance or u >= 1.0 - tolerance]
+
+    def linearised_refit(self, keep: np.ndarray) -> np.ndarray:
+        """The unit point fitted on the plans where ``keep`` is true, by one bounded Gauss-Newton step
+        from this fit (the residuals linear in the parameters around it): a cheap leave-out refit."""
+        from scipy.optimize import lsq_linear
+
+        w = self.weights[keep][:, None]
+        a = w * self.jacobian[keep]
+        b = -(w[:, 0] * (self.residuals[keep] - self.jacobian[keep] @ self.unit))
+        return lsq_linear(a, b, bounds=(0.0, 1.0)).x
+
+
+def fit_constants(plans: Sequence[MeasuredPlan], names: Sequence[str], *, start: np.ndarray | None = None,
+                  space: JointSpace | None = None, max_nfev: int | None = None, verbose: int = 0) -> JointFit:
+    """Fit ``names`` to ``plans`` by bounded least squares on the log error (see the module doc)."""
+    from scipy.optimize import least_squares  # here: a second to load, and only calibration needs it
+
+    space = space or JointSpace(plans, names)
+    sizes: dict[str, int] = {}
+    for p in plans:
+        sizes[p.data_set] = sizes.get(p.data_set, 0) + 1
+    weights = np.array([1.0 / math.sqrt(sizes[p.data_set]) for p in plans])
+    measured = np.log([p.measured_ms for p in plans])
+
+    def residuals(unit: np.ndarray) -> np.ndarray:
+        return np.log([p.predict_ms(space.constants(p, unit)) for p in plans]) - measured
+
+    x0 = np.clip(space.start(plans) if start is None else start, 0.0, 1.0)
+    result = least_squares(lambda u: weights * residuals(u), x0, bounds=(0.0, 1.0), method="trf", diff_step=1e-3,
+                           x_scale=1.0, max_nfev=max_nfev, verbose=verbose)
+    return JointFit(space=space, unit=result.x, residuals=result.fun / weights, jacobian=result.jac / weights[:, None],
+                    weights=weights)
 
 
 def fit_calibration(plans: Sequence[PlanRuns], *, fit: Sequence[str] = DEFAULT_FIT,
@@ -173,28 +281,26 @@ def fit_calibration(plans: Sequence[PlanRuns], *, fit: Sequence[str] = DEFAULT_F
     if not plans:
         raise ConfigError("calibrate: give at least one plan with its runs")
     device, stack, base = _common_calibration(plans)
-    ceiling = get_device(device).gemm_ceiling
-    ranges = {n: (CONSTANT_RANGES[n][0], min(CONSTANT_RANGES[n][1], ceiling)
-                  if n == "gemm_efficiency" and ceiling is not None else CONSTANT_RANGES[n][1]) for n in names}
     prepared = [_prepare(p, warmup_iterations) for p in plans]
-    space = _Space(base.constants, names, ranges)
-    start = space.unit(base.constants)
+    space = JointSpace(prepared, names)
+    start = space.start(prepared)
     effects = space.effects(prepared, start)
     labels = [p.label for p in prepared]
     check_identifiable(effects, names, labels)
-    after = space.constants(_least_squares(prepared, space, start))
+    after = fit_constants(prepared, names, start=start, space=space).constants(prepared[0])
     loo = []
     for i, held in enumerate(prepared):
         rest = [p for j, p in enumerate(prepared) if j != i]
         if unidentifiable(np.delete(effects, i, axis=0), names, labels[:i] + labels[i + 1:]) is not None:
             loo.append(None)
         else:
-            loo.append(held.predict_ms(space.constants(_least_squares(rest, space, start))))
+            loo.append(held.predict_ms(fit_constants(rest, names, start=start, space=space).constants(held)))
     runs = tuple(FittedRun(plan=p.label, logs=p.logs, measured_ms=p.measured_ms, before_ms=p.predict_ms(base.constants),
                            after_ms=p.predict_ms(after), leave_one_out_ms=held_out, informs=informs)
                  for p, held_out, informs in zip(prepared, loo, informed(effects, names)))
     return CalibrationFit(device=device, software_stack=stack, based_on=base.path or "the package's defaults",
-                          fitted=names, ranges=ranges, before=base.constants, after=after, runs=runs)
+                          fitted=names, ranges={n: constant_range(n, device) for n in names}, before=base.constants,
+                          after=after, runs=runs)
 
 
 def _fitted_names(fit: Sequence[str]) -> tuple[str, ...]:
@@ -222,24 +328,7 @@ def _common_calibration(plans: Sequence[PlanRuns]) -> tuple[str, str, Calibratio
     return device, stack, calibration_for(device, stack)
 
 
-def _prepare(plan: PlanRuns, warmup_iterations: int) -> _Prepared:
+def _prepare(plan: PlanRuns, warmup_iterations: int) -> MeasuredPlan:
     run = plan.run
     comparison = compare_run(estimate(run, profile_db=False), plan.logs, warmup_iterations=warmup_iterations)
-    stack = run.training.stack_for(run.model, get_device(run.cluster.gpu).architecture, run.parallel)
-    graph = prepare_run(trace(run.model, run.parallel), stack, run.training)
-    return _Prepared(label=plan.label, run=run, prepared=graph, measured_ms=comparison.measured_iteration_time_ms,
-                     logs=comparison.runs)
-
-
-def _least_squares(plans: Sequence[_Prepared], space: _Space, start: np.ndarray) -> np.ndarray:
-    """The unit-cube point that minimises the squared log errors of ``plans``, searched inside the cube."""
-    from scipy.optimize import least_squares  # here: a second to load, and only calibration needs it
-
-    measured = np.log([p.measured_ms for p in plans])
-
-    def residuals(unit: np.ndarray) -> np.ndarray:
-        constants = space.constants(unit)
-        return np.log([p.predict_ms(constants) for p in plans]) - measured
-
-    return least_squares(residuals, np.clip(start, 0.0, 1.0), bounds=(0.0, 1.0), method="trf", diff_step=1e-3,
-                         x_scale=1.0).x
+    return measured_plan(plan.label, run, comparison.measured_iteration_time_ms, logs=comparison.runs)

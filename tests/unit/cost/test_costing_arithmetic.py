@@ -149,3 +149,45 @@ def test_distributed_optimizer_runs_each_parameter_kernel_on_its_shard():
     assert sharded.nbytes == 160_000 * 3334 // 10_000
     assert (same_scalar, same_forward) == (scalar, forward)
     assert shard_optimizer([adam], 1) == (adam,)
+
+
+@pytest.mark.parametrize("pipeline", [1, 2])
+def test_the_iteration_overhead_is_paid_once_per_iteration_on_every_pipeline_rank(pipeline):
+    """Added to each rank's optimizer step, after which the iteration ends: exactly once."""
+    from dataclasses import replace
+
+    from vtrain_plugin.capture.tracer import trace
+    from vtrain_plugin.cost.prepare import prepare_run
+    from vtrain_plugin.estimate import predict
+    from vtrain_plugin.hardware.calibration import calibration_for
+
+    model = ModelSpec(name="tiny", num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256,
+                      vocab_size=1024, dtype="bf16")
+    plan = ParallelPlan(pipeline_parallel=pipeline, data_parallel=8 // pipeline, micro_batch_size=1)
+    training = TrainingSpec(global_batch_size=16, software_stack="megatron_core_te")
+    prepared = prepare_run(trace(model, plan), training.software_stack, training)
+    cluster = get_cluster_preset("dgx-h100")
+    base = calibration_for("h100-sxm", "megatron_core_te").constants
+    for factor in (1.0, 1.5):  # a slower host CPU stretches it with every other host cost
+        times = [predict(prepared, cluster=cluster, training=training,
+                         constants=replace(base, iteration_overhead_ns=value, host_time_factor=factor))[1].iteration_ns
+                 for value in (1e6, 4e6)]
+        assert times[1] - times[0] == pytest.approx(3e6 * factor, rel=1e-9)
+
+
+def test_the_host_time_factor_scales_the_host_cost_of_every_kernel():
+    from dataclasses import replace
+
+    from vtrain_plugin.core.graph import KernelKey, OpNode
+    from vtrain_plugin.cost.kernels.model import KernelBatch, KernelModel
+    from vtrain_plugin.hardware.calibration import calibration_for
+    from vtrain_plugin.hardware.devices import get_device
+
+    base = calibration_for("a100-sxm4-80gb", "megatron_core_te").constants
+    nodes = [OpNode(key=KernelKey(op="aten.mm.default", input_shapes=((64, 64), (64, 64)), dtypes=("bf16", "bf16")),
+                    phase=phase, module="m") for phase in (Phase.FORWARD, Phase.BACKWARD)]
+    batch = KernelBatch.of(nodes)
+    one = KernelModel(get_device("a100-sxm4-80gb"), replace(base, host_time_factor=1.0))
+    slow = KernelModel(get_device("a100-sxm4-80gb"), replace(base, host_time_factor=1.25))
+    assert slow.host_ns_batch(batch).tolist() == pytest.approx((1.25 * one.host_ns_batch(batch)).tolist(), rel=1e-12)
+    assert slow.device_ns(batch).tolist() == one.device_ns(batch).tolist()

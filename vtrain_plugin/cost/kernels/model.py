@@ -35,7 +35,8 @@ Device time of one kernel is ``max(compute_ns, memory_ns) + kernel_overhead_ns``
 
 Host time per kernel: the CPU spends ``host_overhead_ns`` issuing each kernel of a forward,
 recompute or optimizer op (ATen dispatch, the launch call) and ``backward_host_overhead_ns`` for
-each kernel of a backward op (issued by autograd's C++ engine); the framework's Python per module
+each kernel of a backward op (issued by autograd's C++ engine), each times the node's
+``host_time_factor`` (its CPU's speed); the framework's Python per module
 call and per layer is added by the costing (:func:`vtrain_plugin.cost.prepare.host_calls`). For small models the GPU
 waits on the CPU; the caller combines host and device times of a kernel sequence as a two-stage
 pipeline (see :mod:`vtrain_plugin.cost.kernels.host_device`).
@@ -236,7 +237,7 @@ class KernelModel:
     def host_ns_batch(self, kernels: KernelBatch) -> np.ndarray:
         """CPU time in ns spent issuing every kernel of the batch (0 for kind NONE)."""
         c = self.constants
-        per_kernel = np.where(kernels.backward, c.backward_host_overhead_ns, c.host_overhead_ns)
+        per_kernel = np.where(kernels.backward, c.backward_host_overhead_ns, c.host_overhead_ns) * c.host_time_factor
         return np.where(kernels.kind == KernelKind.NONE, 0.0, per_kernel)
 
     def duration_ns(self, node: OpNode) -> float:

@@ -1,0 +1,32 @@
+"""NVIDIA's Megatron-LM functional-test runs (small models on DGX A100 / H100, today's stack) as runs.
+
+Shared by ``calibrate.py`` and ``published_runs.py``. Each row of
+``benchmarks/data/megatron_ci_calibration.csv`` is one test case on one GPU: its Megatron-LM arguments as
+published (paths and logging removed), read exactly as ``vtrain estimate --megatron-args`` reads them
+(``megatron_ci_check.py`` asks the CLI the same), on the GPU's usual 8-GPU node; the measured time is
+the median iteration time of the test's golden values. A run's name is its test case and GPU; the
+runs of ``--deterministic-mode`` (their kernels and NCCL's ring differ) are the plans whose
+``training.deterministic`` is set.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from benchmarks.accuracy.a100_data import DEFAULT_DATA_DIR, MeasuredRun
+
+CI_CSV = "megatron_ci_calibration.csv"
+GPUS = {"A100": "a100-sxm4-80gb", "H100": "h100-sxm"}
+
+
+def read_runs(data_dir: Path = DEFAULT_DATA_DIR) -> list[MeasuredRun]:
+    with open(data_dir / CI_CSV, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("status") != "skipped" and r["argv"] and r["gpus"]]
+    return [MeasuredRun(source="ci", config={"megatron_args": r["argv"], "gpus": int(r["gpus"]), "gpu": GPUS[r["gpu"]]},
+                        measured_ms=float(r["measured_ms"]), name=f"{r['case']} ({r['gpu']})") for r in rows]
+
+
+def test_case_of(name: str) -> str:
+    """The test case of a run's name (its A100 and H100 runs are one case)."""
+    return name.rsplit(" (", 1)[0]
