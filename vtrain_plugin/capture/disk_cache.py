@@ -122,6 +122,12 @@ def load(key: tuple) -> ChunkTrace | None:
     return chunk
 
 
+def contains(key: tuple) -> bool:
+    """Whether the cache is on and has an entry at the path of shape key ``key`` (not read: an
+    entry of another key or a corrupt one is found invalid, and traced again, on :func:`load`)."""
+    return enabled() and entry_path(key).exists()
+
+
 def store(key: tuple, chunk: ChunkTrace) -> None:
     """Write the trace of shape key ``key`` (atomically), then keep the cache within its size.
 

@@ -3,10 +3,12 @@
 Each plan is estimated exactly as ``estimate(trace(model, plan), cluster=..., training=...)``
 would, so a row of the result has the numbers of that plan run on its own. Plans whose model
 states alone exceed a GPU's memory are pruned before anything is traced (counted in ``skipped``
-under :data:`MEMORY_RULE`); the other plans that do not fit in GPU memory are kept
-(``fits_in_memory`` False), ranked after every plan that fits and never on the front. The front is of time against cost, per iteration or, with ``tokens``, to train on them;
-without a price on the cluster, of time against GPU-hours per iteration (the same front for any
-price).
+under :data:`MEMORY_RULE`); the chunk shapes of the rest are traced next, in this process
+(:func:`~vtrain_plugin.capture.tracer.prepare_traces`: micro-batch sizes derived where that traces
+fewer), and workers read them from the trace cache. The other plans that do not fit in GPU memory
+are kept (``fits_in_memory`` False), ranked after every plan that fits and never on the front. The
+front is of time against cost, per iteration or, with ``tokens``, to train on them; without a price
+on the cluster, of time against GPU-hours per iteration (the same front for any price).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from tqdm import tqdm
 
+from vtrain_plugin.capture.tracer import prepare_traces
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import GIB
@@ -127,6 +130,7 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
                                   budget=GpuBudget.of(gpus), training=base, gpus_per_node=cluster.gpus_per_node)
     candidates, pruned = prune_by_memory(model, enumeration.candidates, get_device(cluster.gpu).memory_bytes / GIB)
     skipped = {**enumeration.skipped, **({MEMORY_RULE: pruned} if pruned else {})}
+    prepare_traces(model, [c.parallel for c in candidates])  # here, before the workers: they only read
     batches = make_batches(model, cluster, candidates, profile_db=profile_db)
     log.info("evaluating %d plans of %d trace shapes (%s, %d workers)", len(candidates), len(batches),
              backend, workers)
