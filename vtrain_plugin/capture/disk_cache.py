@@ -141,7 +141,8 @@ def store(key: tuple, chunk: ChunkTrace) -> None:
     if not enabled():
         return
     path = entry_path(key)
-    data = marshal.dumps({"key": entry_key(key), "chunk": chunk.to_dict()})
+    # through JSON first: plain types only (marshal refuses a str or int subclass, an enum member)
+    data = marshal.dumps(json.loads(json.dumps({"key": entry_key(key), "chunk": chunk.to_dict()})))
     try:
         atomic_write_bytes(path, gzip.compress(data, compresslevel=6, mtime=0))
         prune(path.parent, max_bytes())
