@@ -53,6 +53,7 @@ PHASES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     ("tracing", "vtrain_plugin/capture/megatron_chunk.py", None),
     ("tracing", "vtrain_plugin/capture/child_trace.py", None),
     ("tracing", "vtrain_plugin/capture/tracer.py", frozenset({"_chunk_traces"})),
+    ("deriving traces", "vtrain_plugin/capture/rescale.py", None),
     ("prepare", "vtrain_plugin/cost/prepare.py", frozenset({"prepare", "prepare_run"})),
     ("memory", "vtrain_plugin/cost/memory.py", None),
     ("memory", "vtrain_plugin/cost/stack_memory.py", None),

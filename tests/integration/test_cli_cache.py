@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from vtrain_plugin.capture import disk_cache
+
 REPO = Path(__file__).resolve().parents[2]
 
 PLAN = "examples/plans/gpt_tiny_cpu.yaml"
@@ -18,7 +20,7 @@ SEARCH_ARGS = ["--gpus", "2,4", "--tp", "1,2", "--pp", "1,2", "--micro-batch", "
 
 
 def _entries(folder):
-    return sorted((folder / "traces").glob("*.json.gz")) if (folder / "traces").exists() else []
+    return sorted((folder / "traces").glob(f"*{disk_cache.SUFFIX}")) if (folder / "traces").exists() else []
 
 
 def _imported_modules(cache, tmp_path, *args):

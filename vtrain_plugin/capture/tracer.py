@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from megatron_adapters.conventions import chunk_role
 from vtrain_plugin.capture import disk_cache, folding
 from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
 from vtrain_plugin.capture.child_trace import Role, trace_chunks
+from vtrain_plugin.capture.rescale import PROBES, rescale
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import OpGraph, StageGraph
 from vtrain_plugin.specs.hybrid import stage_patterns, traced_kinds
@@ -105,11 +106,8 @@ def trace(model: Any, parallel: ParallelPlan | None = None, *, micro_batch_size:
 
 def trace_gpt(model: ModelSpec, plan: ParallelPlan, *, traced_layers: int | None = DEFAULT_TRACED_LAYERS) -> OpGraph:
     plan.check_fits(model)
-    layers = plan.chunk_layers(model)
-    chunks = [(rank, chunk, layers[rank][chunk]) for chunk in range(plan.virtual_pipeline)
-              for rank in range(plan.pipeline_parallel)]
     return OpGraph(model=model, parallel=plan, micro_batch_size=plan.micro_batch_size,
-                   seq_length=model.seq_length, stages=_stages(model, plan, chunks, traced_layers))
+                   seq_length=model.seq_length, stages=_stages(model, plan, _plan_chunks(model, plan), traced_layers))
 
 
 def trace_stage(model: ModelSpec, plan: ParallelPlan, *, pipeline_rank: int, chunk: int = 0,
@@ -125,10 +123,35 @@ def trace_stage(model: ModelSpec, plan: ParallelPlan, *, pipeline_rank: int, chu
 
 def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, int]],
             traced_layers: int | None) -> tuple[StageGraph, ...]:
-    """The stages of ``chunks`` (pipeline rank, chunk, layers). A chunk of ``num_layers`` layers is
-    traced with at most ``traced_layers`` of them built (and at least one: a chunk that holds only the
-    embedding or the loss, as an uneven split may leave one, is traced with a layer and folded to
-    none); chunks of one role share a trace."""
+    """The stages of ``chunks`` (pipeline rank, chunk, layers); chunks of one role share a trace
+    (:func:`_roles`)."""
+    roles = _roles(model, plan, chunks, traced_layers)
+    kinds_of = _chunk_layer_kinds(model, plan) if model.has_dense_layers_between_moe else {}
+    traces = _chunk_traces(model, plan, roles)
+    if model.is_hybrid:
+        patterns = stage_patterns(plan, model)
+        return tuple(_assemble_hybrid_stage(traces[role], model, rank, patterns[rank])
+                     for role, (rank, _, _) in zip(roles, chunks, strict=True))
+    first = first_layer_numbers(model, plan) if mixes_windows(model) or mixes_nope(model) else None
+    counted = nope_layers if mixes_nope(model) else windowed_layers
+    return tuple(_assemble_stage(traces[role], rank, chunk, num_layers, kinds_of.get((rank, chunk)),
+                                 two_kinds=None if first is None else (counted is nope_layers, counted(
+                                     model, first[rank][chunk], num_layers)))
+                 for role, (rank, chunk, num_layers) in zip(roles, chunks, strict=True))
+
+
+def _plan_chunks(model: ModelSpec, plan: ParallelPlan) -> list[tuple[int, int, int]]:
+    """(pipeline rank, chunk, layers) of every chunk of ``plan``, chunk by chunk, rank by rank."""
+    layers = plan.chunk_layers(model)
+    return [(rank, chunk, layers[rank][chunk]) for chunk in range(plan.virtual_pipeline)
+            for rank in range(plan.pipeline_parallel)]
+
+
+def _roles(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, int]],
+           traced_layers: int | None) -> list[Role]:
+    """The role traced for each of ``chunks``: a chunk of ``num_layers`` layers is traced with at most
+    ``traced_layers`` of them built (and at least one: a chunk that holds only the embedding or the
+    loss, as an uneven split may leave one, is traced with a layer and folded to none)."""
     roles = []
     kinds_of = _chunk_layer_kinds(model, plan) if model.has_dense_layers_between_moe else {}
     # Windowed and full-attention layers (NoPE and RoPE layers) alternate: at least one of each is
@@ -143,17 +166,7 @@ def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, i
         if model.is_hybrid:  # one layer of each kind, whatever the stage (megatron_adapters/hybrid.py)
             built = len(traced_kinds(model.hybrid_layer_pattern or ""))
         roles.append((role.pre_process, role.post_process, built))
-    traces = _chunk_traces(model, plan, roles)
-    if model.is_hybrid:
-        patterns = stage_patterns(plan, model)
-        return tuple(_assemble_hybrid_stage(traces[role], model, rank, patterns[rank])
-                     for role, (rank, _, _) in zip(roles, chunks, strict=True))
-    first = first_layer_numbers(model, plan) if fewest == 2 else None
-    counted = nope_layers if mixes_nope(model) else windowed_layers
-    return tuple(_assemble_stage(traces[role], rank, chunk, num_layers, kinds_of.get((rank, chunk)),
-                                 two_kinds=None if first is None else (counted is nope_layers, counted(
-                                     model, first[rank][chunk], num_layers)))
-                 for role, (rank, chunk, num_layers) in zip(roles, chunks, strict=True))
+    return roles
 
 
 def _chunk_layer_kinds(model: ModelSpec, plan: ParallelPlan) -> dict[tuple[int, int], tuple[bool, ...]]:
@@ -220,6 +233,44 @@ def _chunk_traces(model: ModelSpec, plan: ParallelPlan, roles: list[Role]) -> di
             found[role] = traced
         log.info("traced %d chunk role(s) in %.2f s", len(missing), time.perf_counter() - start)
     return found
+
+
+def prepare_traces(model: ModelSpec, plans: Iterable[ParallelPlan], *,
+                   traced_layers: int | None = DEFAULT_TRACED_LAYERS) -> None:
+    """Put the chunk traces of every plan of ``plans`` in the trace cache (a search calls this before
+    it fans out, so its workers only read): each chunk role the caches lack is traced, except where
+    a role is wanted at three micro-batch sizes of 2 or more: then it is traced at the two sizes of
+    :data:`~vtrain_plugin.capture.rescale.PROBES` and derived at the others
+    (:func:`~vtrain_plugin.capture.rescale.rescale`; traced where that finds more than sizes differ)."""
+    wanted: dict[tuple, dict[int, tuple[ParallelPlan, Role]]] = {}
+    for plan in plans:
+        for role in dict.fromkeys(_roles(model, plan, _plan_chunks(model, plan), traced_layers)):
+            key = shape_key(model, plan, *role)
+            if key not in _cache and not disk_cache.contains(key):
+                group = shape_key(model, replace(plan, micro_batch_size=1), *role)
+                wanted.setdefault(group, {})[plan.micro_batch_size] = (plan, role)
+    for sizes in wanted.values():
+        derived: dict[int, ChunkTrace] = {}
+        if _derives(sizes):
+            plan, role = next(iter(sizes.values()))
+            low, high = (_chunk_traces(model, replace(plan, micro_batch_size=b), [role])[role] for b in PROBES)
+            derived = {size: chunk for size in sizes.keys() - set(PROBES)
+                       if (chunk := rescale(low, high, size)) is not None}
+        for size, (plan, role) in sizes.items():
+            key = shape_key(model, plan, *role)
+            if size in derived:
+                disk_cache.store(key, derived[size])
+                _remember(key, derived[size])
+            elif key not in _cache and not disk_cache.contains(key):
+                _chunk_traces(model, plan, [role])
+    log.info("chunk roles of %d shapes in the trace cache, %d of them derived from two micro-batch sizes",
+             len(wanted), sum(map(_derives, wanted.values())))
+
+
+def _derives(sizes: Iterable[int]) -> bool:
+    """Whether a role wanted at micro-batch ``sizes`` is traced at the probes and derived: where that
+    traces fewer sizes (three or more from 2 up; size 1 is always traced)."""
+    return sum(size >= PROBES[0] for size in sizes) >= 3
 
 
 def _remember(key: tuple, traced: ChunkTrace) -> None:

@@ -1,26 +1,45 @@
 """The ``vtrain`` command line: one module per command (argument parsing and rendering only).
 
 Each command module declares its commands once (``COMMANDS``, :mod:`vtrain_plugin.cli.commands`);
-:data:`MODULES` lists the modules in the order ``vtrain --help`` shows them. User errors become one
-line on stderr and exit code 2.
+:data:`COMMAND_MODULES` routes each command name to its module, in the order ``vtrain --help`` shows
+them. A command imports its own module only (``vtrain estimate`` never loads the planning layer):
+start-up is most of a warm estimate's time. User errors become one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from types import ModuleType
 from typing import NoReturn
 
-from vtrain_plugin.cli import (
-    cache, calibrate, cluster_sim, compare, estimate, flags, profile, search, size, trace, validate)
-from vtrain_plugin.cli.commands import register
+from vtrain_plugin.cli.commands import Command, register
 from vtrain_plugin.cli.common import EXIT_USER_ERROR, cache_environment, cache_options
 from vtrain_plugin.core.errors import VTrainError
+from vtrain_plugin.core.registry import Registry
 
-MODULES = (trace, estimate, profile, validate, compare, calibrate, search, size, cluster_sim, flags, cache)
-COMMANDS = register(command for module in MODULES for command in module.COMMANDS)
+# command name -> the module of vtrain_plugin.cli that declares it, in `vtrain --help` order
+# (tests/unit/cli/test_commands.py checks it against every module's COMMANDS)
+COMMAND_MODULES = {
+    "trace": "trace", "estimate": "estimate", "profile": "profile", "profile-comm": "profile",
+    "profile-export": "profile", "profile-import": "profile", "validate": "validate", "compare": "compare",
+    "calibrate": "calibrate", "search": "search", "size": "size", "cluster-sim": "cluster_sim", "flags": "flags",
+    "cache": "cache"}
+
+
+def command_modules(names: Iterable[str] | None = None) -> tuple[ModuleType, ...]:
+    """The modules that declare the commands ``names`` (default: every command), in help order."""
+    wanted = COMMAND_MODULES if names is None else {n: COMMAND_MODULES[n] for n in names}
+    return tuple(importlib.import_module(f"{__name__}.{module}") for module in dict.fromkeys(wanted.values()))
+
+
+def commands(names: Iterable[str] | None = None) -> Registry[Command]:
+    """The commands ``names`` (default: all) as their modules declare them, in help order."""
+    names = None if names is None else set(names)
+    return register(c for m in command_modules(names) for c in m.COMMANDS if names is None or c.name in names)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -31,13 +50,14 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(names: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of the commands ``names`` (default: every command)."""
     parser = OneLineErrorParser(
         prog="vtrain", description="Predict the iteration time, memory and cost of Megatron-style training.",
         allow_abbrev=False)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS.values():
+    for command in commands(names).values():
         p = sub.add_parser(command.name, help=command.help, allow_abbrev=False)  # --gpu is not --gpus
         command.add_arguments(p)
         if command.traces:
@@ -47,8 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    named = next((word for word in argv if not word.startswith("-")), None)
+    # The named command's module alone; --help before it, or an unknown name, needs them all.
+    only = None
+    if named in COMMAND_MODULES and not {"-h", "--help"} & set(argv[:argv.index(named)]):
+        only = (named,)
+    args = build_parser(only).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="vtrain: %(message)s", stream=sys.stderr)
     try:

@@ -22,10 +22,6 @@ from vtrain_plugin.cost.comm.context_parallel import ContextParallel, model_flop
 from vtrain_plugin.cost.lowering.stacks import map_nodes
 from vtrain_plugin.cost.comm.runtime_collectives import runtime_collectives
 from vtrain_plugin.estimate import Estimate
-from vtrain_plugin.planning.model_family import describe_ladder
-from vtrain_plugin.planning.search import SearchResult
-from vtrain_plugin.planning.sizing import SizingResult
-from vtrain_plugin.planning.space import format_skipped
 from vtrain_plugin.sim.run_totals import TrainTotals
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
@@ -33,8 +29,11 @@ from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
 from vtrain_plugin.measured.one_device import ValidationResult
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the planning layer is imported by the commands that plan, not by every render
     import pandas as pd
+
+    from vtrain_plugin.planning.search import SearchResult
+    from vtrain_plugin.planning.sizing import SizingResult
 
 
 def _fmt_bytes(nbytes: float) -> str:
@@ -361,6 +360,8 @@ def _plan_label(row: Mapping[str, Any]) -> str:
 def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = None) -> str:
     """The top plans of ``vtrain search`` and a summary line (and the baseline, if any); the software
     stack and FP8 columns appear when the plans differ in them."""
+    from vtrain_plugin.planning.space import format_skipped
+
     table = result.table
     trained = "train_days" in table
     expected = "expected_train_days" in table
@@ -438,6 +439,8 @@ def _json_value(value: Any) -> Any:
 
 def sizing_table(result: SizingResult) -> str:
     """The shapes ``vtrain size`` searched, its answer and the naive fixed-MFU answer."""
+    from vtrain_plugin.planning.model_family import describe_ladder
+
     expected = any(o.plan is not None and "expected_train_days" in o.plan for o in result.evaluated)
     header = ["model", "params", "layers", "hidden", "heads", "tokens", "best plan", "GPUs", "MFU",
               "expected days" if expected else "days", "expected $" if expected else "$ to train",

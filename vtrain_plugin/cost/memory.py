@@ -62,8 +62,10 @@ from vtrain_plugin.cost.comm.fsdp import StateShards, state_shards, working_set_
 from vtrain_plugin.cost.comm.optimizer_shard import optimizer_shards
 from vtrain_plugin.cost.lowering.optimizer_step import muon_matrices
 from vtrain_plugin.specs.fsdp import FsdpSettings
+from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.optimizer import OptimizerKind, OptimizerSpec
-from vtrain_plugin.specs.training import grad_dtype
+from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.training import TrainingSpec, grad_dtype
 
 RESERVED_GIB = 2.0  # CUDA context, NCCL buffers, library workspaces (see the module doc)
 FRAGMENTATION = 0.05  # of the tensors' bytes: the caching allocator's fragmentation
@@ -170,3 +172,29 @@ def _fsdp_held(stage: StageGraph, fsdp: FsdpSettings) -> tuple[int, int]:
         return max((sum(numels[i:i + units]) for i in range(len(numels))), default=0) if units else 0
 
     return window(weight_units), window(grad_units)
+
+
+def memory_floor_gib(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> float | None:
+    """A lower bound on the peak memory of ``plan``'s ranks, from the model's parameter count alone
+    (no trace): what a plan search prunes by before it traces or costs anything.
+
+    The busiest pipeline rank holds at least the mean of the ranks, and the ranks of one TP group
+    together hold at least the model: TP splits every weight but the routed experts (replicated
+    ones count whole, a padded vocabulary more), expert TP x EP splits those. Each parameter takes
+    at least its weight, its gradient and the cheaper of its optimizer states (Adam's, or Muon's
+    for a matrix), the latter divided by TP x CP x DP with the distributed optimizer (more ranks
+    than any group it shards over); activations count as none. The allowance is
+    :func:`rank_memory`'s. None where model states are not that simple: FSDP shards weights and
+    gradients, and FP8 / FP4 weights replace the model-dtype copy.
+    """
+    if training.fsdp is not None or training.fp8_settings is not None:
+        return None
+    dtype = model.dtype
+    experts = model.num_expert_parameters
+    params = ((model.num_parameters - experts) / plan.tensor_parallel
+              + experts / (plan.expert_parallel * plan.expert_tp)) / plan.pipeline_parallel
+    states = min(training.optimizer.state_nbytes(dtype.nbytes, matrix=matrix) for matrix in (False, True))
+    if training.distributed_optimizer:
+        states /= plan.tensor_parallel * plan.context_parallel * plan.data_parallel
+    tensors = params * (dtype.nbytes + training.grad_dtype(dtype).nbytes + states) / GIB
+    return tensors + RESERVED_GIB + FRAGMENTATION * tensors

@@ -1,11 +1,14 @@
 """``search()``: estimate every valid plan of a space, rank them, and mark the Pareto front.
 
 Each plan is estimated exactly as ``estimate(trace(model, plan), cluster=..., training=...)``
-would, so a row of the result has the numbers of that plan run on its own. Plans that do not fit
-in GPU memory are kept (``fits_in_memory`` False), ranked after every plan that fits and never on
-the front. The front is of time against cost, per iteration or, with ``tokens``, to train on them;
-without a price on the cluster, of time against GPU-hours per iteration (the same front for any
-price).
+would, so a row of the result has the numbers of that plan run on its own. Plans whose model
+states alone exceed a GPU's memory are pruned before anything is traced (counted in ``skipped``
+under :data:`MEMORY_RULE`); the chunk shapes of the rest are traced next, in this process
+(:func:`~vtrain_plugin.capture.tracer.prepare_traces`: micro-batch sizes derived where that traces
+fewer), and workers read them from the trace cache. The other plans that do not fit in GPU memory
+are kept (``fits_in_memory`` False), ranked after every plan that fits and never on the front. The
+front is of time against cost, per iteration or, with ``tokens``, to train on them; without a price
+on the cluster, of time against GPU-hours per iteration (the same front for any price).
 """
 
 from __future__ import annotations
@@ -13,15 +16,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from tqdm import tqdm
 
+from vtrain_plugin.capture.tracer import prepare_traces
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.core.units import GIB
+from vtrain_plugin.cost.memory import memory_floor_gib
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.planning.backends import BACKENDS, run_batches
 from vtrain_plugin.planning.evaluate import (ESTIMATE_COLUMNS, EXPECTED_COLUMNS, PLAN_COLUMNS, TRAIN_COLUMNS,
@@ -38,6 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ("time", "days", "cost")
+# The skip rule of plans pruned before tracing: their model states alone exceed a GPU's memory.
+MEMORY_RULE = "model states > gpu memory"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,7 +128,9 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     get_device(cluster.gpu).require_recipe(base)
     enumeration = enumerate_plans(model, space, global_batch_size=global_batch_size,
                                   budget=GpuBudget.of(gpus), training=base, gpus_per_node=cluster.gpus_per_node)
-    candidates = enumeration.candidates
+    candidates, pruned = prune_by_memory(model, enumeration.candidates, get_device(cluster.gpu).memory_bytes / GIB)
+    skipped = {**enumeration.skipped, **({MEMORY_RULE: pruned} if pruned else {})}
+    prepare_traces(model, [c.parallel for c in candidates])  # here, before the workers: they only read
     batches = make_batches(model, cluster, candidates, profile_db=profile_db)
     log.info("evaluating %d plans of %d trace shapes (%s, %d workers)", len(candidates), len(batches),
              backend, workers)
@@ -132,8 +142,18 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     time_column, cost_column = measures(priced=cluster.price_per_gpu_hour_usd is not None, tokens=tokens,
                                         failures=failures)
     table = rank_plans(table, "time" if objective == "days" else objective, time_column=time_column, cost_column=cost_column)
-    return SearchResult(table=table, skipped=enumeration.skipped, objective=objective, time_column=time_column,
+    return SearchResult(table=table, skipped=skipped, objective=objective, time_column=time_column,
                         cost_column=cost_column, top_k=top_k)
+
+
+def prune_by_memory(model: ModelSpec, candidates: Sequence[Candidate], gpu_memory_gib: float
+                    ) -> tuple[tuple[Candidate, ...], int]:
+    """The candidates whose memory floor (:func:`~vtrain_plugin.cost.memory.memory_floor_gib`, no
+    trace needed) fits in ``gpu_memory_gib``, and how many were pruned: a pruned plan could only
+    have been a row that does not fit."""
+    kept = tuple(c for c in candidates
+                 if (floor := memory_floor_gib(model, c.parallel, c.training)) is None or floor <= gpu_memory_gib)
+    return kept, len(candidates) - len(kept)
 
 
 def measures(*, priced: bool, tokens: float | None, failures: bool = False) -> tuple[str, str]:

@@ -376,6 +376,15 @@ class ModelSpec:
         return (self.num_layers * (attn + qk_norms + 2 * norm * h) + moe_layers * moe_mlp
                 + (self.num_layers - moe_layers) * dense_mlp + embed + positions + norm * h + mtp)
 
+    @property
+    def num_expert_parameters(self) -> int:
+        """Of :attr:`num_parameters`, the routed experts' weights (every MoE layer's, MTP layers'
+        included): what expert parallelism splits, where TP splits the rest."""
+        if not self.is_moe or self.is_hybrid:
+            return 0
+        layers = self.num_moe_layers + (self.mtp_num_layers or 0)
+        return layers * self.num_experts * self._mlp_parameters(self.expert_ffn_size)
+
     def _mamba_mixer_parameters(self) -> int:
         """megatron-core's MambaMixer: in_proj (z, x, B, C, dt), depthwise conv1d with bias, dt_bias,
         A_log, D, the gated RMSNorm's weight, out_proj."""

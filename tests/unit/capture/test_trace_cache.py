@@ -3,6 +3,7 @@
 import dataclasses
 import gzip
 import json
+import marshal
 import logging
 import os
 
@@ -100,7 +101,7 @@ def _graph_json(graph) -> str:
 
 
 def _entries(folder):
-    return sorted((folder / "traces").glob("*.json.gz"))
+    return sorted((folder / "traces").glob(f"*{disk_cache.SUFFIX}"))
 
 
 def test_a_hit_gives_the_identical_graph_and_estimate(cache_dir, monkeypatch):
@@ -124,24 +125,26 @@ def test_plans_that_share_a_shape_share_the_entry(cache_dir, monkeypatch):
     assert len(_entries(cache_dir)) == 1
 
 
-@pytest.mark.parametrize("damage", ["truncated", "corrupt", "not gzip", "foreign", "malformed"])
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "not gzip", "not marshal", "foreign", "malformed"])
 def test_a_damaged_or_foreign_entry_is_ignored_and_rebuilt(cache_dir, damage, caplog):
     expected = _graph_json(trace(MODEL, PLAN))
     path = disk_cache.entry_path(KEY)
     data = path.read_bytes()
-    entry = json.loads(gzip.decompress(data))
+    entry = marshal.loads(gzip.decompress(data))
     if damage == "truncated":
         path.write_bytes(data[: len(data) // 2])
     elif damage == "corrupt":
         path.write_bytes(data[:100] + bytes(b ^ 0xFF for b in data[100:200]) + data[200:])
     elif damage == "not gzip":
         path.write_bytes(b"\x00garbage" * 10)
+    elif damage == "not marshal":
+        path.write_bytes(gzip.compress(b"\xffgarbage" * 10))
     elif damage == "foreign":  # another version's entry under this name (a hash collision)
         entry["key"]["versions"]["torch"] = "0.0.1"
-        path.write_bytes(gzip.compress(json.dumps(entry).encode()))
+        path.write_bytes(gzip.compress(marshal.dumps(entry)))
     else:
         del entry["chunk"]["blocks"]
-        path.write_bytes(gzip.compress(json.dumps(entry).encode()))
+        path.write_bytes(gzip.compress(marshal.dumps(entry)))
     clear_cache()
     with caplog.at_level(logging.DEBUG, logger="vtrain_plugin.capture.disk_cache"):
         assert disk_cache.load(KEY) is None

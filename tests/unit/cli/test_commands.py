@@ -2,13 +2,18 @@
 options all follow from that one declaration."""
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from vtrain_plugin.cli import COMMANDS, MODULES, build_parser
+from vtrain_plugin.cli import COMMAND_MODULES, build_parser, command_modules, commands
 from vtrain_plugin.cli.commands import Command, register
 from vtrain_plugin.core.errors import ConfigError
 
+REPO = Path(__file__).resolve().parents[3]
 HELP_ORDER = ["trace", "estimate", "profile", "profile-comm", "profile-export", "profile-import", "validate",
               "compare", "calibrate", "search", "size", "cluster-sim", "flags", "cache"]
 TRACING = {"trace", "estimate", "profile", "validate", "compare", "calibrate", "search", "size", "cluster-sim"}
@@ -19,10 +24,31 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return dict(action.choices)
 
 
+COMMANDS = commands()
+
+
 def test_every_declared_command_is_parsed_in_help_order():
     assert [c.name for c in COMMANDS.values()] == HELP_ORDER
-    assert [c.name for m in MODULES for c in m.COMMANDS] == HELP_ORDER
+    assert [c.name for m in command_modules() for c in m.COMMANDS] == HELP_ORDER
     assert list(_subparsers(build_parser())) == HELP_ORDER
+
+
+@pytest.mark.parametrize("name", HELP_ORDER)
+def test_the_routing_table_names_the_module_that_declares_each_command(name):
+    (module,) = command_modules([name])
+    assert module.__name__ == f"vtrain_plugin.cli.{COMMAND_MODULES[name]}"
+    assert name in [c.name for c in module.COMMANDS]
+    assert list(_subparsers(build_parser([name]))) == [name]
+
+
+def test_a_warm_estimate_imports_neither_the_planning_layer_nor_torch(tmp_path):
+    # a fresh interpreter: what `vtrain estimate` loads, with its config error (nothing traced)
+    code = ("import sys; from vtrain_plugin.cli import main; main(['estimate', 'missing.yaml']); "
+            "print(sorted(m for m in sys.modules if m.startswith(('vtrain_plugin.planning', 'torch', 'megatron.', "
+            "'pandas'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize("name", HELP_ORDER)
