@@ -158,10 +158,10 @@ def render_refused_flags() -> str:
 
 def render_commands() -> str:
     """The ``vtrain`` commands in the order ``vtrain --help`` lists them, with their help lines."""
-    from vtrain_plugin.cli import COMMANDS  # the command modules; imported here, not at import time
+    from vtrain_plugin.cli import commands  # the command modules; imported here, not at import time
 
     lines = ["| command | what it does |", "|---|---|"]
-    lines += [f"| `vtrain {command.name}` | {command.help} |" for command in COMMANDS.values()]
+    lines += [f"| `vtrain {command.name}` | {command.help} |" for command in commands().values()]
     return "\n".join(lines)
 
 
