@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.accuracy.a100_data import DEFAULT_DATA_DIR, MeasuredRun
+from benchmarks.accuracy.h100_data import published_model
 
 B200_CSV = "b200_published_calibration.csv"
 
@@ -29,12 +30,7 @@ def plan_mapping(row: dict[str, str]) -> dict[str, Any]:
     if row["precision"] != "fp8" or row["fp8_recipe"] != "delayed":
         raise ValueError(f"{row['model']}: precision {row['precision']} {row['fp8_recipe']}, this set is FP8 delayed")
     return {
-        "model": {
-            "name": row["model"], "family": row["family"], "num_layers": int(row["num_layers"]),
-            "hidden_size": int(row["hidden_size"]), "num_attention_heads": int(row["num_attention_heads"]),
-            "num_query_groups": int(row["num_query_groups"]), "ffn_hidden_size": int(row["ffn_hidden_size"]),
-            "seq_length": int(row["seq_length"]), "vocab_size": int(row["vocab_size"]), "dtype": "bf16",
-        },
+        "model": published_model(row),
         "parallel": {
             "tensor_parallel": tp, "pipeline_parallel": pp, "virtual_pipeline": vp, "context_parallel": cp,
             "data_parallel": gpus // (tp * pp * cp), "sequence_parallel": tp > 1,

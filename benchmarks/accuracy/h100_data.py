@@ -23,6 +23,16 @@ from benchmarks.accuracy.a100_data import DEFAULT_DATA_DIR, MeasuredRun
 H100_CSV = "h100_published_calibration.csv"
 
 
+def published_model(row: dict[str, str]) -> dict[str, Any]:
+    """The model section of a published NeMo row (the H100 and B200 sets share the columns)."""
+    return {
+        "name": row["model"], "family": row["family"], "num_layers": int(row["num_layers"]),
+        "hidden_size": int(row["hidden_size"]), "num_attention_heads": int(row["num_attention_heads"]),
+        "num_query_groups": int(row["num_query_groups"]), "ffn_hidden_size": int(row["ffn_hidden_size"]),
+        "seq_length": int(row["seq_length"]), "vocab_size": int(row["vocab_size"]), "dtype": "bf16",
+    }
+
+
 def plan_mapping(row: dict[str, str]) -> dict[str, Any]:
     """The plan file (as a mapping) of one published row."""
     tp, pp, vp = int(row["tp"]), int(row["pp"]), int(row["vp"])
@@ -30,12 +40,7 @@ def plan_mapping(row: dict[str, str]) -> dict[str, Any]:
     if int(row["cp"]) != 1:
         raise ValueError(f"{row['model']}: context parallelism is not part of this calibration set")
     return {
-        "model": {
-            "name": row["model"], "family": row["family"], "num_layers": int(row["num_layers"]),
-            "hidden_size": int(row["hidden_size"]), "num_attention_heads": int(row["num_attention_heads"]),
-            "num_query_groups": int(row["num_query_groups"]), "ffn_hidden_size": int(row["ffn_hidden_size"]),
-            "seq_length": int(row["seq_length"]), "vocab_size": int(row["vocab_size"]), "dtype": "bf16",
-        },
+        "model": published_model(row),
         "parallel": {
             "tensor_parallel": tp, "pipeline_parallel": pp, "virtual_pipeline": vp,
             "data_parallel": gpus // (tp * pp), "sequence_parallel": tp > 1,
