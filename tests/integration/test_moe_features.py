@@ -19,8 +19,9 @@ from vtrain_plugin.specs.model import SINKHORN_ITERATIONS, ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import TrainingSpec
 
-# Sizes cost nothing to trace (fake tensors) and make the GPU, not the host, set the pace.
-H, S, E, TOPK, FFN, SHARED, TP, EP = 3584, 4096, 8, 2, 2048, 2560, 2, 2
+# Sizes cost nothing to trace (fake tensors) and make the GPU, not the host, set the pace (with the
+# joint fit's host costs, a 4,096-token micro-batch of this model is bound by the host).
+H, S, E, TOPK, FFN, SHARED, TP, EP = 3584, 16384, 8, 2, 2048, 2560, 2, 2
 BASE = ModelSpec(name="moe-features", family="llama", num_layers=2, hidden_size=H, num_attention_heads=28,
                  seq_length=S, vocab_size=8192, dtype="bf16", num_experts=E, moe_router_topk=TOPK,
                  moe_ffn_hidden_size=FFN)
@@ -28,7 +29,7 @@ BASE = ModelSpec(name="moe-features", family="llama", num_layers=2, hidden_size=
 PLAN = ParallelPlan(tensor_parallel=TP, sequence_parallel=True, data_parallel=2, expert_parallel=EP,
                     moe_token_dispatcher="alltoall")
 LOCAL = E // EP
-PER_RANK = S // TP * TOPK // E  # balanced token-expert pairs one rank routes to each expert: 512
+PER_RANK = S // TP * TOPK // E  # balanced token-expert pairs one rank routes to each expert: 2,048
 SOURCES = TP * EP  # ranks of expert TP x EP sending to each local expert
 CLUSTER = get_cluster_preset("dgx-h100")
 TRAINING = TrainingSpec(global_batch_size=8)
@@ -220,11 +221,11 @@ def _expert_fc1_rows(graph):
 
 
 def test_each_expert_computes_min_of_its_share_and_the_capacity(base):
-    assert PER_RANK == 512 and _expert_fc1_rows(base) == {SOURCES * PER_RANK}  # dropless
+    assert PER_RANK == 2048 and _expert_fc1_rows(base) == {SOURCES * PER_RANK}  # dropless
     dropping = traced(moe_expert_capacity_factor=0.5)
-    assert _expert_fc1_rows(dropping) == {SOURCES * 256}  # capacity ceil(512 x 0.5), below the share
+    assert _expert_fc1_rows(dropping) == {SOURCES * 1024}  # capacity ceil(2048 x 0.5), below the share
     padded = traced(moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True)
-    assert _expert_fc1_rows(padded) == {SOURCES * 768}  # padded to ceil(512 x 1.5)
+    assert _expert_fc1_rows(padded) == {SOURCES * 3072}  # padded to ceil(2048 x 1.5)
     assert _expert_fc1_rows(traced(moe_expert_capacity_factor=1.5)) == {SOURCES * PER_RANK}  # nothing to drop
 
 

@@ -82,7 +82,7 @@ def test_ep_overlap_hides_exposed_all_to_alls(graphs, dispatcher):
     assert base.breakdown_ms["ep_comm"] > 0
     assert overlap.iteration_time_ms < base.iteration_time_ms
     assert overlap.breakdown_ms["ep_comm"] < base.breakdown_ms["ep_comm"]
-    assert delayed.iteration_time_ms <= overlap.iteration_time_ms
+    assert delayed.iteration_time_ms <= overlap.iteration_time_ms * (1 + 1e-12)  # equal where the host sets the pace
 
 
 def test_flex_kernels_slow_the_compute_they_overlap(graphs):
