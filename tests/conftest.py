@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+_SESSION_CACHE = "VTRAIN_TEST_SESSION_TRACE_CACHE"  # the controller's cache, inherited by xdist workers
 
 
 @pytest.fixture
@@ -35,12 +36,19 @@ def pytest_configure(config):
     """Traces of the session (in this process and the CLI subprocesses, which inherit the
     environment) go to a trace cache of its own, empty at the start: tests never read or fill the
     user's cache, and every trace they read back was made by the code under test. Set here, before
-    collection, so that a trace at a test module's import is covered too."""
-    config._vtrain_trace_cache = tempfile.mkdtemp(prefix="vtrain-test-trace-cache-")
+    collection, so that a trace at a test module's import is covered too. Under pytest-xdist the
+    workers share the controller's cache (entries are written atomically), so a shape traced by one
+    worker is read by the others instead of traced again."""
+    inherited = os.environ.get(_SESSION_CACHE) if os.environ.get("PYTEST_XDIST_WORKER") else None
+    config._vtrain_owns_trace_cache = inherited is None
+    config._vtrain_trace_cache = inherited or tempfile.mkdtemp(prefix="vtrain-test-trace-cache-")
+    os.environ[_SESSION_CACHE] = config._vtrain_trace_cache
     os.environ["VTRAIN_CACHE_DIR"] = config._vtrain_trace_cache
     os.environ.pop("VTRAIN_NO_CACHE", None)
     os.environ.pop("VTRAIN_CACHE_MAX_MB", None)
 
 
 def pytest_unconfigure(config):
+    if not getattr(config, "_vtrain_owns_trace_cache", False):
+        return
     shutil.rmtree(getattr(config, "_vtrain_trace_cache", ""), ignore_errors=True)
