@@ -40,7 +40,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from profiler.device_timing import TimingPolicy
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 COLUMNS = ["plan", "predicted_ms", "measured_ms", "error_pct", "predicted_peak_gib", "measured_peak_gib",
@@ -111,8 +114,15 @@ SMOKE_PLANS: dict[str, dict[str, Any]] = {
 }
 
 
+def _smoke_timing() -> TimingPolicy:
+    """--smoke measures nothing: each kernel is timed once, with no cache flush between calls."""
+    from profiler.device_timing import TimingPolicy
+
+    return TimingPolicy(warmup=1, min_repetitions=1, max_repetitions=1, budget_s=0.0, flush_cpu_cache=False)
+
+
 def validate_plan(name: str, mapping: dict[str, Any], device: str, db_path: Path, iterations: int,
-                  warmup: int, out: Path) -> dict[str, Any]:
+                  warmup: int, out: Path, timing: TimingPolicy | None = None) -> dict[str, Any]:
     """Train the plan on ``device`` (compared with the analytical estimate), write that row, then
     profile its kernels there and return the row with the estimate from the profiled kernels.
 
@@ -142,7 +152,8 @@ def validate_plan(name: str, mapping: dict[str, Any], device: str, db_path: Path
     _say(f"{name}: measured {c.measured_ms:,.1f} ms, analytic {analytic.iteration_time_ms:,.1f} ms, "
          f"peak {row['measured_peak_gib']:.2f} GiB; profiling")
     with ProfileDB.open(db_path) as db:
-        summary = profile_kernels(trace(single.model, single.parallel).unique_kernels(), device, db, progress=False)
+        summary = profile_kernels(trace(single.model, single.parallel).unique_kernels(), device, db, progress=False,
+                                  policy=timing)
     _say(f"{name}: profiled {summary.measured} kernels ({summary.skipped} already there, "
          f"{len(summary.failed)} failed)")
     predicted = estimate(single, profile_db=db_path)
@@ -229,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  export=RESULTS / "h100_profiles.json")
     device = args.device or ("cpu" if args.smoke else "cuda")
     iterations, warmup = (1, 0) if args.smoke else (args.iterations, args.warmup)
+    timing = _smoke_timing() if args.smoke else None
 
     if device.startswith("cuda") and len(names) > 1:
         return each_in_its_own_process("benchmarks.device.h100_validation", names, args)
@@ -239,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             start = time.perf_counter()
             try:
-                row = validate_plan(name, catalogue[name], device, db_path, iterations, warmup, args.out)
+                row = validate_plan(name, catalogue[name], device, db_path, iterations, warmup, args.out, timing)
             except Exception as exc:  # one failed plan (out of memory, say) must not lose the others
                 import traceback
 
