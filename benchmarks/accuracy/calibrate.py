@@ -210,7 +210,9 @@ def main() -> None:
     print(f"traced and prepared {len(plans)} runs in {time.perf_counter() - start:.0f} s")
     space = JointSpace(plans, FITTED, fixed=FIXED, scope=scope)
     fit = fit_constants([p for p in plans if in_fit(p)], FITTED, space=space, max_nfev=args.max_evals, verbose=2)
-    print(f"fitted {len(space.params)} constants in {time.perf_counter() - start:.0f} s\n")
+    print(f"fitted {len(space.params)} constants in {time.perf_counter() - start:.0f} s: {fit.evaluations} "
+          f"evaluations and {fit.jacobians} Jacobians, {fit.predictions} plan predictions; "
+          f"{'converged' if fit.converged else 'stopped at --max-evals, not converged'}\n")
     print(report(fit, plans))
     if not args.dry_run:
         command = ".venv/bin/python -m benchmarks.accuracy.calibrate --into-package"

@@ -131,7 +131,7 @@ class CommModel:
         return _rank_signatures(self.layout)
 
     def placement(self, group: ParallelGroup, *, pipeline_rank: int = 0) -> GroupPlacement:
-        return self.layout.placement(group, pipeline_rank=pipeline_rank)
+        return _placement(self.layout, group, pipeline_rank)
 
     def time_ns(self, kind: CollectiveKind, nbytes: int, group: ParallelGroup, *,
                 pipeline_rank: int = 0) -> float:
@@ -276,6 +276,13 @@ def measured_latency(name: str) -> tuple[float, float]:
     slope, _ = np.polyfit(steps, zero, 1)
     slope = max(float(slope), 0.0)
     return max(float(np.mean(zero)) - slope * float(np.mean(steps)), 0.0), slope
+
+
+@lru_cache(maxsize=4096)
+def _placement(layout: Layout, group: ParallelGroup, pipeline_rank: int) -> GroupPlacement:
+    """A group's placement depends on the layout alone: looked up, as every collective of every
+    estimate asks for it."""
+    return layout.placement(group, pipeline_rank=pipeline_rank)
 
 
 @lru_cache(maxsize=1024)
