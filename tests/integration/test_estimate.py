@@ -185,7 +185,9 @@ def test_same_llama_plan_gives_byte_identical_json_in_two_processes(tmp_path, ru
                      "sequence_parallel": True, "recompute": "selective"},
         "training": {"global_batch_size": 16, "schedule": "interleaved_1f1b", "grad_reduce": "overlap"},
         "cluster": {"preset": "dgx-h100"}}))
-    first, second = (run_cli("estimate", str(plan), "--format", "json", check=True).stdout for _ in range(2))
+    # no trace cache: the second process must trace again, not read the first one's trace back
+    first, second = (run_cli("estimate", str(plan), "--format", "json", "--no-cache", check=True).stdout
+                     for _ in range(2))
     assert first == second
     assert json.loads(first)["memory_gib_per_stage"]
 
