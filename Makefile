@@ -26,7 +26,7 @@ run: setup  ## the main job: estimate Qwen3 8B in bf16 on 64 H100
 	$(VENV)/bin/vtrain estimate examples/plans/qwen3_8b_64gpu_h100.yaml
 
 test: setup  ## the test suite (import layering included), on TEST_WORKERS processes
-	$(PY) -m pytest tests -n $(TEST_WORKERS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist worksteal
 
 lint: setup  ## pyflakes and the import-linter layer contract, where installed
 	@if $(PY) -m pyflakes --version >/dev/null 2>&1; then $(PY) -m pyflakes vtrain_plugin megatron_adapters profiler tests benchmarks; \
