@@ -11,6 +11,7 @@ from vtrain_plugin.core.graph import BlockKind, CollectiveNode, OpNode, Phase
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.lowering.stacks import map_nodes
 from vtrain_plugin.cost.lowering.fp8 import fp8_weight_numel
+from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta
 from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
@@ -220,7 +221,7 @@ def test_fused_attention_keeps_activations_linear_in_the_sequence(family, sequen
     for s in (32, 64, 128):
         layer = _trace(family, sequence_parallel=sequence_parallel, seq_length=s).stages[0].layer_template()
         traced[s] = layer.activation_nbytes
-        fused[s] = layer.activation_nbytes + fused_attention_saved_delta(layer.nodes)
+        fused[s] = layer.activation_nbytes + dropout_mask_delta(layer) + fused_attention_saved_delta(layer.nodes)
     assert traced[64] > 2 * traced[32]
     assert (fused[64], fused[128]) == (2 * fused[32], 4 * fused[32])
 
