@@ -166,6 +166,13 @@ def first_stage(model, plan, training):
     return est.memory_gib[0], est.num_microbatches
 
 
+def fused_attention_step(model, plan) -> int:
+    """What the first stage's traced step holds beside its activations and what its backward adds,
+    outside the core attention (the TE stack's, tests/integration/test_backward_peak_memory.py)."""
+    stage = trace(model, plan).stage(0)
+    return stage.held_outside_attention_nbytes + stage.backward_peak_outside_attention_nbytes
+
+
 SP_SELECTIVE = [
     pytest.param(ParallelPlan(tensor_parallel=2, data_parallel=2, sequence_parallel=True, micro_batch_size=B,
                               recompute="selective"), 2, False, id="tp2 sp pp1 dp2"),
@@ -200,6 +207,7 @@ def test_gpt_first_stage_is_megatrons_theoretical_memory_plus_the_traced_extras(
                          + chunk_extras(S, B, last=pp == 1))
     if pp == 1:
         extras += head_extras(plan, S, B, TE_STATISTIC)
+    extras += fused_attention_step(GPT, plan)
     assert memory.activations_gib * GIB == pytest.approx(megatron_activation_bytes(GPT, plan, m) + extras, rel=1e-12)
 
 
@@ -216,12 +224,13 @@ def test_gpt_interleaved_holds_megatrons_in_flight_layers():
                  + S * S)
     embedding = 8 * S * B + S * B + 8 * S + S * B * H // plan.tensor_parallel  # tokens, mask, positions, dropout
     # the peak (right after the fourth chunk-0 forward) holds 4 chunk-0 and 1 chunk-1 micro-batches
-    assert memory.activations_gib * GIB == 5 * per_chunk + 4 * embedding
+    step = fused_attention_step(GPT, plan)
+    assert memory.activations_gib * GIB == 5 * per_chunk + 4 * embedding + step
     # Megatron scales the embedding by the same penalty (pp x 1.25 = 2.5 micro-batches' worth); the
     # first chunk of the first rank holds 4 micro-batches at that peak, which the walk counts
     megatron_embedding = (8 * S * B + S * B * H) / plan.tensor_parallel
     explained = (5 * (L // (pp * v) * layer_extras(plan, S, B, H, A, TE_STATISTIC, GPU_MASK) + S * S) + 4 * embedding
-                 - 2.5 * megatron_embedding)
+                 - 2.5 * megatron_embedding + step)
     assert memory.activations_gib * GIB == pytest.approx(megatron_activation_bytes(GPT, plan, m) + explained, rel=1e-12)
 
 

@@ -21,10 +21,10 @@ TransformerEngine in FP8 (or FP4) keeps a quantised copy of each linear weight a
 byte per element, its transpose kept beside it, Megatron-Core's ``post_all_gather_processing``): the
 linear weights have no model-dtype copy (their fp32 main weights are the optimizer's, as always).
 What the traced step holds beside its saved activations and what its backward adds at its peak
-(megatron-core's global buffer of attention scores, a recomputed layer, score-sized gradients) are
-those of the traced local attention; TransformerEngine's fused attention has neither the buffer nor
-the score-sized tensors, and what it holds instead is not yet measured: with ``megatron_core_te``
-they are left out (so is the recomputed layer of full recompute, a known underestimate).
+(megatron-core's global buffer of attention scores, a recomputed layer, score-sized gradients, the
+logits' gradient) count for every stack; TransformerEngine's fused attention has neither the buffer
+nor the score-sized tensors, so with it they are those measured outside the core attention (the
+fused kernel's own gradients of queries, keys and values, as large as its inputs, are left out).
 CUDA graphs add their static buffers to the allowance (:func:`~vtrain_plugin.cost.cuda_graphs.graph_pool_gib`).
 Activation offloading moves what :func:`~vtrain_plugin.cost.activation_offload.offloaded_nbytes` says
 of each layer to host memory, less one layer's worth per rank that megatron-core keeps.
@@ -88,7 +88,8 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
     memory = rank_memory(graph, peak_live, distributed_optimizer=training is not None and training.distributed_optimizer,
                          gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
                          optimizer=None if training is None else training.optimizer,
-                         backward_peaks=stack is not SoftwareStack.MEGATRON_CORE_TE)
+                         backward_peaks=True,
+                         fused_attention=te and not (training is not None and training.unfused_attention))
     if offload is not None:  # the last group of each name stays: one layer's offloaded bytes per rank
         kept = [0.0] * graph.parallel.pipeline_parallel
         for stage, nbytes in zip(graph.stages, moved):
