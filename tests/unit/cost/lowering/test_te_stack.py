@@ -12,7 +12,7 @@ from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.lowering.stacks import map_nodes
 from vtrain_plugin.cost.lowering.fp8 import fp8_weight_numel
 from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta
-from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta
+from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta, fused_softmax_saved_delta
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.specs.model import ModelSpec
@@ -224,6 +224,13 @@ def test_fused_attention_keeps_activations_linear_in_the_sequence(family, sequen
         fused[s] = layer.activation_nbytes + dropout_mask_delta(layer) + fused_attention_saved_delta(layer.nodes)
     assert traced[64] > 2 * traced[32]
     assert (fused[64], fused[128]) == (2 * fused[32], 4 * fused[32])
+
+
+def test_a_fused_softmax_keeps_its_output_in_the_model_dtype(gpt):
+    """TE's unfused attention and Megatron's scaled masked softmax (megatron_deepspeed_2023) keep the
+    probabilities in bf16 where the traced softmax keeps fp32: 2 bytes less per score."""
+    assert fused_softmax_saved_delta(gpt.stages[0].layer_template().nodes) == -2 * MB * HP * S * S
+    assert fused_softmax_saved_delta(_trace("llama", recompute="selective").stages[0].layer_template().nodes) == 0
 
 
 def test_no_delta_when_attention_is_recomputed():
