@@ -30,3 +30,12 @@ def read_runs(data_dir: Path = DEFAULT_DATA_DIR) -> list[MeasuredRun]:
 def test_case_of(name: str) -> str:
     """The test case of a run's name (its A100 and H100 runs are one case)."""
     return name.rsplit(" (", 1)[0]
+
+
+def read_memory(data_dir: Path = DEFAULT_DATA_DIR) -> dict[str, tuple[str, float]]:
+    """The test family (``gpt``, ``moe``) and ``mem-max-allocated-bytes`` in GiB of each run that
+    logged it, by :func:`read_runs`'s run name: ``max allocated`` of the last rank (with PP > 1, of
+    the last pipeline stage)."""
+    with open(data_dir / CI_CSV, newline="") as f:
+        return {f"{r['case']} ({r['gpu']})": (r["family"], float(r["measured_mem_gib"]))
+                for r in csv.DictReader(f) if r.get("measured_mem_gib")}

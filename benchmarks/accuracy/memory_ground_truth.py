@@ -1,40 +1,102 @@
-"""Predicted peak allocated against what the lent H100 measured, plan by plan (not a pass/fail test).
+"""Predicted peak allocated against measured peaks, run by run (not a pass/fail test): the lent H100
+and NVIDIA's Megatron-LM functional tests.
 
-Reads ``benchmarks/results/h100_validation.csv`` (``torch.cuda.max_memory_allocated`` of six
-single-GPU plans trained with megatron-core's local spec, ``benchmarks/device/h100_validation.py``)
-and estimates each plan again with today's code, exactly as that script does (the single-device
-run of the plan, the estimate's peak allocated: tensors without the allowance). Prints the table
-and the mean absolute error; needs no GPU (the measured side is the CSV).
+Two sets: ``benchmarks/results/h100_validation.csv`` (``torch.cuda.max_memory_allocated`` of six
+single-GPU plans trained with megatron-core's local spec, ``benchmarks/device/h100_validation.py``),
+each plan estimated again exactly as that script does (the single-device run of the plan); and the
+99 functional-test runs of :mod:`benchmarks.accuracy.ci_data` (Megatron-Core with TransformerEngine
+or the local spec, DGX A100 / H100), whose ``mem-max-allocated-bytes`` is the last rank's: with
+PP > 1 a rank of the last pipeline stage, so the prediction is that stage's. Both compare the
+estimate's peak allocated (tensors, without the allowance) and need no GPU (the measured side is
+data). Prints per-run tables, MAPE and bias per set, per family and GPU, and the worst runs.
 
-Run with ``.venv/bin/python -m benchmarks.accuracy.memory_ground_truth`` (a minute or two per
-plan to trace on two cores, seconds once cached).
+Run with ``.venv/bin/python -m benchmarks.accuracy.memory_ground_truth [--set h100|ci|all]
+[--out FILE]`` (seconds per run once traced; a cold trace cache takes a minute per model).
 """
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
+from benchmarks.accuracy import ci_data
+from benchmarks.accuracy.a100_data import error_stats
 from benchmarks.device.h100_validation import PLANS
 from vtrain_plugin.cli.render import render_table
+from vtrain_plugin.core.errors import VTrainError
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.measured.one_device import single_device_run
 from vtrain_plugin.runs import run_config_from_dict
 
 CSV = Path(__file__).resolve().parents[1] / "results" / "h100_validation.csv"
+WORST = 10  # runs listed by largest error
 
 
-def main() -> None:
+def h100_rows() -> list[tuple[str, str, float, float]]:
+    """``(group, plan, predicted GiB, measured GiB)`` of each plan the lent H100 measured."""
     measured = pd.read_csv(CSV).set_index("plan")["measured_peak_gib"]
-    rows, errors = [], []
+    rows = []
     for plan, gib in measured.items():
         single, _ = single_device_run(run_config_from_dict(PLANS[plan], source=plan), "cpu")
-        predicted = estimate(single, profile_db=False).peak_allocated_gib
-        errors.append(100 * (predicted / gib - 1))
-        rows.append([plan, f"{predicted:.2f}", f"{gib:.2f}", f"{errors[-1]:+.1f}%"])
-    print(render_table(rows, ["plan", "predicted GiB", "measured GiB", "error"]))
-    print(f"mean absolute error {sum(map(abs, errors)) / len(errors):.1f}% over {len(errors)} plans")
+        rows.append(("local H100", plan, estimate(single, profile_db=False).peak_allocated_gib, float(gib)))
+    return rows
+
+
+def ci_rows() -> tuple[list[tuple[str, str, float, float]], list[str]]:
+    """``(family GPU, run, predicted GiB of the last pipeline stage, measured GiB)`` of each
+    functional-test run that logged its peak, and the runs vtrain refused (one line each)."""
+    measured = ci_data.read_memory()
+    rows, refused = [], []
+    for run in ci_data.read_runs():
+        if run.name not in measured:
+            continue
+        try:
+            est = estimate(run.run, profile_db=False)
+        except VTrainError as e:
+            refused.append(f"{run.name}: {e}")
+            continue
+        family, gib = measured[run.name]
+        rows.append((f"{family} {run.config['gpu'].split('-')[0].upper()}", run.name, est.memory_gib[-1].tensors_gib,
+                     gib))
+    return rows, refused
+
+
+def report(title: str, rows: Sequence[tuple[str, str, float, float]]) -> str:
+    """The per-run table, then MAPE and bias per group and overall, then the worst runs."""
+    table = [[name, f"{p:.3f}", f"{m:.3f}", f"{100 * (p / m - 1):+.1f}%"] for _, name, p, m in rows]
+    groups = sorted({g for g, *_ in rows})
+    stats = []
+    for label, pick in [*((g, [r for r in rows if r[0] == g]) for g in groups), ("all", list(rows))]:
+        s = error_stats([r[2] for r in pick], [r[3] for r in pick])
+        stats.append([label, str(s.count), f"{s.mape:.1f}%", f"{s.bias:+.1f}%", f"{s.p90:.1f}%"])
+    worst = sorted(rows, key=lambda r: -abs(r[2] / r[3] - 1))[:WORST]
+    return "\n\n".join([
+        f"{title}\n" + render_table(table, ["run", "predicted GiB", "measured GiB", "error"]),
+        render_table(stats, ["set", "runs", "MAPE", "bias", "p90 |error|"]),
+        f"worst {len(worst)}\n" + render_table([[n, f"{100 * (p / m - 1):+.1f}%"] for _, n, p, m in worst],
+                                               ["run", "error"])])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", choices=("h100", "ci", "all"), default="all")
+    parser.add_argument("--out", type=Path, help="also write the report to this file")
+    args = parser.parse_args(argv)
+    parts = []
+    if args.set in ("h100", "all"):
+        parts.append(report("H100 ground truth (local spec, torch.cuda.max_memory_allocated)", h100_rows()))
+    if args.set in ("ci", "all"):
+        rows, refused = ci_rows()
+        parts.append(report("Megatron-LM functional tests (mem-max-allocated-bytes of the last rank)", rows))
+        if refused:
+            parts.append(f"refused {len(refused)}\n" + "\n".join(refused))
+    text = "\n\n".join(parts)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

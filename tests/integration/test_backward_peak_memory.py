@@ -35,6 +35,20 @@ def test_the_step_holds_megatrons_global_score_buffer(recompute):
     assert stage.held_nbytes == B * A * S * S * 2 + B * S * 4 + 2 * 4
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_outside_the_core_attention_the_step_holds_the_losses_and_the_logits_gradient(recompute):
+    """What a fused attention kernel's step holds (TransformerEngine): the same measure without what
+    the local core attention allocates. No score buffer is held; without full recompute the backward
+    peaks at the gradient of the bf16 logits (s x b x padded vocabulary 1024), with selective
+    recompute too (the rebuilt scores were the core attention's)."""
+    stage = _stage("gpt", recompute)
+    assert stage.held_outside_attention_nbytes == B * S * 4 + 2 * 4
+    if recompute == "full":  # a layer's activations rebuilt, less its attention's score-sized tensors
+        assert S * B * 1024 * 2 < stage.backward_peak_outside_attention_nbytes < stage.backward_peak_nbytes
+    else:
+        assert stage.backward_peak_outside_attention_nbytes == S * B * 1024 * 2
+
+
 def test_full_recompute_rebuilds_a_whole_layer_during_its_backward():
     """Under full recompute a layer keeps only its input, but its backward runs its forward again
     and holds everything the layer saves without recompute: the backward rises by at least that,

@@ -22,8 +22,8 @@ to the byte:
 * parameters: the formula counts no linear biases and no learned position embedding, divides
   every parameter by ``t`` and gives each layer ``4 h`` of norm weights; the traced shards keep the
   row-parallel biases and the norms whole on every TP rank, and RMSNorm has ``h`` weights per norm;
-* activations: the local spec keeps its dropout masks in the model dtype (2 bytes, not the paper's
-  1), the attention softmax in fp32 (4 bytes, not 2), the LayerNorm statistics (mean and rstd of
+* activations: the local spec as traced on the CPU keeps its dropout masks in the model dtype (2
+  bytes, not the paper's 1; an estimate counts them as a GPU keeps them, 1 byte), the attention softmax in fp32 (4 bytes, not 2), the LayerNorm statistics (mean and rstd of
   each token, in the model dtype on the traced CPU), and the checkpointed core attention one int32
   scalar; the embedding keeps its token ids (not divided by ``t``), position ids and, with TP, a
   1-byte mask of out-of-shard ids; the loss its labels and target mask; and every chunk the 1-byte
@@ -109,15 +109,16 @@ def llama_parameters(model: ModelSpec, plan: ParallelPlan, *, first: bool, last:
     return layers * layer + (v * h // t if first else 0) + (h + v * h // t if last else 0)
 
 
-def layer_extras(plan: ParallelPlan, s: int, b: int, h: int, a: int, statistic: int = 2) -> int:
+def layer_extras(plan: ParallelPlan, s: int, b: int, h: int, a: int, statistic: int = 2, mask: int = 2) -> int:
     """Traced bytes of one GPT layer beyond Korthikanti's Table 2 (2-byte activations); norm
     statistics of ``statistic`` bytes (2 as torch's bf16 LayerNorm keeps them; TE's fused LayerNorm
-    keeps them in fp32, :data:`TE_STATISTIC`)."""
+    keeps them in fp32, :data:`TE_STATISTIC`), dropout masks of ``mask`` bytes per element (2 as
+    traced on the CPU, 1 as an estimate for a GPU keeps them, :data:`GPU_MASK`)."""
     t = plan.tensor_parallel
     split = t if plan.sequence_parallel else 1  # what sequence parallelism divides
     if plan.recompute.value == "full":
         return 0
-    masks = 2 * s * b * h // split  # two hidden dropout masks at 2 bytes instead of 1
+    masks = 2 * s * b * h // split * (mask - 1)  # two hidden dropout masks, the paper's at 1 byte
     statistics = 2 * 2 * (s // split) * b * statistic  # two norms' mean and rstd per token
     if plan.recompute.value == "selective":
         return masks + statistics + 4  # the int32 scalar the checkpointed attention keeps
@@ -136,10 +137,10 @@ def korthikanti_layer(plan: ParallelPlan, s: int, b: int, h: int, a: int) -> flo
     return s * b * h * (10 + 24 / t + attention)
 
 
-def embedding_extras(plan: ParallelPlan, s: int, b: int, h: int) -> float:
-    """Traced embedding bytes minus Megatron's (8 s b + s b h) / t."""
+def embedding_extras(plan: ParallelPlan, s: int, b: int, h: int, mask: int = 2) -> float:
+    """Embedding bytes (dropout mask of ``mask`` bytes per element) minus Megatron's (8 s b + s b h) / t."""
     t = plan.tensor_parallel
-    traced = 8 * s * b + (s * b if t > 1 else 0) + 8 * s + 2 * s * b * h // t
+    traced = 8 * s * b + (s * b if t > 1 else 0) + 8 * s + mask * s * b * h // t
     return traced - (8 * s * b + s * b * h) / t
 
 
@@ -155,6 +156,7 @@ def head_extras(plan: ParallelPlan, s: int, b: int, statistic: int = 2) -> float
 
 
 TE_STATISTIC = 4  # the estimates run bf16 on TransformerEngine: fp32 norm statistics (cost/te_saved.py)
+GPU_MASK = 1  # and keep dropout masks as a GPU does, a byte per element (cost/lowering/dropout_masks.py)
 
 
 # -- the plans --------------------------------------------------------------------------------------
@@ -162,6 +164,13 @@ TE_STATISTIC = 4  # the estimates run bf16 on TransformerEngine: fp32 norm stati
 def first_stage(model, plan, training):
     est = estimate(trace(model, plan), cluster=CLUSTER, training=training)
     return est.memory_gib[0], est.num_microbatches
+
+
+def fused_attention_step(model, plan) -> int:
+    """What the first stage's traced step holds beside its activations and what its backward adds,
+    outside the core attention (the TE stack's, tests/integration/test_backward_peak_memory.py)."""
+    stage = trace(model, plan).stage(0)
+    return stage.held_outside_attention_nbytes + stage.backward_peak_outside_attention_nbytes
 
 
 SP_SELECTIVE = [
@@ -193,10 +202,12 @@ def test_gpt_first_stage_is_megatrons_theoretical_memory_plus_the_traced_extras(
     # activations: Megatron's formula plus, per micro-batch in flight, the extras
     inflight = min(pp, m)
     assert memory.inflight_microbatches == inflight
-    extras = inflight * (layers * layer_extras(plan, S, B, H, A, TE_STATISTIC) + embedding_extras(plan, S, B, H)
+    extras = inflight * (layers * layer_extras(plan, S, B, H, A, TE_STATISTIC, GPU_MASK)
+                         + embedding_extras(plan, S, B, H, GPU_MASK)
                          + chunk_extras(S, B, last=pp == 1))
     if pp == 1:
         extras += head_extras(plan, S, B, TE_STATISTIC)
+    extras += fused_attention_step(GPT, plan)
     assert memory.activations_gib * GIB == pytest.approx(megatron_activation_bytes(GPT, plan, m) + extras, rel=1e-12)
 
 
@@ -209,15 +220,17 @@ def test_gpt_interleaved_holds_megatrons_in_flight_layers():
     training = TrainingSpec(global_batch_size=4 * 2 * B, schedule="interleaved_1f1b", distributed_optimizer=True)
     memory, m = first_stage(GPT, plan, training)
     assert memory.inflight_microbatches == (1 + (pp - 1) / (pp * v)) * pp * v == 5
-    per_chunk = L // (pp * v) * (korthikanti_layer(plan, S, B, H, A) + layer_extras(plan, S, B, H, A, TE_STATISTIC)) + S * S
-    embedding = 8 * S * B + S * B + 8 * S + 2 * S * B * H // plan.tensor_parallel  # tokens, mask, positions, dropout
+    per_chunk = (L // (pp * v) * (korthikanti_layer(plan, S, B, H, A) + layer_extras(plan, S, B, H, A, TE_STATISTIC, GPU_MASK))
+                 + S * S)
+    embedding = 8 * S * B + S * B + 8 * S + S * B * H // plan.tensor_parallel  # tokens, mask, positions, dropout
     # the peak (right after the fourth chunk-0 forward) holds 4 chunk-0 and 1 chunk-1 micro-batches
-    assert memory.activations_gib * GIB == 5 * per_chunk + 4 * embedding
+    step = fused_attention_step(GPT, plan)
+    assert memory.activations_gib * GIB == 5 * per_chunk + 4 * embedding + step
     # Megatron scales the embedding by the same penalty (pp x 1.25 = 2.5 micro-batches' worth); the
     # first chunk of the first rank holds 4 micro-batches at that peak, which the walk counts
     megatron_embedding = (8 * S * B + S * B * H) / plan.tensor_parallel
-    explained = (5 * (L // (pp * v) * layer_extras(plan, S, B, H, A, TE_STATISTIC) + S * S) + 4 * embedding
-                 - 2.5 * megatron_embedding)
+    explained = (5 * (L // (pp * v) * layer_extras(plan, S, B, H, A, TE_STATISTIC, GPU_MASK) + S * S) + 4 * embedding
+                 - 2.5 * megatron_embedding + step)
     assert memory.activations_gib * GIB == pytest.approx(megatron_activation_bytes(GPT, plan, m) + explained, rel=1e-12)
 
 

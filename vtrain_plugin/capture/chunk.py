@@ -39,6 +39,8 @@ class ChunkTrace:
     activation_dtype: str
     held_nbytes: int = 0  # StageGraph.held_nbytes and backward_peak_nbytes, as the recorder measured them
     backward_peak_nbytes: int = 0
+    held_outside_attention_nbytes: int = 0  # and their StageGraph.*_outside_attention_nbytes
+    backward_peak_outside_attention_nbytes: int = 0
     # Folded blocks per chunk layer count, filled by the tracer: every stage of this role (in every
     # plan that shares the trace) gets the same blocks, folded once. Not part of the stored form.
     # (keyed by the layer count; by the layer kinds, True for MoE, of a chunk that mixes MoE and dense
@@ -53,7 +55,9 @@ class ChunkTrace:
                 "expert_params_by_block": {k: list(n) for k, n in self.expert_params_by_block.items()},
                 "word_embedding_params": self.word_embedding_params,
                 "activation_shape": list(self.activation_shape), "activation_dtype": self.activation_dtype,
-                "held_nbytes": self.held_nbytes, "backward_peak_nbytes": self.backward_peak_nbytes}
+                "held_nbytes": self.held_nbytes, "backward_peak_nbytes": self.backward_peak_nbytes,
+                "held_outside_attention_nbytes": self.held_outside_attention_nbytes,
+                "backward_peak_outside_attention_nbytes": self.backward_peak_outside_attention_nbytes}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ChunkTrace:
@@ -64,7 +68,9 @@ class ChunkTrace:
                    word_embedding_params=int(d["word_embedding_params"]),
                    activation_shape=tuple(int(n) for n in d["activation_shape"]),
                    activation_dtype=str(d["activation_dtype"]), held_nbytes=int(d["held_nbytes"]),
-                   backward_peak_nbytes=int(d["backward_peak_nbytes"]))
+                   backward_peak_nbytes=int(d["backward_peak_nbytes"]),
+                   held_outside_attention_nbytes=int(d["held_outside_attention_nbytes"]),
+                   backward_peak_outside_attention_nbytes=int(d["backward_peak_outside_attention_nbytes"]))
 
 
 def plan_shape_key(plan: ParallelPlan) -> tuple:

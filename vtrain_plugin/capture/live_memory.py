@@ -7,6 +7,11 @@ autograd frees saved tensors after their node runs). Parameters' storages and te
 recording are never counted; a parameter's gradient (``.grad``, which the trace keeps where
 Megatron's DDP adds it into its gradient buffer and frees it) is left out of the whole backward.
 
+Both are also measured without the storages that ops of a core attention create (its global score
+buffer, its score-sized tensors and their gradients, in forward, recompute and backward alike): what
+a stack whose fused attention kernel allocates none of those holds (its own outputs and gradients,
+the size of queries, keys and values, are left out with them).
+
 Why: the saved activations are not the peak. Under full recompute the backward of each layer runs
 its forward again and keeps all of that layer's activations while it back-propagates through them,
 with the gradients in flight (score-sized ones in an unfused attention), and megatron-core's local
@@ -23,19 +28,23 @@ import torch
 
 
 class LiveMemory:
-    """Counts the storages of op outputs: :attr:`held_nbytes` and :meth:`backward_peak`."""
+    """Counts the storages of op outputs: :attr:`held_nbytes` and :meth:`backward_peak`, with and
+    without what core attentions allocate."""
 
     def __init__(self, excluded: set[int]) -> None:
         self._excluded = excluded  # storage keys never counted (the parameters')
         self._storages: dict[int, list[int]] = {}  # key -> [nbytes, tensors alive, allocation id]
         self._events: list[tuple[int, int]] = []  # (allocation id, +/- bytes), in order
         self._backward_start: int | None = None  # events before the backward began
+        self._attention: set[int] = set()  # allocation ids created by a core attention's ops
         self.held_nbytes = 0  # alive when the backward began, in no saved tensor
+        self.held_outside_attention_nbytes = 0  # of those, not created by a core attention
         self._allocations = 0
 
-    def saw(self, func, out) -> None:
+    def saw(self, func, out, attention: bool = False) -> None:
         """Count the storages ``func`` created (not those of a view or in-place result of an
-        uncounted tensor) and follow every output tensor to its death."""
+        uncounted tensor) and follow every output tensor to its death; ``attention``: ``func`` runs
+        in a core attention."""
         aliasing = any(r.alias_info is not None for r in func._schema.returns)
         for tensor in _tensors(out):
             try:
@@ -50,6 +59,8 @@ class LiveMemory:
                 self._allocations += 1
                 entry = self._storages[key] = [storage.nbytes(), 0, self._allocations]
                 self._events.append((entry[2], entry[0]))
+                if attention:
+                    self._attention.add(entry[2])
             entry[1] += 1
             weakref.finalize(tensor, self._release, key, entry[2])
 
@@ -65,17 +76,22 @@ class LiveMemory:
     def begin_backward(self, saved: set[int]) -> None:
         """The backward begins; ``saved``: the storage keys of the tensors saved for it."""
         self._backward_start = len(self._events)
-        self.held_nbytes = sum(nbytes for key, (nbytes, _, _) in self._storages.items() if key not in saved)
+        held = [(nbytes, allocation) for key, (nbytes, _, allocation) in self._storages.items() if key not in saved]
+        self.held_nbytes = sum(nbytes for nbytes, _ in held)
+        self.held_outside_attention_nbytes = sum(nbytes for nbytes, a in held if a not in self._attention)
 
-    def backward_peak(self, gradients: Iterable[torch.Tensor]) -> int:
+    def backward_peak(self, gradients: Iterable[torch.Tensor], *, outside_attention: bool = False) -> int:
         """The most the bytes alive rose above their level when the backward began, without the
-        storages of ``gradients`` (the parameters' ``.grad`` now); 0 before any backward."""
+        storages of ``gradients`` (the parameters' ``.grad`` now), and with ``outside_attention``
+        without those a core attention created; 0 before any backward."""
         if self._backward_start is None:
             return 0
-        grads = {self._storages[k][2] for k in (g.untyped_storage()._cdata for g in gradients) if k in self._storages}
+        skipped = {self._storages[k][2] for k in (g.untyped_storage()._cdata for g in gradients) if k in self._storages}
+        if outside_attention:
+            skipped |= self._attention
         live = peak = 0
         for allocation, delta in self._events[self._backward_start:]:
-            if allocation not in grads:
+            if allocation not in skipped:
                 live += delta
                 peak = max(peak, live)
         return peak

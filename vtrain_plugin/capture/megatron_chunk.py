@@ -98,7 +98,9 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
                       word_embedding_params=word_embedding,
                       activation_shape=stage_input_shape(local, plan),
                       activation_dtype=Dtype(model.dtype).torch_name,
-                      held_nbytes=recorder.held_nbytes, backward_peak_nbytes=recorder.backward_peak_nbytes)
+                      held_nbytes=recorder.held_nbytes, backward_peak_nbytes=recorder.backward_peak_nbytes,
+                      held_outside_attention_nbytes=recorder.held_outside_attention_nbytes,
+                      backward_peak_outside_attention_nbytes=recorder.backward_peak_outside_attention_nbytes)
 
 
 def _parameter_counts(module: torch.nn.Module

@@ -88,6 +88,9 @@ class OpRecorder:
         # measured when the backward ends (StageGraph.held_nbytes, backward_peak_nbytes)
         self.held_nbytes = 0
         self.backward_peak_nbytes = 0
+        # the same without the storages core attentions create (LiveMemory)
+        self.held_outside_attention_nbytes = 0
+        self.backward_peak_outside_attention_nbytes = 0
         self._backward_measured = False
         self._module_override: str | None = None
         self._default_module = ""
@@ -127,8 +130,11 @@ class OpRecorder:
         if self._backward_measured:
             return
         self._backward_measured = True
-        self.backward_peak_nbytes = self._live.backward_peak(p.grad for p in self._params if p.grad is not None)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        self.backward_peak_nbytes = self._live.backward_peak(grads)
+        self.backward_peak_outside_attention_nbytes = self._live.backward_peak(grads, outside_attention=True)
         self.held_nbytes = self._live.held_nbytes
+        self.held_outside_attention_nbytes = self._live.held_outside_attention_nbytes
 
     def module(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Attribute ops run outside any module forward (e.g. optimizer steps) to ``name``."""
@@ -245,7 +251,7 @@ class OpRecorder:
 
     def _record(self, func, args, kwargs, out) -> None:
         phase, module = self._current()
-        self._live.saw(func, out)
+        self._live.saw(func, out, is_core_attention_module(module))
         if func in collective_ops:
             self.records.append(self._collective(func, args, kwargs, out, phase, module))
             return

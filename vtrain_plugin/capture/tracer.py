@@ -306,8 +306,7 @@ def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int,
             for block in folded)
     return StageGraph(pipeline_rank=rank, chunk=chunk, blocks=blocks,
                       activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,
-                      word_embedding_parameters=traced.word_embedding_params, held_nbytes=traced.held_nbytes,
-                      backward_peak_nbytes=traced.backward_peak_nbytes)
+                      word_embedding_parameters=traced.word_embedding_params, **_held(traced))
 
 
 def _assemble_hybrid_stage(traced: ChunkTrace, model: ModelSpec, rank: int, pattern: str) -> StageGraph:
@@ -320,8 +319,14 @@ def _assemble_hybrid_stage(traced: ChunkTrace, model: ModelSpec, rank: int, patt
             _with_parameters(traced, block) for block in folding.fold_hybrid_layers(traced.blocks, kinds, pattern))
     return StageGraph(pipeline_rank=rank, chunk=0, blocks=blocks,
                       activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,
-                      word_embedding_parameters=traced.word_embedding_params, held_nbytes=traced.held_nbytes,
-                      backward_peak_nbytes=traced.backward_peak_nbytes)
+                      word_embedding_parameters=traced.word_embedding_params, **_held(traced))
+
+
+def _held(traced: ChunkTrace) -> dict[str, int]:
+    """The StageGraph fields of what the traced step held beside its activations."""
+    return {"held_nbytes": traced.held_nbytes, "backward_peak_nbytes": traced.backward_peak_nbytes,
+            "held_outside_attention_nbytes": traced.held_outside_attention_nbytes,
+            "backward_peak_outside_attention_nbytes": traced.backward_peak_outside_attention_nbytes}
 
 
 def _with_parameters(traced: ChunkTrace, block):

@@ -24,9 +24,9 @@ if TYPE_CHECKING:  # the specs layer sits above core; the graph only holds its v
     from vtrain_plugin.specs.model import ModelSpec
     from vtrain_plugin.specs.parallel import ParallelPlan
 
-SCHEMA_VERSION = 7  # 2: model and parallel are specs, module_name names a plain module; 3: parameter_numels;
+SCHEMA_VERSION = 8  # 2: model and parallel are specs, module_name names a plain module; 3: parameter_numels;
 # 4: expert_parameter_numels; 5: the causal mask the layers' core attention keeps is a stage block of its own;
-# 6: saved_by_module; 7: a stage's held and backward peak bytes
+# 6: saved_by_module; 7: a stage's held and backward peak bytes; 8: both outside the core attention
 
 Scalar = Union[int, float, bool, str, None]
 
@@ -289,6 +289,10 @@ class StageGraph:
     # (vtrain_plugin.capture.live_memory). 0: not measured (a plain module).
     held_nbytes: int = 0
     backward_peak_nbytes: int = 0
+    # The same without the storages that ops of a core attention create (its global score buffer,
+    # score-sized tensors and gradients): what a stack with a fused attention kernel holds
+    held_outside_attention_nbytes: int = 0
+    backward_peak_outside_attention_nbytes: int = 0
 
     @property
     def num_parameters(self) -> int:
@@ -332,6 +336,8 @@ class StageGraph:
             "word_embedding_parameters": self.word_embedding_parameters,
             "held_nbytes": self.held_nbytes,
             "backward_peak_nbytes": self.backward_peak_nbytes,
+            "held_outside_attention_nbytes": self.held_outside_attention_nbytes,
+            "backward_peak_outside_attention_nbytes": self.backward_peak_outside_attention_nbytes,
             "blocks": [b.to_dict() for b in self.blocks],
         }
 
@@ -345,6 +351,8 @@ class StageGraph:
             word_embedding_parameters=d["word_embedding_parameters"],
             held_nbytes=d["held_nbytes"],
             backward_peak_nbytes=d["backward_peak_nbytes"],
+            held_outside_attention_nbytes=d["held_outside_attention_nbytes"],
+            backward_peak_outside_attention_nbytes=d["backward_peak_outside_attention_nbytes"],
             blocks=tuple(Block.from_dict(b) for b in d["blocks"]),
         )
 

@@ -6,7 +6,7 @@ module in ``off_interface``: every tensor autograd saves inside it (parameters e
 ``min_offloaded_tensor_size`` elements is copied device-to-host on a side stream when the group
 commits after its forward, and host-to-device on another side stream when the layer's backward
 starts. The bytes come from the trace (``Block.saved_by_module``) as the stack keeps them
-(TransformerEngine's own saves: :func:`~vtrain_plugin.cost.lowering.te_saved.te_saved_by_module`,
+(dropout masks at a byte per element, :mod:`~vtrain_plugin.cost.lowering.dropout_masks`; TransformerEngine's own saves: :func:`~vtrain_plugin.cost.lowering.te_saved.te_saved_by_module`,
 the fused attention's :func:`~vtrain_plugin.cost.lowering.megatron_core_te.fused_attention_saved_delta`).
 Which traced modules each name covers (the code inside each ``with off_interface(...)``):
 
@@ -34,7 +34,8 @@ next layers' forward, host-to-device beside its backward); what exceeds the laye
 from __future__ import annotations
 
 from vtrain_plugin.core.graph import Block, BlockKind
-from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta, unfused_attention_saved_delta
+from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta_by_module
+from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta, fused_softmax_saved_delta
 from vtrain_plugin.cost.lowering.te_saved import te_saved_by_module
 from vtrain_plugin.specs.activation_offload import ActivationOffload
 
@@ -75,16 +76,17 @@ def offloaded_nbytes(block: Block, offload: ActivationOffload | None, *, te: boo
     fused_attention_norm = any(m.endswith(".self_attention.linear_qkv") for m in modules)
     fused_mlp_norm = any(m.endswith(".mlp.linear_fc1") for m in modules)
     kept: dict[str, int] = {}
+    masks = dropout_mask_delta_by_module(block)
     for module, nbytes in block.saved_by_module:  # the attention's internals as one module
         head, core, _ = module.partition(".core_attention.")
         key = head + ".core_attention" if core else module
-        kept[key] = kept.get(key, 0) + nbytes
+        kept[key] = kept.get(key, 0) + nbytes + masks.pop(module, 0)
     if te:
         for module, delta in te_saved_by_module(block, fp8=fp8, quantised_nbytes=quantised_nbytes).items():
             kept[module] = kept.get(module, 0) + delta
         core = next((m for m in kept if m.endswith(".self_attention.core_attention")), None)
         if core is not None:
-            delta = (unfused_attention_saved_delta if unfused_attention else fused_attention_saved_delta)(block.nodes)
+            delta = (fused_softmax_saved_delta if unfused_attention else fused_attention_saved_delta)(block.nodes)
             kept[core] = kept[core] + delta
     total = 0
     for module, nbytes in kept.items():

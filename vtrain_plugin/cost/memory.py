@@ -34,7 +34,10 @@ parameters of its chunks:
   traced step held beside them and what its backward added at its peak, the most of any chunk of
   the rank (:attr:`~vtrain_plugin.core.graph.StageGraph.held_nbytes`, ``backward_peak_nbytes``:
   megatron-core's global buffer of attention scores, one recomputed layer's activations under full
-  recompute, the gradients in flight), as ``max allocated`` sees them;
+  recompute, the gradients in flight, the logits' gradient on the last stage), as ``max allocated``
+  sees them; with ``fused_attention``, the same without what the local core attention allocates
+  (``held_outside_attention_nbytes``, ``backward_peak_outside_attention_nbytes``: no score buffer,
+  no score-sized tensors or gradients);
 - an allowance (:data:`RESERVED_GIB`, :data:`FRAGMENTATION`): the CUDA context and kernel images,
   NCCL's communicator buffers, cuBLAS / cuDNN workspaces and the caching allocator's fragmentation.
   These are not modeled, they are a round allowance so that "fits" leaves room for them: about
@@ -100,10 +103,11 @@ class RankMemory:
 
 def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: bool = False,
                 gradients: Dtype | None = None, fsdp: FsdpSettings | None = None,
-                optimizer: OptimizerSpec | None = None, backward_peaks: bool = False) -> tuple[RankMemory, ...]:
+                optimizer: OptimizerSpec | None = None, backward_peaks: bool = False,
+                fused_attention: bool = False) -> tuple[RankMemory, ...]:
     """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule;
-    ``backward_peaks``: add the traced step's held bytes and backward peak (a stack that runs the
-    traced attention and softmax kernels);
+    ``backward_peaks``: add the traced step's held bytes and backward peak, those outside the core
+    attention with ``fused_attention`` (a stack whose attention allocates no score-sized tensors);
     ``gradients``: the run's gradient dtype (None: Megatron-LM's default for the model dtype);
     ``fsdp``: the run's FSDP (None: DDP, with the distributed optimizer or not);
     ``optimizer``: the run's (None: Adam in fp32)."""
@@ -127,8 +131,9 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
     transient = [0] * plan.pipeline_parallel  # held beside the stash plus the backward's rise, the most of any chunk
     for stage in graph.stages:
         if backward_peaks:
-            transient[stage.pipeline_rank] = max(transient[stage.pipeline_rank],
-                                                 stage.held_nbytes + stage.backward_peak_nbytes)
+            step = (stage.held_outside_attention_nbytes + stage.backward_peak_outside_attention_nbytes
+                    if fused_attention else stage.held_nbytes + stage.backward_peak_nbytes)
+            transient[stage.pipeline_rank] = max(transient[stage.pipeline_rank], step)
         params[stage.pipeline_rank] += stage.num_parameters
         experts[stage.pipeline_rank] += stage.num_expert_parameters
         chunks[stage.pipeline_rank][stage.chunk] = stage.activation_nbytes

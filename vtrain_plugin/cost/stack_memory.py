@@ -1,7 +1,10 @@
 """What the software stack changes in the memory the trace measured (:mod:`vtrain_plugin.cost.memory`).
 
-The trace records megatron-core's local spec; a stack with fused attention (``megatron_core_te``,
-unless ``training.unfused_attention``: then :func:`~vtrain_plugin.cost.lowering.megatron_core_te.unfused_attention_saved_delta`)
+The trace records megatron-core's local spec on the CPU; on a GPU every stack keeps its dropout
+masks as one byte per element (:mod:`~vtrain_plugin.cost.lowering.dropout_masks`), and Megatron's
+fused softmax (``megatron_deepspeed_2023``; TE's unfused attention alike) its output in the model
+dtype (:func:`~vtrain_plugin.cost.lowering.megatron_core_te.fused_softmax_saved_delta`). A stack with
+fused attention (``megatron_core_te`` unless ``training.unfused_attention``)
 keeps no score-sized tensors for backward (:func:`~vtrain_plugin.cost.lowering.megatron_core_te.fused_attention_saved_delta`:
 one layer's activations go from quadratic to linear in the sequence length) and no causal mask (the
 local spec's softmax keeps the ``s x s`` mask the layers of a chunk share, traced as the stage block
@@ -18,10 +21,10 @@ TransformerEngine in FP8 (or FP4) keeps a quantised copy of each linear weight a
 byte per element, its transpose kept beside it, Megatron-Core's ``post_all_gather_processing``): the
 linear weights have no model-dtype copy (their fp32 main weights are the optimizer's, as always).
 What the traced step holds beside its saved activations and what its backward adds at its peak
-(megatron-core's global buffer of attention scores, a recomputed layer, score-sized gradients) are
-those of the traced local attention; TransformerEngine's fused attention has neither the buffer nor
-the score-sized tensors, and what it holds instead is not yet measured: with ``megatron_core_te``
-they are left out (so is the recomputed layer of full recompute, a known underestimate).
+(megatron-core's global buffer of attention scores, a recomputed layer, score-sized gradients, the
+logits' gradient) count for every stack; TransformerEngine's fused attention has neither the buffer
+nor the score-sized tensors, so with it they are those measured outside the core attention (the
+fused kernel's own gradients of queries, keys and values, as large as its inputs, are left out).
 CUDA graphs add their static buffers to the allowance (:func:`~vtrain_plugin.cost.cuda_graphs.graph_pool_gib`).
 Activation offloading moves what :func:`~vtrain_plugin.cost.activation_offload.offloaded_nbytes` says
 of each layer to host memory, less one layer's worth per rank that megatron-core keeps.
@@ -32,13 +35,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
-from vtrain_plugin.core.graph import OpGraph
+from vtrain_plugin.core.graph import Block, OpGraph
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.activation_offload import offloaded_nbytes
 from vtrain_plugin.cost.cuda_graphs import graph_pool_gib
 from vtrain_plugin.cost.lowering.mamba import mixer_dims, mixer_saved_delta
 from vtrain_plugin.cost.lowering.fp8 import fp8_weight_numel, quantisation
-from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta, unfused_attention_saved_delta
+from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta
+from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta, fused_softmax_saved_delta
 from vtrain_plugin.cost.memory import FRAGMENTATION, PeakLive, RankMemory, rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
@@ -51,7 +55,7 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
     settings = None if training is None else training.fp8_settings
     fp8 = settings is not None
     quantised = quantisation(settings) if fp8 else None
-    attention_delta = (unfused_attention_saved_delta if training is not None and training.unfused_attention
+    attention_delta = (fused_softmax_saved_delta if training is not None and training.unfused_attention
                        else fused_attention_saved_delta)
     offload = None if training is None else training.activation_offload
     moved = [[0.0 for _ in stage.blocks] for stage in graph.stages]  # per stage and block instance
@@ -65,19 +69,27 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
             replace(stage, blocks=tuple(replace(block, activation_nbytes=block.activation_nbytes - round(nbytes))
                                         for block, nbytes in zip(stage.blocks, moved[i])))
             for i, stage in enumerate(graph.stages)))
-    if stack is SoftwareStack.MEGATRON_CORE_TE:
-        graph = replace(graph, stages=tuple(
-            replace(stage, blocks=tuple(
-                replace(block, activation_nbytes=block.activation_nbytes + attention_delta(block.nodes)
-                        + te_saved_delta(block, fp8=fp8, quantised_nbytes=quantised.nbytes if fp8 else 1.0)
-                        + mixer_saved_delta(block, mixer_dims(block.nodes)))
-                for block in stage.blocks if block.name != SHARED_BY_CORE_ATTENTION))
-            for stage in graph.stages))
+    te = stack is SoftwareStack.MEGATRON_CORE_TE
+
+    def saved_delta(block: Block) -> int:  # what the stack keeps per instance minus what the trace did
+        delta = dropout_mask_delta(block)
+        if stack is SoftwareStack.MEGATRON_DEEPSPEED_2023:
+            delta += fused_softmax_saved_delta(block.nodes)
+        if te:
+            delta += (attention_delta(block.nodes) + mixer_saved_delta(block, mixer_dims(block.nodes))
+                      + te_saved_delta(block, fp8=fp8, quantised_nbytes=quantised.nbytes if fp8 else 1.0))
+        return delta
+
+    graph = replace(graph, stages=tuple(
+        replace(stage, blocks=tuple(replace(block, activation_nbytes=block.activation_nbytes + saved_delta(block))
+                                    for block in stage.blocks if not (te and block.name == SHARED_BY_CORE_ATTENTION)))
+        for stage in graph.stages))
     fsdp = None if training is None else training.fsdp
     memory = rank_memory(graph, peak_live, distributed_optimizer=training is not None and training.distributed_optimizer,
                          gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
                          optimizer=None if training is None else training.optimizer,
-                         backward_peaks=stack is not SoftwareStack.MEGATRON_CORE_TE)
+                         backward_peaks=True,
+                         fused_attention=te and not (training is not None and training.unfused_attention))
     if offload is not None:  # the last group of each name stays: one layer's offloaded bytes per rank
         kept = [0.0] * graph.parallel.pipeline_parallel
         for stage, nbytes in zip(graph.stages, moved):

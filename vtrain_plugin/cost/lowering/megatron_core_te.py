@@ -195,23 +195,20 @@ def unfused_attention_kernels(group: list[OpNode]) -> list[Node] | None:
     return scaled_masked_softmax(group) or dropout(group, dtype) or list(group)
 
 
-def unfused_attention_saved_delta(nodes: Sequence[Node]) -> int:
-    """What TE's unfused attention keeps for backward minus what the trace kept (bytes per
-    micro-batch; 0 when the attention is recomputed): the fused softmax keeps its output in the model
-    dtype instead of the traced fp32 softmax, and the fused dropout a one-byte mask instead of the
-    traced mask in the model dtype. The probabilities the context GEMM reads are kept by both."""
+def fused_softmax_saved_delta(nodes: Sequence[Node]) -> int:
+    """What an unfused attention with a fused softmax (TE's unfused attention; Megatron's scaled
+    masked softmax under ``megatron_deepspeed_2023``) keeps for backward minus what the trace kept
+    (bytes per micro-batch; 0 when the attention is recomputed): the fused softmax keeps its output
+    in the model dtype instead of the traced fp32 softmax. The probabilities the context GEMM reads
+    are kept by both; the dropout mask is :mod:`~vtrain_plugin.cost.lowering.dropout_masks`'."""
     attention = [n for n in nodes if isinstance(n, OpNode) and n.launches_kernel and _ATTENTION_UNIT in n.module]
     if any(n.phase is Phase.RECOMPUTE for n in attention):
         return 0
     by_name = {op_name(n): n for n in attention if n.phase is Phase.FORWARD}
-    delta = 0
-    if "_softmax" in by_name and "bmm" in by_name:
-        softmax = by_name["_softmax"]
-        delta += numel(softmax.key.input_shapes[0]) * (dtype_nbytes(by_name["bmm"]) - dtype_nbytes(softmax))
-    if "bernoulli_" in by_name:
-        mask = by_name["bernoulli_"]
-        delta += numel(mask.key.input_shapes[0]) * (MASK_NBYTES - dtype_nbytes(mask))
-    return delta
+    if "_softmax" not in by_name or "bmm" not in by_name:
+        return 0
+    softmax = by_name["_softmax"]
+    return numel(softmax.key.input_shapes[0]) * (dtype_nbytes(by_name["bmm"]) - dtype_nbytes(softmax))
 
 
 def is_layer_norm_slot(module: str) -> bool:
@@ -446,7 +443,8 @@ def fused_attention_saved_delta(nodes: Sequence[Node]) -> int:
     keep none of its internals either way).
 
     The traced attention keeps the fp32 softmax output, the probabilities its context GEMM reads and
-    the dropout mask (the score-sized tensors: ``b h s^2`` elements each; the causal mask, shared by
+    the dropout mask (the score-sized tensors: ``b h s^2`` elements each, the mask at
+    :data:`MASK_NBYTES` as a GPU keeps it, :mod:`~vtrain_plugin.cost.lowering.dropout_masks`; the causal mask, shared by
     every layer of a chunk, is a block of the stage of its own, which
     :func:`~vtrain_plugin.cost.stack_memory.stack_rank_memory` drops), and
     with grouped-query attention keys and values expanded to every query head; the fused kernel
@@ -469,7 +467,7 @@ def fused_attention_saved_delta(nodes: Sequence[Node]) -> int:
     b, heads, sq, _ = softmax.key.input_shapes[0]
     dropped = kept(softmax, 0) + kept(context, 0)
     if "bernoulli_" in by_name:
-        dropped += kept(by_name["bernoulli_"], 0)
+        dropped += numel(by_name["bernoulli_"].key.input_shapes[0]) * MASK_NBYTES
     expanded = [n for n in forward if n.key.input_shapes and len(n.key.input_shapes[0]) == 5]  # GQA: (s, b, g, h/g, d) clones
     added = FP32 * b * heads * sq
     for clone in expanded:

@@ -9,6 +9,7 @@ import pytest
 
 from vtrain_plugin.core.graph import BlockKind
 from vtrain_plugin.core.units import GIB
+from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta
 from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
@@ -33,7 +34,8 @@ def _layer(family: str, recompute: str = "none"):
 
 
 def _te_layer_nbytes(layer, *, fp8: bool = False) -> int:
-    return layer.activation_nbytes + fused_attention_saved_delta(layer.nodes) + te_saved_delta(layer, fp8=fp8)
+    return (layer.activation_nbytes + dropout_mask_delta(layer) + fused_attention_saved_delta(layer.nodes)
+            + te_saved_delta(layer, fp8=fp8))
 
 
 def megatron_layer_nbytes(ffn: int) -> float:
@@ -75,11 +77,9 @@ def test_fp8_linears_keep_their_inputs_in_one_byte():
 def test_a_gpt_layer_is_megatrons_formula_with_its_named_differences():
     _, layer = _layer("gpt")
     rows = S * MB // TP
-    dropout_masks_in_bf16 = 2 * SBH // TP  # torch's CPU dropout keeps its mask in the model dtype, CUDA's in bool
     softmax_statistics = 4 * MB * (HEADS // TP) * S
     norm_statistics = 2 * 2 * 4 * rows  # fp32 mean and rstd of each LayerNorm row
-    assert _te_layer_nbytes(layer) == megatron_layer_nbytes(FFN["gpt"]) + dropout_masks_in_bf16 \
-        + softmax_statistics + norm_statistics
+    assert _te_layer_nbytes(layer) == megatron_layer_nbytes(FFN["gpt"]) + softmax_statistics + norm_statistics
 
 
 def test_the_run_sets_gradient_and_fp8_weight_bytes():
@@ -128,6 +128,9 @@ def test_llama3_8b_fp8_recipe_on_8_h100():
     assert memory.optimizer_gib * GIB == 12 * params / 8  # fp32 main weights and moments over DP 8
     head = 2 * s * h + 4 * s + 2 * s * h + 4 * s * vocab  # final norm input and rstd, output-layer input, fp32 softmax
     small = 8 * s + 4 * s + 4 + s + 8 * s  # tokens, loss mask and scalar, target mask, labels
+    # beside them the step holds the fp32 per-token losses, two fp32 scalars and the rotary table
+    # (s x head dim in fp32), and its backward peaks at the bf16 gradient of the logits
+    step = 4 * s + 2 * 4 + 4 * s * (h // heads) + 2 * s * vocab
     assert memory.activations_gib * GIB == layers * llama_layer_nbytes(s, 1, h, heads, groups, ffn, 1, fp8=True) \
-        + head + small
+        + head + small + step
     assert memory.inflight_microbatches == 1

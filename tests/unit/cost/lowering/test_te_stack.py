@@ -11,7 +11,8 @@ from vtrain_plugin.core.graph import BlockKind, CollectiveNode, OpNode, Phase
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.lowering.stacks import map_nodes
 from vtrain_plugin.cost.lowering.fp8 import fp8_weight_numel
-from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta
+from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta
+from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta, fused_softmax_saved_delta
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.specs.model import ModelSpec
@@ -220,9 +221,16 @@ def test_fused_attention_keeps_activations_linear_in_the_sequence(family, sequen
     for s in (32, 64, 128):
         layer = _trace(family, sequence_parallel=sequence_parallel, seq_length=s).stages[0].layer_template()
         traced[s] = layer.activation_nbytes
-        fused[s] = layer.activation_nbytes + fused_attention_saved_delta(layer.nodes)
+        fused[s] = layer.activation_nbytes + dropout_mask_delta(layer) + fused_attention_saved_delta(layer.nodes)
     assert traced[64] > 2 * traced[32]
     assert (fused[64], fused[128]) == (2 * fused[32], 4 * fused[32])
+
+
+def test_a_fused_softmax_keeps_its_output_in_the_model_dtype(gpt):
+    """TE's unfused attention and Megatron's scaled masked softmax (megatron_deepspeed_2023) keep the
+    probabilities in bf16 where the traced softmax keeps fp32: 2 bytes less per score."""
+    assert fused_softmax_saved_delta(gpt.stages[0].layer_template().nodes) == -2 * MB * HP * S * S
+    assert fused_softmax_saved_delta(_trace("llama", recompute="selective").stages[0].layer_template().nodes) == 0
 
 
 def test_no_delta_when_attention_is_recomputed():
@@ -300,12 +308,15 @@ def test_the_causal_mask_is_a_stage_block_that_fused_attention_does_not_keep():
     def fused_modules(graph):  # what TE's norms and SwiGLU keep less than the traced ones
         return sum(b.count * te_saved_delta(b, fp8=False) for b in graph.stages[0].blocks)
 
-    def local_step(graph):  # what the local attention's step holds and its backward adds (not TE's)
+    def local_step(graph):  # what the local attention's step holds and its backward adds
         return graph.stages[0].held_nbytes + graph.stages[0].backward_peak_nbytes
+
+    def fused_step(graph):  # the same without what the local core attention allocates (TE's)
+        return graph.stages[0].held_outside_attention_nbytes + graph.stages[0].backward_peak_outside_attention_nbytes
 
     assert fused_modules(none) < 0
     assert (activations(none, SoftwareStack.MEGATRON_CORE_TE) - activations(none, SoftwareStack.LOCAL_SPEC)
             == pytest.approx(2 * fused_attention_saved_delta(layer.nodes) + fused_modules(none) - mask
-                             - local_step(none), abs=1e-3))
+                             + fused_step(none) - local_step(none), abs=1e-3))
     assert (activations(selective, SoftwareStack.MEGATRON_CORE_TE) - activations(selective, SoftwareStack.LOCAL_SPEC)
-            == pytest.approx(fused_modules(selective) - local_step(selective), abs=1e-3))
+            == pytest.approx(fused_modules(selective) + fused_step(selective) - local_step(selective), abs=1e-3))
