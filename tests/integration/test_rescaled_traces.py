@@ -2,6 +2,7 @@
 op (dense layers; MoE chunks are refused and traced); a search traces its shapes before it evaluates,
 deriving micro-batch sizes, and its rows equal the one-plan estimates of directly traced plans."""
 
+import pandas as pd
 import pytest
 
 from vtrain_plugin.capture import tracer
@@ -111,3 +112,29 @@ def test_search_rows_with_derived_traces_equal_one_plan_estimates(tmp_path, monk
                                 overlap_param_gather=row["distributed_optimizer"])
         est = estimate(trace(LLAMA, plan), cluster=CLUSTER, training=training)
         assert (row["iteration_time_ms"], row["peak_memory_gib"]) == (est.iteration_time_ms, est.peak_memory_gib)
+
+
+def test_a_cold_search_traces_in_its_workers_and_equals_the_serial_one(tmp_path, monkeypatch):
+    # The parent may not trace: its trace_chunks raises. The workers are fresh interpreters, so
+    # they trace (and derive micro-batch sizes) into the shared cache, then estimate from it.
+    space = SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2), micro_batch_size=(1, 2, 4, 8),
+                        recompute=("full",), grad_reduce=("overlap",))
+    monkeypatch.setenv("VTRAIN_CACHE_DIR", str(tmp_path / "serial"))
+    clear_cache()
+    serial = search(LLAMA, cluster=CLUSTER, global_batch_size=8, gpus="4", space=space, workers=1)
+    monkeypatch.setenv("VTRAIN_CACHE_DIR", str(tmp_path / "parallel"))
+    clear_cache()
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("the parent traced")
+
+    monkeypatch.setattr(tracer, "trace_chunks", no_trace)
+    candidates = enumerate_plans(LLAMA, space, global_batch_size=8, budget=GpuBudget.parse("4"),
+                                 training=TrainingSpec(global_batch_size=8), gpus_per_node=8).candidates
+    jobs = tracer.trace_jobs(LLAMA, [c.parallel for c in candidates])
+    assert len(jobs) > 2 and any(job.derives for job in jobs)
+    parallel = search(LLAMA, cluster=CLUSTER, global_batch_size=8, gpus="4", space=space, workers=2)
+    pd.testing.assert_frame_equal(parallel.table, serial.table, check_exact=True)
+    assert tracer.trace_jobs(LLAMA, [c.parallel for c in candidates]) == []  # every role in the disk cache
+    assert sorted(p.name for p in (tmp_path / "parallel" / "traces").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "serial" / "traces").iterdir())

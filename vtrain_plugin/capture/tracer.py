@@ -23,7 +23,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from megatron_adapters.conventions import chunk_role
@@ -237,11 +237,38 @@ def _chunk_traces(model: ModelSpec, plan: ParallelPlan, roles: list[Role]) -> di
 
 def prepare_traces(model: ModelSpec, plans: Iterable[ParallelPlan], *,
                    traced_layers: int | None = DEFAULT_TRACED_LAYERS) -> None:
-    """Put the chunk traces of every plan of ``plans`` in the trace cache (a search calls this before
-    it fans out, so its workers only read): each chunk role the caches lack is traced, except where
-    a role is wanted at three micro-batch sizes of 2 or more: then it is traced at the two sizes of
-    :data:`~vtrain_plugin.capture.rescale.PROBES` and derived at the others
-    (:func:`~vtrain_plugin.capture.rescale.rescale`; traced where that finds more than sizes differ)."""
+    """Put the chunk traces of every plan of ``plans`` in the trace cache, one :class:`TraceJob`
+    after another (:func:`trace_jobs`; a search runs the jobs in its worker processes before it
+    fans out, so the workers that estimate only read)."""
+    jobs = trace_jobs(model, plans, traced_layers=traced_layers)
+    for job in jobs:
+        run_trace_job(job)
+    log.info("chunk roles of %d shapes in the trace cache, %d of them derived from two micro-batch sizes",
+             len(jobs), sum(job.derives for job in jobs))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceJob:
+    """One chunk role that the caches lack, at the micro-batch sizes wanted: plain data, so a worker
+    process runs it (:func:`run_trace_job`). Jobs write distinct cache entries, so they run in any
+    order, in any process."""
+
+    model: ModelSpec
+    role: Role
+    plans: tuple[ParallelPlan, ...]  # one per size wanted, ascending micro-batch size
+
+    @property
+    def derives(self) -> bool:
+        """Whether the role is traced at the sizes of :data:`~vtrain_plugin.capture.rescale.PROBES` and
+        derived at the others: where that traces fewer sizes (three or more from 2 up; size 1 is
+        always traced)."""
+        return sum(plan.micro_batch_size >= PROBES[0] for plan in self.plans) >= 3
+
+
+def trace_jobs(model: ModelSpec, plans: Iterable[ParallelPlan], *,
+               traced_layers: int | None = DEFAULT_TRACED_LAYERS) -> list[TraceJob]:
+    """The chunk roles of ``plans`` that neither cache holds, one job per role and every size of it
+    wanted (the order of first appearance)."""
     wanted: dict[tuple, dict[int, tuple[ParallelPlan, Role]]] = {}
     for plan in plans:
         for role in dict.fromkeys(_roles(model, plan, _plan_chunks(model, plan), traced_layers)):
@@ -249,28 +276,27 @@ def prepare_traces(model: ModelSpec, plans: Iterable[ParallelPlan], *,
             if key not in _cache and not disk_cache.contains(key):
                 group = shape_key(model, replace(plan, micro_batch_size=1), *role)
                 wanted.setdefault(group, {})[plan.micro_batch_size] = (plan, role)
-    for sizes in wanted.values():
-        derived: dict[int, ChunkTrace] = {}
-        if _derives(sizes):
-            plan, role = next(iter(sizes.values()))
-            low, high = (_chunk_traces(model, replace(plan, micro_batch_size=b), [role])[role] for b in PROBES)
-            derived = {size: chunk for size in sizes.keys() - set(PROBES)
-                       if (chunk := rescale(low, high, size)) is not None}
-        for size, (plan, role) in sizes.items():
-            key = shape_key(model, plan, *role)
-            if size in derived:
-                disk_cache.store(key, derived[size])
-                _remember(key, derived[size])
-            elif key not in _cache and not disk_cache.contains(key):
-                _chunk_traces(model, plan, [role])
-    log.info("chunk roles of %d shapes in the trace cache, %d of them derived from two micro-batch sizes",
-             len(wanted), sum(map(_derives, wanted.values())))
+    return [TraceJob(model=model, role=next(iter(sizes.values()))[1],
+                     plans=tuple(plan for _, (plan, _) in sorted(sizes.items()))) for sizes in wanted.values()]
 
 
-def _derives(sizes: Iterable[int]) -> bool:
-    """Whether a role wanted at micro-batch ``sizes`` is traced at the probes and derived: where that
-    traces fewer sizes (three or more from 2 up; size 1 is always traced)."""
-    return sum(size >= PROBES[0] for size in sizes) >= 3
+def run_trace_job(job: TraceJob) -> int:
+    """Trace (or derive, :attr:`TraceJob.derives`) ``job``'s role at each of its sizes into both
+    caches; the number of micro-batch sizes it covered."""
+    model, role = job.model, job.role
+    derived: dict[int, ChunkTrace] = {}
+    if job.derives:
+        low, high = (_chunk_traces(model, replace(job.plans[0], micro_batch_size=b), [role])[role] for b in PROBES)
+        derived = {plan.micro_batch_size: chunk for plan in job.plans if plan.micro_batch_size not in PROBES
+                   and (chunk := rescale(low, high, plan.micro_batch_size)) is not None}
+    for plan in job.plans:
+        key = shape_key(model, plan, *role)
+        if plan.micro_batch_size in derived:
+            disk_cache.store(key, derived[plan.micro_batch_size])
+            _remember(key, derived[plan.micro_batch_size])
+        elif key not in _cache and not disk_cache.contains(key):
+            _chunk_traces(model, plan, [role])
+    return len(job.plans)
 
 
 def _remember(key: tuple, traced: ChunkTrace) -> None:

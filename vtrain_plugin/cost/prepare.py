@@ -123,10 +123,34 @@ class PreparedGraph:
 
 
 _ROLE_CACHE_SIZE = 256
-# Roles prepared without measured durations, kept across calls: a plan search prepares each chunk
-# role once. Keyed by the identity of the blocks' node tuples (the entry holds them, so no other
-# tuple can take their id while it lives) and the block counts.
-_roles: OrderedDict[tuple, PreparedRole] = OrderedDict()
+# Roles lowered without measured durations, kept across calls: a plan search lowers each chunk role
+# once, whatever the block counts of its plans (PP and VP only change counts). Keyed by the identity
+# of the blocks' node tuples (the entry holds them, so no other tuple can take their id while it lives).
+_roles: OrderedDict[tuple, _Lowered] = OrderedDict()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Lowered:
+    """A :class:`PreparedRole` before its blocks are counted: all of it that depends on the blocks'
+    nodes alone, shared by the stages (and plans) that fold the same nodes to other counts."""
+
+    node_tuples: tuple[tuple, ...]  # the blocks' nodes, held so their ids stay theirs (see _roles)
+    kernels: KernelBatch
+    measured_ns: np.ndarray
+    nodes: tuple[OpNode | None, ...]
+    comm_rows: tuple[CommRow, ...]
+    segments: tuple[Segment, ...]  # each of count 1
+    block_flops: tuple[dict[Phase, int], ...]  # per block, of one instance
+    module_calls: np.ndarray
+    layer_calls: np.ndarray
+
+    def counted(self, blocks: tuple[Block, ...]) -> PreparedRole:
+        """The role of ``blocks`` (these nodes, any counts)."""
+        return PreparedRole(
+            blocks=blocks, kernels=self.kernels, measured_ns=self.measured_ns, nodes=self.nodes,
+            comm_rows=self.comm_rows, segments=tuple(replace(s, count=blocks[s.block].count) for s in self.segments),
+            flops={phase: sum(b.count * f[phase] for b, f in zip(blocks, self.block_flops)) for phase in PHASES},
+            module_calls=self.module_calls, layer_calls=self.layer_calls)
 
 
 def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[KernelKey, float] | None = None, *,
@@ -154,12 +178,12 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
     edges = _bf16_edges(graph, fp8)
     for stage in ordered:
         stage, outside_fp8 = split_bf16_layers(stage, edges(stage)) if edges else (stage, ())
-        role_key = (stack, fp8, shards, cp, tuple((id(b.nodes), b.count) for b in stage.blocks), outside_fp8,
-                    *options)
-        role = roles.get(role_key)
+        role_key = (stack, fp8, shards, cp, tuple(id(b.nodes) for b in stage.blocks), outside_fp8, *options)
+        counts = tuple(b.count for b in stage.blocks)
+        role = roles.get((role_key, counts))
         if role is None:
-            role = roles[role_key] = _role(stage.blocks, stack, fp8, shards, cp, measured, role_key, options,
-                                           outside_fp8)
+            role = roles[role_key, counts] = _role(stage.blocks, stack, fp8, shards, cp, measured, role_key, options,
+                                                   outside_fp8)
         virtual = stage.chunk * pp + stage.pipeline_rank
         runtime_key = (role_key, tuple(b.num_parameters for b in stage.blocks), stage.word_embedding_parameters,
                        stage.activation_shape, stage.activation_dtype, virtual == 0, virtual == last)
@@ -235,21 +259,21 @@ def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | No
     moe = next((o for o in options if isinstance(o, MoeOptions)), MoeOptions())
     kernels = next((o for o in options if isinstance(o, KernelOptions)), KernelOptions())
     if measured:
-        return _prepare_role(blocks, stack, fp8, shards, cp, measured, moe, kernels, outside_fp8)
-    role = _roles.get(key)
-    if role is None:
-        role = _roles[key] = _prepare_role(blocks, stack, fp8, shards, cp, {}, moe, kernels, outside_fp8)
+        return _lower_role(blocks, stack, fp8, shards, cp, measured, moe, kernels, outside_fp8).counted(blocks)
+    lowered = _roles.get(key)
+    if lowered is None:
+        lowered = _roles[key] = _lower_role(blocks, stack, fp8, shards, cp, {}, moe, kernels, outside_fp8)
         if len(_roles) > _ROLE_CACHE_SIZE:
             _roles.popitem(last=False)
     else:
         _roles.move_to_end(key)
-    return role
+    return lowered.counted(blocks)
 
 
-def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
-                  cp: ContextParallel | None, measured: Mapping[KernelKey, float],
-                  moe: MoeOptions = MoeOptions(), kernels: KernelOptions = KernelOptions(),
-                  outside_fp8: tuple[bool, ...] = ()) -> PreparedRole:
+def _lower_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
+                cp: ContextParallel | None, measured: Mapping[KernelKey, float],
+                moe: MoeOptions = MoeOptions(), kernels: KernelOptions = KernelOptions(),
+                outside_fp8: tuple[bool, ...] = ()) -> _Lowered:
     """``outside_fp8[b]``: block ``b`` runs in the model dtype whatever ``fp8`` says."""
     rows: list[OpNode | None] = []
     phases: list[Phase] = []
@@ -288,14 +312,15 @@ def _prepare_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setti
                 else:
                     rows.append(node)
                 phases.append(phase)
-            segments.append(Segment(block=b, phase=phase, start=start, stop=len(rows), count=block.count))
+            segments.append(Segment(block=b, phase=phase, start=start, stop=len(rows), count=1))
     kernels = KernelBatch.of([n if n is not None else _NO_KERNEL for n in rows])
     kernels = replace(kernels, backward=np.array([p is Phase.BACKWARD for p in phases], bool))
-    flops = {phase: model_flops(blocks, cp, phase) for phase in PHASES}
+    block_flops = tuple({phase: model_flops((replace(b, count=1),), cp, phase) for phase in PHASES} for b in blocks)
     module_calls, layer_calls = host_calls(rows, segments, blocks)
-    return PreparedRole(blocks=blocks, kernels=kernels, measured_ns=measured_ns(rows, measured), nodes=tuple(rows),
-                        comm_rows=tuple(comm_rows), segments=tuple(segments), flops=flops,
-                        module_calls=module_calls, layer_calls=layer_calls)
+    return _Lowered(node_tuples=tuple(b.nodes for b in blocks), kernels=kernels,
+                    measured_ns=measured_ns(rows, measured), nodes=tuple(rows), comm_rows=tuple(comm_rows),
+                    segments=tuple(segments), block_flops=block_flops, module_calls=module_calls,
+                    layer_calls=layer_calls)
 
 
 def _on_compute_stream(node: CollectiveNode) -> bool:

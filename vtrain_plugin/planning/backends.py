@@ -15,19 +15,20 @@ from collections.abc import Callable, Sequence
 
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.planning.evaluate import Batch, evaluate_batch
-from vtrain_plugin.planning.workers import Results, evaluate_in_workers
+from vtrain_plugin.planning.workers import Results, WorkerPool, evaluate_in_workers
 
 BACKENDS = ("local", "ray")
 
 
 def run_batches(batches: Sequence[Batch], *, workers: int, backend: str,
-                on_plans: Callable[[int], None]) -> Results:
-    """Evaluate ``batches``; ``on_plans(n)`` reports progress as plans complete."""
+                on_plans: Callable[[int], None], pool: WorkerPool | None = None) -> Results:
+    """Evaluate ``batches``; ``on_plans(n)`` reports progress as plans complete. Local workers are
+    ``pool``'s when given (its processes may have traced already), else started here."""
     if backend == "ray":
         return _run_ray(batches, workers, on_plans)
     if workers == 1 or len(batches) == 1:
         return [row for batch in batches for row in evaluate_batch(batch, lambda: on_plans(1))]
-    return evaluate_in_workers(batches, workers, on_plans)
+    return evaluate_in_workers(batches, workers, on_plans, pool=pool)
 
 
 def _run_ray(batches: Sequence[Batch], workers: int, on_plans: Callable[[int], None]) -> Results:

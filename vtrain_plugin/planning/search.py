@@ -3,9 +3,10 @@
 Each plan is estimated exactly as ``estimate(trace(model, plan), cluster=..., training=...)``
 would, so a row of the result has the numbers of that plan run on its own. Plans whose model
 states alone exceed a GPU's memory are pruned before anything is traced (counted in ``skipped``
-under :data:`MEMORY_RULE`); the chunk shapes of the rest are traced next, in this process
-(:func:`~vtrain_plugin.capture.tracer.prepare_traces`: micro-batch sizes derived where that traces
-fewer), and workers read them from the trace cache. The other plans that do not fit in GPU memory
+under :data:`MEMORY_RULE`); the chunk shapes of the rest are traced next
+(:func:`~vtrain_plugin.capture.tracer.trace_jobs`: micro-batch sizes derived where that traces
+fewer), by the worker processes, each job by one, and the workers then estimate, reading the
+traces from the trace cache. The other plans that do not fit in GPU memory
 are kept (``fits_in_memory`` False), ranked after every plan that fits and never on the front. The
 front is of time against cost, per iteration or, with ``tokens``, to train on them; without a price
 on the cluster, of time against GPU-hours per iteration (the same front for any price).
@@ -23,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from tqdm import tqdm
 
-from vtrain_plugin.capture.tracer import prepare_traces
+from vtrain_plugin.capture import disk_cache
+from vtrain_plugin.capture.tracer import run_trace_job, trace_jobs
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import GIB
@@ -34,6 +36,7 @@ from vtrain_plugin.planning.evaluate import (ESTIMATE_COLUMNS, EXPECTED_COLUMNS,
                                             evaluate, make_batches, plan_row)
 from vtrain_plugin.planning.pareto import pareto_front
 from vtrain_plugin.planning.space import Candidate, GpuBudget, SearchSpace, enumerate_plans
+from vtrain_plugin.planning.workers import WorkerPool
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.training import TrainingSpec
@@ -130,12 +133,25 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
                                   budget=GpuBudget.of(gpus), training=base, gpus_per_node=cluster.gpus_per_node)
     candidates, pruned = prune_by_memory(model, enumeration.candidates, get_device(cluster.gpu).memory_bytes / GIB)
     skipped = {**enumeration.skipped, **({MEMORY_RULE: pruned} if pruned else {})}
-    prepare_traces(model, [c.parallel for c in candidates])  # here, before the workers: they only read
+    jobs = trace_jobs(model, [c.parallel for c in candidates])
     batches = make_batches(model, cluster, candidates, profile_db=profile_db)
-    log.info("evaluating %d plans of %d trace shapes (%s, %d workers)", len(candidates), len(batches),
-             backend, workers)
-    with tqdm(total=len(candidates), unit="plan", file=sys.stderr, disable=not progress) as bar:
-        results = run_batches(batches, workers=workers, backend=backend, on_plans=bar.update)
+    local = backend == "local" and workers > 1 and len(batches) > 1  # else evaluated here, or by Ray
+    with WorkerPool(min(workers, max(len(jobs), len(batches)))) as pool:
+        # Traced before the fan-out, so the workers that estimate only read: by those workers, each
+        # job by one, when they share the disk cache (without it they trace their own batches).
+        with tqdm(total=len(jobs), unit="trace", desc="tracing", file=sys.stderr, disable=not progress) as bar:
+            if not local:
+                for job in jobs:
+                    run_trace_job(job)
+                    bar.update()
+            elif disk_cache.enabled():
+                log.info("tracing %d chunk roles in %d workers", len(jobs), pool.size)
+                pool.map(run_trace_job, jobs, lambda job: bar.update())
+        log.info("evaluating %d plans of %d trace shapes (%s, %d workers)", len(candidates), len(batches),
+                 backend, workers)
+        with tqdm(total=len(candidates), unit="plan", file=sys.stderr, disable=not progress) as bar:
+            results = run_batches(batches, workers=workers, backend=backend, on_plans=bar.update,
+                                  pool=pool if local else None)
     rows = [row for _, row in sorted(results, key=lambda item: item[0])]
     table = pd.DataFrame(rows, columns=[*PLAN_COLUMNS, *ESTIMATE_COLUMNS, *(TRAIN_COLUMNS if tokens else ()),
                                         *(EXPECTED_COLUMNS if failures else ())])

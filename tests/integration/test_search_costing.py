@@ -1,0 +1,66 @@
+"""A plan search costs each chunk role once for every plan that folds it to other layer counts (PP,
+VP), and its rows stay the one-plan estimates of the same plans, exactly, for dense and MoE models."""
+
+import importlib
+
+import pytest
+
+from vtrain_plugin.capture.tracer import clear_cache, trace
+from vtrain_plugin.cost.prepare import prepare
+from vtrain_plugin.estimate import estimate
+from vtrain_plugin.hardware.clusters import get_cluster_preset
+from vtrain_plugin.planning.search import search
+from vtrain_plugin.planning.space import SearchSpace
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.training import TrainingSpec
+
+DENSE = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1024)
+MOE = ModelSpec(family="llama", num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2,
+                seq_length=128, vocab_size=1024, dtype="bf16", num_experts=4, moe_router_topk=2,
+                moe_ffn_hidden_size=192)
+CLUSTER = get_cluster_preset("dgx-a100")
+PREPARE = importlib.import_module("vtrain_plugin.cost.prepare")  # the module: the package exports its function
+
+
+def test_plans_that_fold_one_trace_to_other_layer_counts_share_its_lowered_kernels():
+    # PP 2 and PP 4 of 8 layers: the first and last stages are the same traced roles, 4 and 2 layers each
+    two, four = (trace(DENSE, ParallelPlan(tensor_parallel=2, pipeline_parallel=pp)) for pp in (2, 4))
+    prepared_two, prepared_four = prepare(two, "megatron_deepspeed_2023"), prepare(four, "megatron_deepspeed_2023")
+    for first, last in ((prepared_two.stages[0], prepared_four.stages[0]),
+                        (prepared_two.stages[-1], prepared_four.stages[-1])):
+        assert first.role.kernels is last.role.kernels and first.role.nodes is last.role.nodes
+        assert {s.count for s in first.role.segments} != {s.count for s in last.role.segments}
+    training = TrainingSpec(global_batch_size=16)
+    shared = [estimate(g, cluster=CLUSTER, training=training) for g in (two, four)]
+    PREPARE._roles.clear()
+    alone = [estimate(g, cluster=CLUSTER, training=training) for g in (four, two)][::-1]
+    assert shared == alone
+
+
+@pytest.mark.parametrize("model,space", [
+    (DENSE, SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(2, 4), micro_batch_size=(1, 2),
+                        sequence_parallel=(False,), recompute=("none", "full"), grad_reduce=("overlap",))),
+    (MOE, SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2), micro_batch_size=(1, 2),
+                      sequence_parallel=(False,), recompute=("none",), grad_reduce=("overlap",))),
+], ids=["dense", "moe"])
+def test_sampled_search_rows_equal_one_plan_estimates(model, space, tmp_path, monkeypatch):
+    monkeypatch.setenv("VTRAIN_CACHE_DIR", str(tmp_path))
+    clear_cache()
+    result = search(model, cluster=CLUSTER, global_batch_size=16, gpus="8", space=space, workers=2)
+    rows = result.table.to_dict("records")
+    assert len(rows) >= 12
+    clear_cache()
+    PREPARE._roles.clear()
+    for row in rows[::max(1, len(rows) // 8)]:
+        plan = ParallelPlan(tensor_parallel=row["tensor_parallel"], pipeline_parallel=row["pipeline_parallel"],
+                            data_parallel=row["data_parallel"], expert_parallel=row["expert_parallel"],
+                            micro_batch_size=row["micro_batch_size"], virtual_pipeline=row["virtual_pipeline"],
+                            sequence_parallel=row["sequence_parallel"], recompute=row["recompute"])
+        training = TrainingSpec(global_batch_size=16, grad_reduce=row["grad_reduce"], schedule=row["schedule"],
+                                distributed_optimizer=row["distributed_optimizer"],
+                                overlap_param_gather=row["distributed_optimizer"])  # grad_reduce overlap: set together
+        est = estimate(trace(model, plan), cluster=CLUSTER, training=training)
+        for column in ("iteration_time_ms", "tokens_per_second", "tflops_per_gpu", "mfu", "peak_memory_gib",
+                       "cost_usd", "num_microbatches", "fits_in_memory"):
+            assert row[column] == getattr(est, column), column
