@@ -47,9 +47,9 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _interrupt(argv: list[str], *, whole_group: bool, workers: int = 2,
-               settle_s: float = 1.0) -> tuple[subprocess.CompletedProcess, dict]:
-    """Run the CLI, send SIGINT once ``workers`` worker processes run: to its process group, as a
+def _interrupt(argv: list[str], *, whole_group: bool, workers: int = 2, settle_s: float = 1.0,
+               signum: int = signal.SIGINT) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run the CLI, send ``signum`` once ``workers`` worker processes run: to its process group, as a
     terminal's Ctrl-C does, or to its pid alone, as ``kill -INT`` does. Returns the finished
     process and the workers' command lines by pid."""
     proc = subprocess.Popen([sys.executable, "-m", "vtrain_plugin.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
@@ -64,7 +64,7 @@ def _interrupt(argv: list[str], *, whole_group: bool, workers: int = 2,
         # multiprocessing's resource tracker (of profile-comm's ranks) is no worker: it leaves after its parent
         workers_seen = {pid: cmdline for pid in _children(proc.pid)
                         if b"resource_tracker" not in (cmdline := _cmdline(pid) or b"")}
-        (os.killpg if whole_group else os.kill)(proc.pid, signal.SIGINT)
+        (os.killpg if whole_group else os.kill)(proc.pid, signum)
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     finally:
         if proc.poll() is None:
@@ -93,6 +93,17 @@ def test_sigint_is_one_line_exit_130_and_no_worker_left(tmp_path, model_file, co
     assert done.stderr == "vtrain: interrupted\n"
     assert done.stdout == ""
     assert len(workers) == expected
+    assert [pid for pid, cmdline in workers.items() if _cmdline(pid) == cmdline] == []  # every worker is gone
+
+
+def test_sigterm_to_a_search_is_one_line_exit_143_and_no_worker_left(tmp_path, model_file):
+    """``kill`` or ``timeout`` signal the parent alone: it kills its workers (their own process group)."""
+    argv = ["search", model_file, "--gpus", "8:256", "--global-batch", "512", "--workers", "2"]
+    env_cache = ["--cache-dir", str(tmp_path / "cache")]  # its workers trace the shapes into this cache
+    done, workers = _interrupt([*argv, *env_cache], whole_group=False, workers=2, signum=signal.SIGTERM)
+    assert done.returncode == 143, done.stderr
+    assert done.stderr.splitlines()[-1] == "vtrain: terminated"
+    assert len(workers) == 2
     assert [pid for pid, cmdline in workers.items() if _cmdline(pid) == cmdline] == []  # every worker is gone
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import NoReturn
@@ -76,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(only).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="vtrain: %(message)s", stream=sys.stderr)
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main_thread else None
     try:
         with cache_environment(args):
             return args.func(args)
@@ -85,3 +89,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("vtrain: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("vtrain: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM (``kill``, ``timeout``, a batch scheduler), raised where the command is, so that the
+    blocks it is in clean up as after Ctrl-C: a search's workers, in a process group of their own,
+    are killed instead of left running."""
+
+
+def _raise_terminated(signum: int, frame: object) -> NoReturn:
+    raise Terminated()
