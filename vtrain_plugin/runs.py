@@ -13,20 +13,23 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.hardware.clusters import cluster_for_gpu, get_cluster_preset, resolve_cluster
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.specs.cluster import ClusterSpec
-from vtrain_plugin.specs.megatron.launch_script import LaunchCommand, launch_command, read_command_line, read_launch_file
-from vtrain_plugin.specs.megatron.args import script_plan
-from vtrain_plugin.specs.megatron.bridge import bridge_command, is_bridge_config
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.plan_file import parse_model_sections, parse_plan
-from vtrain_plugin.specs.reading import YAML_SUFFIXES, read_mapping
+from vtrain_plugin.specs.reading import YAML_SUFFIXES, is_bridge_config, read_mapping
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import TrainingSpec
+
+if TYPE_CHECKING:
+    from vtrain_plugin.specs.megatron.launch_script import LaunchCommand
+
+# The Megatron-LM reader (vtrain_plugin.specs.megatron: flag tables, bash reader) is imported by the
+# functions that read its inputs: loading it is a quarter of the start-up of a plan file's estimate.
 
 logger = logging.getLogger(__name__)
 LAUNCH_SCRIPT_SUFFIXES = (".sh", ".bash")
@@ -159,6 +162,8 @@ def run_config_from_megatron_args(argv: str | Sequence[str], *, gpus: int | None
     GPU's usual node. What vtrain assumed (a ``gpus`` overriding the launcher's count, a vocabulary
     size the tokenizer implies) is logged in one note; flags vtrain does not model but that change
     performance in one warning; errors are prefixed with ``source`` when given."""
+    from vtrain_plugin.specs.megatron.launch_script import launch_command, read_command_line
+
     with _errors_name(source):
         command = read_command_line(argv) if isinstance(argv, str) else launch_command(argv)
         return _megatron_run(command, gpus=gpus, cluster=cluster, source=source)
@@ -169,6 +174,8 @@ def load_megatron_script(path: str | Path, *, gpus: int | None = None, cluster: 
     """The run of a launch script (``train.sh``) that holds the training command: it is read, never
     run (see :mod:`vtrain_plugin.specs.megatron.launch_script`), with the environment variables ``env`` (none
     by default: ``$SLURM_NNODES`` is unset unless given); otherwise as :func:`run_config_from_megatron_args`."""
+    from vtrain_plugin.specs.megatron.launch_script import read_launch_file
+
     path = Path(path)
     with _errors_name(path):
         return _megatron_run(read_launch_file(path, env), gpus=gpus, cluster=cluster, source=str(path))
@@ -179,6 +186,8 @@ def bridge_run(data: Mapping[str, Any], *, gpus: int | None = None, cluster: Clu
     """The run of a Megatron-Bridge / NeMo 2 ConfigContainer mapping (see
     :mod:`vtrain_plugin.specs.megatron.bridge`) on ``gpus`` GPUs (a ConfigContainer does not hold the
     world size: the launcher does)."""
+    from vtrain_plugin.specs.megatron.bridge import bridge_command
+
     with _errors_name(source):
         if gpus is None:
             raise ConfigError("the GPU count is unknown: a Megatron-Bridge config does not hold it; give --gpus N")
@@ -195,6 +204,8 @@ def load_bridge_config(path: str | Path, *, gpus: int | None = None, cluster: Cl
 
 def _megatron_run(commands: LaunchCommand | tuple[LaunchCommand, ...], *, gpus: int | None,
                   cluster: ClusterSpec | None, source: str) -> RunConfig:
+    from vtrain_plugin.specs.megatron.args import script_plan
+
     plan = script_plan(commands if isinstance(commands, tuple) else (commands,), gpus=gpus)
     run = RunConfig(model=plan.model, parallel=plan.parallel, training=plan.training,
                     cluster=cluster or resolve_cluster({}), source=source)

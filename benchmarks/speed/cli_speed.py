@@ -6,7 +6,9 @@ script runs), several times; the table gives the median and best wall time and t
 traced. Warm: the same plan again with the cache filled by a first run. Config error: the plan with
 ``num_layers`` 0 (vTrain config: ``num_layers``), reported before anything is traced. The machine's
 load average is printed with the table: on a shared machine, wall time above CPU time is time spent
-waiting for a core. Target (issue 10): a warm estimate or a config error under 1.5 s of wall time.
+waiting for a core. Target (issue 32): a warm estimate under 0.3 s. Whether the processes write and
+reuse bytecode (``PYTHONDONTWRITEBYTECODE`` unset) is printed too: without it every process compiles
+vtrain's modules from source, part of a warm estimate's start-up.
 
 Run with ``.venv/bin/python -m benchmarks.speed.cli_speed [--repeats N] [--cold-repeats N]``.
 """
@@ -91,7 +93,9 @@ def main() -> None:
                               [run_cli(["estimate", plan], warm_dir) for _ in range(args.repeats)]))
     load_after = os.getloadavg()
     print(render_table(rows, ["case", "plan", "runs", "median wall s", "best wall s", "median CPU s"]))
-    print(f"\n{os.cpu_count()} CPUs; load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after")
+    bytecode = "off (PYTHONDONTWRITEBYTECODE set)" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "on"
+    print(f"\n{os.cpu_count()} CPUs; load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
+          f"bytecode cache {bytecode}")
 
 
 if __name__ == "__main__":

@@ -25,13 +25,14 @@ def _entries(folder):
 
 def _imported_modules(cache, tmp_path, *args):
     """Run ``python -X importtime -m vtrain_plugin.cli ARGS``; its exit code, stdout and the
-    top-level packages it imported (importtime lists every module the process imports, on stderr)."""
+    modules it imported, with their top-level packages (importtime lists every module the process
+    imports, on stderr)."""
     env = {**os.environ, "VTRAIN_CACHE_DIR": str(cache), "VTRAIN_PROFILE_DB": str(tmp_path / "profiles.sqlite")}
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "vtrain_plugin.cli", *args],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
-    packages = {line.rsplit("|", 1)[1].strip().split(".")[0]
-                for line in proc.stderr.splitlines() if line.startswith("import time:") and "|" in line}
-    return proc, packages
+    modules = {line.rsplit("|", 1)[1].strip()
+               for line in proc.stderr.splitlines() if line.startswith("import time:") and "|" in line}
+    return proc, modules | {name.split(".")[0] for name in modules}
 
 
 def test_warm_estimate_is_byte_identical_and_loads_neither_megatron_nor_torch(tmp_path, run_cli):
@@ -44,6 +45,9 @@ def test_warm_estimate_is_byte_identical_and_loads_neither_megatron_nor_torch(tm
     assert warm.returncode == 0, warm.stderr[-2000:]
     assert warm.stdout == cold.stdout
     assert "megatron" not in warm_packages and "torch" not in warm_packages
+    # nor the layers a plan file's estimate does not use: the Megatron-LM reader, measured runs, planning
+    assert not {name for name in warm_packages
+                if name.startswith(("vtrain_plugin.specs.megatron", "vtrain_plugin.measured", "vtrain_plugin.planning"))}
     again = run_cli("estimate", PLAN, "--format", "json", env={"VTRAIN_CACHE_DIR": str(cache)}, check=True)
     assert again.stdout == cold.stdout
 

@@ -30,6 +30,7 @@ import json
 import logging
 import marshal
 import os
+import re
 import sys
 import zlib
 from dataclasses import dataclass
@@ -214,12 +215,30 @@ def _canonical(value: Any) -> str:
 
 @lru_cache(maxsize=None)
 def _package_version(name: str) -> str | None:
-    from importlib import metadata  # 50 ms to load; needed once a trace is looked up, never for a config error
+    """The installed version of distribution ``name``: from the name of its ``.dist-info`` folder on
+    ``sys.path`` (the first, as importlib.metadata finds it), else importlib.metadata itself, which
+    takes longer to load than a warm estimate takes to run."""
+    wanted = _normalized(name)
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for folder in names:
+            project, _, version = folder.removesuffix(".dist-info").partition("-")
+            if folder.endswith(".dist-info") and version and _normalized(project) == wanted:
+                return version
+    from importlib import metadata
 
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
+
+
+def _normalized(project: str) -> str:
+    """A distribution name as PEP 503 compares them (``megatron-core`` is ``megatron_core``)."""
+    return re.sub(r"[-_.]+", "_", project).lower()
 
 
 @lru_cache(maxsize=1)

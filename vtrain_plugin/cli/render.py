@@ -27,11 +27,11 @@ from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
-from vtrain_plugin.measured.one_device import ValidationResult
 
-if TYPE_CHECKING:  # the planning layer is imported by the commands that plan, not by every render
+if TYPE_CHECKING:  # the measured and planning layers are imported by the commands that use them, not by every render
     import pandas as pd
 
+    from vtrain_plugin.measured.one_device import ValidationResult
     from vtrain_plugin.planning.search import SearchResult
     from vtrain_plugin.planning.sizing import SizingResult
 

@@ -106,7 +106,7 @@ class KernelKey:
     def from_dict(cls, d: dict[str, Any]) -> KernelKey:
         return cls(
             op=d["op"],
-            input_shapes=tuple(tuple(s) for s in d["input_shapes"]),
+            input_shapes=tuple(map(tuple, d["input_shapes"])),
             dtypes=tuple(d["dtypes"]),
             args=tuple((k, _tupled(a)) for k, a in d["args"]),
         )
@@ -148,9 +148,9 @@ class OpNode:
     def from_dict(cls, d: dict[str, Any]) -> OpNode:
         return cls(
             key=KernelKey.from_dict(d["key"]),
-            phase=Phase(d["phase"]),
+            phase=_member(Phase, d["phase"]),
             module=d["module"],
-            output_shapes=tuple(tuple(s) for s in d["output_shapes"]),
+            output_shapes=tuple(map(tuple, d["output_shapes"])),
             launches_kernel=d["launches_kernel"],
             flops=d["flops"],
             nbytes=d["nbytes"],
@@ -184,11 +184,11 @@ class CollectiveNode:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CollectiveNode:
         return cls(
-            kind=CollectiveKind(d["kind"]),
+            kind=_member(CollectiveKind, d["kind"]),
             nbytes=d["nbytes"],
-            group=ParallelGroup(d["group"]),
+            group=_member(ParallelGroup, d["group"]),
             group_size=d["group_size"],
-            phase=Phase(d["phase"]),
+            phase=_member(Phase, d["phase"]),
             module=d["module"],
             dtype=d["dtype"],
             synthesized=d["synthesized"],
@@ -196,6 +196,18 @@ class CollectiveNode:
 
 
 Node = Union[OpNode, CollectiveNode]
+
+
+_MEMBERS = {enum: {member.value: member for member in enum} for enum in (Phase, CollectiveKind, ParallelGroup)}
+
+
+def _member(enum: type[StrEnum], value: str) -> Any:
+    """``enum(value)`` by one dict look-up (a stored graph holds thousands; the enum call is ten times
+    slower); an unknown value is the same ValueError."""
+    try:
+        return _MEMBERS[enum][value]
+    except KeyError:
+        return enum(value)
 
 
 def _node_from_dict(d: dict[str, Any]) -> Node:

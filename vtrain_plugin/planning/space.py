@@ -191,6 +191,8 @@ _TP_RULES = (
     _layout_rule("heads % tp"),
     _layout_rule("query groups % tp"),
     _layout_rule("ffn % tp"),
+    _layout_rule("mamba heads % tp"),
+    _layout_rule("mamba groups % tp"),
 )
 _SP_RULES = (
     Rule("sp needs tp > 1", lambda ctx, c: c["sequence_parallel"] and c["tensor_parallel"] == 1),
@@ -198,7 +200,7 @@ _SP_RULES = (
     _layout_rule("seq/cp % tp (sp)"),
     _layout_rule("moe tp needs sp"),
 )
-_CP_RULES = (_layout_rule("seq % cp"), _layout_rule("seq % (2*cp)"))
+_CP_RULES = (_layout_rule("seq % cp"), _layout_rule("seq % (2*cp)"), _layout_rule("hybrid cp"))
 _EP_RULES = tuple(_layout_rule(name) for name in ("ep needs moe", "experts % ep", "(tp*cp*dp) % (ep*etp)",
                                                   "moe ffn % etp", "moe bias needs etp 1"))
 
@@ -238,6 +240,7 @@ AXES: tuple[Axis, ...] = (
          (1, *(d for d in _divisors(ctx.model.num_layers // c["pipeline_parallel"]) if d > 1)),
          (Rule("vp needs pp > 1", lambda ctx, c: c["virtual_pipeline"] > 1 and c["pipeline_parallel"] == 1),
           _layout_rule("layers % (pp*vp)"),
+          _layout_rule("hybrid vp"),
           Rule("num_microbatches % pp (interleaved)",
                lambda ctx, c: c["virtual_pipeline"] > 1 and _microbatches(ctx, c) % c["pipeline_parallel"] != 0),
           Rule("scheduled passes beyond limits",

@@ -40,6 +40,13 @@ def read_mapping(path: Path) -> Mapping[str, Any]:
         raise ConfigError(f"{path}: {exc}") from None
 
 
+def is_bridge_config(data: Mapping[str, Any]) -> bool:
+    """Whether a file's mapping is a ConfigContainer: ``to_yaml()``'s ``_target_``, or a ``train``
+    section (a plan file's is ``training``)."""
+    target = data.get("_target_")
+    return (isinstance(target, str) and target.endswith("ConfigContainer")) or "train" in data
+
+
 def parse_mapping(data: bytes, *, yaml_syntax: bool) -> Mapping[str, Any]:
     """The top-level mapping of a file's bytes (see the module doc); errors do not name the file."""
     if len(data) > FILE_BYTES.maximum:

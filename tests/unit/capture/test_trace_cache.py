@@ -250,6 +250,15 @@ def test_the_key_changes_with_the_versions(monkeypatch, package):
     assert disk_cache.entry_key(KEY)["versions"][package] == "9.9"
 
 
+def test_the_versions_in_the_key_are_the_installed_ones():
+    """Read from the dist-info folders' names, without importlib.metadata: the same answers."""
+    from importlib import metadata
+
+    for package in ("vtrain", "torch", "megatron-core", "numpy"):
+        assert disk_cache._package_version(package) == metadata.version(package)
+    assert disk_cache._package_version("no-such-package-of-vtrain") is None
+
+
 def test_the_key_changes_with_the_traced_code(monkeypatch):
     before = disk_cache.entry_path(KEY)
     monkeypatch.setattr(disk_cache, "_traced_code_digest", lambda: "edited")

@@ -292,3 +292,24 @@ def test_context_parallelism_runs_only_with_the_te_stack():
     assert result.skipped == {"cp needs megatron_core_te": 2}
     assert [(c.parallel.context_parallel, c.training.software_stack.value) for c in result.candidates] == [
         (1, "local_spec"), (1, "megatron_deepspeed_2023"), (1, "megatron_core_te"), (2, "megatron_core_te")]
+
+
+def test_a_hybrid_space_skips_the_layouts_megatron_cores_mamba_stack_cannot_build():
+    """Mamba hybrid "M*-M-M" (16 Mamba heads, 2 groups): TP 4 breaks the groups (2 % 4), CP 2 and VP 3
+    (pp 2: 3 layers a rank) are not built; every plan left passes ParallelPlan.check_fits.
+
+    After tp (1, 2, 4) each value counts the pinned later axes, cp 2 x pp 2 x vp 2 = 8: tp 4, 8; cp 2
+    for tp 1, 2, 2 x (pp 2 x vp 2) = 8; vp 3 with pp 1 on tp 1, 2 (vp needs pp > 1), 2; vp 3 with
+    pp 2 on tp 1, 2 (dp from the budget of 8 GPUs), 2."""
+    hybrid = ModelSpec(num_layers=6, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1024,
+                       hybrid_layer_pattern="M*-M-M", mamba_state_dim=16, mamba_head_dim=32, mamba_num_groups=2)
+    space = SearchSpace(tensor_parallel=(1, 2, 4), context_parallel=(1, 2), pipeline_parallel=(1, 2),
+                        micro_batch_size=(1,), virtual_pipeline=(1, 3), sequence_parallel=(False,),
+                        recompute=("none",), grad_reduce=("overlap",), distributed_optimizer=(False,))
+    result = enumerate_plans(hybrid, space, global_batch_size=16, budget=GpuBudget.parse("8"), training=BASE,
+                             gpus_per_node=8)
+    assert result.skipped == {"mamba groups % tp": 8, "hybrid cp": 8, "vp needs pp > 1": 2, "hybrid vp": 2}
+    assert [(c.parallel.tensor_parallel, c.parallel.pipeline_parallel, c.parallel.virtual_pipeline)
+            for c in result.candidates] == [(1, 1, 1), (1, 2, 1), (2, 1, 1), (2, 2, 1)]
+    for candidate in result.candidates:
+        candidate.parallel.check_fits(hybrid)

@@ -141,13 +141,6 @@ _RECIPES: dict[str, dict[str, Any]] = {
 MIXED_PRECISION_RECIPES = {**_RECIPES, **{name.replace("_", "-"): fields for name, fields in _RECIPES.items()}}
 
 
-def is_bridge_config(data: Mapping[str, Any]) -> bool:
-    """Whether a file's mapping is a ConfigContainer: ``to_yaml()``'s ``_target_``, or a ``train``
-    section (a plan file's is ``training``)."""
-    target = data.get("_target_")
-    return (isinstance(target, str) and target.endswith("ConfigContainer")) or "train" in data
-
-
 def bridge_command(data: Mapping[str, Any]) -> LaunchCommand:
     """The Megatron-LM command line (``pretrain_gpt.py``'s flags) a ConfigContainer mapping describes."""
     v.no_unknown_keys("ConfigContainer", data, (*SECTIONS, "_target_"))
