@@ -26,6 +26,8 @@ run: setup  ## the main job: estimate Qwen3 8B in bf16 on 64 H100
 	$(VENV)/bin/vtrain estimate examples/plans/qwen3_8b_64gpu_h100.yaml
 
 test: setup  ## the test suite (import layering included), on TEST_WORKERS processes
+	@# bytecode written once: where PYTHONDONTWRITEBYTECODE is set, each CLI subprocess would compile vtrain again
+	$(PY) -m compileall -q -j 0 vtrain_plugin megatron_adapters profiler benchmarks >/dev/null
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist worksteal
 
 lint: setup  ## pyflakes and the import-linter layer contract, where installed
