@@ -8,14 +8,15 @@ bounded least squares on the log error, every constant inside
 :func:`~vtrain_plugin.hardware.calibration.constant_range`, each set weighing the same, a host cost
 one value per software stack (on every GPU), a device constant one value per GPU, the network
 efficiency and the spread of GPU speeds one value for every cluster (:data:`SHARED`). No term
-belongs to one run or one model size. The functional tests of megatron-core's local spec are
-reported but not fitted (:func:`in_fit`). Then it reports, per set, the calibration MAPE and bias (the
+belongs to one run or one model size; the functional tests of megatron-core's local spec fit
+that stack's host costs (``megatron_core_local``). Then it reports, per set, the calibration MAPE and bias (the
 functional tests per GPU and deterministic or not), leave-out refits (per test case, per model
 size, per run of the small sets; each a bounded Gauss-Newton step from the joint fit without the
 runs left out: :meth:`~vtrain_plugin.measured.calibrate.JointFit.linearised_refit`), the bias by
 scale (GPUs x parameters) and every constant that ends on a bound of its range. ``--dry-run``
 writes nothing; otherwise each fitted (device, stack) file is written, and the files that take
-their constants from a fitted GPU (:data:`DERIVED`) get them too, saying why.
+their constants from a fitted GPU (:data:`DERIVED`) or a fitted GPU and stack (:data:`CROSSED`) get
+them too, saying why.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +34,7 @@ from benchmarks.accuracy import a100_data, b200_data, ci_data, h100_data, sc21_d
 from benchmarks.accuracy.a100_data import SOURCE_LABELS, MeasuredRun, add_data_argument, error_stats, prepare_runs
 
 from vtrain_plugin.cli.render import render_table
-from vtrain_plugin.hardware.calibration import (Calibration, calibration_for, write_calibration)
+from vtrain_plugin.hardware.calibration import SOFTWARE_CONSTANTS, Calibration, calibration_for, write_calibration
 from vtrain_plugin.measured.calibrate import JointFit, JointSpace, MeasuredPlan, fit_constants, scope_of
 
 SETS: dict[str, Callable[[Path], list[MeasuredRun]]] = {
@@ -55,20 +57,24 @@ SHARED = ("network_efficiency", "gpu_speed_spread")
 # Xeon 8570 is as fast per core, and B200's long kernels could not tell.
 FIXED = (("hbm_efficiency", "b200-sxm"), ("kernel_overhead_ns", "b200-sxm"), ("host_time_factor", "h100-sxm"),
          ("host_time_factor", "b200-sxm"))
+_SAME_A100 = "the same GA100 die and DGX A100 host; its HBM efficiency is the same fraction of its own 1555 GB/s"
+_SAME_H100 = ("the same GH100 die with the same 989 TFLOP/s, kernels and DGX host; its HBM efficiency is the same "
+              "fraction of its own 4.8 TB/s")
 # Files whose constants are those of a fitted (device, stack), and why.
 DERIVED = {
-    ("a100-sxm4-40gb", "megatron_core_te"): (("a100-sxm4-80gb", "megatron_core_te"),
-                                             "the same GA100 die and DGX A100 host; its HBM efficiency is the same "
-                                             "fraction of its own 1555 GB/s"),
-    ("h200-sxm", "megatron_core_te"): (("h100-sxm", "megatron_core_te"),
-                                       "the same GH100 die with the same 989 TFLOP/s, kernels and DGX host; its HBM "
-                                       "efficiency is the same fraction of its own 4.8 TB/s"),
+    ("a100-sxm4-40gb", "megatron_core_te"): (("a100-sxm4-80gb", "megatron_core_te"), _SAME_A100),
+    ("h200-sxm", "megatron_core_te"): (("h100-sxm", "megatron_core_te"), _SAME_H100),
+    ("a100-sxm4-40gb", "megatron_core_local"): (("a100-sxm4-80gb", "megatron_core_local"), _SAME_A100),
+    ("h200-sxm", "megatron_core_local"): (("h100-sxm", "megatron_core_local"), _SAME_H100),
     ("gb200", "megatron_core_te"): (("b200-sxm", "megatron_core_te"),
                                     "the B200's Blackwell tensor cores, memory and software at a higher clock and power "
                                     "limit, efficiencies being fractions of its own peaks; no published GB200 run"),
     ("gb300", "megatron_core_te"): (("b200-sxm", "megatron_core_te"),
                                     "the B200's Blackwell tensor cores, memory and software at a higher clock and power "
                                     "limit, efficiencies being fractions of its own peaks; no published GB300 run")}
+# Files of a stack on a fitted GPU that no published run ran it on: the GPU's device constants of the
+# fit with the stack's host costs (software constants: the same on every GPU), and why they ship.
+CROSSED = {("h100-sxm", "megatron_deepspeed_2023"): "the legacy Megatron GPT (--use-legacy-models) on an H100"}
 GPU_BUCKETS = ((8, "8 GPUs"), (64, "9-64"), (512, "65-512"), (4096, "513-4,096"))
 SIZE_BUCKETS = ((1e9, "< 1B"), (10e9, "1-10B"), (100e9, "10-100B"), (math.inf, "> 100B"))
 HEADER = ["set", "evaluation", "runs", "MAPE %", "median %", "p90 %", "bias %"]
@@ -93,22 +99,13 @@ def stats_row(data_set: str, evaluation: str, predicted: np.ndarray, measured: n
     return [data_set, evaluation, str(s.count), f"{s.mape:.2f}", f"{s.median:.2f}", f"{s.p90:.2f}", f"{s.bias:+.2f}"]
 
 
-def in_fit(plan: MeasuredPlan) -> bool:
-    """Whether the fit uses the plan: a functional test whose layers are megatron-core's local spec
-    is priced with the Megatron-DeepSpeed kernels, but its host work is megatron-core's, not that
-    stack's: reported, not fitted."""
-    return not (plan.data_set == "ci" and plan.stack == "megatron_deepspeed_2023")
-
-
 def leave_out(fit: JointFit, plans: Sequence[MeasuredPlan], key: Callable[[int], object]) -> np.ndarray:
-    """Each plan predicted by the fit refitted (linearised) without every plan of its ``key`` (a plan
-    outside the fit: as calibrated)."""
-    rows = [i for i, p in enumerate(plans) if in_fit(p)]  # the fit's rows, in order
+    """Each plan predicted by the fit refitted (linearised) without every plan of its ``key``."""
     keys = [key(i) for i in range(len(plans))]
     out = np.array([p.predict_ms(fit.space.constants(p, fit.unit)) for p in plans])
-    for value in dict.fromkeys(keys[i] for i in rows):
-        unit = fit.linearised_refit(np.array([keys[i] != value for i in rows]))
-        for i in rows:
+    for value in dict.fromkeys(keys):
+        unit = fit.linearised_refit(np.array([k != value for k in keys]))
+        for i in range(len(plans)):
             if keys[i] == value:
                 out[i] = plans[i].predict_ms(fit.space.constants(plans[i], unit))
     return out
@@ -145,7 +142,8 @@ def report(fit: JointFit, plans: Sequence[MeasuredPlan]) -> str:
         label = SOURCE_LABELS[data_set]
         rows.append(stats_row(label, "calibration", predicted[idx], measured[idx]))
         if data_set == "ci":
-            for name, pick in (("fitted", in_fit), ("local spec, not fitted", lambda p: not in_fit(p)),
+            for name, pick in (("TransformerEngine", lambda p: p.stack == "megatron_core_te"),
+                               ("local spec", lambda p: p.stack == "megatron_core_local"),
                                ("A100", lambda p: p.device.startswith("a100")), ("H100", lambda p: p.device == "h100-sxm"),
                                ("deterministic", lambda p: p.run.training.deterministic),
                                ("non-deterministic", lambda p: not p.run.training.deterministic)):
@@ -172,13 +170,13 @@ def write_files(fit: JointFit, plans: Sequence[MeasuredPlan], command: str, into
     fitted: dict[tuple[str, str], MeasuredPlan] = {}
     for p in plans:
         fitted.setdefault((p.device, p.stack), p)
-    sets = ", ".join(f"{SOURCE_LABELS[s]} ({sum(p.data_set == s and in_fit(p) for p in plans)})"
+    sets = ", ".join(f"{SOURCE_LABELS[s]} ({sum(p.data_set == s for p in plans)})"
                      for s in dict.fromkeys(p.data_set for p in plans))
     paths = []
     for (device, stack), plan in fitted.items():
         constants = fit.constants(plan)
-        own = sorted({SOURCE_LABELS[p.data_set] for p in plans if (p.device, p.stack) == (device, stack) and in_fit(p)})
-        source = (f"Joint fit of {sum(map(in_fit, plans))} published runs ({sets}; benchmarks/data, each set weighted equally) by "
+        own = sorted({SOURCE_LABELS[p.data_set] for p in plans if (p.device, p.stack) == (device, stack)})
+        source = (f"Joint fit of {len(plans)} published runs ({sets}; benchmarks/data, each set weighted equally) by "
                   f"vtrain's fitter (bounded least squares on the log error, each constant inside its documented "
                   f"range; host costs one value per software stack, device constants one per GPU, network "
                   f"efficiency and GPU speed spread one for every cluster). Runs of this file fitted: "
@@ -192,6 +190,15 @@ def write_files(fit: JointFit, plans: Sequence[MeasuredPlan], command: str, into
                 paths.append(write_calibration(Calibration(device=other, software_stack=other_stack, source=derived,
                                                            command=command, constants=constants),
                                                into_package=into_package))
+    by_device = {device: fit.constants(plan) for (device, _), plan in fitted.items()}
+    by_stack = {stack: fit.constants(plan) for (_, stack), plan in fitted.items()}
+    for (device, stack), why in CROSSED.items():
+        host = {name: getattr(by_stack[stack], name) for name in SOFTWARE_CONSTANTS}
+        crossed = (f"The device constants of {device} and the host costs of {stack} from the same joint fit, for "
+                   f"{why}: no published run of this pair.")
+        paths.append(write_calibration(Calibration(device=device, software_stack=stack, source=crossed, command=command,
+                                                   constants=replace(by_device[device], **host)),
+                                       into_package=into_package))
     return paths
 
 
@@ -209,7 +216,7 @@ def main() -> None:
     plans = measured_plans(runs)
     print(f"traced and prepared {len(plans)} runs in {time.perf_counter() - start:.0f} s")
     space = JointSpace(plans, FITTED, fixed=FIXED, scope=scope)
-    fit = fit_constants([p for p in plans if in_fit(p)], FITTED, space=space, max_nfev=args.max_evals, verbose=2)
+    fit = fit_constants(plans, FITTED, space=space, max_nfev=args.max_evals, verbose=2)
     print(f"fitted {len(space.params)} constants in {time.perf_counter() - start:.0f} s: {fit.evaluations} "
           f"evaluations and {fit.jacobians} Jacobians, {fit.predictions} plan predictions; "
           f"{'converged' if fit.converged else 'stopped at --max-evals, not converged'}\n")

@@ -25,7 +25,7 @@ def _script(folder, name, hidden, heads, nodes, tp, batch, seq):
     path.write_text(f"torchrun --nnodes {nodes} --nproc_per_node 8 pretrain_gpt.py --num-layers 4 --hidden-size "
                     f"{hidden} --num-attention-heads {heads} --seq-length {seq} --max-position-embeddings {seq} "
                     f"--micro-batch-size 1 --global-batch-size {batch} --tensor-model-parallel-size {tp} --fp16 "
-                    f"--vocab-size 32000 --transformer-impl local\n")  # Megatron's own kernels: STACK
+                    f"--vocab-size 32000 --use-legacy-models\n")  # the legacy Megatron GPT: STACK
     return path
 
 

@@ -32,7 +32,7 @@ def test_estimate_from_a_launch_script_takes_the_gpu_count_from_torchrun(tmp_pat
         f"memory): --use-flash-attn"]
     script.write_text(SMALL_GPT.replace("--use-flash-attn", "--transformer-impl local"))
     local = json.loads(run_cli("estimate", str(script), "--format", "json", check=True).stdout)
-    assert local["software_stack"] == "megatron_deepspeed_2023"
+    assert local["software_stack"] == "megatron_core_local"
 
 
 def test_a_bert_script_is_refused_as_unsupported_in_one_line(tmp_path, run_cli):

@@ -34,6 +34,7 @@ class SoftwareStack(StrEnum):
     LOCAL_SPEC = "local_spec"  # megatron-core's local layer spec as traced (identity)
     MEGATRON_DEEPSPEED_2023 = "megatron_deepspeed_2023"  # fused softmax/GeLU/dropout-add, apex LN and Adam
     MEGATRON_CORE_TE = "megatron_core_te"  # Megatron-Core + TransformerEngine: fused attention, norm, RoPE, CE, Adam
+    MEGATRON_CORE_LOCAL = "megatron_core_local"  # Megatron-Core's local spec: Megatron's fused kernels, mcore's Adam
 
 
 class Fp8Format(StrEnum):

@@ -116,10 +116,11 @@ def test_fitted_files_come_from_one_joint_fit_and_derived_files_share_their_cons
     from benchmarks.accuracy.calibrate import DERIVED
 
     for device, stack in (("a100-sxm4-80gb", "megatron_deepspeed_2023"), ("a100-sxm4-80gb", "megatron_core_te"),
-                          ("h100-sxm", "megatron_core_te"), ("b200-sxm", "megatron_core_te")):
+                          ("h100-sxm", "megatron_core_te"), ("b200-sxm", "megatron_core_te"),
+                          ("a100-sxm4-80gb", "megatron_core_local"), ("h100-sxm", "megatron_core_local")):
         fitted = calibration_for(device, stack)
         assert fitted.command == ".venv/bin/python -m benchmarks.accuracy.calibrate --into-package", (device, stack)
-        assert fitted.source.startswith("Joint fit of 274 published runs"), (device, stack)
+        assert fitted.source.startswith("Joint fit of 286 published runs"), (device, stack)
     for (device, stack), (origin, _) in DERIVED.items():
         assert calibration_for(device, stack).constants == calibration_for(*origin).constants, device
     # the host costs stand for a DGX H100's CPU; the DGX A100's is slower or as fast, never faster

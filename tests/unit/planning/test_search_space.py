@@ -248,22 +248,22 @@ def test_software_stack_and_fp8_axes_default_to_the_base_training_spec():
 
 
 def test_pinned_fp8_runs_only_with_the_te_stack():
-    """3 stacks x (off, hybrid, e4m3): FP8 with local_spec or megatron_deepspeed_2023 is skipped (4)."""
+    """4 stacks x (off, hybrid, e4m3): FP8 with any stack but megatron_core_te is skipped (6)."""
     space = SearchSpace(tensor_parallel=(2,), pipeline_parallel=(1,), micro_batch_size=(1,), virtual_pipeline=(1,),
                         sequence_parallel=(False,), recompute=("none",), grad_reduce=("overlap",),
                         distributed_optimizer=(False,), software_stack=tuple(SoftwareStack),
                         fp8=("off", "hybrid", "e4m3"))
     result = plans(space, gpus="8")
-    assert result.skipped == {"fp8 needs megatron_core_te": 4}
+    assert result.skipped == {"fp8 needs megatron_core_te": 6}
     assert [(c.training.software_stack.value, c.training.fp8) for c in result.candidates] == [
         ("local_spec", None), ("megatron_deepspeed_2023", None), ("megatron_core_te", None),
-        ("megatron_core_te", Fp8Format.HYBRID), ("megatron_core_te", Fp8Format.E4M3)]
+        ("megatron_core_te", Fp8Format.HYBRID), ("megatron_core_te", Fp8Format.E4M3), ("megatron_core_local", None)]
     by_flag = {axis.flag: axis for axis in AXES}
     assert by_flag["fp8"].values(["off", "e4m3"], where="--fp8") == (None, Fp8Format.E4M3)
     with pytest.raises(ConfigError, match=r"^--fp8: 'e5m2' is not off or one of hybrid, e4m3$"):
         by_flag["fp8"].values(["e5m2"], where="--fp8")
     with pytest.raises(ConfigError, match=r"^--stack: 'te' is not one of local_spec, megatron_deepspeed_2023, "
-                                          r"megatron_core_te$"):
+                                          r"megatron_core_te, megatron_core_local$"):
         by_flag["stack"].values(["te"], where="--stack")
 
 
@@ -284,14 +284,15 @@ def test_context_parallel_sizes_are_tried_when_pinned():
 
 def test_context_parallelism_runs_only_with_the_te_stack():
     """megatron-core has CP attention only through TransformerEngine: CP 2 with the other stacks is
-    skipped (2); CP 1 runs with all three."""
+    skipped (3); CP 1 runs with all four."""
     space = SearchSpace(tensor_parallel=(2,), context_parallel=(1, 2), pipeline_parallel=(1,), micro_batch_size=(1,),
                         virtual_pipeline=(1,), sequence_parallel=(False,), recompute=("none",),
                         grad_reduce=("overlap",), distributed_optimizer=(False,), software_stack=tuple(SoftwareStack))
     result = plans(space, gpus="8")
-    assert result.skipped == {"cp needs megatron_core_te": 2}
+    assert result.skipped == {"cp needs megatron_core_te": 3}
     assert [(c.parallel.context_parallel, c.training.software_stack.value) for c in result.candidates] == [
-        (1, "local_spec"), (1, "megatron_deepspeed_2023"), (1, "megatron_core_te"), (2, "megatron_core_te")]
+        (1, "local_spec"), (1, "megatron_deepspeed_2023"), (1, "megatron_core_te"), (1, "megatron_core_local"),
+        (2, "megatron_core_te")]
 
 
 def test_a_hybrid_space_skips_the_layouts_megatron_cores_mamba_stack_cannot_build():

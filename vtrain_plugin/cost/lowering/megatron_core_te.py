@@ -136,9 +136,9 @@ def megatron_core_te(nodes: Sequence[Node], *, unfused_attention: bool = False) 
     mixers = mamba.mixer_dims(nodes)
     if unfused_attention and not mixers:
         return _merge_loss_all_reduces(lower_block(nodes, lambda group: unfused_attention_kernels(group)
-                                                   or _map_group(group, windows), _map_optimizer))
+                                                   or _map_group(group, windows), map_optimizer))
     if not mixers:
-        return _merge_loss_all_reduces(lower_block(nodes, lambda group: _map_group(group, windows), _map_optimizer,
+        return _merge_loss_all_reduces(lower_block(nodes, lambda group: _map_group(group, windows), map_optimizer,
                                                    unit=attention_unit))
 
     def rule(group: list[OpNode]) -> list[Node]:
@@ -147,7 +147,7 @@ def megatron_core_te(nodes: Sequence[Node], *, unfused_attention: bool = False) 
             return mamba.lower_mixer(group, mixers.get(unit)) or group
         return _map_group(group, windows)
 
-    return _merge_loss_all_reduces(lower_block(nodes, rule, _map_optimizer,
+    return _merge_loss_all_reduces(lower_block(nodes, rule, map_optimizer,
                                                unit=lambda module: mamba.mixer_unit(attention_unit(module))))
 
 
@@ -424,7 +424,7 @@ def _merge_loss_all_reduces(nodes: tuple[Node, ...]) -> tuple[Node, ...]:
     return tuple(out)
 
 
-def _map_optimizer(ops: list[OpNode]) -> list[OpNode]:
+def map_optimizer(ops: list[OpNode]) -> list[OpNode]:
     """The block's optimizer step as TE's multi-tensor passes over all its parameters (one gradient
     norm per parameter in the traced step gives their sizes)."""
     norms = [n for n in ops if op_name(n) == "linalg_vector_norm"]

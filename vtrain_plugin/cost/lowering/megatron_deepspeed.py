@@ -74,7 +74,7 @@ def scaled_masked_softmax(group: list[OpNode]) -> list[Node] | None:
     return None
 
 
-def _map_group(group: list[OpNode]) -> list[Node]:
+def map_group(group: list[OpNode]) -> list[Node]:
     """One run of kernels of one module and phase, as Megatron-DeepSpeed runs it."""
     for rule in (scaled_masked_softmax, dropout, bias_dropout_add, bias_gelu):
         mapped = rule(group)
@@ -104,4 +104,4 @@ def _map_optimizer(ops: list[OpNode]) -> list[OpNode]:
 
 def megatron_deepspeed_2023(nodes: Sequence[Node]) -> tuple[Node, ...]:
     """The block's nodes as Megatron-DeepSpeed (2023, fp16) runs them (see the module doc)."""
-    return lower_block(nodes, _map_group, _map_optimizer)
+    return lower_block(nodes, map_group, _map_optimizer)

@@ -16,6 +16,9 @@ replacement, not the sum of its traced ops. Groups that match no rule are kept.
   measurements (:mod:`vtrain_plugin.cost.lowering.megatron_deepspeed`).
 - ``megatron_core_te``: Megatron-Core with TransformerEngine (:mod:`vtrain_plugin.cost.lowering.megatron_core_te`),
   in bf16/fp16 or, with ``fp8`` settings, in FP8 (:mod:`vtrain_plugin.cost.lowering.fp8`).
+- ``megatron_core_local``: Megatron-Core's local layer spec (``--transformer-impl local``): the
+  2023 stack's fused kernels with megatron-core's optimizer, host costs of its own
+  (:mod:`vtrain_plugin.cost.lowering.megatron_core_local`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import Node
 from vtrain_plugin.core.registry import Registry
 from vtrain_plugin.cost.lowering.fp8 import to_fp8
+from vtrain_plugin.cost.lowering.megatron_core_local import megatron_core_local
 from vtrain_plugin.cost.lowering.megatron_deepspeed import megatron_deepspeed_2023
 from vtrain_plugin.cost.lowering.megatron_core_te import group_expert_kernels, megatron_core_te
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
@@ -63,3 +67,4 @@ def _local_spec(nodes: Sequence[Node]) -> tuple[Node, ...]:
 
 register_stack(SoftwareStack.MEGATRON_DEEPSPEED_2023)(megatron_deepspeed_2023)
 register_stack(SoftwareStack.MEGATRON_CORE_TE)(megatron_core_te)
+register_stack(SoftwareStack.MEGATRON_CORE_LOCAL)(megatron_core_local)

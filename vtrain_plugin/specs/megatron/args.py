@@ -463,9 +463,9 @@ def software_stack(given: Given) -> tuple[SoftwareStack, str]:
     - by default (``--transformer-impl transformer_engine``) megatron-core's TransformerEngine
       layers, whatever the GPU and dtype: ``megatron_core_te``;
     - ``--transformer-impl local``: megatron-core's local layer spec, which runs Megatron's own fused
-      kernels (scaled masked softmax, bias-GeLU, bias-dropout-add, apex or persistent LayerNorm,
-      fused Adam) around unfused attention: the kernels of ``megatron_deepspeed_2023``, which
-      were measured from the same Megatron kernels;
+      kernels (scaled masked softmax, bias-GeLU, bias-dropout-add, apex or persistent LayerNorm)
+      around unfused attention and megatron-core's fused Adam, with megatron-core's host work:
+      ``megatron_core_local``;
     - ``--use-legacy-models``: the legacy Megatron GPT, the model of Megatron-DeepSpeed:
       ``megatron_deepspeed_2023``.
     """
@@ -475,7 +475,7 @@ def software_stack(given: Given) -> tuple[SoftwareStack, str]:
     if impl == "transformer_engine":
         return SoftwareStack.MEGATRON_CORE_TE, "--transformer-impl transformer_engine (Megatron-LM's default)"
     if impl == "local":
-        return (SoftwareStack.MEGATRON_DEEPSPEED_2023,
+        return (SoftwareStack.MEGATRON_CORE_LOCAL,
                 "--transformer-impl local: megatron-core's local layers run Megatron's fused kernels")
     if impl == "inference_optimized":
         raise ConfigError("--transformer-impl inference_optimized: inference layers are not supported by vtrain "

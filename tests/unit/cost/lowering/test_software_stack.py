@@ -1,5 +1,6 @@
-"""The mapping of traced megatron-core local-spec ops onto Megatron-DeepSpeed 2023 kernels, pinned on a
-small real GPT layer (traced once per module), and the choice of a plan's software stack."""
+"""The mapping of traced megatron-core local-spec ops onto Megatron-DeepSpeed 2023 and megatron-core
+local-spec kernels, pinned on a small real GPT layer (traced once per module), and the choice of a
+plan's software stack."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ H, HEADS, S, MB, TP = 64, 4, 32, 2, 2
 SCORES = MB * HEADS // TP * S * S  # elements of one attention-score tensor on one TP rank
 TOKENS = S * MB
 MDS = SoftwareStack.MEGATRON_DEEPSPEED_2023
+MCL = SoftwareStack.MEGATRON_CORE_LOCAL
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +111,39 @@ def test_optimizer_is_grad_copies_then_five_multi_tensor_kernels(layer):
     assert sum(per_param for _, per_param in MULTI_TENSOR_PASSES) + 6 == 60  # with the fp16->fp32 copy
 
 
+def test_megatron_core_local_runs_megatron_kernels_and_megatron_cores_optimizer(layer):
+    """The local spec's layers run the 2023 stack's fused kernels; its fp16 optimizer step is
+    megatron-core's five multi-tensor passes (unscale 8, norm 4, clip 8, Adam 28, copy 6 bytes per
+    parameter), without the 2023 stack's per-parameter gradient copies."""
+    local = map_nodes(layer.nodes, MCL)
+    for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE):
+        assert ops(local, phase) == ops(map_nodes(layer.nodes, MDS), phase)
+    copies = [n for n in ops(layer.nodes, Phase.OPTIMIZER) if n.op == "aten._to_copy.default"]
+    numel = sum(math.prod(n.key.input_shapes[0]) for n in copies)
+    mapped = ops(local, Phase.OPTIMIZER)
+    assert names(mapped) == [f"te.multi_tensor_{name}.default" for name in ("unscale", "l2norm", "scale", "adam", "copy")]
+    assert sum(n.nbytes for n in mapped) == 54 * numel
+
+
+def test_a_local_spec_command_line_picks_megatron_core_local():
+    """``--transformer-impl local`` is megatron-core's local spec, priced with its own stack (and host
+    costs); the legacy model stays on Megatron-DeepSpeed's, TransformerEngine on its own."""
+    from vtrain_plugin.runs import run_config_from_megatron_args
+
+    flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+             "--micro-batch-size 2 --global-batch-size 16 --vocab-size 128 --bf16")
+    for extra, stack in (("--transformer-impl local", MCL), ("--use-legacy-models", MDS), ("", TE)):
+        run = run_config_from_megatron_args(f"{flags} {extra}", gpus=8)
+        assert run.training.stack_for(run.model, "hopper") is stack, extra
+
+
 def test_local_spec_is_the_identity(layer):
     assert map_nodes(layer.nodes, "local_spec") == layer.nodes
 
 
 def test_unknown_and_duplicate_stacks_are_rejected():
     with pytest.raises(ConfigError, match=r"unknown software stack 'apex'; valid stacks are local_spec, "
-                                          r"megatron_core_te, megatron_deepspeed_2023"):
+                                          r"megatron_core_local, megatron_core_te, megatron_deepspeed_2023"):
         map_nodes((), "apex")
     with pytest.raises(ConfigError, match="software stack 'local_spec' is already registered"):
         register_stack(SoftwareStack.LOCAL_SPEC)(lambda nodes: tuple(nodes))

@@ -400,7 +400,7 @@ def test_distributed_optimizer_and_uneven_pipeline_splits_map_onto_their_fields(
     ("--fp16", SoftwareStack.MEGATRON_CORE_TE, "--transformer-impl transformer_engine (Megatron-LM's default)"),
     ("--transformer-impl transformer_engine", SoftwareStack.MEGATRON_CORE_TE,
      "--transformer-impl transformer_engine (Megatron-LM's default)"),
-    ("--transformer-impl local", SoftwareStack.MEGATRON_DEEPSPEED_2023,
+    ("--transformer-impl local", SoftwareStack.MEGATRON_CORE_LOCAL,
      "--transformer-impl local: megatron-core's local layers run Megatron's fused kernels"),
     ("--use-legacy-models", SoftwareStack.MEGATRON_DEEPSPEED_2023,
      "--use-legacy-models: the legacy Megatron GPT's fused kernels"),
