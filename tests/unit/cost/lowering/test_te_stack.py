@@ -230,6 +230,12 @@ def test_a_fused_softmax_keeps_its_output_in_the_model_dtype(gpt):
     """TE's unfused attention and Megatron's scaled masked softmax (megatron_deepspeed_2023) keep the
     probabilities in bf16 where the traced softmax keeps fp32: 2 bytes less per score."""
     assert fused_softmax_saved_delta(gpt.stages[0].layer_template().nodes) == -2 * MB * HP * S * S
+
+
+def test_without_attention_dropout_the_context_gemm_keeps_the_fused_softmax_output():
+    """Llama has no attention dropout: the bf16 probabilities the context GEMM keeps are the fused
+    softmax's output, so the traced fp32 softmax output (4 bytes per score) goes entirely."""
+    assert fused_softmax_saved_delta(_trace("llama").stages[0].layer_template().nodes) == -4 * MB * HP * S * S
     assert fused_softmax_saved_delta(_trace("llama", recompute="selective").stages[0].layer_template().nodes) == 0
 
 
