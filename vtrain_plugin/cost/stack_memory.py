@@ -24,7 +24,10 @@ What the traced step holds beside its saved activations and what its backward ad
 (megatron-core's global buffer of attention scores, a recomputed layer, score-sized gradients, the
 logits' gradient) count for every stack; TransformerEngine's fused attention has neither the buffer
 nor the score-sized tensors, so with it they are those measured outside the core attention (the
-fused kernel's own gradients of queries, keys and values, as large as its inputs, are left out).
+fused kernel's own gradients of queries, keys and values, as large as its inputs, are left out);
+TE's unfused attention holds no score buffer either (its scores are a fresh tensor freed after the
+softmax) and adds in backward the score-sized gradient of
+:func:`~vtrain_plugin.cost.lowering.megatron_core_te.unfused_backward_score_nbytes`.
 CUDA graphs add their static buffers to the allowance (:func:`~vtrain_plugin.cost.cuda_graphs.graph_pool_gib`).
 Activation offloading moves what :func:`~vtrain_plugin.cost.activation_offload.offloaded_nbytes` says
 of each layer to host memory, less one layer's worth per rank that megatron-core keeps.
@@ -35,14 +38,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
-from vtrain_plugin.core.graph import Block, OpGraph
+from vtrain_plugin.core.graph import Block, OpGraph, StageGraph
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.activation_offload import offloaded_nbytes
 from vtrain_plugin.cost.cuda_graphs import graph_pool_gib
 from vtrain_plugin.cost.lowering.mamba import mixer_dims, mixer_saved_delta
 from vtrain_plugin.cost.lowering.fp8 import fp8_weight_numel, quantisation
 from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta
-from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta, fused_softmax_saved_delta
+from vtrain_plugin.cost.lowering.megatron_core_te import (fused_attention_saved_delta, fused_softmax_saved_delta,
+                                                         unfused_backward_score_nbytes)
 from vtrain_plugin.cost.memory import FRAGMENTATION, PeakLive, RankMemory, rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
@@ -89,7 +93,8 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
                          gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
                          optimizer=None if training is None else training.optimizer,
                          backward_peaks=True,
-                         fused_attention=te and not (training is not None and training.unfused_attention))
+                         fused_attention=te, attention_backward=_unfused_backward
+                         if te and training is not None and training.unfused_attention else None)
     if offload is not None:  # the last group of each name stays: one layer's offloaded bytes per rank
         kept = [0.0] * graph.parallel.pipeline_parallel
         for stage, nbytes in zip(graph.stages, moved):
@@ -114,3 +119,8 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
     for stage in graph.stages:
         linear[stage.pipeline_rank] += sum(b.count * fp8_weight_numel(b.nodes) for b in stage.blocks)
     return tuple(replace(m, weights_gib=m.weights_gib + per_element * linear[rank] / GIB) for rank, m in enumerate(memory))
+
+
+def _unfused_backward(stage: StageGraph) -> int:
+    """What TE's unfused attention allocates in the backward of ``stage``, the most of its blocks."""
+    return max((unfused_backward_score_nbytes(b.nodes) for b in stage.blocks), default=0)

@@ -216,6 +216,25 @@ def fused_softmax_saved_delta(nodes: Sequence[Node]) -> int:
     return numel(softmax.key.input_shapes[0]) * (kept - dtype_nbytes(softmax))
 
 
+def unfused_backward_score_nbytes(nodes: Sequence[Node]) -> int:
+    """The most score-sized bytes TE's unfused attention allocates in one core attention's backward
+    (bytes per micro-batch, the largest attention of ``nodes``; 0 without one): the probabilities'
+    gradient the context GEMM's backward writes in the model dtype (the fused softmax's backward
+    then overwrites it in place with the scores' gradient), plus the probabilities again when the
+    attention is recomputed. Its score GEMM's output is a fresh ``torch.empty`` freed after the
+    softmax, so unlike megatron-core's local attention it holds no global score buffer."""
+    rise = 0
+    for unit in {n.module for n in nodes if isinstance(n, OpNode) and n.module.endswith(_ATTENTION_UNIT)}:
+        ops = [n for n in nodes if isinstance(n, OpNode) and n.launches_kernel and n.module.startswith(unit)]
+        softmax = next((n for n in ops if op_name(n) == "_softmax"), None)
+        bmm = next((n for n in ops if op_name(n) == "bmm" and n.phase in FORWARD_PHASES), None)
+        if softmax is None or bmm is None:
+            continue
+        copies = 2 if any(n.phase is Phase.RECOMPUTE for n in ops) else 1
+        rise = max(rise, copies * numel(softmax.key.input_shapes[0]) * dtype_nbytes(bmm))
+    return rise
+
+
 def is_layer_norm_slot(module: str) -> bool:
     """A layer's ``norm`` (a Mamba layer's: TE fuses it into ``in_proj``, as the other layers' norms)."""
     head, _, leaf = module.rpartition(".")
