@@ -37,7 +37,8 @@ parameters of its chunks:
   recompute, the gradients in flight, the logits' gradient on the last stage), as ``max allocated``
   sees them; with ``fused_attention``, the same without what the local core attention allocates
   (``held_outside_attention_nbytes``, ``backward_peak_outside_attention_nbytes``: no score buffer,
-  no score-sized tensors or gradients);
+  no score-sized tensors or gradients), and with ``peak_extra`` what a stack's own kernels hold at
+  their peak beyond the traced ops (TE's unfused attention, a fused cross entropy);
 - an allowance (:data:`RESERVED_GIB`, :data:`FRAGMENTATION`): the CUDA context and kernel images,
   NCCL's communicator buffers, cuBLAS / cuDNN workspaces and the caching allocator's fragmentation.
   These are not modeled, they are a round allowance so that "fits" leaves room for them: about
@@ -104,10 +105,12 @@ class RankMemory:
 def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: bool = False,
                 gradients: Dtype | None = None, fsdp: FsdpSettings | None = None,
                 optimizer: OptimizerSpec | None = None, backward_peaks: bool = False,
-                fused_attention: bool = False) -> tuple[RankMemory, ...]:
+                fused_attention: bool = False,
+                peak_extra: Callable[[StageGraph], int] | None = None) -> tuple[RankMemory, ...]:
     """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule;
     ``backward_peaks``: add the traced step's held bytes and backward peak, those outside the core
-    attention with ``fused_attention`` (a stack whose attention allocates no score-sized tensors);
+    attention with ``fused_attention`` (a stack whose attention allocates no score-sized tensors),
+    plus ``peak_extra(stage)`` where given (what that stack's own kernels hold beyond the traced ops);
     ``gradients``: the run's gradient dtype (None: Megatron-LM's default for the model dtype);
     ``fsdp``: the run's FSDP (None: DDP, with the distributed optimizer or not);
     ``optimizer``: the run's (None: Adam in fp32)."""
@@ -133,6 +136,8 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
         if backward_peaks:
             step = (stage.held_outside_attention_nbytes + stage.backward_peak_outside_attention_nbytes
                     if fused_attention else stage.held_nbytes + stage.backward_peak_nbytes)
+            if peak_extra is not None:
+                step += peak_extra(stage)
             transient[stage.pipeline_rank] = max(transient[stage.pipeline_rank], step)
         params[stage.pipeline_rank] += stage.num_parameters
         experts[stage.pipeline_rank] += stage.num_expert_parameters

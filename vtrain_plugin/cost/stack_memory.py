@@ -24,7 +24,13 @@ What the traced step holds beside its saved activations and what its backward ad
 (megatron-core's global buffer of attention scores, a recomputed layer, score-sized gradients, the
 logits' gradient) count for every stack; TransformerEngine's fused attention has neither the buffer
 nor the score-sized tensors, so with it they are those measured outside the core attention (the
-fused kernel's own gradients of queries, keys and values, as large as its inputs, are left out).
+fused kernel's own gradients of queries, keys and values, as large as its inputs, are left out);
+TE's unfused attention holds no score buffer either (its scores are a fresh tensor freed after the
+softmax) and adds in backward the score-sized gradient of
+:func:`~vtrain_plugin.cost.lowering.megatron_core_te.unfused_backward_score_nbytes`; megatron-core's
+fused cross entropy adds :func:`~vtrain_plugin.cost.lowering.cross_entropy.fused_cross_entropy_extra_nbytes`
+on the stage of the loss, and the output layer's deferred weight gradients
+:func:`~vtrain_plugin.cost.lowering.cross_entropy.deferred_wgrad_nbytes`.
 CUDA graphs add their static buffers to the allowance (:func:`~vtrain_plugin.cost.cuda_graphs.graph_pool_gib`).
 Activation offloading moves what :func:`~vtrain_plugin.cost.activation_offload.offloaded_nbytes` says
 of each layer to host memory, less one layer's worth per rank that megatron-core keeps.
@@ -35,14 +41,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
-from vtrain_plugin.core.graph import Block, OpGraph
+from vtrain_plugin.core.graph import Block, OpGraph, StageGraph
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.activation_offload import offloaded_nbytes
 from vtrain_plugin.cost.cuda_graphs import graph_pool_gib
 from vtrain_plugin.cost.lowering.mamba import mixer_dims, mixer_saved_delta
 from vtrain_plugin.cost.lowering.fp8 import fp8_weight_numel, quantisation
+from vtrain_plugin.cost.lowering.cross_entropy import deferred_wgrad_nbytes, fused_cross_entropy_extra_nbytes
 from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta
-from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta, fused_softmax_saved_delta
+from vtrain_plugin.cost.lowering.megatron_core_te import (fused_attention_saved_delta, fused_softmax_saved_delta,
+                                                         unfused_backward_score_nbytes)
 from vtrain_plugin.cost.memory import FRAGMENTATION, PeakLive, RankMemory, rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
@@ -89,7 +97,7 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
                          gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
                          optimizer=None if training is None else training.optimizer,
                          backward_peaks=True,
-                         fused_attention=te and not (training is not None and training.unfused_attention))
+                         fused_attention=te, peak_extra=lambda stage: _peak_extra(graph, stage, te, training))
     if offload is not None:  # the last group of each name stays: one layer's offloaded bytes per rank
         kept = [0.0] * graph.parallel.pipeline_parallel
         for stage, nbytes in zip(graph.stages, moved):
@@ -114,3 +122,20 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
     for stage in graph.stages:
         linear[stage.pipeline_rank] += sum(b.count * fp8_weight_numel(b.nodes) for b in stage.blocks)
     return tuple(replace(m, weights_gib=m.weights_gib + per_element * linear[rank] / GIB) for rank, m in enumerate(memory))
+
+
+def _peak_extra(graph: OpGraph, stage: StageGraph, te: bool, training: TrainingSpec | None) -> int:
+    """What the stack's own kernels hold at the peak of ``stage`` beyond the traced ops, the most of
+    its blocks: TE's unfused attention's backward, megatron-core's fused cross entropy's forward;
+    with the output layer's deferred weight gradients, those of the earlier micro-batches besides."""
+    if training is None:
+        return 0
+    deferred = 0
+    if training.defer_embedding_wgrad:
+        plan = graph.parallel
+        microbatches = training.num_microbatches(plan.data_parallel, plan.micro_batch_size)
+        deferred = sum(deferred_wgrad_nbytes(b, graph.dtype.nbytes, microbatches, training.wgrad_deferral_limit)
+                       for b in stage.blocks)
+    return deferred + max((unfused_backward_score_nbytes(b.nodes) if te and training.unfused_attention else 0)
+                          + (fused_cross_entropy_extra_nbytes(b.nodes) if training.cross_entropy_fusion else 0)
+                          for b in stage.blocks) if stage.blocks else 0

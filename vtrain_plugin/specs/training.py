@@ -151,6 +151,12 @@ class TrainingSpec:
     # Megatron-Core's fused vocabulary-parallel cross-entropy (Megatron-LM's --cross-entropy-loss-fusion,
     # TransformerConfig's cross_entropy_loss_fusion) rather than the unfused one that keeps fp32 logits.
     cross_entropy_fusion: bool = False
+    # The output layer's weight-gradient GEMMs deferred to the pipeline flush (Megatron-LM's
+    # --defer-embedding-wgrad-compute, last pipeline stage): the stage keeps each deferred
+    # micro-batch's logits gradient and output-layer input until then; wgrad_deferral_limit caps the
+    # micro-batches deferred (--wgrad-deferral-limit; 0: every one).
+    defer_embedding_wgrad: bool = False
+    wgrad_deferral_limit: int = 0
     # Tokens of the whole training run (a float: counts such as 270e9 are written that way);
     # None: the estimate covers one iteration only.
     total_tokens: float | None = None
@@ -226,6 +232,8 @@ class TrainingSpec:
             raise ConfigError("training.cuda_graph_scope full_iteration needs training.cuda_graph_impl local "
                               "(megatron-core captures a whole iteration only with its own graphs)")
         v.boolean("training.cross_entropy_fusion", self.cross_entropy_fusion)
+        v.boolean("training.defer_embedding_wgrad", self.defer_embedding_wgrad)
+        v.non_negative_int("training.wgrad_deferral_limit", self.wgrad_deferral_limit)
         object.__setattr__(self, "fp8_recipe", Fp8Recipe(
             v.one_of("training.fp8_recipe", self.fp8_recipe, [r.value for r in Fp8Recipe])))
         object.__setattr__(self, "fp4_recipe", Fp4Recipe(

@@ -29,6 +29,7 @@ SAMPLES = [
         global_batch_size=16, schedule="interleaved_1f1b", grad_reduce="overlap", bucket_size_mb=20,
         software_stack="megatron_core_te", fp8="hybrid", fp8_recipe="tensorwise", fp8_bf16_layers_at_start=1,
         fp8_bf16_layers_at_end=1, fp8_param_gather=True, grad_reduce_in_bf16=True, cross_entropy_fusion=True,
+        defer_embedding_wgrad=True, wgrad_deferral_limit=2,
         total_tokens=1e12, distributed_optimizer=True, overlap_param_gather=True, tp_comm_overlap=True,
         microbatch_group_size=2, reliability=None, deterministic=True, log_params_norm=True,
         log_num_zeros_in_grad=True, cuda_graph_impl="transformer_engine", cuda_graph_scope=("attn", "mlp"),

@@ -199,16 +199,40 @@ def fused_softmax_saved_delta(nodes: Sequence[Node]) -> int:
     """What an unfused attention with a fused softmax (TE's unfused attention; Megatron's scaled
     masked softmax under ``megatron_deepspeed_2023``) keeps for backward minus what the trace kept
     (bytes per micro-batch; 0 when the attention is recomputed): the fused softmax keeps its output
-    in the model dtype instead of the traced fp32 softmax. The probabilities the context GEMM reads
-    are kept by both; the dropout mask is :mod:`~vtrain_plugin.cost.lowering.dropout_masks`'."""
+    in the model dtype instead of the traced fp32 softmax. With attention dropout the context GEMM
+    keeps the dropped-out probabilities besides (the dropout mask is
+    :mod:`~vtrain_plugin.cost.lowering.dropout_masks`'); without, the tensor it keeps is the fused
+    softmax's output itself, where the trace kept its model-dtype cast apart from the fp32 softmax
+    (the fp32 copy goes entirely)."""
     attention = [n for n in nodes if isinstance(n, OpNode) and n.launches_kernel and _ATTENTION_UNIT in n.module]
     if any(n.phase is Phase.RECOMPUTE for n in attention):
         return 0
-    by_name = {op_name(n): n for n in attention if n.phase is Phase.FORWARD}
+    forward = [n for n in attention if n.phase is Phase.FORWARD]
+    by_name = {op_name(n): n for n in forward}
     if "_softmax" not in by_name or "bmm" not in by_name:
         return 0
     softmax = by_name["_softmax"]
-    return numel(softmax.key.input_shapes[0]) * (dtype_nbytes(by_name["bmm"]) - dtype_nbytes(softmax))
+    kept = dtype_nbytes(by_name["bmm"]) if "bernoulli_" in by_name else 0
+    return numel(softmax.key.input_shapes[0]) * (kept - dtype_nbytes(softmax))
+
+
+def unfused_backward_score_nbytes(nodes: Sequence[Node]) -> int:
+    """The most score-sized bytes TE's unfused attention allocates in one core attention's backward
+    (bytes per micro-batch, the largest attention of ``nodes``; 0 without one): the probabilities'
+    gradient the context GEMM's backward writes in the model dtype (the fused softmax's backward
+    then overwrites it in place with the scores' gradient), plus the probabilities again when the
+    attention is recomputed. Its score GEMM's output is a fresh ``torch.empty`` freed after the
+    softmax, so unlike megatron-core's local attention it holds no global score buffer."""
+    rise = 0
+    for unit in {n.module for n in nodes if isinstance(n, OpNode) and n.module.endswith(_ATTENTION_UNIT)}:
+        ops = [n for n in nodes if isinstance(n, OpNode) and n.launches_kernel and n.module.startswith(unit)]
+        softmax = next((n for n in ops if op_name(n) == "_softmax"), None)
+        bmm = next((n for n in ops if op_name(n) == "bmm" and n.phase in FORWARD_PHASES), None)
+        if softmax is None or bmm is None:
+            continue
+        copies = 2 if any(n.phase is Phase.RECOMPUTE for n in ops) else 1
+        rise = max(rise, copies * numel(softmax.key.input_shapes[0]) * dtype_nbytes(bmm))
+    return rise
 
 
 def is_layer_norm_slot(module: str) -> bool:

@@ -202,6 +202,8 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--heterogeneous-layers-config-encoded-json", None, None, "heterogeneous layers", _as_given),
     FlagField("--fp8-param-gather", "training.fp8_param_gather", convert=_as_given),
     FlagField("--cross-entropy-loss-fusion", "training.cross_entropy_fusion", convert=_as_given),
+    FlagField("--defer-embedding-wgrad-compute", "training.defer_embedding_wgrad", convert=_as_given),
+    FlagField("--wgrad-deferral-limit", "training.wgrad_deferral_limit", convert=non_negative_int),
     # Checked only: their accepted values convert to the inactive one, the others are refused in convert.
     FlagField("--cross-entropy-fusion-impl", None, "native", "", _cross_entropy_impl),
     FlagField("--attention-backend", "training.unfused_attention", convert=_attention_backend),

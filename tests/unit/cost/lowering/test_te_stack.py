@@ -12,7 +12,8 @@ from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.lowering.stacks import map_nodes
 from vtrain_plugin.cost.lowering.fp8 import fp8_weight_numel
 from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta
-from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta, fused_softmax_saved_delta
+from vtrain_plugin.cost.lowering.megatron_core_te import (fused_attention_saved_delta, fused_softmax_saved_delta,
+                                                         unfused_backward_score_nbytes)
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.specs.model import ModelSpec
@@ -230,8 +231,24 @@ def test_a_fused_softmax_keeps_its_output_in_the_model_dtype(gpt):
     """TE's unfused attention and Megatron's scaled masked softmax (megatron_deepspeed_2023) keep the
     probabilities in bf16 where the traced softmax keeps fp32: 2 bytes less per score."""
     assert fused_softmax_saved_delta(gpt.stages[0].layer_template().nodes) == -2 * MB * HP * S * S
+
+
+def test_without_attention_dropout_the_context_gemm_keeps_the_fused_softmax_output():
+    """Llama has no attention dropout: the bf16 probabilities the context GEMM keeps are the fused
+    softmax's output, so the traced fp32 softmax output (4 bytes per score) goes entirely."""
+    assert fused_softmax_saved_delta(_trace("llama").stages[0].layer_template().nodes) == -4 * MB * HP * S * S
     assert fused_softmax_saved_delta(_trace("llama", recompute="selective").stages[0].layer_template().nodes) == 0
 
+
+
+def test_te_unfused_attention_backward_allocates_the_probabilities_gradient(gpt):
+    """TE's unfused attention: the bf16 gradient of the probabilities (softmax backward in place),
+    and the recomputed probabilities beside it when the attention is recomputed."""
+    scores = MB * HP * S * S
+    assert unfused_backward_score_nbytes(gpt.stages[0].layer_template().nodes) == 2 * scores
+    assert unfused_backward_score_nbytes(_trace("llama", recompute="selective").stages[0].layer_template().nodes) \
+        == 4 * scores
+    assert unfused_backward_score_nbytes(gpt.stages[0].blocks[0].nodes) == 0  # the embedding
 
 def test_no_delta_when_attention_is_recomputed():
     layer = _trace("llama", recompute="selective").stages[0].layer_template()

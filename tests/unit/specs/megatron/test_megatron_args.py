@@ -423,6 +423,12 @@ def test_mapped_training_flags():
     assert not plan("--bf16").training.cross_entropy_fusion and not plan("--bf16").training.fp8_param_gather
 
 
+def test_deferred_embedding_wgrad_flags():
+    p = plan("--bf16 --defer-embedding-wgrad-compute --wgrad-deferral-limit 2")
+    assert (p.training.defer_embedding_wgrad, p.training.wgrad_deferral_limit) == (True, 2)
+    assert (plan("--bf16").training.defer_embedding_wgrad, plan("--bf16").training.wgrad_deferral_limit) == (False, 0)
+
+
 @pytest.mark.parametrize("flags, message", [
     ("--transformer-impl local --bf16 --fp8-format hybrid",
      "--fp8-format with --transformer-impl local: Megatron-LM runs FP8 through TransformerEngine only"),
@@ -433,6 +439,7 @@ def test_mapped_training_flags():
                                                         "Megatron-LM refuses them together (the fused cross-entropy "
                                                         "is not deterministic)"),
     ("--cross-entropy-fusion-impl triton", "--cross-entropy-fusion-impl must be native or te, got 'triton'"),
+    ("--wgrad-deferral-limit -1", "--wgrad-deferral-limit must be a non-negative integer, got -1"),
     ("--fp16 --accumulate-allreduce-grads-in-fp32", "--accumulate-allreduce-grads-in-fp32 with --fp16: fp32 "
                                                    "gradients of an fp16 model are not modelled by vtrain yet"),
     ("--window-size 128,0 --window-attn-skip-freq [0]*3+[1]", "--window-attn-skip-freq [0]*3+[1]: a per-layer "
