@@ -17,6 +17,7 @@ from vtrain_plugin.planning.space import GpuBudget, SearchSpace, enumerate_plans
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import TrainingSpec
+from benchmarks.speed.search_equality import plan_of
 
 DENSE = ModelSpec(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1024)
 LLAMA = ModelSpec(family="llama", num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2,
@@ -103,13 +104,7 @@ def test_search_rows_with_derived_traces_equal_one_plan_estimates(tmp_path, monk
     clear_cache()
     assert len(result.table) >= 10
     for row in result.table.to_dict("records"):
-        plan = ParallelPlan(tensor_parallel=row["tensor_parallel"], pipeline_parallel=row["pipeline_parallel"],
-                            data_parallel=row["data_parallel"], expert_parallel=row["expert_parallel"],
-                            micro_batch_size=row["micro_batch_size"], virtual_pipeline=row["virtual_pipeline"],
-                            sequence_parallel=row["sequence_parallel"], recompute=row["recompute"])
-        training = TrainingSpec(global_batch_size=8, grad_reduce=row["grad_reduce"], schedule=row["schedule"],
-                                distributed_optimizer=row["distributed_optimizer"],
-                                overlap_param_gather=row["distributed_optimizer"])
+        plan, training = plan_of(row, TrainingSpec(global_batch_size=8))  # as a plan file gives it
         est = estimate(trace(LLAMA, plan), cluster=CLUSTER, training=training)
         assert (row["iteration_time_ms"], row["peak_memory_gib"]) == (est.iteration_time_ms, est.peak_memory_gib)
 

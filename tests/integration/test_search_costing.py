@@ -14,6 +14,7 @@ from vtrain_plugin.planning.space import SearchSpace
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import TrainingSpec
+from benchmarks.speed.search_equality import plan_of
 
 DENSE = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1024)
 MOE = ModelSpec(family="llama", num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2,
@@ -53,13 +54,7 @@ def test_sampled_search_rows_equal_one_plan_estimates(model, space, tmp_path, mo
     clear_cache()
     PREPARE._roles.clear()
     for row in rows[::max(1, len(rows) // 8)]:
-        plan = ParallelPlan(tensor_parallel=row["tensor_parallel"], pipeline_parallel=row["pipeline_parallel"],
-                            data_parallel=row["data_parallel"], expert_parallel=row["expert_parallel"],
-                            micro_batch_size=row["micro_batch_size"], virtual_pipeline=row["virtual_pipeline"],
-                            sequence_parallel=row["sequence_parallel"], recompute=row["recompute"])
-        training = TrainingSpec(global_batch_size=16, grad_reduce=row["grad_reduce"], schedule=row["schedule"],
-                                distributed_optimizer=row["distributed_optimizer"],
-                                overlap_param_gather=row["distributed_optimizer"])  # grad_reduce overlap: set together
+        plan, training = plan_of(row, TrainingSpec(global_batch_size=16))  # as a plan file gives it
         est = estimate(trace(model, plan), cluster=CLUSTER, training=training)
         for column in ("iteration_time_ms", "tokens_per_second", "tflops_per_gpu", "mfu", "peak_memory_gib",
                        "cost_usd", "num_microbatches", "fits_in_memory"):
