@@ -31,7 +31,6 @@ import torch
 from megatron_adapters.conventions import ChunkRole
 from megatron_adapters.gpt import build_chunk
 from megatron_adapters.training_step import AdamSettings, MicroBatch, MixedPrecisionAdamW, forward_backward
-from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.specs.model import ModelSpec

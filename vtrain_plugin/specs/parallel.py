@@ -10,7 +10,7 @@ from typing import Any
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs import limits
-from vtrain_plugin.specs.model import Family, ModelSpec
+from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.pipeline_split import chunk_layers_error, rank_layers_error, stage_layers
 
 

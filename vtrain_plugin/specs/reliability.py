@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from vtrain_plugin.core import checks as v
-from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.units import SECONDS_PER_MINUTE
 from vtrain_plugin.specs import limits
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from megatron_adapters.cpu_patches import cpu_tracing_patches
 from megatron_adapters.stand_ins import ChunkedScan, LocalNorm
-from tests.integration.standins.recording import BF16, CPU_FIELDS, record
+from tests.integration.standins.recording import CPU_FIELDS, record
 from vtrain_plugin.core.graph import CollectiveKind as K
 from vtrain_plugin.core.graph import Phase
 from vtrain_plugin.specs.parallel import ParallelPlan

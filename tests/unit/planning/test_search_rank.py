@@ -2,7 +2,6 @@
 
 
 import pandas as pd
-import pytest
 
 from vtrain_plugin.planning.search import SearchResult, measures, rank_plans
 
