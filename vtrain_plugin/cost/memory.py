@@ -39,8 +39,12 @@ parameters of its chunks:
   (``held_outside_attention_nbytes``, ``backward_peak_outside_attention_nbytes``: no score buffer,
   no score-sized tensors or gradients), and with ``peak_extra`` what a stack's own kernels hold at
   their peak beyond the traced ops (TE's unfused attention, a fused cross entropy);
+- the GEMM libraries' cuBLAS workspaces (``workspaces_gib``, set by
+  :mod:`vtrain_plugin.cost.stack_memory` from :mod:`vtrain_plugin.cost.workspaces`): allocated
+  tensors too, by the GPU and the stack;
 - an allowance (:data:`RESERVED_GIB`, :data:`FRAGMENTATION`): the CUDA context and kernel images,
-  NCCL's communicator buffers, cuBLAS / cuDNN workspaces and the caching allocator's fragmentation.
+  NCCL's communicator buffers, cuDNN's and other libraries' workspaces and the caching allocator's
+  fragmentation.
   These are not modeled, they are a round allowance so that "fits" leaves room for them: about
   0.5 GiB of context, 1 GiB of NCCL buffers for a handful of communicators and 0.5 GiB of
   workspaces and Megatron's scratch buffers, plus 5% of the tensors for fragmentation (PyTorch's
@@ -86,12 +90,14 @@ class RankMemory:
     optimizer_gib: float
     activations_gib: float
     inflight_microbatches: int  # (chunk, micro-batch) pairs held at the peak
+    workspaces_gib: float = 0.0  # the GEMM libraries' workspaces (vtrain_plugin.cost.workspaces)
     allowance_gib: float = 0.0  # context, buffers, workspaces, fragmentation (see the module doc)
 
     @property
     def tensors_gib(self) -> float:
-        """What Megatron-LM's ``theoretical_memory_usage`` counts: model states and activations."""
-        return self.weights_gib + self.gradients_gib + self.optimizer_gib + self.activations_gib
+        """What ``max allocated`` counts: model states, activations and the GEMM workspaces."""
+        return (self.weights_gib + self.gradients_gib + self.optimizer_gib + self.activations_gib
+                + self.workspaces_gib)
 
     @property
     def total_gib(self) -> float:
@@ -99,7 +105,8 @@ class RankMemory:
 
     def to_dict(self) -> dict[str, float]:
         return {"weights": self.weights_gib, "gradients": self.gradients_gib, "optimizer": self.optimizer_gib,
-                "activations": self.activations_gib, "allowance": self.allowance_gib, "total": self.total_gib}
+                "activations": self.activations_gib, "workspaces": self.workspaces_gib,
+                "allowance": self.allowance_gib, "total": self.total_gib}
 
 
 def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: bool = False,
