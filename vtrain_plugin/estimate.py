@@ -383,7 +383,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         cost_usd=None if price is None else price * gpus * seconds / SECONDS_PER_HOUR,
         measured_fraction=costing.provenance.measured_fraction,
         largest_unmeasured=unmeasured,
-        memory_gib=stack_rank_memory(graph, schedule.peak_live, stack, training),
+        memory_gib=stack_rank_memory(graph, schedule.peak_live, stack, training, device.architecture),
         gpu_memory_gib=device.memory_bytes / GIB,
         gpu_usable_memory_gib=device.usable_memory_gib,
         total_tokens=training.total_tokens,

@@ -115,12 +115,14 @@ def test_the_llama3_8b_fp8_recipe_is_costed_with_fp8_weights_and_bf16_gradients(
     table = run_cli("estimate", str(script), "--gpu", "H100", check=True).stdout
     memory = next(line for line in table.splitlines() if line.startswith("memory per GPU"))
     stage = plan["memory_gib_per_stage"][0]
-    tensors = stage["weights"] + stage["gradients"] + stage["optimizer"] + stage["activations"]
+    tensors = stage["weights"] + stage["gradients"] + stage["optimizer"] + stage["activations"] + stage["workspaces"]
     # the model states are known exactly; the activations are the memory model's (they include the
     # fused cross entropy's fp32 logits and the bf16 logits gradient of the 128,256-word vocabulary)
     assert f"(allocated {tensors:.1f}: weights 15.0, gradients 15.0, optimizer 11.2," in memory
     assert plan["peak_allocated_gib"] == pytest.approx(tensors) and plan["gpu_usable_memory_gib"] == 79.1787109375
     assert plan["fits_in_memory"] is (stage["total"] <= 79.1787109375)
+    # PyTorch's cuBLAS workspace on Hopper (the output layer's GEMMs) and TransformerEngine's
+    assert stage["workspaces"] * 1024**3 == 32 * 1024**2 + 32 * 1024**2 + 1024
     assert memory.startswith(f"memory per GPU (peak stage): {stage['total']:.1f} GiB of 79.2 GiB usable, ")
 
 

@@ -224,7 +224,8 @@ def estimate_table(run: RunConfig, result: Estimate) -> str:
     lines.append(f"memory per GPU (peak stage): {peak.total_gib:.1f} GiB of {usable:.1f} GiB usable, {verdict} "
                  f"(allocated {peak.tensors_gib:.1f}: weights {peak.weights_gib:.1f}, gradients {peak.gradients_gib:.1f}, "
                  f"optimizer {peak.optimizer_gib:.1f}, activations {peak.activations_gib:.1f} for "
-                 f"{peak.inflight_microbatches} micro-batches in flight; allowance {peak.allowance_gib:.1f})")
+                 f"{peak.inflight_microbatches} micro-batches in flight, GEMM workspaces {peak.workspaces_gib:.2f}; "
+                 f"allowance {peak.allowance_gib:.1f})")
     lines.extend(f"assumed: {line}" for line in result.assumptions)
     if result.largest_unmeasured:
         lines.append("")

@@ -18,7 +18,9 @@ parameters of its chunks:
   parallelism; weights and gradients stay whole). With Megatron-LM's
   ``theoretical_memory_usage`` that is 18 bytes per parameter, or ``6 + 12 / DP``; the parameters
   of experts split by expert parallelism are sharded over the expert DP group instead
-  (:func:`~vtrain_plugin.cost.comm.optimizer_shard.optimizer_shards`);
+  (:func:`~vtrain_plugin.cost.comm.optimizer_shard.optimizer_shards`). Muon under the distributed
+  optimizer is megatron-core's layer-wise one instead: each rank holds the whole state of the
+  parameters dealt to it (:func:`layer_wise_optimizer_nbytes`, the busiest rank's);
 - with FSDP (:mod:`vtrain_plugin.cost.comm.fsdp`) each of weights, gradients and optimizer state is
   divided by the group its strategy shards it over (DP x CP; expert DP for the experts split by
   expert parallelism), and the units gathered or not yet reduce-scattered are added back whole: the
@@ -39,8 +41,12 @@ parameters of its chunks:
   (``held_outside_attention_nbytes``, ``backward_peak_outside_attention_nbytes``: no score buffer,
   no score-sized tensors or gradients), and with ``peak_extra`` what a stack's own kernels hold at
   their peak beyond the traced ops (TE's unfused attention, a fused cross entropy);
+- the GEMM libraries' cuBLAS workspaces (``workspaces_gib``, set by
+  :mod:`vtrain_plugin.cost.stack_memory` from :mod:`vtrain_plugin.cost.workspaces`): allocated
+  tensors too, by the GPU and the stack;
 - an allowance (:data:`RESERVED_GIB`, :data:`FRAGMENTATION`): the CUDA context and kernel images,
-  NCCL's communicator buffers, cuBLAS / cuDNN workspaces and the caching allocator's fragmentation.
+  NCCL's communicator buffers, cuDNN's and other libraries' workspaces and the caching allocator's
+  fragmentation.
   These are not modeled, they are a round allowance so that "fits" leaves room for them: about
   0.5 GiB of context, 1 GiB of NCCL buffers for a handful of communicators and 0.5 GiB of
   workspaces and Megatron's scratch buffers, plus 5% of the tensors for fragmentation (PyTorch's
@@ -86,12 +92,14 @@ class RankMemory:
     optimizer_gib: float
     activations_gib: float
     inflight_microbatches: int  # (chunk, micro-batch) pairs held at the peak
+    workspaces_gib: float = 0.0  # the GEMM libraries' workspaces (vtrain_plugin.cost.workspaces)
     allowance_gib: float = 0.0  # context, buffers, workspaces, fragmentation (see the module doc)
 
     @property
     def tensors_gib(self) -> float:
-        """What Megatron-LM's ``theoretical_memory_usage`` counts: model states and activations."""
-        return self.weights_gib + self.gradients_gib + self.optimizer_gib + self.activations_gib
+        """What ``max allocated`` counts: model states, activations and the GEMM workspaces."""
+        return (self.weights_gib + self.gradients_gib + self.optimizer_gib + self.activations_gib
+                + self.workspaces_gib)
 
     @property
     def total_gib(self) -> float:
@@ -99,7 +107,8 @@ class RankMemory:
 
     def to_dict(self) -> dict[str, float]:
         return {"weights": self.weights_gib, "gradients": self.gradients_gib, "optimizer": self.optimizer_gib,
-                "activations": self.activations_gib, "allowance": self.allowance_gib, "total": self.total_gib}
+                "activations": self.activations_gib, "workspaces": self.workspaces_gib,
+                "allowance": self.allowance_gib, "total": self.total_gib}
 
 
 def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: bool = False,
@@ -124,6 +133,8 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
         dense_states, expert_states = StateShards(1, 1, shards), StateShards(1, 1, expert_shards)
     else:
         dense_states, expert_states = state_shards(fsdp, dense_group), state_shards(fsdp, expert_group)
+    # Muon under the distributed optimizer is megatron-core's layer-wise one: whole parameters per rank
+    layer_wise = optimizer.kind is OptimizerKind.MUON and distributed_optimizer and fsdp is None
     per_param = optimizer.state_nbytes(dtype.nbytes, matrix=False)
     per_matrix_element = optimizer.state_nbytes(dtype.nbytes, matrix=True)
     params = [0] * plan.pipeline_parallel
@@ -162,6 +173,9 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
         saved = per_param - per_matrix_element  # per element of a Muon matrix, against Adam
         optimizer_nbytes = ((dense * per_param - dense_matrices * saved) / dense_states.optimizer
                             + (expert * per_param - expert_matrices * saved) / expert_states.optimizer)
+        if layer_wise:
+            optimizer_nbytes = layer_wise_optimizer_nbytes(
+                [s for s in graph.stages if s.pipeline_rank == rank], per_param, per_matrix_element, plan)
         held_weights, held_grads = held[rank]
         tensors = RankMemory(weights_gib=(sharded(dtype.nbytes, "weights") + held_weights * dtype.nbytes) / GIB,
                              gradients_gib=(sharded(gradients.nbytes, "gradients")
@@ -170,6 +184,44 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
                              inflight_microbatches=inflight)
         out.append(replace(tensors, allowance_gib=RESERVED_GIB + FRAGMENTATION * tensors.tensors_gib))
     return tuple(out)
+
+
+def layer_wise_optimizer_nbytes(stages: Sequence[StageGraph], per_param: int, per_matrix_element: int,
+                                plan: ParallelPlan) -> int:
+    """Optimizer-state bytes of the data-parallel rank that holds most under megatron-core's
+    ``LayerWiseDistributedOptimizer`` (Muon with the distributed optimizer), for the parameters of
+    ``stages`` (one pipeline rank's chunks): each parameter is held whole by one rank, dealt in
+    increasing size, ties in the model's order with Muon's matrices first (its optimizer's groups
+    come first), to the ranks of DP x CP in a ping-pong loop (0 .. n-1, n-1 .. 0), the experts'
+    split by expert parallelism over expert DP the same way (``shard_params``); ``per_param`` and
+    ``per_matrix_element``: the state per element of an Adam parameter and of a Muon matrix. The
+    busiest rank of each loop is taken (the same GPU where either loop has one rank)."""
+    dense: list[tuple[int, bool]] = []  # (elements, a Muon matrix) of each parameter
+    experts: list[tuple[int, bool]] = []
+    for stage in stages:
+        for block in stage.blocks:
+            matrices = [rows * columns for _, (rows, columns) in muon_matrices(block.nodes)]
+            for numels, out in ((block.parameter_sizes, dense), (block.expert_parameter_numels, experts)):
+                instance = []
+                for numel in numels:
+                    matrix = numel in matrices
+                    if matrix:
+                        matrices.remove(numel)
+                    instance.append((numel, matrix))
+                out.extend(instance * block.count)
+    expert_ranks = plan.expert_data_parallel if plan.expert_parallel > 1 else plan.data_parallel * plan.context_parallel
+    return sum(_busiest_rank(params, ranks, per_param, per_matrix_element)
+               for params, ranks in ((dense, plan.data_parallel * plan.context_parallel), (experts, expert_ranks)))
+
+
+def _busiest_rank(params: list[tuple[int, bool]], ranks: int, per_param: int, per_matrix_element: int) -> int:
+    """The most state bytes one of ``ranks`` holds when ``params`` are dealt as ``shard_params`` deals them."""
+    held = [0] * ranks
+    loop = [*range(ranks), *reversed(range(ranks))]
+    ordered = sorted(params, key=lambda p: (p[0], not p[1]))  # stable: the model's order within a size
+    for i, (numel, matrix) in enumerate(ordered):
+        held[loop[i % len(loop)]] += numel * (per_matrix_element if matrix else per_param)
+    return max(held, default=0)
 
 
 def _fsdp_held(stage: StageGraph, fsdp: FsdpSettings) -> tuple[int, int]:

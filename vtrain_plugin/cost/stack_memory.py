@@ -31,6 +31,8 @@ softmax) and adds in backward the score-sized gradient of
 fused cross entropy adds :func:`~vtrain_plugin.cost.lowering.cross_entropy.fused_cross_entropy_extra_nbytes`
 on the stage of the loss, and the output layer's deferred weight gradients
 :func:`~vtrain_plugin.cost.lowering.cross_entropy.deferred_wgrad_nbytes`.
+The GEMM libraries' cuBLAS workspaces of the GPU's generation are
+:func:`~vtrain_plugin.cost.workspaces.workspace_nbytes`'s.
 CUDA graphs add their static buffers to the allowance (:func:`~vtrain_plugin.cost.cuda_graphs.graph_pool_gib`).
 Activation offloading moves what :func:`~vtrain_plugin.cost.activation_offload.offloaded_nbytes` says
 of each layer to host memory, less one layer's worth per rank that megatron-core keeps.
@@ -53,13 +55,17 @@ from vtrain_plugin.cost.lowering.megatron_core_te import (fused_attention_saved_
                                                          unfused_backward_score_nbytes)
 from vtrain_plugin.cost.memory import FRAGMENTATION, PeakLive, RankMemory, rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
+from vtrain_plugin.cost.workspaces import workspace_nbytes
+from vtrain_plugin.specs.cluster import GpuArchitecture
 from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
 
 
 def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
-                      training: TrainingSpec | None = None) -> tuple[RankMemory, ...]:
+                      training: TrainingSpec | None = None,
+                      architecture: GpuArchitecture | None = None) -> tuple[RankMemory, ...]:
     """:func:`~vtrain_plugin.cost.memory.rank_memory` of ``graph`` as ``stack`` runs it with the
-    options of ``training`` (FP8, FP8 weights, gradient dtype, distributed optimizer; None: none)."""
+    options of ``training`` (FP8, FP8 weights, gradient dtype, distributed optimizer; None: none) on
+    a GPU of ``architecture`` (its GEMM workspaces; None: none counted)."""
     settings = None if training is None else training.fp8_settings
     fp8 = settings is not None
     quantised = quantisation(settings) if fp8 else None
@@ -105,6 +111,8 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
         memory = tuple(replace(m, activations_gib=m.activations_gib + kept[rank] / GIB,
                                allowance_gib=m.allowance_gib + FRAGMENTATION * kept[rank] / GIB)
                        for rank, m in enumerate(memory))
+    workspaces = workspace_nbytes(graph, stack, architecture)
+    memory = tuple(replace(m, workspaces_gib=workspaces[rank] / GIB) for rank, m in enumerate(memory))
     if training is not None:
         pools = graph_pool_gib(graph, training)
         memory = tuple(replace(m, allowance_gib=m.allowance_gib + pools[rank]) for rank, m in enumerate(memory))
