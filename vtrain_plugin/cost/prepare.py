@@ -35,6 +35,7 @@ from vtrain_plugin.cost.kernels.host_device import Segment
 from vtrain_plugin.cost.kernels.model import KernelBatch
 from vtrain_plugin.cost.kernels.timer import measured_ns
 from vtrain_plugin.cost.lowering.deterministic import deterministic_kernels
+from vtrain_plugin.cost.lowering.grad_hooks import GradHooks, grad_hook_adds
 from vtrain_plugin.cost.lowering.logging_step import logging_passes
 from vtrain_plugin.cost.lowering.optimizer_step import optimizer_step
 from vtrain_plugin.capture.tracer import first_layer_numbers
@@ -203,13 +204,23 @@ def prepare_run(graph: OpGraph, stack: SoftwareStack | str, training: TrainingSp
                 measured: Mapping[KernelKey, float] | None = None) -> PreparedGraph:
     """:func:`prepare` with the options of ``training``: FP8, the optimizer on a data-parallel
     shard (the distributed optimizer, or FSDP's), the gradient dtype, the FP8 parameter all-gather and
-    the kernel options (optimizer, deterministic kernels, unfused attention)."""
+    the kernel options (optimizer, deterministic kernels, unfused attention, DDP's gradient hooks)."""
     return prepare(graph, stack, measured, fp8=training.fp8_settings, distributed_optimizer=training.shards_optimizer,
                    grads=training.grad_dtype(graph.dtype), fp8_param_gather=training.fp8_param_gather,
                    kernels=KernelOptions(optimizer=training.optimizer, deterministic=training.deterministic,
                                          unfused_attention=training.unfused_attention,
                                          log_params_norm=training.log_params_norm,
-                                         log_num_zeros_in_grad=training.log_num_zeros_in_grad))
+                                         log_num_zeros_in_grad=training.log_num_zeros_in_grad,
+                                         grad_hooks=_grad_hooks(graph, SoftwareStack(stack), training)))
+
+
+def _grad_hooks(graph: OpGraph, stack: SoftwareStack, training: TrainingSpec) -> GradHooks | None:
+    """Megatron-Core DDP's per-parameter gradient hook (:mod:`vtrain_plugin.cost.lowering.grad_hooks`):
+    the Megatron-Core stacks without FSDP (which accumulates in its own buffers)."""
+    if stack not in MEGATRON_CORE_STACKS or training.fsdp is not None:
+        return None
+    return GradHooks(fused_weights=training.gradient_accumulation_fusion, grad=graph.dtype,
+                     main_grad=training.grad_dtype(graph.dtype))
 
 
 def _bf16_edges(graph: OpGraph, fp8: Fp8Settings | None):
@@ -251,6 +262,10 @@ class KernelOptions:
     expert_tensor_parallel: int = 1
     log_params_norm: bool = False  # Megatron-LM's per-step logging passes (cost.lowering.logging_step)
     log_num_zeros_in_grad: bool = False
+    grad_hooks: GradHooks | None = None  # DDP's main_grad adds (cost.lowering.grad_hooks); None: none
+
+
+MEGATRON_CORE_STACKS = (SoftwareStack.MEGATRON_CORE_TE, SoftwareStack.MEGATRON_CORE_LOCAL)
 
 
 def _role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Settings | None, shards: tuple[int, int],
@@ -288,6 +303,7 @@ def _lower_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setting
                            unfused_attention=kernels.unfused_attention)
         if kernels.deterministic:
             mapped = deterministic_kernels(mapped)
+        mapped = grad_hook_adds(mapped, block, kernels.grad_hooks)
         mapped = optimizer_step(shard_optimizer(mapped, *shards), kernels.optimizer, traced=block.nodes,
                                 tensor_parallel=kernels.tensor_parallel,
                                 expert_tensor_parallel=kernels.expert_tensor_parallel, shards=shards[0],

@@ -191,6 +191,10 @@ class TrainingSpec:
     # / gradients each step (vtrain_plugin.cost.lowering.logging_step).
     log_params_norm: bool = False
     log_num_zeros_in_grad: bool = False
+    # Gradient-accumulation fusion (off with Megatron-LM's --no-gradient-accumulation-fusion): linear
+    # weights' gradient GEMMs accumulate into DDP's main_grad; without it DDP's hook adds each
+    # (vtrain_plugin.cost.lowering.grad_hooks).
+    gradient_accumulation_fusion: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, dict):
@@ -199,6 +203,7 @@ class TrainingSpec:
             raise ConfigError(f"training.optimizer must be an OptimizerSpec or a mapping, got "
                               f"{type(self.optimizer).__name__}")
         v.boolean("training.deterministic", self.deterministic)
+        v.boolean("training.gradient_accumulation_fusion", self.gradient_accumulation_fusion)
         v.boolean("training.log_params_norm", self.log_params_norm)
         v.boolean("training.log_num_zeros_in_grad", self.log_num_zeros_in_grad)
         v.boolean("training.unfused_attention", self.unfused_attention)

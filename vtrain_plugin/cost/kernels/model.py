@@ -35,7 +35,8 @@ Device time of one kernel is ``max(compute_ns, memory_ns) + kernel_overhead_ns``
 
 Host time per kernel: the CPU spends ``host_overhead_ns`` issuing each kernel of a forward,
 recompute or optimizer op (ATen dispatch, the launch call) and ``backward_host_overhead_ns`` for
-each kernel of a backward op (issued by autograd's C++ engine), each times the node's
+each kernel of a backward op (issued by autograd's C++ engine; a grouped GEMM is one launch per
+expert: TE loops over the experts' cuBLAS GEMMs), each times the node's
 ``host_time_factor`` (its CPU's speed); the framework's Python per module
 call and per layer is added by the costing (:func:`vtrain_plugin.cost.prepare.host_calls`). For small models the GPU
 waits on the CPU; the caller combines host and device times of a kernel sequence as a two-stage
@@ -135,6 +136,9 @@ class KernelBatch:
     n: np.ndarray
     k: np.ndarray
     backward: np.ndarray  # bool: issued by autograd (backward host overhead)
+    # Kernels the host launches for each row: a grouped GEMM's GEMM count (TE issues one cuBLAS GEMM
+    # per expert), 1 for every other; None: 1 each.
+    launches: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.kind)
@@ -147,12 +151,22 @@ class KernelBatch:
         return cls(kind=np.array(cols[0], np.int8), dtype=np.array(cols[1], np.int8),
                    flops=np.array(cols[2], float), nbytes=np.array(cols[3], float),
                    batch=np.array(cols[4], float), m=np.array(cols[5], float), n=np.array(cols[6], float),
-                   k=np.array(cols[7], float), backward=np.array(cols[8], bool))
+                   k=np.array(cols[7], float), backward=np.array(cols[8], bool),
+                   launches=np.array([_launches(node) for node in nodes], float))
 
 
 def tensor_dtype_code(dtype: Dtype) -> int:
     """The :attr:`KernelBatch.dtype` code of a tensor-core dtype."""
     return _TENSOR_DTYPES.index(dtype)
+
+
+def _launches(node: OpNode) -> int:
+    """Kernels the host launches for ``node``: TransformerEngine's grouped GEMM (``GroupedLinear``'s
+    ``general_grouped_gemm``) issues one cuBLAS GEMM per expert, on several streams, from a loop over
+    the experts; its node's first input is the experts' batch."""
+    if parse_op_name(node.op).base == "grouped_gemm" and node.key.input_shapes and node.key.input_shapes[0]:
+        return int(node.key.input_shapes[0][0])
+    return 1
 
 
 def _features(node: OpNode) -> tuple:
@@ -238,6 +252,8 @@ class KernelModel:
         """CPU time in ns spent issuing every kernel of the batch (0 for kind NONE)."""
         c = self.constants
         per_kernel = np.where(kernels.backward, c.backward_host_overhead_ns, c.host_overhead_ns) * c.host_time_factor
+        if kernels.launches is not None:
+            per_kernel = per_kernel * kernels.launches
         return np.where(kernels.kind == KernelKind.NONE, 0.0, per_kernel)
 
     def duration_ns(self, node: OpNode) -> float:

@@ -48,6 +48,11 @@ def _as_given(flag: str, value: Any) -> Any:
     return value
 
 
+def _negated(flag: str, value: Any) -> bool:
+    """A ``--no-...`` switch: given, the feature is off."""
+    return not value
+
+
 def _cp_comm_type(flag: str, value: Any) -> str:
     """Megatron-LM takes one type, or one per layer; vtrain's layers are alike, so one type."""
     kinds = set(value) if isinstance(value, list) else {value}
@@ -220,6 +225,7 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--cuda-graph-scope", "training.cuda_graph_scope", convert=_graph_scopes),
     FlagField("--cuda-graph-modules", "training.cuda_graph_scope", convert=_graph_scopes),  # the scope's new name
     FlagField("--deterministic-mode", "training.deterministic", convert=_as_given),
+    FlagField("--no-gradient-accumulation-fusion", "training.gradient_accumulation_fusion", convert=_negated),
     FlagField("--log-params-norm", "training.log_params_norm", convert=_as_given),
     FlagField("--log-num-zeros-in-grad", "training.log_num_zeros_in_grad", convert=_as_given),
     FlagField("--distribute-saved-activations", None, None, "recompute inputs distributed over TP", _as_given),

@@ -304,6 +304,18 @@ def test_backward_kernels_pay_the_backward_host_overhead():
     assert model.host_ns(_node(add, phase=Phase.OPTIMIZER)) == 5000
 
 
+def test_a_grouped_gemm_costs_the_host_one_launch_per_expert():
+    # TE's grouped GEMM loops over its experts' cuBLAS GEMMs: 4 experts, 4 launches of 5000 ns;
+    # a batched matmul of the same shape is one launch.
+    grouped = _node(_key("te.grouped_gemm.default", (4, 64, 32), (4, 32, 64)))
+    bmm = _node(_key("aten.bmm.default", (4, 64, 32), (4, 32, 64)))
+    model = _round_model()
+    assert model.host_ns(grouped) == 4 * 5000
+    assert model.host_ns(bmm) == 5000
+    assert list(model.host_ns_batch(KernelBatch.of([grouped, bmm]))) == [20000, 5000]
+    assert model.duration_ns(grouped) == model.duration_ns(bmm)  # the device runs them alike
+
+
 def test_the_constants_set_the_overheads():
     faster = dataclasses.replace(ROUND_CONSTANTS, kernel_overhead_ns=1500)
     node = _node(_key("aten.gelu.default", (1000, 250)), nbytes=1_000_000)

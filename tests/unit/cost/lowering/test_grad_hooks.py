@@ -1,0 +1,88 @@
+"""Megatron-Core DDP's per-parameter gradient hook: one main_grad add per parameter and micro-batch,
+none for linear weights under gradient-accumulation fusion (exact on a hand-built block and on a
+traced megatron-core GPT), only on the Megatron-Core stacks, and read from Megatron-LM's flag."""
+
+import pytest
+
+from vtrain_plugin.capture.tracer import trace
+from vtrain_plugin.core.dtypes import Dtype
+from vtrain_plugin.core.graph import Block, BlockKind, KernelKey, OpNode, Phase
+from vtrain_plugin.cost.lowering.grad_hooks import ADD_OP, GradHooks, grad_hook_adds, hooked_numels
+from vtrain_plugin.cost.prepare import prepare_run
+from vtrain_plugin.hardware.clusters import cluster_for_gpu
+from vtrain_plugin.runs import run_config_from_megatron_args
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.training import TrainingSpec
+
+LAYER = "decoder.layers.0"
+BF16_INTO_FP32 = GradHooks(fused_weights=True, grad=Dtype.BF16, main_grad=Dtype.FP32)
+
+
+def _op(op: str, phase: Phase, module: str, *shapes: tuple[int, ...], out: tuple[int, ...] = ()) -> OpNode:
+    return OpNode(key=KernelKey(op=op, input_shapes=shapes, dtypes=("bfloat16",) * len(shapes)), phase=phase,
+                  module=module, output_shapes=(out,) if out else ())
+
+
+def _block() -> Block:
+    """A layer with a 1536 x 512 weight (its gradient a backward mm), its bias, a norm's 512 and one
+    expert parameter of 1000 elements."""
+    nodes = (_op("aten.mm.default", Phase.FORWARD, f"{LAYER}.linear", (8, 512), (512, 1536), out=(8, 1536)),
+             _op("aten.mm.default", Phase.BACKWARD, f"{LAYER}.linear", (1536, 8), (8, 512), out=(1536, 512)),
+             _op("aten.mm.default", Phase.BACKWARD, f"{LAYER}.linear", (8, 1536), (1536, 512), out=(8, 512)),
+             _op("aten.sum.dim_IntList", Phase.BACKWARD, f"{LAYER}.norm", (8, 512), out=(512,)))
+    return Block(kind=BlockKind.LAYER, name=LAYER, nodes=nodes, num_parameters=1536 * 512 + 1536 + 512 + 1000,
+                 parameter_numels=(1536 * 512, 1536, 512), expert_parameter_numels=(1000,))
+
+
+def test_fusion_leaves_out_the_weights_whose_gradient_a_gemm_computes():
+    block = _block()
+    assert hooked_numels(block, BF16_INTO_FP32) == (1536, 512, 1000)
+    unfused = GradHooks(fused_weights=False, grad=Dtype.BF16, main_grad=Dtype.FP32)
+    assert hooked_numels(block, unfused) == (1536 * 512, 1536, 512, 1000)
+
+
+def test_each_hooked_parameter_adds_one_kernel_after_the_backward():
+    block = _block()
+    out = grad_hook_adds(block.nodes, block, BF16_INTO_FP32)
+    adds = out[len(block.nodes):]
+    assert out[:len(block.nodes)] == block.nodes
+    assert [n.op for n in adds] == [ADD_OP] * 3
+    assert all(n.phase is Phase.BACKWARD and n.module == f"{LAYER}.norm" for n in adds)
+    # read the bf16 gradient (2 bytes), read and write the fp32 main_grad (4 + 4)
+    assert [n.nbytes for n in adds] == [10 * 1536, 10 * 512, 10 * 1000]
+    assert grad_hook_adds(block.nodes, block, None) == block.nodes
+
+
+MODEL = ModelSpec(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512, dtype="bf16")
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace(MODEL, ParallelPlan(data_parallel=2))
+
+
+def _adds_per_layer(graph, stack: str, training: TrainingSpec) -> list[int]:
+    role = prepare_run(graph, stack, training).stages[0].role
+    return [sum(n is not None and n.op == ADD_OP and n.nbytes > 0 and n.key.dtypes == ("float32", "bfloat16")
+                for n in role.nodes[s.start:s.stop])
+            for s in role.segments if s.phase is Phase.BACKWARD and role.blocks[s.block].kind is BlockKind.LAYER]
+
+
+def test_a_traced_gpt_layer_hooks_its_twelve_parameters_or_the_eight_not_fused(graph):
+    # GPT layer: QKV, projection, FC1, FC2 weights and biases, two norms' weight and bias: 12
+    fused = TrainingSpec(global_batch_size=4)
+    unfused = TrainingSpec(global_batch_size=4, gradient_accumulation_fusion=False)
+    assert _adds_per_layer(graph, "megatron_core_te", unfused) == [12]
+    assert _adds_per_layer(graph, "megatron_core_te", fused) == [8]
+    assert _adds_per_layer(graph, "megatron_core_local", unfused) == [12]
+    assert _adds_per_layer(graph, "megatron_deepspeed_2023", unfused) == [0]  # not Megatron-Core's DDP
+
+
+def test_the_flag_turns_the_fusion_off():
+    argv = ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --micro-batch-size 1 --global-batch-size 4 "
+            "--seq-length 64 --max-position-embeddings 64 --vocab-size 512 --bf16")
+    cluster = cluster_for_gpu("h100-sxm")
+    assert run_config_from_megatron_args(argv, gpus=2, cluster=cluster, source="t").training.gradient_accumulation_fusion
+    assert not run_config_from_megatron_args(argv + " --no-gradient-accumulation-fusion", gpus=2, cluster=cluster,
+                                             source="t").training.gradient_accumulation_fusion
