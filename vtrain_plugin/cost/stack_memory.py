@@ -38,6 +38,7 @@ of each layer to host memory, less one layer's worth per rank that megatron-core
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import replace
 
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
@@ -54,6 +55,11 @@ from vtrain_plugin.cost.lowering.megatron_core_te import (fused_attention_saved_
 from vtrain_plugin.cost.memory import FRAGMENTATION, PeakLive, RankMemory, rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
+
+_DELTA_CACHE_SIZE = 1024
+# What a block's stack keeps minus what its trace did, by the identity of the block's nodes and
+# saved_by_module tuples; the entry holds both, so no other tuple can take their id while it lives.
+_deltas: OrderedDict[tuple, tuple[int, tuple, tuple]] = OrderedDict()
 
 
 def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
@@ -78,14 +84,25 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
                                         for block, nbytes in zip(stage.blocks, moved[i])))
             for i, stage in enumerate(graph.stages)))
     te = stack is SoftwareStack.MEGATRON_CORE_TE
+    quantised_nbytes = quantised.nbytes if fp8 else 1.0
 
     def saved_delta(block: Block) -> int:  # what the stack keeps per instance minus what the trace did
+        # it reads the block's nodes and saved_by_module only: stages of one chunk role (and the
+        # plans of one shape) share those tuples, so it is computed once per role (see _deltas)
+        key = (id(block.nodes), id(block.saved_by_module), stack, fp8, quantised_nbytes, attention_delta)
+        known = _deltas.get(key)
+        if known is not None:
+            _deltas.move_to_end(key)
+            return known[0]
         delta = dropout_mask_delta(block)
         if stack is SoftwareStack.MEGATRON_DEEPSPEED_2023:
             delta += fused_softmax_saved_delta(block.nodes)
         if te:
             delta += (attention_delta(block.nodes) + mixer_saved_delta(block, mixer_dims(block.nodes))
-                      + te_saved_delta(block, fp8=fp8, quantised_nbytes=quantised.nbytes if fp8 else 1.0))
+                      + te_saved_delta(block, fp8=fp8, quantised_nbytes=quantised_nbytes))
+        _deltas[key] = (delta, block.nodes, block.saved_by_module)
+        if len(_deltas) > _DELTA_CACHE_SIZE:
+            _deltas.popitem(last=False)
         return delta
 
     graph = replace(graph, stages=tuple(
