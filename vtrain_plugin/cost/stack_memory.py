@@ -105,10 +105,17 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
             _deltas.popitem(last=False)
         return delta
 
-    graph = replace(graph, stages=tuple(
-        replace(stage, blocks=tuple(replace(block, activation_nbytes=block.activation_nbytes + saved_delta(block))
-                                    for block in stage.blocks if not (te and block.name == SHARED_BY_CORE_ATTENTION)))
-        for stage in graph.stages))
+    adjusted: dict[int, tuple[Block, ...]] = {}  # by the stage's blocks tuple, which a role's stages share
+
+    def stack_blocks(blocks: tuple[Block, ...]) -> tuple[Block, ...]:
+        known = adjusted.get(id(blocks))
+        if known is None:
+            known = adjusted[id(blocks)] = tuple(
+                replace(block, activation_nbytes=block.activation_nbytes + saved_delta(block))
+                for block in blocks if not (te and block.name == SHARED_BY_CORE_ATTENTION))
+        return known
+
+    graph = replace(graph, stages=tuple(replace(stage, blocks=stack_blocks(stage.blocks)) for stage in graph.stages))
     fsdp = None if training is None else training.fsdp
     memory = rank_memory(graph, peak_live, distributed_optimizer=training is not None and training.distributed_optimizer,
                          gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
