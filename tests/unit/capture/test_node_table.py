@@ -1,10 +1,13 @@
 """Chunk traces packed as tables: real megatron-core chunks read back equal, each distinct node built once."""
 
+import gzip
+import json
 import marshal
 
 import pytest
 
-from vtrain_plugin.capture.chunk import ChunkTrace
+from vtrain_plugin.capture import disk_cache
+from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
 from vtrain_plugin.capture.megatron_chunk import trace_chunk
 from vtrain_plugin.capture.node_table import pack_blocks, unpack_blocks
 from vtrain_plugin.core.graph import Block, BlockKind, CollectiveNode, KernelKey, OpNode, Phase
@@ -48,3 +51,15 @@ def test_arguments_equal_in_python_keep_their_types():
     block = Block(kind=BlockKind.STAGE, name="stage", nodes=ops)
     (read,) = unpack_blocks(marshal.loads(marshal.dumps(pack_blocks((block,)))))
     assert [type(dict(n.key.args)["alpha"]) for n in read.nodes] == [int, float, bool]
+
+
+def test_an_entry_of_the_former_format_under_this_key_is_ignored(chunk, tmp_path, monkeypatch):
+    # blocks as node dicts (entry format 3) where tables are expected: not read, so traced again
+    monkeypatch.setenv("VTRAIN_CACHE_DIR", str(tmp_path))
+    key = shape_key(DENSE, ParallelPlan(), True, True, 2)
+    disk_cache.store(key, chunk)
+    assert disk_cache.load(key) == chunk
+    path = disk_cache.entry_path(key)
+    path.write_bytes(gzip.compress(marshal.dumps(json.loads(json.dumps(
+        {"key": disk_cache.entry_key(key), "chunk": chunk.to_dict()})))))
+    assert disk_cache.load(key) is None
