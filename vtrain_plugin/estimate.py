@@ -303,11 +303,29 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
         kernels, tables = measured_for_graph(graph, cluster, db_path=profile_db)
         measured = kernels if measured is None else measured
         measured_comm = tables if measured_comm is None else measured_comm
+    stack = run_stack(graph, cluster, training)
+    prepared = prepare_run(graph, stack, training, measured)
+    return estimate_prepared(prepared, cluster=cluster, training=training, measured_comm=measured_comm,
+                             timeline=timeline, explain=explain)
+
+
+def run_stack(graph: OpGraph, cluster: ClusterSpec, training: TrainingSpec) -> SoftwareStack:
+    """The software stack ``training`` runs ``graph`` with on ``cluster``'s GPU (refused where that
+    GPU cannot run its recipe): the one :func:`estimate` prepares the graph for."""
     device = get_device(cluster.gpu)
     device.require_recipe(training)
-    stack = training.stack_for(graph.model, device.architecture, graph.parallel)
+    return training.stack_for(graph.model, device.architecture, graph.parallel)
+
+
+def estimate_prepared(prepared: PreparedGraph, *, cluster: ClusterSpec, training: TrainingSpec,
+                      measured_comm: Mapping[tuple[CollectiveKind, int], NcclTable] | None = None,
+                      timeline: bool = False, explain: int = 0) -> Estimate:
+    """:func:`estimate` of a graph prepared as it prepares one (:func:`run_stack`, then
+    :func:`~vtrain_plugin.cost.prepare.prepare_run` with the measured kernels): plans that share a
+    graph and what preparing reads of their training spec share the prepared graph (a plan search)."""
+    graph, stack = prepared.graph, prepared.stack
+    device = get_device(cluster.gpu)
     calibration = calibration_for(device.name, stack)
-    prepared = prepare_run(graph, stack, training, measured)
     costing, result = predict(prepared, cluster=cluster, training=training, constants=calibration.constants,
                               measured_comm=measured_comm, timeline=timeline, explain=explain > 0)
     return _summarize(graph, device, cluster, training, result, costing, explain, stack)

@@ -9,8 +9,9 @@ from vtrain_plugin.capture.tracer import clear_cache, trace
 from vtrain_plugin.cost.prepare import prepare
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.hardware.clusters import get_cluster_preset
+from vtrain_plugin.planning.evaluate import evaluate, evaluate_batch, make_batches, plan_row
 from vtrain_plugin.planning.search import search
-from vtrain_plugin.planning.space import SearchSpace
+from vtrain_plugin.planning.space import Candidate, SearchSpace
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import TrainingSpec
@@ -22,6 +23,8 @@ MOE = ModelSpec(family="llama", num_layers=4, hidden_size=256, num_attention_hea
                 moe_ffn_hidden_size=192)
 CLUSTER = get_cluster_preset("dgx-a100")
 PREPARE = importlib.import_module("vtrain_plugin.cost.prepare")  # the module: the package exports its function
+EVALUATE = importlib.import_module("vtrain_plugin.planning.evaluate")
+STACK_MEMORY = importlib.import_module("vtrain_plugin.cost.stack_memory")
 
 
 def test_plans_that_fold_one_trace_to_other_layer_counts_share_its_lowered_kernels():
@@ -59,3 +62,23 @@ def test_sampled_search_rows_equal_one_plan_estimates(model, space, tmp_path, mo
         for column in ("iteration_time_ms", "tokens_per_second", "tflops_per_gpu", "mfu", "peak_memory_gib",
                        "cost_usd", "num_microbatches", "fits_in_memory"):
             assert row[column] == getattr(est, column), column
+
+
+def test_a_batch_prepares_each_graph_once_per_training_options(monkeypatch):
+    # one parallel plan, gradient reduction x distributed optimizer: two prepared graphs (the optimizer
+    # is sharded or not), each costed twice; every row the one-plan estimate with no cache warm
+    plan = ParallelPlan(tensor_parallel=2, pipeline_parallel=2, data_parallel=2)
+    candidates = tuple(Candidate(parallel=plan, training=TrainingSpec(global_batch_size=16, grad_reduce=reduce,
+                                                                      distributed_optimizer=sharded))
+                       for reduce in ("overlap", "after_backward") for sharded in (False, True))
+    (batch,) = make_batches(DENSE, CLUSTER, candidates, profile_db=False)
+    prepared = []
+    monkeypatch.setattr(EVALUATE, "prepare_run", lambda *a: prepared.append(a) or PREPARE.prepare_run(*a))
+    rows = evaluate_batch(batch)
+    assert len(prepared) == 2 and [p for p, _ in rows] == [0, 1, 2, 3]
+    for position, row in rows:
+        clear_cache()
+        PREPARE._roles.clear()
+        PREPARE._mapped_nodes.clear()
+        STACK_MEMORY._deltas.clear()
+        assert row == plan_row(candidates[position], evaluate(DENSE, candidates[position], CLUSTER, profile_db=False))

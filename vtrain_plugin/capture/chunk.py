@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from vtrain_plugin.capture.node_table import pack_blocks, unpack_blocks
 from vtrain_plugin.core.graph import Block
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
@@ -50,8 +51,15 @@ class ChunkTrace:
         default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"blocks": [b.to_dict() for b in self.blocks],
-                "params_by_block": {k: list(n) for k, n in self.params_by_block.items()},
+        return {"blocks": [b.to_dict() for b in self.blocks], **self._fields()}
+
+    def to_tables(self) -> dict[str, Any]:
+        """:meth:`to_dict` with the blocks packed as tables (:func:`~vtrain_plugin.capture.node_table.pack_blocks`):
+        the trace cache's form, read back by :meth:`from_tables`."""
+        return {"blocks": pack_blocks(self.blocks), **self._fields()}
+
+    def _fields(self) -> dict[str, Any]:
+        return {"params_by_block": {k: list(n) for k, n in self.params_by_block.items()},
                 "expert_params_by_block": {k: list(n) for k, n in self.expert_params_by_block.items()},
                 "word_embedding_params": self.word_embedding_params,
                 "activation_shape": list(self.activation_shape), "activation_dtype": self.activation_dtype,
@@ -60,8 +68,16 @@ class ChunkTrace:
                 "backward_peak_outside_attention_nbytes": self.backward_peak_outside_attention_nbytes}
 
     @classmethod
+    def from_tables(cls, d: dict[str, Any]) -> ChunkTrace:
+        return cls._of(d, unpack_blocks(d["blocks"]))
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ChunkTrace:
-        return cls(blocks=tuple(Block.from_dict(b) for b in d["blocks"]),
+        return cls._of(d, tuple(Block.from_dict(b) for b in d["blocks"]))
+
+    @classmethod
+    def _of(cls, d: dict[str, Any], blocks: tuple[Block, ...]) -> ChunkTrace:
+        return cls(blocks=blocks,
                    params_by_block={str(k): tuple(int(x) for x in n) for k, n in d["params_by_block"].items()},
                    expert_params_by_block={str(k): tuple(int(x) for x in n)
                                            for k, n in d["expert_params_by_block"].items()},

@@ -1,7 +1,7 @@
 """The on-disk trace cache: chunk traces stored content-addressed under the user's cache folder.
 
 An entry is one traced chunk role (:class:`~vtrain_plugin.capture.chunk.ChunkTrace`), stored as
-its plain-data form (``to_dict``) in Python's ``marshal`` format, gzipped, in ``<cache
+its plain-data form, the blocks as tables (``to_tables``), in Python's ``marshal`` format, gzipped, in ``<cache
 dir>/traces/<sha256 of its key>.marshal.gz``: marshal reads plain data several times faster than
 JSON, and reading entries is most of a warm estimate. The key is the chunk's shape key
 (:func:`~vtrain_plugin.capture.chunk.shape_key`, field by field) plus :func:`versions`: of Python
@@ -24,6 +24,7 @@ Settings, all read from the environment so that worker processes inherit them (t
 
 from __future__ import annotations
 
+import gc
 import gzip
 import hashlib
 import json
@@ -33,6 +34,8 @@ import os
 import re
 import sys
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -50,7 +53,8 @@ CACHE_DIR_ENV = "VTRAIN_CACHE_DIR"
 NO_CACHE_ENV = "VTRAIN_NO_CACHE"
 MAX_MB_ENV = "VTRAIN_CACHE_MAX_MB"
 DEFAULT_MAX_MB = 512  # a GPT-3 175B chunk is about 16 kB gzipped; thousands of shapes fit
-ENTRY_FORMAT = 3  # 2: params_by_block holds each parameter's elements (was a count per block); 3: marshal
+ENTRY_FORMAT = 4  # 2: params_by_block holds each parameter's elements (was a count per block); 3: marshal;
+# 4: blocks as tables (vtrain_plugin.capture.node_table)
 SUFFIX = ".marshal.gz"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 # The packages whose source a chunk trace runs: a change to any of their files is a new key.
@@ -109,6 +113,14 @@ def load(key: tuple) -> ChunkTrace | None:
     if not enabled():
         return None
     path = entry_path(key)
+    with _collector_paused():
+        chunk = _read(path, key)
+    if chunk is not None:
+        _touch(path)
+    return chunk
+
+
+def _read(path: Path, key: tuple) -> ChunkTrace | None:
     try:
         data = marshal.loads(gzip.decompress(path.read_bytes()))
     except FileNotFoundError:
@@ -120,12 +132,24 @@ def load(key: tuple) -> ChunkTrace | None:
         log.debug("trace cache: ignoring %s, an entry of another key (other versions or a hash collision)", path)
         return None
     try:
-        chunk = ChunkTrace.from_dict(data["chunk"])
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return ChunkTrace.from_tables(data["chunk"])
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         log.debug("trace cache: ignoring %s (malformed: %s: %s)", path, type(exc).__name__, exc)
         return None
-    _touch(path)
-    return chunk
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while an entry is decoded: decoding makes thousands of
+    containers, none of them garbage and none in a cycle, and the collections they would trigger
+    scan every object of the process (most of a read's time in a search worker otherwise)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def contains(key: tuple) -> bool:
@@ -143,7 +167,7 @@ def store(key: tuple, chunk: ChunkTrace) -> None:
         return
     path = entry_path(key)
     # through JSON first: plain types only (marshal refuses a str or int subclass, an enum member)
-    data = marshal.dumps(json.loads(json.dumps({"key": entry_key(key), "chunk": chunk.to_dict()})))
+    data = marshal.dumps(json.loads(json.dumps({"key": entry_key(key), "chunk": chunk.to_tables()})))
     try:
         atomic_write_bytes(path, gzip.compress(data, compresslevel=6, mtime=0))
         prune(path.parent, max_bytes())

@@ -148,7 +148,7 @@ class OpNode:
     def from_dict(cls, d: dict[str, Any]) -> OpNode:
         return cls(
             key=KernelKey.from_dict(d["key"]),
-            phase=_member(Phase, d["phase"]),
+            phase=member(Phase, d["phase"]),
             module=d["module"],
             output_shapes=tuple(map(tuple, d["output_shapes"])),
             launches_kernel=d["launches_kernel"],
@@ -184,11 +184,11 @@ class CollectiveNode:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CollectiveNode:
         return cls(
-            kind=_member(CollectiveKind, d["kind"]),
+            kind=member(CollectiveKind, d["kind"]),
             nbytes=d["nbytes"],
-            group=_member(ParallelGroup, d["group"]),
+            group=member(ParallelGroup, d["group"]),
             group_size=d["group_size"],
-            phase=_member(Phase, d["phase"]),
+            phase=member(Phase, d["phase"]),
             module=d["module"],
             dtype=d["dtype"],
             synthesized=d["synthesized"],
@@ -201,7 +201,7 @@ Node = Union[OpNode, CollectiveNode]
 _MEMBERS = {enum: {member.value: member for member in enum} for enum in (Phase, CollectiveKind, ParallelGroup)}
 
 
-def _member(enum: type[StrEnum], value: str) -> Any:
+def member(enum: type[StrEnum], value: str) -> Any:
     """``enum(value)`` by one dict look-up (a stored graph holds thousands; the enum call is ten times
     slower); an unknown value is the same ValueError."""
     try:

@@ -30,7 +30,7 @@ from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import (CP_GROUPS, Block, BlockKind, CollectiveKind, CollectiveNode, KernelKey,
                                       OpGraph, OpNode, ParallelGroup, Phase, StageGraph)
 from vtrain_plugin.cost.comm.overlap import overlap_partners
-from vtrain_plugin.cost.comm.context_parallel import ContextParallel, model_flops
+from vtrain_plugin.cost.comm.context_parallel import ContextParallel
 from vtrain_plugin.cost.kernels.host_device import Segment
 from vtrain_plugin.cost.kernels.model import KernelBatch
 from vtrain_plugin.cost.kernels.timer import measured_ns
@@ -205,22 +205,34 @@ def prepare_run(graph: OpGraph, stack: SoftwareStack | str, training: TrainingSp
     """:func:`prepare` with the options of ``training``: FP8, the optimizer on a data-parallel
     shard (the distributed optimizer, or FSDP's), the gradient dtype, the FP8 parameter all-gather and
     the kernel options (optimizer, deterministic kernels, unfused attention, DDP's gradient hooks)."""
-    return prepare(graph, stack, measured, fp8=training.fp8_settings, distributed_optimizer=training.shards_optimizer,
-                   grads=training.grad_dtype(graph.dtype), fp8_param_gather=training.fp8_param_gather,
-                   kernels=KernelOptions(optimizer=training.optimizer, deterministic=training.deterministic,
-                                         unfused_attention=training.unfused_attention,
-                                         log_params_norm=training.log_params_norm,
-                                         log_num_zeros_in_grad=training.log_num_zeros_in_grad,
-                                         grad_hooks=_grad_hooks(graph, SoftwareStack(stack), training)))
+    return prepare(graph, stack, measured, **run_options(training, graph.dtype, SoftwareStack(stack)))
 
 
-def _grad_hooks(graph: OpGraph, stack: SoftwareStack, training: TrainingSpec) -> GradHooks | None:
+def run_options(training: TrainingSpec, dtype: Dtype, stack: SoftwareStack) -> dict[str, object]:
+    """The options :func:`prepare_run` gives :func:`prepare` for ``training`` and a graph of ``dtype``
+    on ``stack``: all it reads of the training spec (hashable values, so callers that prepare many
+    plans key a prepared graph by them: :func:`run_options_key`)."""
+    return dict(fp8=training.fp8_settings, distributed_optimizer=training.shards_optimizer,
+                grads=training.grad_dtype(dtype), fp8_param_gather=training.fp8_param_gather,
+                kernels=KernelOptions(optimizer=training.optimizer, deterministic=training.deterministic,
+                                      unfused_attention=training.unfused_attention,
+                                      log_params_norm=training.log_params_norm,
+                                      log_num_zeros_in_grad=training.log_num_zeros_in_grad,
+                                      grad_hooks=_grad_hooks(dtype, stack, training)))
+
+
+def run_options_key(training: TrainingSpec, dtype: Dtype, stack: SoftwareStack) -> tuple:
+    """:func:`run_options` as a hashable key: two training specs of one key prepare a graph alike."""
+    return tuple(run_options(training, dtype, stack).items())
+
+
+def _grad_hooks(dtype: Dtype, stack: SoftwareStack, training: TrainingSpec) -> GradHooks | None:
     """Megatron-Core DDP's per-parameter gradient hook (:mod:`vtrain_plugin.cost.lowering.grad_hooks`):
     the Megatron-Core stacks without FSDP (which accumulates in its own buffers)."""
     if stack not in MEGATRON_CORE_STACKS or training.fsdp is not None:
         return None
-    return GradHooks(fused_weights=training.gradient_accumulation_fusion, grad=graph.dtype,
-                     main_grad=training.grad_dtype(graph.dtype))
+    return GradHooks(fused_weights=training.gradient_accumulation_fusion, grad=dtype,
+                     main_grad=training.grad_dtype(dtype))
 
 
 def _bf16_edges(graph: OpGraph, fp8: Fp8Settings | None):
@@ -299,10 +311,8 @@ def _lower_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setting
         nodes = cp.layer_nodes(block.nodes) if cp is not None and layer else block.nodes
         by_phase: dict[Phase, list[OpNode | CollectiveNode]] = {p: [] for p in PHASES}
         block_fp8 = None if outside_fp8 and outside_fp8[b] else fp8
-        mapped = map_nodes(nodes, stack, block_fp8, grouped_experts=moe.grouped_experts,
-                           unfused_attention=kernels.unfused_attention)
-        if kernels.deterministic:
-            mapped = deterministic_kernels(mapped)
+        mapped = _mapped(block.nodes, nodes, stack, block_fp8, cp, moe.grouped_experts, kernels.unfused_attention,
+                         kernels.deterministic)
         mapped = grad_hook_adds(mapped, block, kernels.grad_hooks)
         mapped = optimizer_step(shard_optimizer(mapped, *shards), kernels.optimizer, traced=block.nodes,
                                 tensor_parallel=kernels.tensor_parallel,
@@ -331,12 +341,45 @@ def _lower_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setting
             segments.append(Segment(block=b, phase=phase, start=start, stop=len(rows), count=1))
     kernels = KernelBatch.of([n if n is not None else _NO_KERNEL for n in rows])
     kernels = replace(kernels, backward=np.array([p is Phase.BACKWARD for p in phases], bool))
-    block_flops = tuple({phase: model_flops((replace(b, count=1),), cp, phase) for phase in PHASES} for b in blocks)
+    block_flops = tuple(_phase_flops(b, cp) for b in blocks)
     module_calls, layer_calls = host_calls(rows, segments, blocks)
     return _Lowered(node_tuples=tuple(b.nodes for b in blocks), kernels=kernels,
                     measured_ns=measured_ns(rows, measured), nodes=tuple(rows), comm_rows=tuple(comm_rows),
                     segments=tuple(segments), block_flops=block_flops, module_calls=module_calls,
                     layer_calls=layer_calls)
+
+
+def _phase_flops(block: Block, cp: ContextParallel | None) -> dict[Phase, int]:
+    """``model_flops`` of one instance of ``block`` in each phase, in one pass over its nodes."""
+    flops = dict.fromkeys(PHASES, 0)
+    count = (lambda op: op.flops) if cp is None else cp.model_flops
+    for op in block.ops():
+        flops[op.phase] += count(op)
+    return flops
+
+
+_MAPPED_CACHE_SIZE = 256
+# A block's nodes as a stack runs them, before its optimizer step is sharded: the roles of the plans
+# with and without the distributed optimizer share it. Keyed by the identity of the traced nodes
+# (the entry holds them, as _roles does).
+_mapped_nodes: OrderedDict[tuple, tuple[tuple, tuple[OpNode | CollectiveNode, ...]]] = OrderedDict()
+
+
+def _mapped(traced: tuple, nodes: tuple, stack: SoftwareStack, fp8: Fp8Settings | None, cp: ContextParallel | None,
+            grouped_experts: bool, unfused_attention: bool, deterministic: bool) -> tuple:
+    """``nodes`` (``traced``, under CP with its CP attention) lowered onto ``stack``'s kernels."""
+    key = (id(traced), nodes is traced, stack, fp8, cp, grouped_experts, unfused_attention, deterministic)
+    known = _mapped_nodes.get(key)
+    if known is not None:
+        _mapped_nodes.move_to_end(key)
+        return known[1]
+    mapped = map_nodes(nodes, stack, fp8, grouped_experts=grouped_experts, unfused_attention=unfused_attention)
+    if deterministic:
+        mapped = deterministic_kernels(mapped)
+    _mapped_nodes[key] = (traced, mapped)
+    if len(_mapped_nodes) > _MAPPED_CACHE_SIZE:
+        _mapped_nodes.popitem(last=False)
+    return mapped
 
 
 def _on_compute_stream(node: CollectiveNode) -> bool:

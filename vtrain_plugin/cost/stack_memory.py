@@ -40,6 +40,7 @@ of each layer to host memory, less one layer's worth per rank that megatron-core
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import replace
 
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
@@ -58,6 +59,11 @@ from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.cost.workspaces import workspace_nbytes
 from vtrain_plugin.specs.cluster import GpuArchitecture
 from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
+
+_DELTA_CACHE_SIZE = 1024
+# What a block's stack keeps minus what its trace did, by the identity of the block's nodes and
+# saved_by_module tuples; the entry holds both, so no other tuple can take their id while it lives.
+_deltas: OrderedDict[tuple, tuple[int, tuple, tuple]] = OrderedDict()
 
 
 def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
@@ -84,20 +90,38 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
                                         for block, nbytes in zip(stage.blocks, moved[i])))
             for i, stage in enumerate(graph.stages)))
     te = stack is SoftwareStack.MEGATRON_CORE_TE
+    quantised_nbytes = quantised.nbytes if fp8 else 1.0
 
     def saved_delta(block: Block) -> int:  # what the stack keeps per instance minus what the trace did
+        # it reads the block's nodes and saved_by_module only: stages of one chunk role (and the
+        # plans of one shape) share those tuples, so it is computed once per role (see _deltas)
+        key = (id(block.nodes), id(block.saved_by_module), stack, fp8, quantised_nbytes, attention_delta)
+        known = _deltas.get(key)
+        if known is not None:
+            _deltas.move_to_end(key)
+            return known[0]
         delta = dropout_mask_delta(block)
         if stack is SoftwareStack.MEGATRON_DEEPSPEED_2023:
             delta += fused_softmax_saved_delta(block.nodes)
         if te:
             delta += (attention_delta(block.nodes) + mixer_saved_delta(block, mixer_dims(block.nodes))
-                      + te_saved_delta(block, fp8=fp8, quantised_nbytes=quantised.nbytes if fp8 else 1.0))
+                      + te_saved_delta(block, fp8=fp8, quantised_nbytes=quantised_nbytes))
+        _deltas[key] = (delta, block.nodes, block.saved_by_module)
+        if len(_deltas) > _DELTA_CACHE_SIZE:
+            _deltas.popitem(last=False)
         return delta
 
-    graph = replace(graph, stages=tuple(
-        replace(stage, blocks=tuple(replace(block, activation_nbytes=block.activation_nbytes + saved_delta(block))
-                                    for block in stage.blocks if not (te and block.name == SHARED_BY_CORE_ATTENTION)))
-        for stage in graph.stages))
+    adjusted: dict[int, tuple[Block, ...]] = {}  # by the stage's blocks tuple, which a role's stages share
+
+    def stack_blocks(blocks: tuple[Block, ...]) -> tuple[Block, ...]:
+        known = adjusted.get(id(blocks))
+        if known is None:
+            known = adjusted[id(blocks)] = tuple(
+                replace(block, activation_nbytes=block.activation_nbytes + saved_delta(block))
+                for block in blocks if not (te and block.name == SHARED_BY_CORE_ATTENTION))
+        return known
+
+    graph = replace(graph, stages=tuple(replace(stage, blocks=stack_blocks(stage.blocks)) for stage in graph.stages))
     fsdp = None if training is None else training.fsdp
     memory = rank_memory(graph, peak_live, distributed_optimizer=training is not None and training.distributed_optimizer,
                          gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,

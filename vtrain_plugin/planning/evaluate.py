@@ -14,13 +14,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from profiler.lookup import measured_for_graph
 from vtrain_plugin.capture.chunk import plan_shape_key
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.units import SECONDS_PER_HOUR
-from vtrain_plugin.estimate import Estimate, estimate
+from vtrain_plugin.core.graph import OpGraph
+from vtrain_plugin.cost.prepare import PreparedGraph, prepare_run, run_options_key
+from vtrain_plugin.estimate import Estimate, estimate, estimate_prepared, run_stack
 from vtrain_plugin.planning.space import Candidate
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
 
 Row = dict[str, Any]
 
@@ -112,11 +116,28 @@ def make_batches(model: ModelSpec, cluster: ClusterSpec, candidates: Sequence[Ca
 
 
 def evaluate_batch(batch: Batch, on_plan: Callable[[], None] | None = None) -> list[tuple[int, Row]]:
-    """``(position, row)`` for every plan of ``batch``; ``on_plan`` is called after each one."""
+    """``(position, row)`` for every plan of ``batch``; ``on_plan`` is called after each one.
+
+    Each row is :func:`evaluate`'s estimate; plans of one parallel plan share its graph and the
+    measured durations looked up for it, and those that also share what preparing reads of their
+    training spec share the prepared graph (:func:`~vtrain_plugin.estimate.estimate_prepared`)."""
+    graphs: dict[ParallelPlan, tuple[OpGraph, Any, Any]] = {}
+    prepared: dict[tuple, PreparedGraph] = {}
     out = []
     for position, candidate in zip(batch.positions, batch.candidates):
-        out.append((position, plan_row(candidate, evaluate(batch.model, candidate, batch.cluster,
-                                                                      profile_db=batch.profile_db))))
+        plan, training = candidate.parallel, candidate.training
+        if plan not in graphs:
+            graph = trace(batch.model, plan)
+            measured = (None, None) if batch.profile_db is False else measured_for_graph(
+                graph, batch.cluster, db_path=batch.profile_db)
+            graphs[plan] = (graph, *measured)
+        graph, kernels, tables = graphs[plan]
+        stack = run_stack(graph, batch.cluster, training)
+        key = (plan, stack, run_options_key(training, graph.dtype, stack))
+        if key not in prepared:
+            prepared[key] = prepare_run(graph, stack, training, kernels)
+        est = estimate_prepared(prepared[key], cluster=batch.cluster, training=training, measured_comm=tables)
+        out.append((position, plan_row(candidate, est)))
         if on_plan is not None:
             on_plan()
     return out
