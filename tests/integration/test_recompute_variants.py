@@ -1,17 +1,18 @@
 """A chunk's traces under full and selective recompute against its trace without recompute, op by op
-(dense layers): what a derivation of the recompute variants from one trace can rest on, and where it
-cannot be exact, so that each mode is still traced (one trace job per mode, capture/tracer.py).
+(dense GPT and Llama layers, middle, whole and head roles): what they share exactly, and what keeps
+a derivation of one from the other from being exact.
 
-Shared exactly: the embedding and head blocks; under selective recompute, the bytes held beside the
-activations and the backward peak outside core attention; every kernel and collective of a
-layer: under full recompute the forward's, the same again as the recompute, then the backward's and
-the optimizer's; under selective recompute the forward's, and the core attention's again as the
-recompute. Not derivable from the trace without recompute: the ops that launch nothing (autograd
-queries a fake tensor's device only with grad on, so the no-grad forward of a checkpoint has fewer of
-them, in no pattern the trace shows; the checkpoint's own detaches and allocations), the backward
-peaks (the recomputed layer's live bytes: no sum of traced fields matches them in every role), the
-bytes held under full recompute (a rotary table the checkpoint saves is no longer held), and,
-under selective recompute, the backward's copies of the detached query, key and value gradients.
+Shared: the embedding and head blocks; under selective recompute the bytes held beside the
+activations and the backward peak outside core attention; every kernel and collective of a layer
+(full: the forward's, again as the recompute, then the backward's and optimizer's; selective: the
+forward's, the core attention's again as the recompute). Not derivable: the ops that launch nothing
+(autograd queries a fake tensor's device only with grad on, so a checkpoint's no-grad forward has
+fewer of them, in no pattern the trace shows; the checkpoint's own detaches and allocations), the
+backward peaks (a recomputed layer's live bytes: no sum of traced fields matches them in every role),
+the bytes held under full recompute (a rotary table the checkpoint saves is no longer held), and
+selective recompute's backward copies of the detached query, key and value gradients.
+Why: each recompute mode of a role is a trace job of its own (capture/tracer.py); these are the facts
+a derivation that saves two of every three would have to rest on or work around.
 """
 
 from dataclasses import replace
