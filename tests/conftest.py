@@ -7,17 +7,38 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.zygote import Zygote
+
 REPO = Path(__file__).resolve().parents[1]
 _SESSION_CACHE = "VTRAIN_TEST_SESSION_TRACE_CACHE"  # the controller's cache, inherited by xdist workers
 
 
+@pytest.fixture(scope="session")
+def python_m():
+    """``python -m MODULE ARGS`` as a real separate process, forked from this worker's zygote
+    (tests/support/zygote.py: torch, megatron-core and vtrain imported once); same arguments and
+    result as ``subprocess.run(..., capture_output=True, text=True)``. ``fresh=True``: a new
+    interpreter, for what a fork cannot show (imports, interpreter flags, signals)."""
+    zygote = Zygote()
+
+    def run(module: str, *args: str, cwd: Path | str = REPO, env: dict | None = None, timeout: float = 600,
+            fresh: bool = False) -> subprocess.CompletedProcess:
+        env = dict(os.environ if env is None else env)
+        if fresh:
+            return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd,
+                                  env=env, timeout=timeout)
+        return zygote.run(module, list(args), cwd=cwd, env=env, timeout=timeout)
+    yield run
+    zygote.close()
+
+
 @pytest.fixture
-def run_cli(tmp_path):
-    """Run the real ``vtrain`` CLI in a subprocess; returns CompletedProcess."""
-    def run(*args: str, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(tmp_path, python_m):
+    """Run the real ``vtrain`` CLI in a separate process (see ``python_m``); returns CompletedProcess."""
+    def run(*args: str, check: bool = False, env: dict | None = None,
+            fresh: bool = False) -> subprocess.CompletedProcess:
         full_env = {**os.environ, "VTRAIN_PROFILE_DB": str(tmp_path / "profiles.sqlite"), **(env or {})}
-        proc = subprocess.run([sys.executable, "-m", "vtrain_plugin.cli", *args], capture_output=True,
-                              text=True, cwd=REPO, env=full_env, timeout=600)
+        proc = python_m("vtrain_plugin.cli", *args, env=full_env, fresh=fresh)
         if check and proc.returncode != 0:
             raise AssertionError(f"vtrain {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
         return proc

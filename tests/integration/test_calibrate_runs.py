@@ -71,7 +71,8 @@ def test_calibrate_cli_writes_a_calibration_that_estimates_read(runs, run_cli, t
     scripts = [str(runs[name][0]) for name in SHAPES]
     logs = [str(runs[name][2]) for name in SHAPES]
     env = {"VTRAIN_CALIBRATION_DIR": str(tmp_path / "calibrations")}
-    proc = run_cli("calibrate", "--from-runs", *logs, "--plan", *scripts, "--format", "json", env=env, check=True)
+    proc = run_cli("calibrate", "--from-runs", *logs, "--plan", *scripts, "--format", "json", env=env, check=True,
+                   fresh=True)  # vtrain calibrate in a plain subprocess
     document = json.loads(proc.stdout)
     written = tmp_path / "calibrations" / DEVICE / f"{STACK}.json"
     assert document["written"] == str(written)

@@ -75,7 +75,7 @@ def test_cache_dir_flag_wins_over_the_environment_and_cache_command(tmp_path, ru
     env = {"VTRAIN_CACHE_DIR": str(from_env)}
     run_cli("trace", PLAN, "--cache-dir", str(from_flag), env=env, check=True)
     assert not from_env.exists() and len(_entries(from_flag)) == 1
-    info = run_cli("cache", "info", "--cache-dir", str(from_flag), env=env, check=True)
+    info = run_cli("cache", "info", "--cache-dir", str(from_flag), env=env, check=True, fresh=True)  # plain subprocess
     assert info.stdout.startswith(f"trace cache {from_flag / 'traces'}: 1 trace(s), ")
     cleared = run_cli("cache", "clear", env={"VTRAIN_CACHE_DIR": str(from_flag)}, check=True)
     assert cleared.stdout == f"removed 1 trace(s) from {from_flag / 'traces'}\n"

@@ -22,7 +22,8 @@ def write(tmp_path, name, data):
 
 def test_trace_json_lists_ops_and_collectives_per_stage(tmp_path, run_cli):
     out = tmp_path / "trace.json"
-    run_cli("trace", write(tmp_path, "c.json", SMALL), "--format", "json", "--output", str(out), check=True)
+    run_cli("trace", write(tmp_path, "c.json", SMALL), "--format", "json", "--output", str(out), check=True,
+            fresh=True)  # vtrain trace in a plain subprocess
     data = json.loads(out.read_text())
     assert [s["pipeline_rank"] for s in data["stages"]] == [0, 1]
     assert data["model"]["vocab_size"] == 50257  # null means GPT-2's vocabulary

@@ -2,10 +2,6 @@
 DGX A100 nodes), its job file, its curve cache and its Gantt charts; a bad job file is one line."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,13 +14,12 @@ POLICIES = ["edf-linear", "edf-vtrain", "fifo-static"]
 
 
 @pytest.fixture(scope="module")
-def generated(tmp_path_factory):
+def generated(tmp_path_factory, python_m):
     out = tmp_path_factory.mktemp("cluster-sim")
     args = ["cluster-sim", "--generate", "12", "--seed", "3", *CLUSTER, "--models", "gpt3-1.3b", "--policy", "all",
             "--format", "json", "--write-jobs", str(out / "jobs.yaml"), "--gantt", str(out / "gantt.png"),
             "--cache-dir", str(out / "cache")]
-    proc = subprocess.run([sys.executable, "-m", "vtrain_plugin.cli", *args], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[2], env=dict(os.environ), timeout=600)
+    proc = python_m("vtrain_plugin.cli", *args, fresh=True)  # vtrain cluster-sim in a plain subprocess
     assert proc.returncode == 0, proc.stderr
     return out, json.loads(proc.stdout)
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +16,10 @@ REPO = Path(__file__).resolve().parents[2]
 PLAN = REPO / "examples" / "plans" / "qwen3_8b_64gpu_h100.yaml"
 
 
-def test_the_shipped_file_is_what_the_script_computes(tmp_path):
+def test_the_shipped_file_is_what_the_script_computes(tmp_path, python_m):
     out = tmp_path / "bands.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.accuracy.error_bands", "--sets", "vtrain_single_node",
-                           "megatron_ci", "--limit", "1", "--out", str(out)], cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
+    proc = python_m("benchmarks.accuracy.error_bands", "--sets", "vtrain_single_node", "megatron_ci", "--limit", "1",
+                    "--out", str(out), timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert f"2 runs written to {out}; 0 refused" in proc.stdout
     fresh = json.loads(out.read_text())
@@ -36,12 +33,13 @@ def test_the_shipped_file_is_what_the_script_computes(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    env_dir = tmp_path_factory.mktemp("db")
-    run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "vtrain_plugin.cli", "estimate", str(PLAN), "--no-db", *args], cwd=REPO,
-        capture_output=True, text=True, timeout=600, check=True,
-        env={**os.environ, "VTRAIN_PROFILE_DB": str(env_dir / "p.sqlite")}).stdout
+def qwen(tmp_path_factory, python_m):
+    env = {**os.environ, "VTRAIN_PROFILE_DB": str(tmp_path_factory.mktemp("db") / "p.sqlite")}
+
+    def run(*args: str) -> str:
+        proc = python_m("vtrain_plugin.cli", "estimate", str(PLAN), "--no-db", *args, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
     return json.loads(run("--format", "json")), run()
 
 

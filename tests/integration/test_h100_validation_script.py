@@ -3,23 +3,16 @@
 only has to run it."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from benchmarks.device import h100_validation
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def test_smoke_run_writes_the_validation_csv_and_the_profile_export(tmp_path):
+def test_smoke_run_writes_the_validation_csv_and_the_profile_export(tmp_path, python_m):
     out, export = tmp_path / "validation.csv", tmp_path / "profiles.json"
-    done = subprocess.run([sys.executable, "-m", "benchmarks.device.h100_validation", "--smoke", "--out", str(out),
-                           "--export", str(export)],
-                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    done = python_m("benchmarks.device.h100_validation", "--smoke", "--out", str(out), "--export", str(export))
     assert done.returncode == 0, done.stderr
     frame = pd.read_csv(out)
     assert list(frame.columns) == ["plan", "predicted_ms", "measured_ms", "error_pct", "predicted_peak_gib",

@@ -4,13 +4,10 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 import vtrain_plugin as vtrain
-from tests.conftest import REPO
 from tests.integration.test_profile_validate import TINY_PLAN
 from vtrain_plugin.runs import load_run_config
 from vtrain_plugin.planning.search import search
@@ -25,11 +22,11 @@ def plan(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def profiled(tmp_path_factory, plan):
+def profiled(tmp_path_factory, plan, python_m):
     """A profile database holding the tiny CPU plan's kernels, measured on this machine."""
     db = tmp_path_factory.mktemp("profiles") / "profiles.sqlite"
-    subprocess.run([sys.executable, "-m", "vtrain_plugin.cli", "profile", plan, "--db", str(db)], cwd=REPO,
-                   check=True, capture_output=True, timeout=600)
+    proc = python_m("vtrain_plugin.cli", "profile", plan, "--db", str(db))
+    assert proc.returncode == 0, proc.stderr
     return db
 
 

@@ -27,7 +27,7 @@ def test_profile_then_estimate_and_validate(plan, run_cli, tmp_path):
     assert "kernel time measured: 0.0%" in before
     assert "largest unmeasured kernels" in before
 
-    first = run_cli("profile", plan, check=True)
+    first = run_cli("profile", plan, check=True, fresh=True)  # each command once in a plain subprocess
     assert " 0 already in the database, 0 failed" in first.stdout
     second = run_cli("profile", plan, check=True)
     assert " 0 measured," in second.stdout and " 0 failed" in second.stdout
@@ -37,7 +37,7 @@ def test_profile_then_estimate_and_validate(plan, run_cli, tmp_path):
     assert after["largest_unmeasured"] == []
     assert "kernel time measured: 100.0%" in run_cli("estimate", plan, "--explain", check=True).stdout
 
-    proc = run_cli("validate", plan, "--format", "json", "--iterations", "6", check=True)
+    proc = run_cli("validate", plan, "--format", "json", "--iterations", "6", check=True, fresh=True)
     result = json.loads(proc.stdout)
     assert {"predicted_ms", "measured_ms", "error_pct", "peak_memory_measured_gib"} <= result.keys()
     assert result["measured_fraction"] > 0.99 and result["num_microbatches"] == 2
@@ -55,9 +55,9 @@ def test_profile_then_estimate_and_validate(plan, run_cli, tmp_path):
         100 * (result["predicted_ms"] - result["measured_ms"]) / result["measured_ms"])
 
     exported = tmp_path / "export.json"
-    run_cli("profile-export", str(exported), check=True)
+    run_cli("profile-export", str(exported), check=True, fresh=True)
     other = tmp_path / "other.sqlite"
-    imported = run_cli("profile-import", str(exported), "--db", str(other), check=True)
+    imported = run_cli("profile-import", str(exported), "--db", str(other), check=True, fresh=True)
     assert "imported 1 device(s)" in imported.stdout
     moved = json.loads(run_cli("estimate", plan, "--format", "json", "--db", str(other), check=True).stdout)
     assert moved["iteration_time_ms"] == after["iteration_time_ms"]

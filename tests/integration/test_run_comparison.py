@@ -81,7 +81,8 @@ def test_a_log_of_another_plan_is_refused(tmp_path, small_estimate):
 
 def test_compare_cli_formats_plot_and_errors(tmp_path, plan, run_cli, small_estimate):
     log = _log(tmp_path)
-    table = run_cli("compare", str(plan), str(log), "--plot", str(tmp_path / "c.png"), check=True)
+    table = run_cli("compare", str(plan), str(log), "--plot", str(tmp_path / "c.png"), check=True,
+                    fresh=True)  # vtrain compare in a plain subprocess
     assert f"{plan} against 1 run ({log})" in table.stdout
     assert "slow intervals (> 1.2 x median): iterations 61-70 48.5 ms (1.21 x" in table.stdout
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"

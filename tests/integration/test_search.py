@@ -105,7 +105,8 @@ def test_cli_jsonl_is_one_object_per_evaluated_plan_and_plot_is_a_png(tmp_path, 
         "training": {"global_batch_size": 32}}))
     plot = tmp_path / "front.png"
     proc = run_cli("search", model_file, "--gpus", GPUS, *PINNED, "--format", "jsonl", "--plot", str(plot),
-                   "--baseline", str(baseline), "--tokens", "1e9", "--workers", "1", check=True)
+                   "--baseline", str(baseline), "--tokens", "1e9", "--workers", "1", check=True,
+                   fresh=True)  # vtrain search in a plain subprocess
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert len(rows) == 30
     for row, expected in zip(rows, result.table.to_dict(orient="records")):

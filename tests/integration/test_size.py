@@ -117,7 +117,8 @@ def test_cli_ladder_settings_shape_every_model_and_are_printed(run_cli):
     for default in ("llama 8192)", "llama 128256)", "gpt mha, llama 8)", "(default: none, dense)", "(default 2)"):
         assert default in help_text, default
     proc = run_cli("size", *SMALL, "--family", "llama", "--seq-length", "1024", "--vocab-size", "4096",
-                   "--query-groups", "2", "--experts", "4", "--top-k", "1", "--format", "json", check=True)
+                   "--query-groups", "2", "--experts", "4", "--top-k", "1", "--format", "json", check=True,
+                   fresh=True)  # vtrain size in a plain subprocess
     out = json.loads(proc.stdout)
     assert {k: out["ladder"][k] for k in ("family", "vocab_size", "seq_length", "num_query_groups", "num_experts",
                                           "moe_router_topk")} == {

@@ -2,20 +2,13 @@
 (``--smoke``: torch.distributed up on gloo, a tiny GPTModel traced, estimated, profiled and trained
 in that process) so that a session with a GPU only has to run it."""
 
-import subprocess
-import sys
-from pathlib import Path
 
 import pandas as pd
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def test_smoke_run_traces_the_scripts_model_and_writes_its_row(tmp_path):
+def test_smoke_run_traces_the_scripts_model_and_writes_its_row(tmp_path, python_m):
     out = tmp_path / "trace_in_script.csv"
-    done = subprocess.run([sys.executable, "-m", "benchmarks.device.trace_in_script", "--smoke", "--plans", "gpt-tiny",
-                           "--out", str(out)],
-                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    done = python_m("benchmarks.device.trace_in_script", "--smoke", "--plans", "gpt-tiny", "--out", str(out))
     assert done.returncode == 0, done.stderr
     frame = pd.read_csv(out)
     assert list(frame.columns) == ["plan", "analytic_ms", "predicted_ms", "measured_ms", "analytic_error_pct",

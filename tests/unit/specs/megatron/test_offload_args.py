@@ -5,9 +5,6 @@ never the iteration time)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -53,19 +50,17 @@ ARGS = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 4
         "--micro-batch-size 2 --global-batch-size 16 --bf16 --vocab-size 256")
 
 
-def _estimate(argv: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    proc = subprocess.run([sys.executable, "-m", "vtrain_plugin.cli", "estimate", "--megatron-args", argv,
-                           "--gpu", "H100", "--gpus", "8", "--format", "json", "--no-db"],
-                          capture_output=True, text=True, env=env, timeout=600)
+def _estimate(python_m, argv: str) -> dict:
+    proc = python_m("vtrain_plugin.cli", "estimate", "--megatron-args", argv, "--gpu", "H100", "--gpus", "8",
+                    "--format", "json", "--no-db")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
 
-def test_cli_estimates_offloading_with_less_memory_and_no_less_time():
-    base = _estimate(ARGS)
-    off = _estimate(ARGS + " --fine-grained-activation-offloading --offload-modules qkv_linear core_attn attn_proj "
-                           "--min-offloaded-tensor-size 1024")
+def test_cli_estimates_offloading_with_less_memory_and_no_less_time(python_m):
+    base = _estimate(python_m, ARGS)
+    off = _estimate(python_m, ARGS + " --fine-grained-activation-offloading --offload-modules qkv_linear core_attn "
+                                     "attn_proj --min-offloaded-tensor-size 1024")
     assert off["peak_memory_gib"] < base["peak_memory_gib"]
     assert off["iteration_time_ms"] >= base["iteration_time_ms"]
     assert any("activation offloading" in line for line in off["assumptions"])
