@@ -44,6 +44,7 @@ from vtrain_plugin.cost.lowering.stacks import map_nodes
 from vtrain_plugin.cost.comm.moe_dispatch import MOE_GROUPS
 from vtrain_plugin.cost.comm.optimizer_shard import optimizer_shards, shard_optimizer
 from vtrain_plugin.cost.comm.runtime_collectives import RuntimeCollectives, runtime_collectives
+from vtrain_plugin.specs.fsdp import FsdpImplementation
 from vtrain_plugin.specs.optimizer import OptimizerSpec
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack, TrainingSpec
 
@@ -227,12 +228,14 @@ def run_options_key(training: TrainingSpec, dtype: Dtype, stack: SoftwareStack) 
 
 
 def _grad_hooks(dtype: Dtype, stack: SoftwareStack, training: TrainingSpec) -> GradHooks | None:
-    """Megatron-Core DDP's per-parameter gradient hook (:mod:`vtrain_plugin.cost.lowering.grad_hooks`):
-    the Megatron-Core stacks without FSDP (which accumulates in its own buffers)."""
-    if stack not in MEGATRON_CORE_STACKS or training.fsdp is not None:
+    """Megatron-Core's per-parameter gradient hook (:mod:`vtrain_plugin.cost.lowering.grad_hooks`): the
+    Megatron-Core stacks with DDP or Megatron-FSDP (torch FSDP2 has none)."""
+    fsdp = training.fsdp
+    if stack not in MEGATRON_CORE_STACKS or (fsdp is not None and fsdp.implementation is not FsdpImplementation.MEGATRON):
         return None
     return GradHooks(fused_weights=training.gradient_accumulation_fusion, grad=dtype,
-                     main_grad=training.grad_dtype(dtype))
+                     main_grad=training.grad_dtype(dtype),
+                     copies=fsdp is not None and fsdp.sharding_strategy.shards_gradients)
 
 
 def _bf16_edges(graph: OpGraph, fp8: Fp8Settings | None):

@@ -1,5 +1,6 @@
-"""Megatron-Core DDP's per-parameter gradient hook: one ``main_grad.add_(grad)`` kernel per parameter
-and micro-batch in the backward, unless the weight-gradient GEMM accumulated into ``main_grad`` itself.
+"""Megatron-Core's per-parameter gradient hook (DDP's and Megatron-FSDP's): one ``main_grad.add_(grad)``
+(or ``copy_``) kernel per parameter and micro-batch in the backward, unless the weight-gradient GEMM
+accumulated into ``main_grad`` itself.
 
 megatron-core's ``DistributedDataParallel`` registers a backward hook on every parameter
 (``_make_backward_post_hook``, distributed/distributed_data_parallel.py): when the parameter's
@@ -8,6 +9,10 @@ into the fp32 (or bf16) gradient buffer, then drops ``param.grad``. A linear lay
 gradient-accumulation fusion (Megatron-LM's default; off with ``--no-gradient-accumulation-fusion``)
 has its weight-gradient GEMM write into ``main_grad`` and sets that flag, so it needs no add; every
 other parameter (biases, norms, the word embedding, and every weight without the fusion) gets one.
+Megatron-FSDP's post-backward hook (``_process_post_backward_gradients``, fsdp/src/megatron_fsdp/
+megatron_fsdp.py) does the same per parameter: ``main_grad.copy_(grad)`` into the bucket it then
+reduce-scatters where the gradients are sharded (``optim_grads``, ``optim_grads_params``), the add
+otherwise; torch FSDP2 gathers its gradients with one batched copy and has no such hook.
 The trace runs the model without DDP, so these kernels are added here, per block instance, at the end
 of its backward: one element-wise kernel each, reading the gradient (model dtype) and reading and
 writing ``main_grad``; the host issues each as a kernel (the stack's ``host_overhead_ns``), its Python
@@ -29,17 +34,20 @@ from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import Block, KernelKey, Node, OpNode, Phase
 
 ADD_OP = "aten.add_.Tensor"
+COPY_OP = "aten.copy_.default"
 _WGRAD_OPS = ("aten.mm.default",)
 
 
 @dataclass(frozen=True, slots=True)
 class GradHooks:
-    """What DDP's hook does on a run: whether weight-gradient GEMMs accumulate into ``main_grad``
-    (gradient-accumulation fusion), the dtype of a gradient (the model's) and of ``main_grad``."""
+    """What the hook does on a run: whether weight-gradient GEMMs accumulate into ``main_grad``
+    (gradient-accumulation fusion), the dtype of a gradient (the model's) and of ``main_grad``, and
+    whether it adds into ``main_grad`` or copies into it (Megatron-FSDP with sharded gradients)."""
 
     fused_weights: bool
     grad: Dtype
     main_grad: Dtype
+    copies: bool = False
 
 
 def fused_weight_numels(block: Block) -> Counter[int]:
@@ -75,8 +83,9 @@ def grad_hook_adds(nodes: Sequence[Node], block: Block, hooks: GradHooks | None)
     if last < 0 or not numels:
         return tuple(nodes)
     module = nodes[last].module
-    per_element = hooks.grad.nbytes + 2 * hooks.main_grad.nbytes
+    per_element = hooks.grad.nbytes + (1 if hooks.copies else 2) * hooks.main_grad.nbytes
     dtypes = (hooks.main_grad.torch_name, hooks.grad.torch_name)
-    adds = [OpNode(key=KernelKey(op=ADD_OP, input_shapes=((n,), (n,)), dtypes=dtypes), phase=Phase.BACKWARD,
+    op = COPY_OP if hooks.copies else ADD_OP
+    adds = [OpNode(key=KernelKey(op=op, input_shapes=((n,), (n,)), dtypes=dtypes), phase=Phase.BACKWARD,
                    module=module, output_shapes=((n,),), flops=n, nbytes=per_element * n) for n in numels]
     return (*nodes[:last + 1], *adds, *nodes[last + 1:])

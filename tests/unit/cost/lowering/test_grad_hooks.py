@@ -7,10 +7,11 @@ import pytest
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import Block, BlockKind, KernelKey, OpNode, Phase
-from vtrain_plugin.cost.lowering.grad_hooks import ADD_OP, GradHooks, grad_hook_adds, hooked_numels
+from vtrain_plugin.cost.lowering.grad_hooks import ADD_OP, COPY_OP, GradHooks, grad_hook_adds, hooked_numels
 from vtrain_plugin.cost.prepare import prepare_run
 from vtrain_plugin.hardware.clusters import cluster_for_gpu
 from vtrain_plugin.runs import run_config_from_megatron_args
+from vtrain_plugin.specs.fsdp import FsdpSettings
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import TrainingSpec
@@ -62,9 +63,9 @@ def graph():
     return trace(MODEL, ParallelPlan(data_parallel=2))
 
 
-def _adds_per_layer(graph, stack: str, training: TrainingSpec) -> list[int]:
+def _adds_per_layer(graph, stack: str, training: TrainingSpec, op: str = ADD_OP) -> list[int]:
     role = prepare_run(graph, stack, training).stages[0].role
-    return [sum(n is not None and n.op == ADD_OP and n.nbytes > 0 and n.key.dtypes == ("float32", "bfloat16")
+    return [sum(n is not None and n.op == op and n.nbytes > 0 and n.key.dtypes == ("float32", "bfloat16")
                 for n in role.nodes[s.start:s.stop])
             for s in role.segments if s.phase is Phase.BACKWARD and role.blocks[s.block].kind is BlockKind.LAYER]
 
@@ -77,6 +78,27 @@ def test_a_traced_gpt_layer_hooks_its_twelve_parameters_or_the_eight_not_fused(g
     assert _adds_per_layer(graph, "megatron_core_te", fused) == [8]
     assert _adds_per_layer(graph, "megatron_core_local", unfused) == [12]
     assert _adds_per_layer(graph, "megatron_deepspeed_2023", unfused) == [0]  # not Megatron-Core's DDP
+
+
+def test_megatron_fsdp_copies_into_its_sharded_bucket_and_torch_fsdp2_has_no_hook(graph):
+    def fsdp(**settings) -> TrainingSpec:
+        return TrainingSpec(global_batch_size=4, gradient_accumulation_fusion=False, fsdp=FsdpSettings(**settings))
+
+    zero3 = fsdp(sharding_strategy="optim_grads_params")
+    assert _adds_per_layer(graph, "megatron_core_te", zero3, COPY_OP) == [12]
+    assert _adds_per_layer(graph, "megatron_core_te", zero3) == [0]
+    assert _adds_per_layer(graph, "megatron_core_te", fsdp(sharding_strategy="optim")) == [12]  # unsharded: adds
+    fsdp2 = fsdp(implementation="torch")
+    assert _adds_per_layer(graph, "megatron_core_te", fsdp2) == [0]
+    assert _adds_per_layer(graph, "megatron_core_te", fsdp2, COPY_OP) == [0]
+
+
+def test_a_copy_reads_the_gradient_and_writes_main_grad_once():
+    block = _block()
+    copies = GradHooks(fused_weights=True, grad=Dtype.BF16, main_grad=Dtype.FP32, copies=True)
+    adds = grad_hook_adds(block.nodes, block, copies)[len(block.nodes):]
+    assert [n.op for n in adds] == [COPY_OP] * 3
+    assert [n.nbytes for n in adds] == [6 * 1536, 6 * 512, 6 * 1000]  # 2 bytes read, 4 written
 
 
 def test_the_flag_turns_the_fusion_off():
