@@ -75,9 +75,25 @@ def offloaded_nbytes(block: Block, offload: ActivationOffload | None, *, te: boo
     modules = [m for m, _ in block.saved_by_module]
     fused_attention_norm = any(m.endswith(".self_attention.linear_qkv") for m in modules)
     fused_mlp_norm = any(m.endswith(".mlp.linear_fc1") for m in modules)
+    kept = kept_by_module(block, te=te, fp8=fp8, quantised_nbytes=quantised_nbytes,
+                          unfused_attention=unfused_attention)
+    total = 0
+    for module, nbytes in kept.items():
+        name = offload_name(module, te=te, fused_attention_norm=fused_attention_norm, fused_mlp_norm=fused_mlp_norm)
+        if name in offload.modules and nbytes >= offload.min_tensor_elements * element_nbytes:
+            total += nbytes
+    return total * offload.fraction
+
+
+def kept_by_module(block: Block, *, te: bool, fp8: bool = False, quantised_nbytes: float = 1.0,
+                   unfused_attention: bool = False) -> dict[str, int]:
+    """Bytes one instance of ``block`` keeps for backward per micro-batch, by module, as the stack
+    keeps them (``te``: megatron_core_te; the core attention's internals as one module): the trace's
+    saves with the dropout masks at a byte per element, TransformerEngine's own saves and its
+    attention's (fused, or the fused softmax's with ``unfused_attention``)."""
     kept: dict[str, int] = {}
     masks = dropout_mask_delta_by_module(block)
-    for module, nbytes in block.saved_by_module:  # the attention's internals as one module
+    for module, nbytes in block.saved_by_module:
         head, core, _ = module.partition(".core_attention.")
         key = head + ".core_attention" if core else module
         kept[key] = kept.get(key, 0) + nbytes + masks.pop(module, 0)
@@ -88,12 +104,7 @@ def offloaded_nbytes(block: Block, offload: ActivationOffload | None, *, te: boo
         if core is not None:
             delta = (fused_softmax_saved_delta if unfused_attention else fused_attention_saved_delta)(block.nodes)
             kept[core] = kept[core] + delta
-    total = 0
-    for module, nbytes in kept.items():
-        name = offload_name(module, te=te, fused_attention_norm=fused_attention_norm, fused_mlp_norm=fused_mlp_norm)
-        if name in offload.modules and nbytes >= offload.min_tensor_elements * element_nbytes:
-            total += nbytes
-    return total * offload.fraction
+    return kept
 
 
 def exposed_copy_ns(nbytes: float, compute_ns: float, host_link_gbytes_per_s: float) -> float:

@@ -10,7 +10,14 @@ holds static buffers in the graphs' pool beside what training keeps anyway: its 
 (``create_fwd_graph(clone_inputs=True)``), the gradient of its output (``static_grad_outputs``) and
 its weight gradients (``static_grad_inputs``, the wgrads cloned out after each replay), in the
 model dtype. The pool is shared by the graphs of every micro-batch (one mempool, replayed in
-capture order), so these are counted once per captured layer; they join the allowance. Why this
+capture order), so these are counted once per captured layer; they join the allowance. What a
+captured region saves for backward lives in that pool too: a replay allocates nothing, so
+``max allocated`` sees those saves only while the graphs are captured. TransformerEngine's graphs
+(``TECudaGraphHelper``, ``make_graphed_callables`` with the schedule's ``_order``) are captured after
+``--cuda-graph-warmup-steps`` eager iterations; with none, no step ever holds the captured saves
+eagerly, and the peak is the larger of the capture (the captured saves in the schedule's order, with
+the captured attention's backward) and the replayed steps (the rest, with the step's transient):
+:func:`captured_apart`, :func:`captured_saved_nbytes`. Why this
 module: graphs change the host side of the host/device pipeline, which is what makes small models slow.
 """
 
@@ -18,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtrain_plugin.core.graph import BlockKind, OpGraph, Phase
+from vtrain_plugin.core.graph import Block, BlockKind, OpGraph, Phase
+from vtrain_plugin.cost.activation_offload import kept_by_module
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.specs.training import CudaGraphImpl, TrainingSpec
 
@@ -64,6 +72,28 @@ def graphed_host_ns(host: np.ndarray, modules: list[str], segments, blocks, trai
                 host[row] = 0.0 if inside else launch_ns
             inside = captured
     return host
+
+
+def captured_apart(training: TrainingSpec) -> bool:
+    """Whether the captured parts' saved tensors count in ``max allocated`` only while the graphs are
+    captured: TransformerEngine's graphs captured before any eager iteration (no warm-up steps)."""
+    return training.cuda_graph_impl is CudaGraphImpl.TRANSFORMER_ENGINE and training.cuda_graph_warmup_steps == 0
+
+
+def captures_attention(training: TrainingSpec) -> bool:
+    """Whether the graphs capture the layers' attention (the whole layer, or the ``attn`` scope)."""
+    return graphed(training) and _captures(".self_attention", True, training.cuda_graph_scope)
+
+
+def captured_saved_nbytes(block: Block, training: TrainingSpec, *, te: bool, fp8: bool = False,
+                          quantised_nbytes: float = 1.0) -> int:
+    """Bytes one instance of ``block`` keeps for backward per micro-batch inside the captured parts,
+    as the stack keeps them (:func:`~vtrain_plugin.cost.activation_offload.kept_by_module`)."""
+    if not graphed(training) or block.kind is not BlockKind.LAYER:
+        return 0
+    kept = kept_by_module(block, te=te, fp8=fp8, quantised_nbytes=quantised_nbytes,
+                          unfused_attention=training.unfused_attention)
+    return sum(nbytes for module, nbytes in kept.items() if _captures(module, True, training.cuda_graph_scope))
 
 
 def graph_pool_gib(graph: OpGraph, training: TrainingSpec) -> tuple[float, ...]:

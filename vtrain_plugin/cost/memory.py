@@ -40,7 +40,8 @@ parameters of its chunks:
   sees them; with ``fused_attention``, the same without what the local core attention allocates
   (``held_outside_attention_nbytes``, ``backward_peak_outside_attention_nbytes``: no score buffer,
   no score-sized tensors or gradients), and with ``peak_extra`` what a stack's own kernels hold at
-  their peak beyond the traced ops (TE's unfused attention, a fused cross entropy);
+  their backward's peak beyond the traced ops (TE's unfused attention), or what they hold beside the
+  stash in a forward (a fused cross entropy) where that moment is higher: the larger of the two;
 - the GEMM libraries' cuBLAS workspaces (``workspaces_gib``, set by
   :mod:`vtrain_plugin.cost.stack_memory` from :mod:`vtrain_plugin.cost.workspaces`): allocated
   tensors too, by the GPU and the stack;
@@ -115,11 +116,14 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
                 gradients: Dtype | None = None, fsdp: FsdpSettings | None = None,
                 optimizer: OptimizerSpec | None = None, backward_peaks: bool = False,
                 fused_attention: bool = False,
-                peak_extra: Callable[[StageGraph], int] | None = None) -> tuple[RankMemory, ...]:
+                peak_extra: Callable[[StageGraph], int] | None = None,
+                forward_extra: Callable[[StageGraph], int] | None = None) -> tuple[RankMemory, ...]:
     """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule;
     ``backward_peaks``: add the traced step's held bytes and backward peak, those outside the core
     attention with ``fused_attention`` (a stack whose attention allocates no score-sized tensors),
-    plus ``peak_extra(stage)`` where given (what that stack's own kernels hold beyond the traced ops);
+    plus ``peak_extra(stage)`` where given (what that stack's own kernels hold beyond the traced ops
+    in backward), or ``forward_extra(stage)`` beside the held bytes where that is more (what they
+    hold beside the stash in a forward: another moment, so the larger of the two counts);
     ``gradients``: the run's gradient dtype (None: Megatron-LM's default for the model dtype);
     ``fsdp``: the run's FSDP (None: DDP, with the distributed optimizer or not);
     ``optimizer``: the run's (None: Adam in fp32)."""
@@ -149,6 +153,9 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
                     if fused_attention else stage.held_nbytes + stage.backward_peak_nbytes)
             if peak_extra is not None:
                 step += peak_extra(stage)
+            if forward_extra is not None:  # a forward's moment, apart from the backward's peak
+                held_alone = stage.held_outside_attention_nbytes if fused_attention else stage.held_nbytes
+                step = max(step, held_alone + forward_extra(stage))
             transient[stage.pipeline_rank] = max(transient[stage.pipeline_rank], step)
         params[stage.pipeline_rank] += stage.num_parameters
         experts[stage.pipeline_rank] += stage.num_expert_parameters

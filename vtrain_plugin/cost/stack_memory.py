@@ -28,8 +28,9 @@ fused kernel's own gradients of queries, keys and values, as large as its inputs
 TE's unfused attention holds no score buffer either (its scores are a fresh tensor freed after the
 softmax) and adds in backward the score-sized gradient of
 :func:`~vtrain_plugin.cost.lowering.megatron_core_te.unfused_backward_score_nbytes`; megatron-core's
-fused cross entropy adds :func:`~vtrain_plugin.cost.lowering.cross_entropy.fused_cross_entropy_extra_nbytes`
-on the stage of the loss, and the output layer's deferred weight gradients
+fused cross entropy holds :func:`~vtrain_plugin.cost.lowering.cross_entropy.fused_cross_entropy_forward_nbytes`
+beside the stash in its forward on the stage of the loss (the step's peak where that is more than the
+backward's), and the output layer's deferred weight gradients
 :func:`~vtrain_plugin.cost.lowering.cross_entropy.deferred_wgrad_nbytes`.
 The GEMM libraries' cuBLAS workspaces of the GPU's generation are
 :func:`~vtrain_plugin.cost.workspaces.workspace_nbytes`'s.
@@ -41,16 +42,17 @@ of each layer to host memory, less one layer's worth per rank that megatron-core
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
 from vtrain_plugin.core.graph import Block, OpGraph, StageGraph
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.activation_offload import offloaded_nbytes
-from vtrain_plugin.cost.cuda_graphs import graph_pool_gib
+from vtrain_plugin.cost.cuda_graphs import captured_apart, captured_saved_nbytes, captures_attention, graph_pool_gib
 from vtrain_plugin.cost.lowering.mamba import mixer_dims, mixer_saved_delta
 from vtrain_plugin.cost.lowering.fp8 import fp8_weight_numel, quantisation
-from vtrain_plugin.cost.lowering.cross_entropy import deferred_wgrad_nbytes, fused_cross_entropy_extra_nbytes
+from vtrain_plugin.cost.lowering.cross_entropy import deferred_wgrad_nbytes, fused_cross_entropy_forward_nbytes
 from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta
 from vtrain_plugin.cost.lowering.megatron_core_te import (fused_attention_saved_delta, fused_softmax_saved_delta,
                                                          unfused_backward_score_nbytes)
@@ -123,11 +125,34 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
 
     graph = replace(graph, stages=tuple(replace(stage, blocks=stack_blocks(stage.blocks)) for stage in graph.stages))
     fsdp = None if training is None else training.fsdp
-    memory = rank_memory(graph, peak_live, distributed_optimizer=training is not None and training.distributed_optimizer,
-                         gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
-                         optimizer=None if training is None else training.optimizer,
-                         backward_peaks=True,
-                         fused_attention=te, peak_extra=lambda stage: _peak_extra(graph, stage, te, training))
+
+    def memory_of(walked: OpGraph, extra: Callable[[StageGraph], int],
+                  forward: Callable[[StageGraph], int] | None) -> tuple[RankMemory, ...]:
+        return rank_memory(walked, peak_live,
+                           distributed_optimizer=training is not None and training.distributed_optimizer,
+                           gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
+                           optimizer=None if training is None else training.optimizer,
+                           backward_peaks=True, fused_attention=te, peak_extra=extra, forward_extra=forward)
+
+    def cross_entropy(stage: StageGraph) -> int:
+        return _forward_extra(graph, stage, training)
+
+    if training is not None and captured_apart(training):
+        # the captured parts' saves count while the graphs are captured, the rest while they replay
+        captured = [[min(block.activation_nbytes, captured_saved_nbytes(
+            block, training, te=te, fp8=fp8, quantised_nbytes=quantised_nbytes)) for block in stage.blocks]
+            for stage in graph.stages]
+        attention = captures_attention(training)
+        unfused = te and training.unfused_attention and attention
+        capture = memory_of(_saved_by_walk(graph, captured, captured=True),
+                            lambda stage: max((unfused_backward_score_nbytes(b.nodes) if unfused else 0
+                                               for b in stage.blocks), default=0), None)
+        replay = memory_of(_saved_by_walk(graph, captured, captured=False),
+                           lambda stage: _peak_extra(graph, stage, te, training, attention_captured=attention),
+                           cross_entropy)
+        memory = tuple(max(r, c, key=lambda m: m.activations_gib) for r, c in zip(replay, capture))
+    else:
+        memory = memory_of(graph, lambda stage: _peak_extra(graph, stage, te, training), cross_entropy)
     if offload is not None:  # the last group of each name stays: one layer's offloaded bytes per rank
         kept = [0.0] * graph.parallel.pipeline_parallel
         for stage, nbytes in zip(graph.stages, moved):
@@ -156,10 +181,25 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
     return tuple(replace(m, weights_gib=m.weights_gib + per_element * linear[rank] / GIB) for rank, m in enumerate(memory))
 
 
-def _peak_extra(graph: OpGraph, stage: StageGraph, te: bool, training: TrainingSpec | None) -> int:
-    """What the stack's own kernels hold at the peak of ``stage`` beyond the traced ops, the most of
-    its blocks: TE's unfused attention's backward, megatron-core's fused cross entropy's forward;
-    with the output layer's deferred weight gradients, those of the earlier micro-batches besides."""
+def _saved_by_walk(graph: OpGraph, captured_nbytes: list[list[int]], *, captured: bool) -> OpGraph:
+    """``graph`` with each block keeping only the bytes a CUDA graph captured (``captured_nbytes``,
+    per stage and block) or only the rest; the captured walk has no traced transient."""
+    stages = []
+    for stage, nbytes in zip(graph.stages, captured_nbytes):
+        blocks = tuple(replace(b, activation_nbytes=n if captured else b.activation_nbytes - n)
+                       for b, n in zip(stage.blocks, nbytes))
+        stages.append(replace(stage, blocks=blocks) if not captured else replace(
+            stage, blocks=blocks, held_nbytes=0, backward_peak_nbytes=0, held_outside_attention_nbytes=0,
+            backward_peak_outside_attention_nbytes=0))
+    return replace(graph, stages=tuple(stages))
+
+
+def _peak_extra(graph: OpGraph, stage: StageGraph, te: bool, training: TrainingSpec | None, *,
+                attention_captured: bool = False) -> int:
+    """What the stack's own kernels hold at the backward peak of ``stage`` beyond the traced ops, the
+    most of its blocks: TE's unfused attention's backward (unless a CUDA graph captured it, see
+    :func:`stack_rank_memory`); with the output layer's deferred weight gradients, those of the
+    earlier micro-batches besides."""
     if training is None:
         return 0
     deferred = 0
@@ -168,6 +208,13 @@ def _peak_extra(graph: OpGraph, stage: StageGraph, te: bool, training: TrainingS
         microbatches = training.num_microbatches(plan.data_parallel, plan.micro_batch_size)
         deferred = sum(deferred_wgrad_nbytes(b, graph.dtype.nbytes, microbatches, training.wgrad_deferral_limit)
                        for b in stage.blocks)
-    return deferred + max((unfused_backward_score_nbytes(b.nodes) if te and training.unfused_attention else 0)
-                          + (fused_cross_entropy_extra_nbytes(b.nodes) if training.cross_entropy_fusion else 0)
-                          for b in stage.blocks) if stage.blocks else 0
+    unfused = te and training.unfused_attention and not attention_captured
+    return deferred + max((unfused_backward_score_nbytes(b.nodes) if unfused else 0 for b in stage.blocks),
+                          default=0)
+
+
+def _forward_extra(graph: OpGraph, stage: StageGraph, training: TrainingSpec | None) -> int:
+    """What megatron-core's fused cross entropy holds beside the stash of ``stage`` in its forward."""
+    if training is None or not training.cross_entropy_fusion:
+        return 0
+    return max((fused_cross_entropy_forward_nbytes(b.nodes, graph.dtype.nbytes) for b in stage.blocks), default=0)

@@ -145,6 +145,9 @@ class TrainingSpec:
     # transformer layer whole, megatron-core's default).
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.NONE
     cuda_graph_scope: tuple[str, ...] = ()
+    # Eager iterations before TransformerEngine's graphs are captured (Megatron-LM's
+    # --cuda-graph-warmup-steps); with none, no step runs the captured parts eagerly.
+    cuda_graph_warmup_steps: int = 3
     # Gradients of a bf16 model accumulated and data-parallel reduced in bf16 rather than fp32
     # (Megatron-LM's --grad-reduce-in-bf16, megatron-core DDP's grad_reduce_in_fp32=False); see grad_dtype.
     grad_reduce_in_bf16: bool = False
@@ -239,6 +242,7 @@ class TrainingSpec:
         v.boolean("training.cross_entropy_fusion", self.cross_entropy_fusion)
         v.boolean("training.defer_embedding_wgrad", self.defer_embedding_wgrad)
         v.non_negative_int("training.wgrad_deferral_limit", self.wgrad_deferral_limit)
+        v.non_negative_int("training.cuda_graph_warmup_steps", self.cuda_graph_warmup_steps)
         object.__setattr__(self, "fp8_recipe", Fp8Recipe(
             v.one_of("training.fp8_recipe", self.fp8_recipe, [r.value for r in Fp8Recipe])))
         object.__setattr__(self, "fp4_recipe", Fp4Recipe(

@@ -56,6 +56,9 @@ def test_megatron_flags_map_to_the_graph_settings():
     t = training("--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp",
                  "--cuda-graph-warmup-steps", "5")
     assert (t.cuda_graph_impl, t.cuda_graph_scope) == ("transformer_engine", ("attn", "mlp"))
+    assert (t.cuda_graph_warmup_steps, training().cuda_graph_warmup_steps) == (5, 3)  # Megatron-LM's default: 3
+    with pytest.raises(ConfigError, match=r"^training.cuda_graph_warmup_steps must be a non-negative integer"):
+        TrainingSpec(global_batch_size=4, cuda_graph_warmup_steps=-1)
     assert training("--enable-cuda-graph").cuda_graph_impl == "local"
     assert training("--external-cuda-graph").cuda_graph_impl == "transformer_engine"
     assert training("--cuda-graph-impl", "local", "--cuda-graph-scope", "full").cuda_graph_scope == ()
@@ -64,3 +67,39 @@ def test_megatron_flags_map_to_the_graph_settings():
     with pytest.raises(ConfigError, match=r"^training.cuda_graph_scope full_iteration needs training.cuda_graph_impl "
                                           r"local"):
         training("--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "full_iteration")
+
+
+def test_graphs_captured_before_any_eager_step_hold_their_saves_only_while_captured(graph):
+    """TransformerEngine's graphs captured before any eager iteration (--cuda-graph-warmup-steps 0):
+    the captured attention's saves live in the graphs' pool, outside ``max allocated`` as they replay;
+    they count while captured, in the schedule's order with nothing else of the step. The peak is the
+    larger walk: captured saves with the unfused attention's backward, or the rest with the step's."""
+    from vtrain_plugin.cost.cuda_graphs import captured_saved_nbytes
+    from vtrain_plugin.cost.lowering.megatron_core_te import unfused_backward_score_nbytes
+    from vtrain_plugin.cost.stack_memory import stack_rank_memory
+    from vtrain_plugin.specs.training import SoftwareStack
+
+    def memory(**graphs):
+        training = TrainingSpec(global_batch_size=4, unfused_attention=True, **graphs)
+        (rank,) = stack_rank_memory(graph, lambda rank, chunks: (sum(chunks), len(chunks)),
+                                    SoftwareStack.MEGATRON_CORE_TE, training)
+        return training, rank
+
+    _, eager = memory()
+    _, warmed = memory(cuda_graph_impl="transformer_engine", cuda_graph_scope=("attn",))
+    training, captured_first = memory(cuda_graph_impl="transformer_engine", cuda_graph_scope=("attn",),
+                                      cuda_graph_warmup_steps=0)
+    assert warmed.activations_gib == eager.activations_gib  # the eager warm-up steps reach the eager peak
+    layer = graph.stages[0].layer_template()
+    heads, s, b = MODEL.num_attention_heads, MODEL.seq_length, 2
+    captured = captured_saved_nbytes(layer, training, te=True)
+    assert captured >= heads * s * s * b * 2  # the bf16 probabilities the unfused attention saves
+    stage = graph.stages[0]
+    stash = eager.activations_gib * GIB - (stage.held_outside_attention_nbytes
+                                          + stage.backward_peak_outside_attention_nbytes
+                                          + unfused_backward_score_nbytes(layer.nodes))
+    capture = layer.count * captured + unfused_backward_score_nbytes(layer.nodes)
+    replay = stash - layer.count * captured + stage.held_outside_attention_nbytes \
+        + stage.backward_peak_outside_attention_nbytes
+    assert captured_first.activations_gib * GIB == pytest.approx(max(capture, replay), abs=1)
+    assert captured_first.activations_gib < eager.activations_gib

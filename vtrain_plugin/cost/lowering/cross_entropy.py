@@ -7,7 +7,8 @@ Its forward runs ``calculate_logits_max`` and ``calculate_predicted_logits`` com
 as a new tensor, and the second's in-place ``-=`` and ``exp(out=)`` on that input are functionalised
 into a new fp32 buffer copied back into it, so while it runs the model-dtype logits, the fp32 logits
 and that buffer are alive at once: one fp32 copy of the logits more than the unfused forward, whose
-in-place ops make none. Why: on the last pipeline stage of a small model that forward is the step's
+in-place ops make none. That is a moment of the forward, apart from the backward's peak (where the
+model-dtype logits are gone and their gradient is alive): the larger of the two counts. Why: on the last pipeline stage of a small model that forward is the step's
 peak (the H100 functional test ``gpt3_mcore_te_tp2_pp2_cross_entropy_loss_fusion`` measures 0.381
 GiB above its unfused twin; this is 0.385 GiB there).
 """
@@ -30,10 +31,11 @@ def logits_numel(nodes: Sequence[Node]) -> int:
                 and n.module.rpartition(".")[2] == "loss"), default=0)
 
 
-def fused_cross_entropy_extra_nbytes(nodes: Sequence[Node]) -> int:
-    """Bytes per micro-batch the fused cross entropy's forward holds beyond the traced unfused one:
-    one fp32 copy of the logits; 0 without a loss."""
-    return FP32_NBYTES * logits_numel(nodes)
+def fused_cross_entropy_forward_nbytes(nodes: Sequence[Node], dtype_nbytes: int) -> int:
+    """Bytes per micro-batch the fused cross entropy's forward holds beside the stash (which has the
+    fp32 logits it saves): the model-dtype logits it was given and the compiled helper's fp32 buffer;
+    0 without a loss."""
+    return (dtype_nbytes + FP32_NBYTES) * logits_numel(nodes)
 
 
 def deferred_wgrad_nbytes(block: Block, dtype_nbytes: int, microbatches: int, limit: int) -> int:

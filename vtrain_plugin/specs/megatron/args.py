@@ -224,6 +224,7 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--cuda-graph-impl", "training.cuda_graph_impl", convert=_graph_impl_named),
     FlagField("--cuda-graph-scope", "training.cuda_graph_scope", convert=_graph_scopes),
     FlagField("--cuda-graph-modules", "training.cuda_graph_scope", convert=_graph_scopes),  # the scope's new name
+    FlagField("--cuda-graph-warmup-steps", "training.cuda_graph_warmup_steps", convert=non_negative_int),
     FlagField("--deterministic-mode", "training.deterministic", convert=_as_given),
     FlagField("--no-gradient-accumulation-fusion", "training.gradient_accumulation_fusion", convert=_negated),
     FlagField("--log-params-norm", "training.log_params_norm", convert=_as_given),

@@ -7,7 +7,7 @@ import pytest
 
 from vtrain_plugin.core.graph import BlockKind
 from vtrain_plugin.core.units import GIB
-from vtrain_plugin.cost.lowering.cross_entropy import deferred_wgrad_nbytes, fused_cross_entropy_extra_nbytes
+from vtrain_plugin.cost.lowering.cross_entropy import deferred_wgrad_nbytes, fused_cross_entropy_forward_nbytes
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
@@ -28,8 +28,8 @@ def gpt():
 
 def test_the_loss_holds_one_more_fp32_copy_of_the_logits(gpt):
     head = next(b for b in gpt.stages[-1].blocks if b.kind is BlockKind.HEAD)
-    assert fused_cross_entropy_extra_nbytes(head.nodes) == 4 * LOGITS
-    assert fused_cross_entropy_extra_nbytes(gpt.stages[0].layer_template().nodes) == 0
+    assert fused_cross_entropy_forward_nbytes(head.nodes, 2) == (2 + 4) * LOGITS
+    assert fused_cross_entropy_forward_nbytes(gpt.stages[0].layer_template().nodes, 2) == 0
 
 
 @pytest.mark.parametrize("stack", list(SoftwareStack))
@@ -61,3 +61,20 @@ def test_deferred_output_layer_wgrad_keeps_earlier_micro_batches(gpt, limit, hel
     assert (deferred[1].activations_gib - plain[1].activations_gib) * GIB == pytest.approx(
         held * (2 * LOGITS + 2 * S * MB * H), abs=1e-6)
 
+
+
+@pytest.mark.parametrize("backward_extra", [0, 64 * LOGITS])
+def test_the_fused_forward_and_the_backward_peak_are_two_moments(gpt, backward_extra):
+    """The fused cross entropy's forward (the model-dtype logits and the compiled fp32 buffer beside
+    the stash) and the backward's peak (the logits' gradient, TE's unfused attention) are not
+    simultaneous: the larger counts, not their sum."""
+    from vtrain_plugin.cost.memory import rank_memory
+
+    stage = gpt.stages[-1]
+    head = next(b for b in stage.blocks if b.kind is BlockKind.HEAD)
+    forward = fused_cross_entropy_forward_nbytes(head.nodes, 2)
+    memory = rank_memory(gpt, lambda rank, chunks: (sum(chunks), len(chunks)), backward_peaks=True,
+                         peak_extra=lambda s: backward_extra, forward_extra=lambda s: forward)[-1]
+    backward = stage.held_nbytes + stage.backward_peak_nbytes + backward_extra
+    assert memory.activations_gib * GIB == stage.activation_nbytes + max(backward, stage.held_nbytes + forward)
+    assert (backward > stage.held_nbytes + forward) == bool(backward_extra)  # each moment is the peak once
