@@ -27,7 +27,10 @@ parameters of its chunks:
   gathered weights of the most consecutive units held at once, counted with the weights, and their
   unsharded gradients, counted with the gradients (Megatron-FSDP's own buffers: the model-weight
   buffer in the model dtype, the main-grad buffer in the gradient dtype, the fp32 main-weight buffer
-  and Adam's moments, ``ParamAndGradBuffer._init_each_parameter_group_buffers``);
+  and Adam's moments, ``ParamAndGradBuffer._init_each_parameter_group_buffers``). Without the fixed
+  double buffer the unsharded gradients are allocated as a micro-batch's backward runs, which frees
+  its stash as they grow, so they count only by what they exceed the smallest chunk's stash and step
+  transient (the activation peak comes before them, at the start of that backward);
 - activations: what the forward of one micro-batch keeps for backward on each chunk (the saved
   tensors of the real model, captured while tracing), at the schedule's peak of micro-batches in
   flight: the most activation bytes the rank holds at once when walking its task order (1F1B:
@@ -184,9 +187,13 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
             optimizer_nbytes = layer_wise_optimizer_nbytes(
                 [s for s in graph.stages if s.pipeline_rank == rank], per_param, per_matrix_element, plan)
         held_weights, held_grads = held[rank]
+        # allocated as a micro-batch's backward frees its stash (no fixed double buffer), the unsharded
+        # gradients add only what they exceed the smallest chunk's stash and step transient by
+        dynamic = fsdp is not None and not fsdp.double_buffer
+        freed = min(chunks[rank], default=0) + transient[rank] if dynamic else 0
         tensors = RankMemory(weights_gib=(sharded(dtype.nbytes, "weights") + held_weights * dtype.nbytes) / GIB,
                              gradients_gib=(sharded(gradients.nbytes, "gradients")
-                                            + held_grads * gradients.nbytes) / GIB,
+                                            + max(0, held_grads * gradients.nbytes - freed)) / GIB,
                              optimizer_gib=optimizer_nbytes / GIB, activations_gib=activations / GIB,
                              inflight_microbatches=inflight)
         out.append(replace(tensors, allowance_gib=RESERVED_GIB + FRAGMENTATION * tensors.tensors_gib))
