@@ -39,7 +39,7 @@ def comparison_table(plan: str, c: RunComparison) -> str:
     reserved = "" if c.measured_peak_reserved_gib is None else \
         f"; the logs' max reserved {c.measured_peak_reserved_gib:,.2f} GiB (the allocator's, without context or NCCL)"
     lines.append(f"memory: peak allocated as Megatron's max allocated counts it; with the predicted allowance "
-                 f"{c.predicted_allowance_gib:,.2f} GiB (context, NCCL buffers, workspaces, fragmentation) the GPU "
+                 f"{c.predicted_allowance_gib:,.2f} GiB (context, NCCL buffers, cuDNN and scratch buffers, fragmentation; the cuBLAS workspaces count in allocated) the GPU "
                  f"needs {c.predicted_peak_memory_gib:,.2f} GiB{reserved}")
     if c.logged_tflops_per_gpu is not None:
         lines.append(f"the log's own throughput: {c.logged_tflops_per_gpu:,.1f} TFLOP/s per GPU (median; "
