@@ -6,6 +6,9 @@ run: when a module's forward returns, the nodes it created (those with a sequenc
 above the one current when it started, not yet claimed by an inner module) are tagged with its
 name (inner modules' hooks run first, so the innermost module wins). A module forward that runs while backward is in progress is activation recompute.
 The bytes the step's ops hold are followed too (:mod:`~vtrain_plugin.capture.live_memory`).
+A fake tensor's metadata queries (``prim.device``, ``prim.layout``) are not recorded: they launch no
+kernel and hold no bytes, and autograd makes them only with grad on, so a no-grad forward (activation
+checkpointing) would otherwise differ from the same forward with grad in ops that cost nothing.
 """
 
 from __future__ import annotations
@@ -254,6 +257,8 @@ class OpRecorder:
         self._live.saw(func, out, is_core_attention_module(module))
         if func in collective_ops:
             self.records.append(self._collective(func, args, kwargs, out, phase, module))
+            return
+        if func.namespace == "prim":  # a fake tensor's device or layout: no kernel, no bytes, not recorded
             return
         kernel = opinfo.launches_kernel(func, args, kwargs, out)
         self.records.append(OpRecord(
