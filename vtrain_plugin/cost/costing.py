@@ -16,8 +16,8 @@ pays ``microbatch_overhead_ns`` of host work outside the model, and each pipelin
 step ``iteration_overhead_ns`` (the loop's host work and synchronisations, once per iteration). Under CUDA graphs the captured
 kernels cost the host one graph launch per region (:mod:`vtrain_plugin.cost.cuda_graphs`). Host time is spent per kernel
 (the timer's), per module call and per layer (:func:`vtrain_plugin.cost.prepare.host_calls`), every
-host cost times the node's ``host_time_factor``. Activation offloading (:mod:`vtrain_plugin.cost.activation_offload`) adds, per layer and phase, the
-host-link copy time its compute cannot hide. Activation checkpointing recomputes
+host cost times the node's ``host_time_factor``. Activation offloading (:mod:`vtrain_plugin.cost.activation_offload`) adds, per layer, the
+host-link copy time its forward cannot hide and the reloads its backward waits for. Activation checkpointing recomputes
 each layer right before its backward, so one layer's recompute and backward form one pipelined unit;
 the task's time is split between the two in proportion to their stand-alone times for the breakdown.
 """
@@ -32,7 +32,7 @@ import numpy as np
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CP_GROUPS, CollectiveKind, ParallelGroup, Phase
-from vtrain_plugin.cost.activation_offload import exposed_copy_ns, offloaded_nbytes
+from vtrain_plugin.cost.activation_offload import exposed_copy_ns, exposed_reload_ns, offload_groups, offloaded_by_module
 from vtrain_plugin.cost.comm.collectives import CommModel
 from vtrain_plugin.cost.lowering.fp8 import quantisation
 from vtrain_plugin.cost.comm.overlap import exposed_ns
@@ -126,19 +126,37 @@ def _ep_overlap(parallel, timer: KernelTimer) -> _EpOverlap | None:
                       pipeline_parallel=parallel.pipeline_parallel, virtual_pipeline=parallel.virtual_pipeline)
 
 
-def _offload_nbytes(prepared: PreparedGraph, stage: PreparedStage, training: TrainingSpec) -> tuple[float, ...]:
-    """Bytes each block of ``stage`` offloads per instance and micro-batch (:mod:`~vtrain_plugin.cost.activation_offload`)."""
+def _offload_nbytes(prepared: PreparedGraph, stage: PreparedStage, training: TrainingSpec
+                    ) -> tuple[dict[str, float], ...]:
+    """Bytes each block of ``stage`` offloads per instance and micro-batch, by module
+    (:mod:`~vtrain_plugin.cost.activation_offload`)."""
     settings = training.fp8_settings
-    return tuple(offloaded_nbytes(
+    return tuple(offloaded_by_module(
         block, training.activation_offload, te=prepared.stack.value == "megatron_core_te",
         element_nbytes=prepared.graph.dtype.nbytes, fp8=settings is not None,
         quantised_nbytes=quantisation(settings).nbytes if settings is not None else 1.0,
         unfused_attention=training.unfused_attention) for block in stage.stage.blocks)
 
 
+def _reload_exposed_ns(role, device: np.ndarray, segments, blocks, b: int, offloaded: dict[str, float],
+                       link: float) -> float:
+    """The reloads of one instance of block ``b`` its backward waits for (:func:`exposed_reload_ns`):
+    the backward's (and recompute's) device time by module, collectives included."""
+    modules = [n.module if n is not None else "" for n in role.nodes]
+    for c in role.comm_rows:
+        modules[c.row] = c.node.module
+    by_module: dict[str, float] = {}
+    for s in segments:
+        if s.block == b and s.phase in (Phase.BACKWARD, Phase.RECOMPUTE):
+            for row in range(s.start, s.stop):
+                by_module[modules[row]] = by_module.get(modules[row], 0.0) + float(device[row])
+    forward = list(dict.fromkeys(n.module for n in blocks[b].nodes if n.phase is Phase.FORWARD))
+    return exposed_reload_ns(offload_groups(forward, offloaded), by_module, link)
+
+
 def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, training: TrainingSpec,
                 num_microbatches: int, explain: bool, ep_overlap: _EpOverlap | None = None,
-                offload_nbytes: Sequence[float] = ()) -> StageCost:
+                offload_nbytes: Sequence[dict[str, float]] = ()) -> StageCost:
     stage, role = prepared.stage, prepared.role
     rank = stage.pipeline_rank
     constants = timer.constants
@@ -241,11 +259,11 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     reduces, gathers = _gradient_buckets(gradients, prepared, comm, training, ParallelGroup.DP)
     expert_reduces, expert_gathers = _gradient_buckets(expert_gradients, prepared, comm, training,
                                                        ParallelGroup.EXPERT_DP)
-    link = timer.device.host_copy_gbytes_per_s
-    for b, nbytes in enumerate(offload_nbytes):  # device-to-host beside forward, host-to-device beside backward
-        if nbytes:
-            forward_total += blocks[b].count * exposed_copy_ns(nbytes, forward_ns[b], link)
-            backward_total += blocks[b].count * exposed_copy_ns(nbytes, backward_ns[b], link)
+    link = comm.cluster.host_copy_gbytes_per_s(timer.device.host_copy_gbytes_per_s)
+    for b, by_module in enumerate(offload_nbytes):  # device-to-host beside forward, host-to-device in the backward
+        if by_module:
+            forward_total += blocks[b].count * exposed_copy_ns(sum(by_module.values()), forward_ns[b], link)
+            backward_total += blocks[b].count * _reload_exposed_ns(role, device, segments, blocks, b, by_module, link)
     fsdp_forward = fsdp_backward = 0.0
     if training.fsdp is not None:
         fsdp_forward, fsdp_backward = _fsdp_exposed(gradients, expert_gradients, prepared, comm, training)
