@@ -16,7 +16,9 @@ pays ``microbatch_overhead_ns`` of host work outside the model, and each pipelin
 step ``iteration_overhead_ns`` (the loop's host work and synchronisations, once per iteration). Under CUDA graphs the captured
 kernels cost the host one graph launch per region (:mod:`vtrain_plugin.cost.cuda_graphs`). Host time is spent per kernel
 (the timer's), per module call and per layer (:func:`vtrain_plugin.cost.prepare.host_calls`), every
-host cost times the node's ``host_time_factor``. Activation offloading (:mod:`vtrain_plugin.cost.activation_offload`) adds, per layer, the
+host cost times the node's ``host_time_factor``. Where megatron-core's MoE dispatch reads token counts
+back, the host waits for the device (:mod:`vtrain_plugin.cost.host_syncs`) and the host cost after it
+is exposed. Activation offloading (:mod:`vtrain_plugin.cost.activation_offload`) adds, per layer, the
 host-link copy time its forward cannot hide and the reloads its backward waits for. Activation checkpointing recomputes
 each layer right before its backward, so one layer's recompute and backward form one pipelined unit;
 the task's time is split between the two in proportion to their stand-alone times for the breakdown.
@@ -40,13 +42,17 @@ from vtrain_plugin.cost.comm.ep_overlap import OverlapParts, pair_saving_ns, ste
 from vtrain_plugin.cost.cuda_graphs import graphed, graphed_host_ns
 from vtrain_plugin.cost.comm.dp_buckets import BlockGradients, ZeroRuntime, dp_buckets, zero_buckets
 from vtrain_plugin.cost.comm.fsdp import FsdpUnit, exposed_per_microbatch, prefetch_units
-from vtrain_plugin.cost.kernels.host_device import SegmentTime, segment_sums, segment_times, sequence, then
+from vtrain_plugin.cost.host_syncs import all_to_all_rows, dispatch_waits
+from vtrain_plugin.cost.kernels.host_device import (SegmentTime, segment_sums, segment_times, sequence, split_times,
+                                                     then)
 from vtrain_plugin.cost.kernels.op_classes import OpClass, classify
 from vtrain_plugin.cost.kernels.timer import KernelTimer
 from vtrain_plugin.cost.comm.moe_dispatch import MOE_GROUPS
 from vtrain_plugin.cost.prepare import PHASES, PreparedGraph, PreparedStage
 from vtrain_plugin.cost.provenance import Provenance, StageProvenance, stage_provenance
 from vtrain_plugin.cost.work import ChunkWork, DpBucket, ParamGather, PipelineWork
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import GradReduce, TrainingSpec
 
 
@@ -93,7 +99,7 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
         if staged is None:
             staged = costed[key] = _stage_cost(stage, timer, comm, training, num_microbatches, explain,
                                                _ep_overlap(parallel, timer),
-                                               _offload_nbytes(prepared, stage, training))
+                                               _offload_nbytes(prepared, stage, training), prepared.graph.model, parallel)
         provenance.add(staged.provenance)
         chunks.append(staged.work)
         optimizer[rank] += staged.optimizer_ns
@@ -138,13 +144,18 @@ def _offload_nbytes(prepared: PreparedGraph, stage: PreparedStage, training: Tra
         unfused_attention=training.unfused_attention) for block in stage.stage.blocks)
 
 
-def _reload_exposed_ns(role, device: np.ndarray, segments, blocks, b: int, offloaded: dict[str, float],
-                       link: float) -> float:
-    """The reloads of one instance of block ``b`` its backward waits for (:func:`exposed_reload_ns`):
-    the backward's (and recompute's) device time by module, collectives included."""
+def _row_modules(role) -> list[str]:
+    """Each row's module, the collectives' included."""
     modules = [n.module if n is not None else "" for n in role.nodes]
     for c in role.comm_rows:
         modules[c.row] = c.node.module
+    return modules
+
+
+def _reload_exposed_ns(modules: Sequence[str], device: np.ndarray, segments, blocks, b: int,
+                       offloaded: dict[str, float], link: float) -> float:
+    """The reloads of one instance of block ``b`` its backward waits for (:func:`exposed_reload_ns`):
+    the backward's (and recompute's) device time by module, collectives included."""
     by_module: dict[str, float] = {}
     for s in segments:
         if s.block == b and s.phase in (Phase.BACKWARD, Phase.RECOMPUTE):
@@ -156,7 +167,8 @@ def _reload_exposed_ns(role, device: np.ndarray, segments, blocks, b: int, offlo
 
 def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, training: TrainingSpec,
                 num_microbatches: int, explain: bool, ep_overlap: _EpOverlap | None = None,
-                offload_nbytes: Sequence[dict[str, float]] = ()) -> StageCost:
+                offload_nbytes: Sequence[dict[str, float]] = (), model: ModelSpec | None = None,
+                parallel: ParallelPlan | None = None) -> StageCost:
     stage, role = prepared.stage, prepared.role
     rank = stage.pipeline_rank
     constants = timer.constants
@@ -179,15 +191,15 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         is_comm[c.row] = True
         is_cp[c.row] = on_cp
         is_ep[c.row] = node.group in MOE_GROUPS
+    modules = _row_modules(role)
     if graphed(training):  # captured kernels replayed by one graph launch each region
-        modules = [n.module if n is not None else "" for n in role.nodes]
-        for c in role.comm_rows:
-            modules[c.row] = c.node.module
         host = graphed_host_ns(host, modules, role.segments, stage.blocks, training, slow * constants.host_overhead_ns)
     if timer.device.host_runs_kernels:  # a CPU issues and runs each op: no overlap to model
         device, host = device + host, np.zeros_like(host)
     segments = role.segments
     h, d, p = segment_times(host, device, segments)
+    waits = {} if model is None or parallel is None else dispatch_waits(
+        modules, all_to_all_rows(role.comm_rows), segments, model, parallel)
     tp_comm = segment_sums(np.where(is_comm & ~is_cp & ~is_ep, device, 0.0), segments)
     cp_comm = segment_sums(np.where(is_cp, device, 0.0), segments)
     ep_comm = segment_sums(np.where(is_ep, device, 0.0), segments)
@@ -198,7 +210,8 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
 
     def time(b: int, phase: Phase) -> SegmentTime:
         i = index[b, phase]
-        return SegmentTime(host_ns=h[i], device_ns=d[i], pipelined_ns=p[i], count=blocks[b].count)
+        pieces = split_times(host, device, segments[i], waits[i]) if i in waits else ()
+        return SegmentTime(host_ns=h[i], device_ns=d[i], pipelined_ns=p[i], count=blocks[b].count, pieces=pieces)
 
     forward_order = range(len(blocks))
     backward_order = range(len(blocks) - 1, -1, -1)
@@ -263,7 +276,7 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     for b, by_module in enumerate(offload_nbytes):  # device-to-host beside forward, host-to-device in the backward
         if by_module:
             forward_total += blocks[b].count * exposed_copy_ns(sum(by_module.values()), forward_ns[b], link)
-            backward_total += blocks[b].count * _reload_exposed_ns(role, device, segments, blocks, b, by_module, link)
+            backward_total += blocks[b].count * _reload_exposed_ns(modules, device, segments, blocks, b, by_module, link)
     fsdp_forward = fsdp_backward = 0.0
     if training.fsdp is not None:
         fsdp_forward, fsdp_backward = _fsdp_exposed(gradients, expert_gradients, prepared, comm, training)
