@@ -8,7 +8,8 @@ before the EP all-to-all when EP or expert TP is above 1 (``before_ep_alltoall``
 experts (``before_finish`` / ``before_permutation_2``); padded to capacity it needs no wait. The
 all-gather dispatcher reads them with ``.cpu()`` after its all-gathers, the flex dispatcher with
 ``.item()`` after its dispatch: both before the experts. The backward keeps the host values and waits
-for nothing. Why it matters: the host otherwise runs ahead of the GPU and its per-kernel cost hides
+for nothing; a recompute waits only where it runs the router again (the whole layer or MoE block
+recomputed, not ``moe_act`` alone). Why it matters: the host otherwise runs ahead of the GPU and its per-kernel cost hides
 behind the queue (:mod:`vtrain_plugin.cost.kernels.host_device`); after a wait the queue is empty and
 the host cost of the dispatch, the permutation and the experts' launches is exposed until it gets
 ahead again, once per MoE layer and micro-batch.
@@ -25,6 +26,7 @@ from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
 
 _EXPERTS = ".mlp.experts"
+_ROUTER = ".mlp.router"
 
 
 def dispatch_waits(modules: Sequence[str], all_to_all_rows: frozenset[int], segments: Sequence[Segment],
@@ -43,7 +45,8 @@ def dispatch_waits(modules: Sequence[str], all_to_all_rows: frozenset[int], segm
         if s.phase not in (Phase.FORWARD, Phase.RECOMPUTE):
             continue
         rows = [r for r in range(s.start, s.stop) if _EXPERTS in modules[r]]
-        if not rows:
+        if not rows or (s.phase is Phase.RECOMPUTE
+                        and not any(modules[r].endswith(_ROUTER) for r in range(s.start, rows[0]))):
             continue
         if before_all_to_all:
             a2a = [r for r in range(s.start, rows[0]) if r in all_to_all_rows]

@@ -79,3 +79,12 @@ def test_a_wait_exposes_the_host_time_after_it():
     # then(): a wait in the second part stays a wait in the joined unit
     joined = then(SegmentTime(2.0, 3.0, 5.0, 1), replace(waited, count=1))
     assert joined.pieces[1:] == pieces[1:] and joined.pipelined_ns == sequence([joined])
+
+
+def test_a_recompute_waits_only_where_it_routes_again():
+    from vtrain_plugin.capture.tracer import trace
+
+    full = prepare(trace(MOE, replace(PLAN, recompute="full")), stack=SoftwareStack.MEGATRON_CORE_LOCAL).stages[0].role
+    _, waits = _waits(full, PLAN)
+    phases = sorted(full.segments[i].phase.value for i in waits)
+    assert phases == ["forward", "recompute"]  # the layer template: both layers
