@@ -26,12 +26,23 @@ floor and offloads nothing; one above it offloads all it keeps. ``fraction`` sca
 
 Memory: each layer keeps ``saved - offloaded``; after warm-up megatron-core does not offload the
 last group of each name (``post_warmup_callback``'s offload margin), so one layer's offloaded bytes
-stay on each rank. Time: the copy of a layer overlaps its own compute (device-to-host beside the
-next layers' forward, host-to-device beside its backward); what exceeds the layer's phase compute,
-``max(0, offloaded / host_link - compute)``, is exposed on the compute stream (its event wait).
+stay on each rank. Time, device-to-host: a group's copy is queued on the offload stream at its
+commit and nothing in the forward waits for it, so a layer's copies overlap its forward compute and
+what exceeds it, ``max(0, offloaded / host_link - compute)``, is exposed (the reload's wait on the
+offload event drains the queue). Host-to-device is serial with the backward: the reload of a group
+starts only when the backward reaches the start of the group after it in forward order
+(``on_group_start_backward``: the reload stream first waits for the compute stream), and the group's
+own backward waits for it (``on_group_commit_backward``). Only the backward of what runs outside every
+offloaded context between the two groups (e.g. the MoE dispatch between ``mlp_norm`` and
+``expert_fc1``) hides a reload (:func:`exposed_reload_ns`); core attention's scores reload in full.
+Every rank offloads at once, both ways in the steady state, so a copy runs at the host link's rate
+or at the GPU's share of the node's CPU memory bandwidth where lower
+(``ClusterSpec.host_copy_gbytes_per_s``: 38.4 GB/s per direction on a DGX H100, below PCIe Gen5's 64).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 from vtrain_plugin.core.graph import Block, BlockKind
 from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta_by_module
@@ -70,19 +81,28 @@ def offloaded_nbytes(block: Block, offload: ActivationOffload | None, *, te: boo
                      fp8: bool = False, quantised_nbytes: float = 1.0, unfused_attention: bool = False) -> float:
     """Bytes one instance of layer ``block`` offloads per micro-batch (0 for other blocks), as the
     stack keeps them (``te``: megatron_core_te; see the module doc)."""
+    return sum(offloaded_by_module(block, offload, te=te, element_nbytes=element_nbytes, fp8=fp8,
+                                   quantised_nbytes=quantised_nbytes, unfused_attention=unfused_attention).values())
+
+
+def offloaded_by_module(block: Block, offload: ActivationOffload | None, *, te: bool, element_nbytes: int,
+                        fp8: bool = False, quantised_nbytes: float = 1.0, unfused_attention: bool = False
+                        ) -> dict[str, float]:
+    """Bytes one instance of layer ``block`` offloads per micro-batch, by the traced module whose saves
+    they are (an attention's internals as its ``core_attention``); empty for other blocks."""
     if offload is None or block.kind is not BlockKind.LAYER:
-        return 0.0
+        return {}
     modules = [m for m, _ in block.saved_by_module]
     fused_attention_norm = any(m.endswith(".self_attention.linear_qkv") for m in modules)
     fused_mlp_norm = any(m.endswith(".mlp.linear_fc1") for m in modules)
     kept = kept_by_module(block, te=te, fp8=fp8, quantised_nbytes=quantised_nbytes,
                           unfused_attention=unfused_attention)
-    total = 0
+    out: dict[str, float] = {}
     for module, nbytes in kept.items():
         name = offload_name(module, te=te, fused_attention_norm=fused_attention_norm, fused_mlp_norm=fused_mlp_norm)
         if name in offload.modules and nbytes >= offload.min_tensor_elements * element_nbytes:
-            total += nbytes
-    return total * offload.fraction
+            out[module] = nbytes * offload.fraction
+    return out
 
 
 def kept_by_module(block: Block, *, te: bool, fp8: bool = False, quantised_nbytes: float = 1.0,
@@ -105,6 +125,39 @@ def kept_by_module(block: Block, *, te: bool, fp8: bool = False, quantised_nbyte
             delta = (fused_softmax_saved_delta if unfused_attention else fused_attention_saved_delta)(block.nodes)
             kept[core] = kept[core] + delta
     return kept
+
+
+def offload_groups(forward_modules: Sequence[str], offloaded: Mapping[str, float]) -> list[tuple[float, list[str]]]:
+    """The layer's offload groups in forward order: each group's bytes and the modules that run after
+    it, outside every offloaded module, until the next group (the last group's run wraps round to the
+    layer's start: the next layer instance's). ``forward_modules``: the layer's modules in the order
+    its forward calls them; ``offloaded``: :func:`offloaded_by_module`'s bytes (a saving module that
+    is no module of the forward, such as a core attention's internals, counts as its first
+    submodule)."""
+    def owner(module: str) -> str | None:
+        return max((m for m in offloaded if module == m or module.startswith(m + ".")), key=len, default=None)
+
+    groups: list[tuple[float, list[str]]] = []
+    leading: list[str] = []
+    seen: set[str] = set()
+    for module in forward_modules:
+        key = owner(module)
+        if key is None:
+            (groups[-1][1] if groups else leading).append(module)
+        elif key not in seen:
+            seen.add(key)
+            groups.append((offloaded[key], []))
+    if groups:
+        groups[-1][1].extend(leading)
+    return groups
+
+
+def exposed_reload_ns(groups: Sequence[tuple[float, Sequence[str]]], backward_ns_by_module: Mapping[str, float],
+                      host_link_gbytes_per_s: float) -> float:
+    """Host-to-device time of one layer instance's reloads that its backward waits for: each group's
+    copy beyond the backward of the modules between it and the next group (:func:`offload_groups`)."""
+    return sum(exposed_copy_ns(nbytes, sum(backward_ns_by_module.get(m, 0.0) for m in hiding), host_link_gbytes_per_s)
+               for nbytes, hiding in groups)
 
 
 def exposed_copy_ns(nbytes: float, compute_ns: float, host_link_gbytes_per_s: float) -> float:

@@ -16,8 +16,10 @@ pays ``microbatch_overhead_ns`` of host work outside the model, and each pipelin
 step ``iteration_overhead_ns`` (the loop's host work and synchronisations, once per iteration). Under CUDA graphs the captured
 kernels cost the host one graph launch per region (:mod:`vtrain_plugin.cost.cuda_graphs`). Host time is spent per kernel
 (the timer's), per module call and per layer (:func:`vtrain_plugin.cost.prepare.host_calls`), every
-host cost times the node's ``host_time_factor``. Activation offloading (:mod:`vtrain_plugin.cost.activation_offload`) adds, per layer and phase, the
-host-link copy time its compute cannot hide. Activation checkpointing recomputes
+host cost times the node's ``host_time_factor``. Where megatron-core's MoE dispatch reads token counts
+back, the host waits for the device (:mod:`vtrain_plugin.cost.host_syncs`) and the host cost after it
+is exposed. Activation offloading (:mod:`vtrain_plugin.cost.activation_offload`) adds, per layer, the
+host-link copy time its forward cannot hide and the reloads its backward waits for. Activation checkpointing recomputes
 each layer right before its backward, so one layer's recompute and backward form one pipelined unit;
 the task's time is split between the two in proportion to their stand-alone times for the breakdown.
 """
@@ -32,7 +34,7 @@ import numpy as np
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CP_GROUPS, CollectiveKind, ParallelGroup, Phase
-from vtrain_plugin.cost.activation_offload import exposed_copy_ns, offloaded_nbytes
+from vtrain_plugin.cost.activation_offload import exposed_copy_ns, exposed_reload_ns, offload_groups, offloaded_by_module
 from vtrain_plugin.cost.comm.collectives import CommModel
 from vtrain_plugin.cost.lowering.fp8 import quantisation
 from vtrain_plugin.cost.comm.overlap import exposed_ns
@@ -40,13 +42,17 @@ from vtrain_plugin.cost.comm.ep_overlap import OverlapParts, pair_saving_ns, ste
 from vtrain_plugin.cost.cuda_graphs import graphed, graphed_host_ns
 from vtrain_plugin.cost.comm.dp_buckets import BlockGradients, ZeroRuntime, dp_buckets, zero_buckets
 from vtrain_plugin.cost.comm.fsdp import FsdpUnit, exposed_per_microbatch, prefetch_units
-from vtrain_plugin.cost.kernels.host_device import SegmentTime, segment_sums, segment_times, sequence, then
+from vtrain_plugin.cost.host_syncs import all_to_all_rows, dispatch_waits
+from vtrain_plugin.cost.kernels.host_device import (SegmentTime, segment_sums, segment_times, sequence, split_times,
+                                                     then)
 from vtrain_plugin.cost.kernels.op_classes import OpClass, classify
 from vtrain_plugin.cost.kernels.timer import KernelTimer
 from vtrain_plugin.cost.comm.moe_dispatch import MOE_GROUPS
 from vtrain_plugin.cost.prepare import PHASES, PreparedGraph, PreparedStage
 from vtrain_plugin.cost.provenance import Provenance, StageProvenance, stage_provenance
 from vtrain_plugin.cost.work import ChunkWork, DpBucket, ParamGather, PipelineWork
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import GradReduce, TrainingSpec
 
 
@@ -93,7 +99,7 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
         if staged is None:
             staged = costed[key] = _stage_cost(stage, timer, comm, training, num_microbatches, explain,
                                                _ep_overlap(parallel, timer),
-                                               _offload_nbytes(prepared, stage, training))
+                                               _offload_nbytes(prepared, stage, training), prepared.graph.model, parallel)
         provenance.add(staged.provenance)
         chunks.append(staged.work)
         optimizer[rank] += staged.optimizer_ns
@@ -126,19 +132,43 @@ def _ep_overlap(parallel, timer: KernelTimer) -> _EpOverlap | None:
                       pipeline_parallel=parallel.pipeline_parallel, virtual_pipeline=parallel.virtual_pipeline)
 
 
-def _offload_nbytes(prepared: PreparedGraph, stage: PreparedStage, training: TrainingSpec) -> tuple[float, ...]:
-    """Bytes each block of ``stage`` offloads per instance and micro-batch (:mod:`~vtrain_plugin.cost.activation_offload`)."""
+def _offload_nbytes(prepared: PreparedGraph, stage: PreparedStage, training: TrainingSpec
+                    ) -> tuple[dict[str, float], ...]:
+    """Bytes each block of ``stage`` offloads per instance and micro-batch, by module
+    (:mod:`~vtrain_plugin.cost.activation_offload`)."""
     settings = training.fp8_settings
-    return tuple(offloaded_nbytes(
+    return tuple(offloaded_by_module(
         block, training.activation_offload, te=prepared.stack.value == "megatron_core_te",
         element_nbytes=prepared.graph.dtype.nbytes, fp8=settings is not None,
         quantised_nbytes=quantisation(settings).nbytes if settings is not None else 1.0,
         unfused_attention=training.unfused_attention) for block in stage.stage.blocks)
 
 
+def _row_modules(role) -> list[str]:
+    """Each row's module, the collectives' included."""
+    modules = [n.module if n is not None else "" for n in role.nodes]
+    for c in role.comm_rows:
+        modules[c.row] = c.node.module
+    return modules
+
+
+def _reload_exposed_ns(modules: Sequence[str], device: np.ndarray, segments, blocks, b: int,
+                       offloaded: dict[str, float], link: float) -> float:
+    """The reloads of one instance of block ``b`` its backward waits for (:func:`exposed_reload_ns`):
+    the backward's (and recompute's) device time by module, collectives included."""
+    by_module: dict[str, float] = {}
+    for s in segments:
+        if s.block == b and s.phase in (Phase.BACKWARD, Phase.RECOMPUTE):
+            for row in range(s.start, s.stop):
+                by_module[modules[row]] = by_module.get(modules[row], 0.0) + float(device[row])
+    forward = list(dict.fromkeys(n.module for n in blocks[b].nodes if n.phase is Phase.FORWARD))
+    return exposed_reload_ns(offload_groups(forward, offloaded), by_module, link)
+
+
 def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, training: TrainingSpec,
                 num_microbatches: int, explain: bool, ep_overlap: _EpOverlap | None = None,
-                offload_nbytes: Sequence[float] = ()) -> StageCost:
+                offload_nbytes: Sequence[dict[str, float]] = (), model: ModelSpec | None = None,
+                parallel: ParallelPlan | None = None) -> StageCost:
     stage, role = prepared.stage, prepared.role
     rank = stage.pipeline_rank
     constants = timer.constants
@@ -161,15 +191,15 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         is_comm[c.row] = True
         is_cp[c.row] = on_cp
         is_ep[c.row] = node.group in MOE_GROUPS
+    modules = _row_modules(role)
     if graphed(training):  # captured kernels replayed by one graph launch each region
-        modules = [n.module if n is not None else "" for n in role.nodes]
-        for c in role.comm_rows:
-            modules[c.row] = c.node.module
         host = graphed_host_ns(host, modules, role.segments, stage.blocks, training, slow * constants.host_overhead_ns)
     if timer.device.host_runs_kernels:  # a CPU issues and runs each op: no overlap to model
         device, host = device + host, np.zeros_like(host)
     segments = role.segments
     h, d, p = segment_times(host, device, segments)
+    waits = {} if model is None or parallel is None else dispatch_waits(
+        modules, all_to_all_rows(role.comm_rows), segments, model, parallel)
     tp_comm = segment_sums(np.where(is_comm & ~is_cp & ~is_ep, device, 0.0), segments)
     cp_comm = segment_sums(np.where(is_cp, device, 0.0), segments)
     ep_comm = segment_sums(np.where(is_ep, device, 0.0), segments)
@@ -180,7 +210,8 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
 
     def time(b: int, phase: Phase) -> SegmentTime:
         i = index[b, phase]
-        return SegmentTime(host_ns=h[i], device_ns=d[i], pipelined_ns=p[i], count=blocks[b].count)
+        pieces = split_times(host, device, segments[i], waits[i]) if i in waits else ()
+        return SegmentTime(host_ns=h[i], device_ns=d[i], pipelined_ns=p[i], count=blocks[b].count, pieces=pieces)
 
     forward_order = range(len(blocks))
     backward_order = range(len(blocks) - 1, -1, -1)
@@ -241,11 +272,11 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     reduces, gathers = _gradient_buckets(gradients, prepared, comm, training, ParallelGroup.DP)
     expert_reduces, expert_gathers = _gradient_buckets(expert_gradients, prepared, comm, training,
                                                        ParallelGroup.EXPERT_DP)
-    link = timer.device.host_copy_gbytes_per_s
-    for b, nbytes in enumerate(offload_nbytes):  # device-to-host beside forward, host-to-device beside backward
-        if nbytes:
-            forward_total += blocks[b].count * exposed_copy_ns(nbytes, forward_ns[b], link)
-            backward_total += blocks[b].count * exposed_copy_ns(nbytes, backward_ns[b], link)
+    link = comm.cluster.host_copy_gbytes_per_s(timer.device.host_copy_gbytes_per_s)
+    for b, by_module in enumerate(offload_nbytes):  # device-to-host beside forward, host-to-device in the backward
+        if by_module:
+            forward_total += blocks[b].count * exposed_copy_ns(sum(by_module.values()), forward_ns[b], link)
+            backward_total += blocks[b].count * _reload_exposed_ns(modules, device, segments, blocks, b, by_module, link)
     fsdp_forward = fsdp_backward = 0.0
     if training.fsdp is not None:
         fsdp_forward, fsdp_backward = _fsdp_exposed(gradients, expert_gradients, prepared, comm, training)

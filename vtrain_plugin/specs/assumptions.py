@@ -119,10 +119,12 @@ def training_assumptions(training: TrainingSpec) -> tuple[str, ...]:
                      "dropout kernels")
     if training.activation_offload is not None:
         lines.append(f"activation offloading ({training.activation_offload.label}): copies run at the device's "
-                     f"host-link bandwidth per direction, taken whole (datasheets: PCIe Gen5 x16 64 GB/s on H100/H200, "
-                     f"Gen4 32 GB/s on A100, NVLink-C2C 450 GB/s on GB200; achieved copies are lower), not "
-                     f"validated; only copy time beyond each layer's own compute is exposed; the size floor is applied "
-                     f"per module, not per tensor")
+                     f"host-link bandwidth per direction (datasheets: PCIe Gen5 x16 64 GB/s on H100/H200, "
+                     f"Gen4 32 GB/s on A100, NVLink-C2C 450 GB/s on GB200), or at the GPU's share of the node's CPU "
+                     f"memory bandwidth with every GPU copying both ways (DGX H100: 614 GB/s / 16) where lower; "
+                     f"achieved copies are lower still, not validated; offloads beyond each layer's forward compute "
+                     f"are exposed, reloads beyond the backward between two offload groups; the size floor is "
+                     f"applied per module, not per tensor")
     if training.log_params_norm or training.log_num_zeros_in_grad:
         lines.append("per-step logging (--log-params-norm / --log-num-zeros-in-grad): one multi-tensor read of 4 bytes "
                      "per local fp32 parameter each, timed as the gradient-norm pass; their scalar all-reduces and "

@@ -46,6 +46,10 @@ class ClusterSpec:
     # Fraction of the nominal network bandwidth NCCL reaches between nodes, in (0, 1]; None: the
     # value calibrated for the GPU and software stack (vtrain_plugin.hardware.calibration), else 1.
     network_efficiency: float | None = None
+    # The node's CPU memory bandwidth, all sockets (channels x transfer rate, datasheet): what the
+    # node's GPUs share when they copy to and from host memory at once. None: not a limit (unknown, or
+    # the host link is the bound).
+    host_memory_bandwidth_gbytes_per_s: float | None = None
     price_per_gpu_hour_usd: float | None = None  # None: cost unknown
     nccl_tables: str | None = None  # measured intra-node NCCL table set, e.g. "a100_sxm"
     name: str = ""
@@ -66,6 +70,9 @@ class ClusterSpec:
             limits.LATENCY_US.non_negative_number(f"cluster.{name}", getattr(self, name))
         if self.network_efficiency is not None:
             limits.NETWORK_EFFICIENCY.positive_number("cluster.network_efficiency", self.network_efficiency)
+        if self.host_memory_bandwidth_gbytes_per_s is not None:
+            limits.HOST_MEMORY_BANDWIDTH.positive_number("cluster.host_memory_bandwidth_gbytes_per_s",
+                                                         self.host_memory_bandwidth_gbytes_per_s)
         if self.price_per_gpu_hour_usd is not None:
             limits.PRICE_PER_GPU_HOUR.non_negative_number("cluster.price_per_gpu_hour_usd",
                                                           self.price_per_gpu_hour_usd)
@@ -94,6 +101,14 @@ class ClusterSpec:
     @property
     def inter_node_latency_ns(self) -> float:
         return self.inter_node_latency_us * NS_PER_US
+
+    def host_copy_gbytes_per_s(self, host_link_gbytes_per_s: float) -> float:
+        """Per GPU and direction, the rate of copies to and from host memory while every GPU of the
+        node copies both ways at once (activation offloading): the host link, or the GPU's share of
+        the node's memory bandwidth where that is lower."""
+        if self.host_memory_bandwidth_gbytes_per_s is None:
+            return host_link_gbytes_per_s
+        return min(host_link_gbytes_per_s, self.host_memory_bandwidth_gbytes_per_s / (2 * self.gpus_per_node))
 
     def num_nodes(self, world_size: int) -> int:
         v.positive_int("world_size", world_size)

@@ -137,6 +137,10 @@ LATENCY_US = Limit(
 NETWORK_EFFICIENCY = Limit(
     quantity="network efficiency", minimum=0.01, maximum=1.0, inputs="cluster.network_efficiency",
     reason="a fraction of the nominal bandwidth; NCCL reaches 50 to 95%")
+HOST_MEMORY_BANDWIDTH = Limit(
+    quantity="host memory bandwidth (GB/s per node)", minimum=1.0, maximum=1e5,
+    inputs="cluster.host_memory_bandwidth_gbytes_per_s",
+    reason="from 1 GB/s to a hundred times a two-socket server's 600 GB/s")
 PRICE_PER_GPU_HOUR = Limit(
     quantity="price (USD per GPU-hour)", maximum=10_000.0, inputs="cluster.price_per_gpu_hour_usd",
     reason="cloud GPUs cost 1 to 10 USD an hour; every cost printed stays finite")
@@ -168,7 +172,7 @@ FILE_VALUES = Limit(
 LIMITS: tuple[Limit, ...] = (
     WORLD_SIZE, GPUS_PER_NODE, NUM_LAYERS, HIDDEN_SIZE, FFN_HIDDEN_SIZE, ATTENTION_HEADS, VOCAB_SIZE, SEQ_LENGTH,
     MICRO_BATCH_SIZE, MICRO_BATCH_TOKENS, GLOBAL_BATCH_SIZE, MICRO_BATCHES, SCHEDULED_PASSES, TOTAL_TOKENS,
-    BUCKET_SIZE_MB, INTRA_NODE_BANDWIDTH, INTER_NODE_BANDWIDTH, LATENCY_US, NETWORK_EFFICIENCY, PRICE_PER_GPU_HOUR,
+    BUCKET_SIZE_MB, INTRA_NODE_BANDWIDTH, INTER_NODE_BANDWIDTH, LATENCY_US, NETWORK_EFFICIENCY, HOST_MEMORY_BANDWIDTH, PRICE_PER_GPU_HOUR,
     FAILURE_RATE, RESTART_MINUTES, STORAGE_BANDWIDTH, CHECKPOINT_INTERVAL, FILE_BYTES, NESTING_DEPTH, FILE_VALUES,
 )
 

@@ -1,13 +1,16 @@
 """Fine-grained activation offloading on a real traced Llama layer (local spec, bf16): the bytes each
 --offload-modules name moves, exactly, under the local spec and TransformerEngine's kept tensors; the
-size floor and fraction; the exposed copy time; and the direction memory moves."""
+size floor and fraction; the offload groups in forward order with the backward that hides each
+reload; the exposed copy time; and the direction memory moves."""
 
 from __future__ import annotations
 
 import pytest
 
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.cost.activation_offload import exposed_copy_ns, offloaded_nbytes
+from vtrain_plugin.core.graph import Phase
+from vtrain_plugin.cost.activation_offload import (exposed_copy_ns, exposed_reload_ns, offload_groups, offloaded_by_module,
+                                                   offloaded_nbytes)
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.specs.activation_offload import ActivationOffload
 from vtrain_plugin.specs.model import ModelSpec
@@ -56,6 +59,26 @@ def test_size_floor_and_fraction(graph):
 def test_exposed_copy_time():
     assert exposed_copy_ns(64_000, 400.0, 64.0) == 600.0  # 64 kB at 64 GB/s: 1000 ns beside 400 ns
     assert exposed_copy_ns(64_000, 2000.0, 64.0) == 0.0
+
+
+def test_reloads_hide_only_behind_the_backward_between_groups(graph):
+    layer = graph.stages[0].layer_template()
+    offload = ActivationOffload(modules=("qkv_linear", "core_attn", "attn_proj"), min_tensor_elements=1)
+    by_module = offloaded_by_module(layer, offload, te=False, element_nbytes=2)
+    assert sum(by_module.values()) == _moved(graph, "qkv_linear", "core_attn", "attn_proj", min_tensor_elements=1)
+    forward = list(dict.fromkeys(n.module for n in layer.nodes if n.phase is Phase.FORWARD))
+    groups = offload_groups(forward, by_module)
+    p = "decoder.layers.0."
+    # qkv's reload hides behind the attention's own ops before core attention (rotary, split); core
+    # attention's (its internals one group) behind nothing: attn_proj's context follows at once;
+    # attn_proj's behind the MLP and, round the layer, the next layer's input norm
+    assert [hiding for _, hiding in groups] == [
+        [p + "self_attention"], [],
+        [p[:-1], p + "pre_mlp_layernorm", p + "mlp.linear_fc1", p + "mlp", p + "mlp.linear_fc2", p + "input_layernorm"]]
+    assert [nbytes for nbytes, _ in groups] == [SBH_BYTES, by_module[p + "self_attention.core_attention"], SBH_BYTES]
+    backward = {p + "self_attention": 100.0, p + "mlp.linear_fc1": 50.0, p + "mlp.linear_fc2": 60.0}
+    # at 1 byte/ns: qkv 8192 - 100, core attention whole, attn_proj 8192 - 110
+    assert exposed_reload_ns(groups, backward, 1.0) == (SBH_BYTES - 100) + groups[1][0] + (SBH_BYTES - 110)
 
 
 def test_offloading_lowers_activation_memory_by_the_moved_bytes(graph):

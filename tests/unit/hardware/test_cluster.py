@@ -21,6 +21,16 @@ def test_presets_and_units():
     assert a100.num_nodes(3360) == 420 and a100.num_nodes(12) == 2
 
 
+def test_host_copies_share_the_nodes_memory_bandwidth():
+    # DGX H100: 2 x 307.2 GB/s of DDR5 for 8 GPUs copying both ways: 38.4 GB/s each, below PCIe Gen5's 64
+    h100 = get_cluster_preset("dgx-h100")
+    assert h100.host_memory_bandwidth_gbytes_per_s == 614.4
+    assert h100.host_copy_gbytes_per_s(64.0) == pytest.approx(38.4)
+    assert get_cluster_preset("dgx-a100").host_copy_gbytes_per_s(32.0) == pytest.approx(25.6)
+    assert ClusterSpec(**BASE).host_copy_gbytes_per_s(32.0) == 32.0  # unknown: the host link alone
+    assert ClusterSpec(**BASE, host_memory_bandwidth_gbytes_per_s=1024.0).host_copy_gbytes_per_s(32.0) == 32.0
+
+
 def test_unknown_preset_lists_valid_names():
     with pytest.raises(ConfigError, match=r"unknown cluster preset 'dgx-z'; valid presets are dgx-a100, dgx-b200, dgx-h100, dgx-h200, gb200-nvl72, gb300-nvl72"):
         get_cluster_preset("dgx-z")
@@ -35,6 +45,7 @@ def test_unknown_preset_lists_valid_names():
     ("price_per_gpu_hour_usd", -2.0, "cluster.price_per_gpu_hour_usd must be a non-negative number"),
     ("network_efficiency", 1.5, "cluster.network_efficiency must lie in [0.01, 1], got 1.5"),
     ("gpu", "", "cluster.gpu must be a non-empty device preset name"),
+    ("host_memory_bandwidth_gbytes_per_s", 0.5, "cluster.host_memory_bandwidth_gbytes_per_s must lie in [1, 100,000], got 0.5"),
 ])
 def test_validation_messages(field, value, message):
     with pytest.raises(ConfigError) as err:

@@ -10,6 +10,11 @@ A segment (one phase of one block instance: consecutive rows of a stage's kernel
 by its host total ``H``, device total ``D`` and pipelined time ``P``; ``n`` repetitions of a layer
 take ``P + (n-1) max(H, D)``, and a segment followed by another takes ``max(P1 + D2, H1 + P2)``, so a
 phase of a chunk is timed exactly without expanding its layers.
+
+A host synchronisation (the host reads a device value, :mod:`vtrain_plugin.cost.host_syncs`) drains
+the pipeline: the host waits until the device has run every kernel issued so far, so the host time
+of the kernels after it is no longer hidden behind a queue. A segment with such waits carries the
+``(H, D, P)`` of its pieces between them, and :func:`sequence` walks their instances one by one.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ class SegmentTime:
     device_ns: float
     pipelined_ns: float
     count: int
+    # With host synchronisations inside: (host, device, pipelined) of each piece, the host waiting
+    # for the device before every piece but the first; empty: none.
+    pieces: tuple[tuple[float, float, float], ...] = ()
 
 
 def _bounds(segments: Sequence[Segment]) -> tuple[np.ndarray, np.ndarray]:
@@ -76,14 +84,48 @@ def segment_times(host: np.ndarray, device: np.ndarray, segments: Sequence[Segme
     return h, d, p
 
 
+def _joined(first: tuple[float, float, float], second: tuple[float, float, float]) -> tuple[float, float, float]:
+    """(H, D, P) of two runs of kernels issued one after the other with no wait between."""
+    (h1, d1, p1), (h2, d2, p2) = first, second
+    pipelined = max(p1 + d2, h1 + p2) if p1 and p2 else p1 + p2
+    return h1 + h2, d1 + d2, pipelined
+
+
+def _walk(total_h: float, total_p: float, pieces: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """Host and pipeline clocks after ``pieces``, the host waiting for the device before each but the first."""
+    for i, (h, _d, p) in enumerate(pieces):
+        if i:
+            total_h = max(total_h, total_p)
+        if p:
+            total_p = max(total_p + _d, total_h + p)
+        total_h += h
+    return total_h, total_p
+
+
+def split_times(host: np.ndarray, device: np.ndarray, segment: Segment, waits: Sequence[int]
+                ) -> tuple[tuple[float, float, float], ...]:
+    """The pieces of ``segment`` between the rows ``waits`` (sorted, inside it) before which the host
+    waits for the device: each piece's (H, D, P)."""
+    bounds = [segment.start, *waits, segment.stop]
+    parts = [Segment(block=segment.block, phase=segment.phase, start=a, stop=b, count=1)
+             for a, b in zip(bounds, bounds[1:])]
+    h, d, p = segment_times(host, device, parts)
+    return tuple(zip(h.tolist(), d.tolist(), p.tolist()))
+
+
 def then(first: SegmentTime, second: SegmentTime) -> SegmentTime:
     """One instance of ``first`` followed by one of ``second``, as one pipelined unit."""
-    if first.pipelined_ns and second.pipelined_ns:
-        pipelined = max(first.pipelined_ns + second.device_ns, first.host_ns + second.pipelined_ns)
+    pieces: tuple[tuple[float, float, float], ...] = ()
+    if first.pieces or second.pieces:
+        a = first.pieces or ((first.host_ns, first.device_ns, first.pipelined_ns),)
+        b = second.pieces or ((second.host_ns, second.device_ns, second.pipelined_ns),)
+        pieces = (*a[:-1], _joined(a[-1], b[0]), *b[1:])
+        pipelined = _walk(0.0, 0.0, pieces)[1]
     else:
-        pipelined = first.pipelined_ns + second.pipelined_ns
+        pipelined = _joined((first.host_ns, first.device_ns, first.pipelined_ns),
+                            (second.host_ns, second.device_ns, second.pipelined_ns))[2]
     return SegmentTime(host_ns=first.host_ns + second.host_ns, device_ns=first.device_ns + second.device_ns,
-                       pipelined_ns=pipelined, count=first.count)
+                       pipelined_ns=pipelined, count=first.count, pieces=pieces)
 
 
 def sequence(parts: Iterable[SegmentTime]) -> float:
@@ -92,6 +134,11 @@ def sequence(parts: Iterable[SegmentTime]) -> float:
     for part in parts:
         n = part.count
         if n == 0 or part.pipelined_ns == 0.0:
+            continue
+        if part.pieces:  # the waits inside keep instances from overlapping: walk each
+            for _ in range(n):
+                total_h, total_p = _walk(total_h, total_p, part.pieces)
+            total_d += n * part.device_ns
             continue
         rep_p = part.pipelined_ns + (n - 1) * max(part.host_ns, part.device_ns)
         total_p = max(total_p + n * part.device_ns, total_h + rep_p)
