@@ -25,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from vtrain_plugin.capture import disk_cache
+from vtrain_plugin.capture.child_trace import load_tracing
 from vtrain_plugin.capture.tracer import run_trace_job, trace_jobs
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
@@ -90,9 +91,10 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     train; ``"days"`` says the latter and needs ``tokens``) or ``"cost"`` (per iteration, or to
     train; needs a price on the cluster). With ``tokens`` and ``training.reliability`` (the default)
     the days and cost to train are the expected ones, failures, restarts and checkpoints counted. ``workers`` processes (default: the CPU count; 1
-    evaluates in this process) or, with ``backend="ray"``, Ray tasks; the processes are fresh
-    interpreters that import vtrain alone (:mod:`~vtrain_plugin.planning.workers`), so a script may
-    call this at its top level, without an ``if __name__ == "__main__":`` guard.
+    evaluates in this process) or, with ``backend="ray"``, Ray tasks; the processes are forked from
+    this one, or fresh interpreters that import vtrain alone where a fork is unsafe
+    (:mod:`~vtrain_plugin.planning.workers`); neither imports the caller's main script, so a script
+    may call this at its top level, without an ``if __name__ == "__main__":`` guard.
     ``progress`` draws a bar on stderr. ``tokens`` adds ``train_days`` and ``train_cost_usd`` for
     training on that many tokens. ``profile_db``: the profile database every estimate reads, as
     :func:`~vtrain_plugin.estimate.estimate` takes it (default ``$VTRAIN_PROFILE_DB``, else the
@@ -136,7 +138,10 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     jobs = trace_jobs(model, [c.parallel for c in candidates])
     batches = make_batches(model, cluster, candidates, profile_db=profile_db)
     local = backend == "local" and workers > 1 and len(batches) > 1  # else evaluated here, or by Ray
-    with WorkerPool(min(workers, max(len(jobs), len(batches)))) as pool:
+    # Forked workers share the imports of tracing when there is some to do (else they need none).
+    with WorkerPool(min(workers, max(len(jobs), len(batches))), preload=load_tracing if jobs else None) as pool:
+        if local:
+            pool.start()  # before the progress bars' thread, which would rule out forking them
         # Traced before the fan-out, so the workers that estimate only read: by those workers, each
         # job by one, when they share the disk cache (without it they trace their own batches).
         with tqdm(total=len(jobs), unit="trace", desc="tracing", file=sys.stderr, disable=not progress) as bar:
