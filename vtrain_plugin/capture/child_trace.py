@@ -59,17 +59,6 @@ def trace_chunks(model: ModelSpec, plan: ParallelPlan, roles: list[Role]) -> lis
     return [ChunkTrace.from_dict(d) for d in reply["traces"]]
 
 
-def load_tracing() -> None:
-    """Import what tracing a chunk here imports (torch, megatron-core's models), as tracing does: so
-    that processes forked from this one share the imports instead of each paying them."""
-    from megatron_adapters.fake_world import quiet_megatron
-    from vtrain_plugin.capture import megatron_chunk  # noqa: F401
-
-    with quiet_megatron():
-        import megatron.core.models.gpt  # noqa: F401
-        import megatron.core.transformer.transformer_config  # noqa: F401
-
-
 def _trace_here(model: ModelSpec, plan: ParallelPlan, roles: list[Role]) -> list[ChunkTrace]:
     # torch and megatron-core are loaded here, when a chunk must really be traced, and only then.
     from vtrain_plugin.capture.megatron_chunk import trace_chunk

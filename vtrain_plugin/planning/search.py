@@ -25,7 +25,6 @@ import numpy as np
 from tqdm import tqdm
 
 from vtrain_plugin.capture import disk_cache
-from vtrain_plugin.capture.child_trace import load_tracing
 from vtrain_plugin.capture.tracer import run_trace_job, trace_jobs
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
@@ -139,7 +138,7 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     batches = make_batches(model, cluster, candidates, profile_db=profile_db)
     local = backend == "local" and workers > 1 and len(batches) > 1  # else evaluated here, or by Ray
     # Forked workers share the imports of tracing when there is some to do (else they need none).
-    with WorkerPool(min(workers, max(len(jobs), len(batches))), preload=load_tracing if jobs else None) as pool:
+    with WorkerPool(min(workers, max(len(jobs), len(batches))), preload=_load_tracing if jobs else None) as pool:
         if local:
             pool.start()  # before the progress bars' thread, which would rule out forking them
         # Traced before the fan-out, so the workers that estimate only read: by those workers, each
@@ -165,6 +164,17 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     table = rank_plans(table, "time" if objective == "days" else objective, time_column=time_column, cost_column=cost_column)
     return SearchResult(table=table, skipped=skipped, objective=objective, time_column=time_column,
                         cost_column=cost_column, top_k=top_k)
+
+
+def _load_tracing() -> None:
+    """Import what tracing a chunk imports (torch, megatron-core's models), as tracing does, so the
+    workers forked from this process share the imports instead of each paying them."""
+    from megatron_adapters.fake_world import quiet_megatron
+    from vtrain_plugin.capture import megatron_chunk  # noqa: F401
+
+    with quiet_megatron():
+        import megatron.core.models.gpt  # noqa: F401
+        import megatron.core.transformer.transformer_config  # noqa: F401
 
 
 def prune_by_memory(model: ModelSpec, candidates: Sequence[Candidate], gpu_memory_gib: float
