@@ -2,6 +2,8 @@
 op (dense layers; MoE chunks are refused and traced); a search traces its shapes before it evaluates,
 deriving micro-batch sizes, and its rows equal the one-plan estimates of directly traced plans."""
 
+import os
+
 import pandas as pd
 import pytest
 
@@ -110,8 +112,8 @@ def test_search_rows_with_derived_traces_equal_one_plan_estimates(tmp_path, monk
 
 
 def test_a_cold_search_traces_in_its_workers_and_equals_the_serial_one(tmp_path, monkeypatch):
-    # The parent may not trace: its trace_chunks raises. The workers are fresh interpreters, so
-    # they trace (and derive micro-batch sizes) into the shared cache, then estimate from it.
+    # The parent may not trace: its trace_chunks raises. The workers (forked from it, or fresh
+    # interpreters) trace (and derive micro-batch sizes) into the shared cache, then estimate from it.
     space = SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2), micro_batch_size=(1, 2, 4, 8),
                         recompute=("full",), grad_reduce=("overlap",))
     monkeypatch.setenv("VTRAIN_CACHE_DIR", str(tmp_path / "serial"))
@@ -120,8 +122,12 @@ def test_a_cold_search_traces_in_its_workers_and_equals_the_serial_one(tmp_path,
     monkeypatch.setenv("VTRAIN_CACHE_DIR", str(tmp_path / "parallel"))
     clear_cache()
 
-    def no_trace(*args, **kwargs):
-        raise AssertionError("the parent traced")
+    parent, traces = os.getpid(), tracer.trace_chunks
+
+    def no_trace(*args, **kwargs):  # a forked worker inherits it: there it traces
+        if os.getpid() == parent:
+            raise AssertionError("the parent traced")
+        return traces(*args, **kwargs)
 
     monkeypatch.setattr(tracer, "trace_chunks", no_trace)
     candidates = enumerate_plans(LLAMA, space, global_batch_size=8, budget=GpuBudget.parse("4"),

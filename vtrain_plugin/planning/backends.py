@@ -1,9 +1,9 @@
 """Where batches of plans are evaluated: this process, local worker processes, or a Ray cluster.
 
 Every backend returns the rows of :func:`~vtrain_plugin.planning.evaluate.evaluate_batch`, so a
-search gives the same numbers whichever runs it. Local workers are fresh interpreters
-(:mod:`~vtrain_plugin.planning.workers`), so each pays one import of torch and megatron-core; one
-worker per batch at most. Ray runs each batch as a task, on a local Ray started with ``workers`` CPUs, or on
+search gives the same numbers whichever runs it. Local workers are forked from this process, or
+fresh interpreters where a fork is unsafe (:mod:`~vtrain_plugin.planning.workers`); one worker per
+batch at most. Ray runs each batch as a task, on a local Ray started with ``workers`` CPUs, or on
 the cluster that ``ray.init`` connects to (``RAY_ADDRESS``) or that the caller already initialised.
 """
 

@@ -90,9 +90,10 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     train; ``"days"`` says the latter and needs ``tokens``) or ``"cost"`` (per iteration, or to
     train; needs a price on the cluster). With ``tokens`` and ``training.reliability`` (the default)
     the days and cost to train are the expected ones, failures, restarts and checkpoints counted. ``workers`` processes (default: the CPU count; 1
-    evaluates in this process) or, with ``backend="ray"``, Ray tasks; the processes are fresh
-    interpreters that import vtrain alone (:mod:`~vtrain_plugin.planning.workers`), so a script may
-    call this at its top level, without an ``if __name__ == "__main__":`` guard.
+    evaluates in this process) or, with ``backend="ray"``, Ray tasks; the processes are forked from
+    this one, or fresh interpreters that import vtrain alone where a fork is unsafe
+    (:mod:`~vtrain_plugin.planning.workers`); neither imports the caller's main script, so a script
+    may call this at its top level, without an ``if __name__ == "__main__":`` guard.
     ``progress`` draws a bar on stderr. ``tokens`` adds ``train_days`` and ``train_cost_usd`` for
     training on that many tokens. ``profile_db``: the profile database every estimate reads, as
     :func:`~vtrain_plugin.estimate.estimate` takes it (default ``$VTRAIN_PROFILE_DB``, else the
@@ -136,7 +137,10 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     jobs = trace_jobs(model, [c.parallel for c in candidates])
     batches = make_batches(model, cluster, candidates, profile_db=profile_db)
     local = backend == "local" and workers > 1 and len(batches) > 1  # else evaluated here, or by Ray
-    with WorkerPool(min(workers, max(len(jobs), len(batches)))) as pool:
+    # Forked workers share the imports of tracing when there is some to do (else they need none).
+    with WorkerPool(min(workers, max(len(jobs), len(batches))), preload=_load_tracing if jobs else None) as pool:
+        if local:
+            pool.start()  # before the progress bars' thread, which would rule out forking them
         # Traced before the fan-out, so the workers that estimate only read: by those workers, each
         # job by one, when they share the disk cache (without it they trace their own batches).
         with tqdm(total=len(jobs), unit="trace", desc="tracing", file=sys.stderr, disable=not progress) as bar:
@@ -160,6 +164,17 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     table = rank_plans(table, "time" if objective == "days" else objective, time_column=time_column, cost_column=cost_column)
     return SearchResult(table=table, skipped=skipped, objective=objective, time_column=time_column,
                         cost_column=cost_column, top_k=top_k)
+
+
+def _load_tracing() -> None:
+    """Import what tracing a chunk imports (torch, megatron-core's models), as tracing does, so the
+    workers forked from this process share the imports instead of each paying them."""
+    from megatron_adapters.fake_world import quiet_megatron
+    from vtrain_plugin.capture import megatron_chunk  # noqa: F401
+
+    with quiet_megatron():
+        import megatron.core.models.gpt  # noqa: F401
+        import megatron.core.transformer.transformer_config  # noqa: F401
 
 
 def prune_by_memory(model: ModelSpec, candidates: Sequence[Candidate], gpu_memory_gib: float

@@ -66,68 +66,56 @@ def task_graph(kind: ScheduleKind, pipeline_parallel: int, virtual_pipeline: int
     pp, m = pipeline_parallel, num_microbatches
     tasks = build_schedule(kind, pp, virtual_pipeline, m, microbatch_group_size).tasks
     stages = pp * virtual_pipeline
-    # Task ids in rank-major order first; (stage, microbatch, is_forward) -> id.
-    ids: dict[tuple[int, int, bool], int] = {}
-    rank_of, stage_of, forward_of, prev_of, mb_of = [], [], [], [], []
-    for r, rank_tasks in enumerate(tasks):
-        for i, task in enumerate(rank_tasks):
-            s = task.chunk * pp + r
-            forward = task.kind is TaskKind.FORWARD
-            ids[s, task.microbatch, forward] = len(rank_of)
-            rank_of.append(r)
-            stage_of.append(s)
-            forward_of.append(forward)
-            mb_of.append(task.microbatch)
-            prev_of.append(len(rank_of) - 2 if i else -1)
-    n = len(rank_of)
-    dep_of, send_of = [], []
-    for t in range(n):
-        s, forward = stage_of[t], forward_of[t]
-        mb = mb_of[t]
-        if forward and s:
-            dep_of.append(ids[s - 1, mb, True])
-            send_of.append(s - 1)
-        elif not forward and s < stages - 1:
-            dep_of.append(ids[s + 1, mb, False])
-            send_of.append(s + 1)
-        else:
-            dep_of.append(-1)
-            send_of.append(stages)
-    level = _levels(prev_of, dep_of, tasks)
-    order = sorted(range(n), key=lambda t: (level[t], rank_of[t]))
-    new = [0] * n
-    for position, t in enumerate(order):
-        new[t] = position
+    # Tasks in rank-major order first, as arrays: the loops below are array operations, not per task.
+    flat = [task for rank_tasks in tasks for task in rank_tasks]
+    n = len(flat)
+    counts = [len(rank_tasks) for rank_tasks in tasks]
+    rank_of = np.repeat(np.arange(pp, dtype=np.intp), counts)
+    forward_of = np.fromiter((task.kind is TaskKind.FORWARD for task in flat), dtype=bool, count=n)
+    mb_of = np.fromiter((task.microbatch for task in flat), dtype=np.intp, count=n)
+    stage_of = np.fromiter((task.chunk for task in flat), dtype=np.intp, count=n) * pp + rank_of
+    first_of_rank = np.zeros(n, dtype=bool)
+    first_of_rank[np.cumsum([0, *counts[:-1]])[np.asarray(counts) > 0]] = True
+    prev_of = np.where(first_of_rank, -1, np.arange(n, dtype=np.intp) - 1)
+    # (stage, microbatch, is_forward) -> task id
+    ids = np.full((stages, m, 2), -1, dtype=np.intp)
+    ids[stage_of, mb_of, forward_of.astype(np.intp)] = np.arange(n, dtype=np.intp)
+    after = forward_of & (stage_of > 0)  # waits on the forward of the stage before
+    before = ~forward_of & (stage_of < stages - 1)  # waits on the backward of the stage after
+    send_of = np.where(after, stage_of - 1, np.where(before, stage_of + 1, stages))
+    dep_of = np.where(after | before, ids[np.minimum(send_of, stages - 1), mb_of, forward_of.astype(np.intp)], -1)
+    level = np.asarray(_levels(prev_of.tolist(), dep_of.tolist(), tasks), dtype=np.intp)
+    order = np.lexsort((rank_of, level))  # by level, then rank (stable: the sort of (level, rank) pairs)
+    new = np.empty(n, dtype=np.intp)
+    new[order] = np.arange(n, dtype=np.intp)
 
-    def remap(old: list[int]) -> np.ndarray:
-        return np.array([new[old[t]] if old[t] >= 0 else n for t in order], dtype=np.intp)
+    def remap(old: np.ndarray) -> np.ndarray:
+        picked = old[order]
+        return np.where(picked >= 0, new[np.maximum(picked, 0)], n)
 
-    levels = [level[t] for t in order]
-    starts = [0] + [i for i in range(1, n) if levels[i] != levels[i - 1]] + [n]
-    steady = _steady_state(order, level, prev_of, dep_of, rank_of, stage_of, forward_of, len(starts) - 1,
+    levels = level[order]
+    starts = [0, *(np.flatnonzero(levels[1:] != levels[:-1]) + 1).tolist(), n]
+    steady = _steady_state(order, level, prev_of, dep_of, rank_of, stage_of, forward_of, starts,
                            max_period=2 * stages)
     last_task = np.zeros(pp, dtype=np.intp)
-    last_backward = np.full(stages, n, dtype=np.intp)
-    for t in range(n):  # rank-major execution order: later tasks overwrite earlier ones
-        last_task[rank_of[t]] = new[t]
-        if not forward_of[t]:
-            last_backward[stage_of[t]] = new[t]
+    has_tasks = np.asarray(counts) > 0
+    last_task[has_tasks] = new[(np.cumsum(counts) - 1)[has_tasks]]  # in rank-major execution order
+    latest = np.full(stages, -1, dtype=np.intp)  # per virtual stage, its last backward in that order
+    np.maximum.at(latest, stage_of[~forward_of], np.flatnonzero(~forward_of))
+    last_backward = np.where(latest >= 0, new[np.maximum(latest, 0)], n)
     return TaskGraph(
         num_tasks=n, num_stages=stages, pipeline_parallel=pp,
-        rank=np.array([rank_of[t] for t in order], dtype=np.intp),
-        stage=np.array([stage_of[t] for t in order], dtype=np.intp),
-        is_forward=np.array([forward_of[t] for t in order], dtype=bool),
-        prev=remap(prev_of), dep=remap(dep_of),
-        send_stage=np.array([send_of[t] for t in order], dtype=np.intp),
+        rank=rank_of[order], stage=stage_of[order], is_forward=forward_of[order],
+        prev=remap(prev_of), dep=remap(dep_of), send_stage=send_of[order],
         level_starts=tuple(starts), last_task=last_task, last_backward=last_backward,
-        first_forward=np.array([new[ids[stage, 0, True]] for stage in range(stages)], dtype=np.intp), steady=steady)
+        first_forward=new[ids[:, 0, 1]], steady=steady)
 
 
 _MIN_REPEATS = 4  # a repeating stretch shorter than this many periods is not worth detecting
 
 
-def _steady_state(order: list[int], level: list[int], prev_of: list[int], dep_of: list[int], rank_of: list[int],
-                  stage_of: list[int], forward_of: list[bool], num_levels: int, *,
+def _steady_state(order: np.ndarray, level: np.ndarray, prev_of: np.ndarray, dep_of: np.ndarray,
+                  rank_of: np.ndarray, stage_of: np.ndarray, forward_of: np.ndarray, starts: list[int], *,
                   max_period: int) -> SteadyState | None:
     """The longest stretch of levels that repeats with some period (the steady 1F1B phase), if any.
 
@@ -137,18 +125,17 @@ def _steady_state(order: list[int], level: list[int], prev_of: list[int], dep_of
     simulation work (each repeat is checked against the simulated end times before it is used), so a
     schedule whose period were longer would be simulated in full, with the same result.
     """
-    def delta(t: int, other: int) -> int:
-        return level[t] - level[other] if other >= 0 else -1
+    def delta(other: np.ndarray) -> np.ndarray:  # levels back to a predecessor, -1 for none
+        return np.where(other >= 0, level - level[np.maximum(other, 0)], -1)
 
-    shapes: dict[int, list] = {}
-    for t in order:
-        shapes.setdefault(level[t], []).append(
-            (rank_of[t], stage_of[t], forward_of[t], delta(t, prev_of[t]), delta(t, dep_of[t])))
-    ids: dict[tuple, int] = {}
-    signature = np.array([ids.setdefault(tuple(shapes[k]), len(ids)) for k in range(num_levels)])
-    lookback = np.zeros(num_levels, dtype=np.intp)
-    for k, tasks in shapes.items():
-        lookback[k] = max(max(p, d) for _, _, _, p, d in tasks)
+    # Level k's shape: (rank, stage, is_forward, levels back to prev, to dep) of its tasks, in order.
+    back_prev, back_dep = delta(prev_of), delta(dep_of)
+    rows = np.stack([rank_of, stage_of, forward_of, back_prev, back_dep], axis=1).astype(np.int64)[order]
+    num_levels = len(starts) - 1
+    ids: dict[bytes, int] = {}
+    signature = np.array([ids.setdefault(rows[starts[k]:starts[k + 1]].tobytes(), len(ids))
+                          for k in range(num_levels)])
+    lookback = np.maximum.reduceat(np.maximum(back_prev, back_dep)[order], starts[:-1]).astype(np.intp)
     best: SteadyState | None = None
     best_saved = 0
     for period in range(1, min(num_levels // _MIN_REPEATS, max_period) + 1):
