@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 from megatron_adapters.conventions import chunk_role
 from vtrain_plugin.capture import disk_cache, folding
 from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
-from vtrain_plugin.capture.child_trace import Role, trace_chunks
 from vtrain_plugin.capture.rescale import PROBES, rescale
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import OpGraph, StageGraph
@@ -40,6 +39,8 @@ from vtrain_plugin.specs.parallel import ParallelPlan
 
 if TYPE_CHECKING:
     import torch
+
+    from vtrain_plugin.capture.child_trace import Role
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +226,11 @@ def _chunk_traces(model: ModelSpec, plan: ParallelPlan, roles: list[Role]) -> di
             continue
         found[role] = traced
     if missing:
+        # here, on a miss only: tracing's process machinery (subprocess, tempfile) is no part of a warm read
+        from vtrain_plugin.capture import child_trace
+
         start = time.perf_counter()
-        for role, traced in zip(missing, trace_chunks(model, plan, missing), strict=True):
+        for role, traced in zip(missing, child_trace.trace_chunks(model, plan, missing), strict=True):
             key = shape_key(model, plan, *role)
             disk_cache.store(key, traced)
             _remember(key, traced)
