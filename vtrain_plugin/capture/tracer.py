@@ -274,9 +274,13 @@ def trace_jobs(model: ModelSpec, plans: Iterable[ParallelPlan], *,
     """The chunk roles of ``plans`` that neither cache holds, one job per role and every size of it
     wanted (the order of first appearance)."""
     wanted: dict[tuple, dict[int, tuple[ParallelPlan, Role]]] = {}
-    for plan in plans:
+    checked: set[tuple] = set()  # a search's plans share few shape keys: each is looked up once
+    for plan in dict.fromkeys(plans):  # plans that differ in training options alone are one plan here
         for role in dict.fromkeys(_roles(model, plan, _plan_chunks(model, plan), traced_layers)):
             key = shape_key(model, plan, *role)
+            if key in checked:
+                continue
+            checked.add(key)
             if key not in _cache and not disk_cache.contains(key):
                 group = shape_key(model, replace(plan, micro_batch_size=1), *role)
                 wanted.setdefault(group, {})[plan.micro_batch_size] = (plan, role)
