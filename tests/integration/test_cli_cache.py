@@ -48,6 +48,8 @@ def test_warm_estimate_is_byte_identical_and_loads_neither_megatron_nor_torch(tm
     # nor the layers a plan file's estimate does not use: the Megatron-LM reader, measured runs, planning
     assert not {name for name in warm_packages
                 if name.startswith(("vtrain_plugin.specs.megatron", "vtrain_plugin.measured", "vtrain_plugin.planning"))}
+    # nor tracing's process machinery, the temporary-file writer, or importlib's package-resource readers
+    assert not {"vtrain_plugin.capture.child_trace", "subprocess", "tempfile", "importlib.resources"} & warm_packages
     again = run_cli("estimate", PLAN, "--format", "json", env={"VTRAIN_CACHE_DIR": str(cache)}, check=True)
     assert again.stdout == cold.stdout
 
@@ -61,6 +63,12 @@ def test_a_config_error_loads_neither_megatron_nor_torch(tmp_path):
     assert "megatron" not in packages and "torch" not in packages
     # nor the plotting and table libraries (a third of a second each; cluster-sim once loaded them)
     assert "matplotlib" not in packages and "pandas" not in packages
+
+
+def test_help_of_every_command_loads_neither_megatron_nor_torch(tmp_path):
+    proc, packages = _imported_modules(tmp_path / "cache", tmp_path, "--help")
+    assert proc.returncode == 0 and "estimate" in proc.stdout
+    assert "megatron" not in packages and "torch" not in packages
 
 
 def test_no_cache_writes_nothing(tmp_path, run_cli):

@@ -7,7 +7,7 @@ import os
 import pandas as pd
 import pytest
 
-from vtrain_plugin.capture import tracer
+from vtrain_plugin.capture import child_trace, tracer
 from vtrain_plugin.capture.megatron_chunk import trace_chunk
 from vtrain_plugin.capture.rescale import PROBES, rescale
 from vtrain_plugin.capture.tracer import clear_cache, prepare_traces, trace
@@ -81,8 +81,8 @@ def test_prepared_traces_are_the_direct_ones_and_evaluating_then_traces_nothing(
                                  training=training, gpus_per_node=8).candidates
     assert {c.parallel.micro_batch_size for c in candidates} == {1, 2, 4, 8}
     calls = []
-    real = tracer.trace_chunks
-    monkeypatch.setattr(tracer, "trace_chunks", lambda model, plan, roles: calls.append(plan.micro_batch_size)
+    real = child_trace.trace_chunks
+    monkeypatch.setattr(child_trace, "trace_chunks", lambda model, plan, roles: calls.append(plan.micro_batch_size)
                         or real(model, plan, roles))
     prepare_traces(DENSE, [c.parallel for c in candidates])
     assert sorted(set(calls)) == [1, *PROBES]  # sizes 4 and 8 derived, 1 traced
@@ -129,7 +129,7 @@ def test_a_cold_search_traces_in_its_workers_and_equals_the_serial_one(tmp_path,
             raise AssertionError("the parent traced")
         return traces(*args, **kwargs)
 
-    monkeypatch.setattr(tracer, "trace_chunks", no_trace)
+    monkeypatch.setattr(child_trace, "trace_chunks", no_trace)
     candidates = enumerate_plans(LLAMA, space, global_batch_size=8, budget=GpuBudget.parse("4"),
                                  training=TrainingSpec(global_batch_size=8), gpus_per_node=8).candidates
     jobs = tracer.trace_jobs(LLAMA, [c.parallel for c in candidates])

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 from megatron_adapters.conventions import chunk_role
 from vtrain_plugin.capture import disk_cache, folding
 from vtrain_plugin.capture.chunk import ChunkTrace, shape_key
-from vtrain_plugin.capture.child_trace import Role, trace_chunks
 from vtrain_plugin.capture.rescale import PROBES, rescale
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import OpGraph, StageGraph
@@ -40,6 +39,8 @@ from vtrain_plugin.specs.parallel import ParallelPlan
 
 if TYPE_CHECKING:
     import torch
+
+    from vtrain_plugin.capture.child_trace import Role
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +226,11 @@ def _chunk_traces(model: ModelSpec, plan: ParallelPlan, roles: list[Role]) -> di
             continue
         found[role] = traced
     if missing:
+        # here, on a miss only: tracing's process machinery (subprocess, tempfile) is no part of a warm read
+        from vtrain_plugin.capture import child_trace
+
         start = time.perf_counter()
-        for role, traced in zip(missing, trace_chunks(model, plan, missing), strict=True):
+        for role, traced in zip(missing, child_trace.trace_chunks(model, plan, missing), strict=True):
             key = shape_key(model, plan, *role)
             disk_cache.store(key, traced)
             _remember(key, traced)
@@ -270,9 +274,13 @@ def trace_jobs(model: ModelSpec, plans: Iterable[ParallelPlan], *,
     """The chunk roles of ``plans`` that neither cache holds, one job per role and every size of it
     wanted (the order of first appearance)."""
     wanted: dict[tuple, dict[int, tuple[ParallelPlan, Role]]] = {}
-    for plan in plans:
+    checked: set[tuple] = set()  # a search's plans share few shape keys: each is looked up once
+    for plan in dict.fromkeys(plans):  # plans that differ in training options alone are one plan here
         for role in dict.fromkeys(_roles(model, plan, _plan_chunks(model, plan), traced_layers)):
             key = shape_key(model, plan, *role)
+            if key in checked:
+                continue
+            checked.add(key)
             if key not in _cache and not disk_cache.contains(key):
                 group = shape_key(model, replace(plan, micro_batch_size=1), *role)
                 wanted.setdefault(group, {})[plan.micro_batch_size] = (plan, role)

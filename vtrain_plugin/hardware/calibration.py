@@ -122,7 +122,6 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -228,7 +227,7 @@ class Calibration:
 
 
 def package_calibration_dir() -> Path:
-    return Path(str(resources.files("vtrain_plugin.hardware").joinpath("data", "calibrations")))
+    return Path(__file__).with_name("data") / "calibrations"
 
 
 def user_calibration_dir() -> Path:

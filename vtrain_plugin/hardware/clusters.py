@@ -12,7 +12,6 @@ import json
 from collections.abc import Mapping
 from dataclasses import fields
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ DEFAULT_GPU = "a100-sxm4-80gb"  # a cluster section that names neither preset no
 
 
 def _preset_dir() -> Path:
-    return Path(str(resources.files("vtrain_plugin.hardware").joinpath("data", "clusters")))
+    return Path(__file__).with_name("data") / "clusters"
 
 
 def cluster_preset_names() -> tuple[str, ...]:

@@ -14,7 +14,6 @@ import json
 import re
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -229,7 +228,7 @@ class DeviceSpec:
 
 
 def _spec_dir() -> Path:
-    return Path(str(resources.files(__package__).joinpath("data", "devices")))
+    return Path(__file__).with_name("data") / "devices"
 
 
 def known_devices() -> list[str]:

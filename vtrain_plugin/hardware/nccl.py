@@ -16,8 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
-from importlib.resources.abc import Traversable
+from pathlib import Path
 from types import MappingProxyType
 
 from vtrain_plugin.core import checks as v
@@ -96,8 +95,8 @@ def parse_table(text: str, *, num_gpus: int, where: str) -> NcclTable:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def _root() -> Traversable:
-    return resources.files("vtrain_plugin.hardware").joinpath("data", "nccl")
+def _root() -> Path:
+    return Path(__file__).with_name("data") / "nccl"
 
 
 @lru_cache(maxsize=None)

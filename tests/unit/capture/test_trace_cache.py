@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from vtrain_plugin.capture import disk_cache, megatron_chunk
+from vtrain_plugin.capture import disk_cache, megatron_chunk, tracer
 from vtrain_plugin.capture.chunk import ChunkTrace, named_shape_key, shape_key
 from vtrain_plugin.capture.tracer import clear_cache, trace
 from vtrain_plugin.core.errors import ConfigError
@@ -322,3 +322,18 @@ def test_moe_features_set_together_change_the_key_and_unset_ones_keep_it():
                 dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)]
     keys = {shape_key(dataclasses.replace(MOE_MODEL, **fields), PLAN, True, True, 2) for fields in together}
     assert len(keys) == len(together) and key not in keys
+
+
+def test_trace_jobs_look_each_shape_up_once_and_ignore_repeated_plans(cache_dir):
+    """A search hands trace_jobs one plan per candidate (about 100,000 for `vtrain size`'s smallest
+    shape, 28,554 distinct, far fewer shape keys): repeats add no job, and no shape is in two jobs."""
+    model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
+    plans = [ParallelPlan(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp, micro_batch_size=b,
+                          recompute=recompute)
+             for tp in (1, 2) for pp in (1, 2) for dp in (1, 2, 4) for b in (1, 2, 4, 8) for recompute in ("none", "full")]
+    jobs = tracer.trace_jobs(model, plans)
+    assert jobs == tracer.trace_jobs(model, [plan for plan in plans for _ in range(3)])
+    keys = [shape_key(model, plan, *job.role) for job in jobs for plan in job.plans]
+    assert len(keys) == len(set(keys)) == len({shape_key(model, plan, *role) for plan in plans
+                                               for role in tracer._roles(model, plan, tracer._plan_chunks(model, plan),
+                                                                         tracer.DEFAULT_TRACED_LAYERS)})
