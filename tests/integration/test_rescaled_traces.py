@@ -122,7 +122,7 @@ def test_a_cold_search_traces_in_its_workers_and_equals_the_serial_one(tmp_path,
     monkeypatch.setenv("VTRAIN_CACHE_DIR", str(tmp_path / "parallel"))
     clear_cache()
 
-    parent, traces = os.getpid(), tracer.trace_chunks
+    parent, traces = os.getpid(), child_trace.trace_chunks
 
     def no_trace(*args, **kwargs):  # a forked worker inherits it: there it traces
         if os.getpid() == parent:
