@@ -26,7 +26,9 @@ floor and offloads nothing; one above it offloads all it keeps. ``fraction`` sca
 
 Memory: each layer keeps ``saved - offloaded``; after warm-up megatron-core does not offload the
 last group of each name (``post_warmup_callback``'s offload margin), so one layer's offloaded bytes
-stay on each rank. Time: the copy of a layer overlaps its own compute (device-to-host beside the
+stay on each rank; a group's backward start reloads the next group (``bulk_reload``), so the one
+back-propagating and the one ahead of it are back on the GPU, at most one layer's offloaded bytes,
+beside that layer's backward (:func:`~vtrain_plugin.cost.memory.backward_rise`). Time: the copy of a layer overlaps its own compute (device-to-host beside the
 next layers' forward, host-to-device beside its backward); what exceeds the layer's phase compute,
 ``max(0, offloaded / host_link - compute)``, is exposed on the compute stream (its event wait).
 """
