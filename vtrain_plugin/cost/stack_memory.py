@@ -165,7 +165,8 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
         memory = tuple(replace(m, activations_gib=m.activations_gib + kept[rank] / GIB,
                                allowance_gib=m.allowance_gib + FRAGMENTATION * kept[rank] / GIB)
                        for rank, m in enumerate(memory))
-    workspaces = workspace_nbytes(graph, stack, architecture)
+    workspaces = workspace_nbytes(graph, stack, architecture,
+                                  tp_comm_overlap=training is not None and training.tp_comm_overlap)
     memory = tuple(replace(m, workspaces_gib=workspaces[rank] / GIB) for rank, m in enumerate(memory))
     if training is not None:
         pools = graph_pool_gib(graph, training)
