@@ -26,8 +26,11 @@ floor and offloads nothing; one above it offloads all it keeps. ``fraction`` sca
 
 Memory: each layer keeps ``saved - offloaded``; after warm-up megatron-core does not offload the
 last group of each name (``post_warmup_callback``'s offload margin), so one layer's offloaded bytes
-stay on each rank. Time, device-to-host: a group's copy is queued on the offload stream at its
-commit and nothing in the forward waits for it, so a layer's copies overlap its forward compute and
+stay on each rank; a group's backward start reloads the next group (``bulk_reload``), so the one
+back-propagating and the one ahead of it are back on the GPU, at most one layer's offloaded bytes,
+beside that layer's backward (:func:`~vtrain_plugin.cost.memory.backward_rise`).
+
+Time, device-to-host: a group's copy is queued on the offload stream at its commit and nothing in the forward waits for it, so a layer's copies overlap its forward compute and
 what exceeds it, ``max(0, offloaded / host_link - compute)``, is exposed (the reload's wait on the
 offload event drains the queue). Host-to-device is serial with the backward: the reload of a group
 starts only when the backward reaches the start of the group after it in forward order

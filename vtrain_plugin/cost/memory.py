@@ -35,16 +35,18 @@ parameters of its chunks:
   tensors of the real model, captured while tracing), at the schedule's peak of micro-batches in
   flight: the most activation bytes the rank holds at once when walking its task order (1F1B:
   ``min(pp - rank, m)`` micro-batches; interleaved: Megatron's ``pp + (pp - 1) / vp`` micro-batches
-  on the first rank, per chunk as the chunks' sizes differ); plus, with ``backward_peaks``, what the
-  traced step held beside them and what its backward added at its peak, the most of any chunk of
-  the rank (:attr:`~vtrain_plugin.core.graph.StageGraph.held_nbytes`, ``backward_peak_nbytes``:
+  on the first rank, per chunk as the chunks' sizes differ); with ``backward_peaks``, each
+  backward in that walk adds, at its start, what the traced step held beside the stash and what its
+  backward added at its peak (:attr:`~vtrain_plugin.core.graph.StageGraph.held_nbytes`, ``backward_peak_nbytes``:
   megatron-core's global buffer of attention scores, one recomputed layer's activations under full
   recompute, the gradients in flight, the logits' gradient on the last stage), as ``max allocated``
   sees them; with ``fused_attention``, the same without what the local core attention allocates
   (``held_outside_attention_nbytes``, ``backward_peak_outside_attention_nbytes``: no score buffer,
-  no score-sized tensors or gradients), and with ``peak_extra`` what a stack's own kernels hold at
-  their backward's peak beyond the traced ops (TE's unfused attention), or what they hold beside the
-  stash in a forward (a fused cross entropy) where that moment is higher: the larger of the two;
+  no score-sized tensors or gradients), and with ``block_extra`` what a stack holds beyond the
+  traced ops in the backward of one block (TE's unfused attention's score gradient, the tensors
+  activation offloading reloads), counted at that block's moment, when the blocks after it have
+  freed their stash (:func:`backward_rise`); or what the stack holds beside the stash in a forward
+  (a fused cross entropy) where that moment is higher: the larger of the two;
 - the GEMM libraries' cuBLAS workspaces (``workspaces_gib``, set by
   :mod:`vtrain_plugin.cost.stack_memory` from :mod:`vtrain_plugin.cost.workspaces`): allocated
   tensors too, by the GPU and the stack;
@@ -69,7 +71,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from vtrain_plugin.core.dtypes import Dtype
-from vtrain_plugin.core.graph import OpGraph, StageGraph
+from vtrain_plugin.core.graph import Block, OpGraph, StageGraph
 from vtrain_plugin.core.units import GIB
 from megatron_adapters.conventions import is_expert_module
 from vtrain_plugin.cost.comm.fsdp import StateShards, state_shards, working_set_units
@@ -84,9 +86,16 @@ from vtrain_plugin.specs.training import TrainingSpec, grad_dtype
 RESERVED_GIB = 2.0  # CUDA context, NCCL buffers, library workspaces (see the module doc)
 FRAGMENTATION = 0.05  # of the tensors' bytes: the caching allocator's fragmentation
 
-PeakLive = Callable[[int, Sequence[int]], tuple[int, int]]
-"""``(pipeline_rank, activation bytes of each of its chunks) -> (peak bytes held, (chunk,
-micro-batch) pairs held then)``: the schedule's walk (``Schedule.peak_live``)."""
+PeakLive = Callable[[int, Sequence[int], Sequence[int]], tuple[int, int]]
+"""``(pipeline_rank, activation bytes of each of its chunks, what each chunk's backward rises above
+its starting level) -> (peak bytes held, (chunk, micro-batch) pairs held then)``: the schedule's walk
+(``Schedule.peak_live``)."""
+
+
+def all_held(pipeline_rank: int, chunk_nbytes: Sequence[int], rise_nbytes: Sequence[int]) -> tuple[int, int]:
+    """A :data:`PeakLive` without a schedule: one micro-batch of every chunk held at once, and the
+    largest rise beside them."""
+    return sum(chunk_nbytes) + max(rise_nbytes, default=0), len(chunk_nbytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,14 +128,16 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
                 gradients: Dtype | None = None, fsdp: FsdpSettings | None = None,
                 optimizer: OptimizerSpec | None = None, backward_peaks: bool = False,
                 fused_attention: bool = False,
-                peak_extra: Callable[[StageGraph], int] | None = None,
+                block_extra: Callable[[StageGraph], Sequence[int]] | None = None,
                 forward_extra: Callable[[StageGraph], int] | None = None) -> tuple[RankMemory, ...]:
     """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule;
     ``backward_peaks``: add the traced step's held bytes and backward peak, those outside the core
     attention with ``fused_attention`` (a stack whose attention allocates no score-sized tensors),
-    plus ``peak_extra(stage)`` where given (what that stack's own kernels hold beyond the traced ops
-    in backward), or ``forward_extra(stage)`` beside the held bytes where that is more (what they
-    hold beside the stash in a forward: another moment, so the larger of the two counts);
+    plus ``block_extra(stage)[k]`` where given (what that stack holds beyond the traced ops in the
+    backward of the stage's block ``k``, once the blocks after it freed their stash), or
+    ``forward_extra(stage)`` beside the held bytes where that is more (what they hold beside the
+    stash in a forward: another moment, so the larger counts); each chunk's rise enters the
+    schedule's walk at its own backward (:func:`backward_rise`);
     ``gradients``: the run's gradient dtype (None: Megatron-LM's default for the model dtype);
     ``fsdp``: the run's FSDP (None: DDP, with the distributed optimizer or not);
     ``optimizer``: the run's (None: Adam in fp32)."""
@@ -149,17 +160,19 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
     held = [(0, 0)] * plan.pipeline_parallel  # FSDP: elements of the units gathered, of their gradients
     matrices = [[0, 0] for _ in range(plan.pipeline_parallel)]  # Muon's 2-D weights: dense, experts
     chunks: list[list[int]] = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]
-    transient = [0] * plan.pipeline_parallel  # held beside the stash plus the backward's rise, the most of any chunk
+    rises: list[list[int]] = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]
+    transient = [0] * plan.pipeline_parallel  # the most any chunk's step rises above its stash
     for stage in graph.stages:
         if backward_peaks:
-            step = (stage.held_outside_attention_nbytes + stage.backward_peak_outside_attention_nbytes
-                    if fused_attention else stage.held_nbytes + stage.backward_peak_nbytes)
-            if peak_extra is not None:
-                step += peak_extra(stage)
-            if forward_extra is not None:  # a forward's moment, apart from the backward's peak
-                held_alone = stage.held_outside_attention_nbytes if fused_attention else stage.held_nbytes
-                step = max(step, held_alone + forward_extra(stage))
-            transient[stage.pipeline_rank] = max(transient[stage.pipeline_rank], step)
+            held_alone = stage.held_outside_attention_nbytes if fused_attention else stage.held_nbytes
+            step = held_alone + (stage.backward_peak_outside_attention_nbytes if fused_attention
+                                 else stage.backward_peak_nbytes)
+            extras = block_extra(stage) if block_extra is not None else [0] * len(stage.blocks)
+            rise = backward_rise(stage.blocks, step, extras)
+            if forward_extra is not None:  # a forward's moment, apart from the backward's
+                rise = max(rise, held_alone + forward_extra(stage))
+            rises[stage.pipeline_rank][stage.chunk] = rise
+            transient[stage.pipeline_rank] = max(transient[stage.pipeline_rank], rise)
         params[stage.pipeline_rank] += stage.num_parameters
         experts[stage.pipeline_rank] += stage.num_expert_parameters
         chunks[stage.pipeline_rank][stage.chunk] = stage.activation_nbytes
@@ -171,8 +184,7 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
                     matrices[stage.pipeline_rank][is_expert_module(module)] += block.count * rows * columns
     out = []
     for rank, count in enumerate(params):
-        activations, inflight = peak_live(rank, chunks[rank])
-        activations += transient[rank]
+        activations, inflight = peak_live(rank, chunks[rank], rises[rank])
         dense, expert = count - experts[rank], experts[rank]
         dense_matrices, expert_matrices = matrices[rank]
 
@@ -198,6 +210,19 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
                              inflight_microbatches=inflight)
         out.append(replace(tensors, allowance_gib=RESERVED_GIB + FRAGMENTATION * tensors.tensors_gib))
     return tuple(out)
+
+
+def backward_rise(blocks: Sequence[Block], step_nbytes: int, extra_nbytes: Sequence[int]) -> int:
+    """What a chunk's backward rises above its starting level (its stash in place): the traced
+    step's ``step_nbytes`` (held plus the backward's peak, whose moment the trace does not say), and
+    at the backward of each block ``k`` (last to first) that plus ``extra_nbytes[k]`` less the stash
+    of the blocks after it, freed by then (a layer block's instances all still hold theirs when its
+    first one back-propagates)."""
+    rise = freed = 0
+    for block, extra in zip(reversed(blocks), reversed(extra_nbytes), strict=True):
+        rise = max(rise, extra - freed)
+        freed += block.count * block.activation_nbytes
+    return step_nbytes + rise
 
 
 def layer_wise_optimizer_nbytes(stages: Sequence[StageGraph], per_param: int, per_matrix_element: int,

@@ -36,7 +36,9 @@ The GEMM libraries' cuBLAS workspaces of the GPU's generation are
 :func:`~vtrain_plugin.cost.workspaces.workspace_nbytes`'s.
 CUDA graphs add their static buffers to the allowance (:func:`~vtrain_plugin.cost.cuda_graphs.graph_pool_gib`).
 Activation offloading moves what :func:`~vtrain_plugin.cost.activation_offload.offloaded_nbytes` says
-of each layer to host memory, less one layer's worth per rank that megatron-core keeps.
+of each layer to host memory, less one layer's worth per rank that megatron-core keeps, and brings
+back at most one layer instance's worth during that layer's backward (the group back-propagating
+and the one reloaded ahead of it), counted at that block's moment of the backward.
 """
 
 from __future__ import annotations
@@ -81,12 +83,15 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
                        else fused_attention_saved_delta)
     offload = None if training is None else training.activation_offload
     moved = [[0.0 for _ in stage.blocks] for stage in graph.stages]  # per stage and block instance
+    reloaded: dict[tuple[int, int, str], float] = {}  # by (pipeline rank, chunk, block name): per instance
     if offload is not None:
         unfused = training.unfused_attention
         moved = [[offloaded_nbytes(block, offload, te=stack is SoftwareStack.MEGATRON_CORE_TE,
                                    element_nbytes=graph.dtype.nbytes, fp8=fp8, unfused_attention=unfused,
                                    quantised_nbytes=quantised.nbytes if fp8 else 1.0) for block in stage.blocks]
                  for stage in graph.stages]
+        reloaded = {(stage.pipeline_rank, stage.chunk, block.name): nbytes
+                    for stage, row in zip(graph.stages, moved) for block, nbytes in zip(stage.blocks, row)}
         graph = replace(graph, stages=tuple(
             replace(stage, blocks=tuple(replace(block, activation_nbytes=block.activation_nbytes - round(nbytes))
                                         for block, nbytes in zip(stage.blocks, moved[i])))
@@ -126,13 +131,13 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
     graph = replace(graph, stages=tuple(replace(stage, blocks=stack_blocks(stage.blocks)) for stage in graph.stages))
     fsdp = None if training is None else training.fsdp
 
-    def memory_of(walked: OpGraph, extra: Callable[[StageGraph], int],
+    def memory_of(walked: OpGraph, extra: Callable[[StageGraph], list[int]],
                   forward: Callable[[StageGraph], int] | None) -> tuple[RankMemory, ...]:
         return rank_memory(walked, peak_live,
                            distributed_optimizer=training is not None and training.distributed_optimizer,
                            gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
                            optimizer=None if training is None else training.optimizer,
-                           backward_peaks=True, fused_attention=te, peak_extra=extra, forward_extra=forward)
+                           backward_peaks=True, fused_attention=te, block_extra=extra, forward_extra=forward)
 
     def cross_entropy(stage: StageGraph) -> int:
         return _forward_extra(graph, stage, training)
@@ -145,14 +150,14 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
         attention = captures_attention(training)
         unfused = te and training.unfused_attention and attention
         capture = memory_of(_saved_by_walk(graph, captured, captured=True),
-                            lambda stage: max((unfused_backward_score_nbytes(b.nodes) if unfused else 0
-                                               for b in stage.blocks), default=0), None)
+                            lambda stage: [unfused_backward_score_nbytes(b.nodes) if unfused else 0
+                                           for b in stage.blocks], None)
         replay = memory_of(_saved_by_walk(graph, captured, captured=False),
-                           lambda stage: _peak_extra(graph, stage, te, training, attention_captured=attention),
+                           lambda stage: _block_extra(graph, stage, te, training, reloaded, attention_captured=attention),
                            cross_entropy)
         memory = tuple(max(r, c, key=lambda m: m.activations_gib) for r, c in zip(replay, capture))
     else:
-        memory = memory_of(graph, lambda stage: _peak_extra(graph, stage, te, training), cross_entropy)
+        memory = memory_of(graph, lambda stage: _block_extra(graph, stage, te, training, reloaded), cross_entropy)
     if offload is not None:  # the last group of each name stays: one layer's offloaded bytes per rank
         kept = [0.0] * graph.parallel.pipeline_parallel
         for stage, nbytes in zip(graph.stages, moved):
@@ -160,7 +165,8 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
         memory = tuple(replace(m, activations_gib=m.activations_gib + kept[rank] / GIB,
                                allowance_gib=m.allowance_gib + FRAGMENTATION * kept[rank] / GIB)
                        for rank, m in enumerate(memory))
-    workspaces = workspace_nbytes(graph, stack, architecture)
+    workspaces = workspace_nbytes(graph, stack, architecture,
+                                  tp_comm_overlap=training is not None and training.tp_comm_overlap)
     memory = tuple(replace(m, workspaces_gib=workspaces[rank] / GIB) for rank, m in enumerate(memory))
     if training is not None:
         pools = graph_pool_gib(graph, training)
@@ -194,14 +200,16 @@ def _saved_by_walk(graph: OpGraph, captured_nbytes: list[list[int]], *, captured
     return replace(graph, stages=tuple(stages))
 
 
-def _peak_extra(graph: OpGraph, stage: StageGraph, te: bool, training: TrainingSpec | None, *,
-                attention_captured: bool = False) -> int:
-    """What the stack's own kernels hold at the backward peak of ``stage`` beyond the traced ops, the
-    most of its blocks: TE's unfused attention's backward (unless a CUDA graph captured it, see
-    :func:`stack_rank_memory`); with the output layer's deferred weight gradients, those of the
-    earlier micro-batches besides."""
+def _block_extra(graph: OpGraph, stage: StageGraph, te: bool, training: TrainingSpec | None,
+                 reloaded: dict[tuple[int, int, str], float], *, attention_captured: bool = False) -> list[int]:
+    """What the stack holds beyond the traced ops in the backward of each block of ``stage``: TE's
+    unfused attention's score gradient (unless a CUDA graph captured it, see
+    :func:`stack_rank_memory`); the tensors activation offloading brought back for the instance
+    back-propagating and the group reloaded ahead of it, at most one instance's offloaded bytes
+    (``reloaded``, per instance by rank, chunk and block name); with the output layer's deferred
+    weight gradients, those of the earlier micro-batches, beside every block."""
     if training is None:
-        return 0
+        return [0] * len(stage.blocks)
     deferred = 0
     if training.defer_embedding_wgrad:
         plan = graph.parallel
@@ -209,8 +217,8 @@ def _peak_extra(graph: OpGraph, stage: StageGraph, te: bool, training: TrainingS
         deferred = sum(deferred_wgrad_nbytes(b, graph.dtype.nbytes, microbatches, training.wgrad_deferral_limit)
                        for b in stage.blocks)
     unfused = te and training.unfused_attention and not attention_captured
-    return deferred + max((unfused_backward_score_nbytes(b.nodes) if unfused else 0 for b in stage.blocks),
-                          default=0)
+    return [deferred + (unfused_backward_score_nbytes(b.nodes) if unfused else 0)
+            + round(reloaded.get((stage.pipeline_rank, stage.chunk, b.name), 0.0)) for b in stage.blocks]
 
 
 def _forward_extra(graph: OpGraph, stage: StageGraph, training: TrainingSpec | None) -> int:

@@ -12,7 +12,11 @@ Both come from PyTorch's caching allocator, so ``max allocated`` counts them:
 - TransformerEngine keeps one cuBLAS workspace for its GEMMs (``module.base.get_workspace``,
   ``get_cublas_workspace_size_bytes``: 4 MiB before Hopper, 32 MiB + 1 KiB from Hopper on) and, once
   a grouped GEMM runs (``GroupedLinear``: megatron-core's ``TEGroupedMLP``, ``moe_grouped_gemm``),
-  one more per multi-stream cuBLAS stream (``get_multi_stream_cublas_workspace``, 4 streams).
+  one more per multi-stream cuBLAS stream (``get_multi_stream_cublas_workspace``, 4 streams);
+  with TP communication overlap (Megatron-LM's ``--tp-comm-overlap``, which calls TE's
+  ``initialize_ub``) that one workspace is replaced by its copy repeated for each of the overlapped
+  GEMMs' streams (``get_workspace().repeat(_NUM_MAX_UB_STREAMS)``, 3 streams). The userbuffers
+  themselves are registered by TE's C++ code outside PyTorch's allocator.
 
 Why: on the small models of NVIDIA's functional tests they are 1-7% of the measured peak, and their
 size is why H100 runs hold more than the same runs on A100. Not counted: a ``CUBLAS_WORKSPACE_CONFIG``
@@ -33,11 +37,13 @@ TORCH_CUBLAS_HOPPER_NBYTES = 4096 * KIB * 8  # ":4096:8", its default on Hopper
 TE_CUBLAS_NBYTES = 4 * MIB  # TransformerEngine's get_cublas_workspace_size_bytes before Hopper
 TE_CUBLAS_HOPPER_NBYTES = 32 * MIB + KIB  # from Hopper on: 32 MiB and 1 KiB for alignment and scales
 TE_CUBLAS_STREAMS = 4  # TransformerEngine's multi-stream cuBLAS streams (grouped GEMMs)
+TE_UB_STREAMS = 3  # TransformerEngine's _NUM_MAX_UB_STREAMS: its workspace repeated by initialize_ub
 
 
-def workspace_nbytes(graph: OpGraph, stack: SoftwareStack, architecture: GpuArchitecture | None) -> tuple[int, ...]:
+def workspace_nbytes(graph: OpGraph, stack: SoftwareStack, architecture: GpuArchitecture | None, *,
+                     tp_comm_overlap: bool = False) -> tuple[int, ...]:
     """Bytes of GEMM workspaces each pipeline rank of ``graph`` holds as ``stack`` runs it on a GPU of
-    ``architecture`` (None or the CPU: none)."""
+    ``architecture`` (None or the CPU: none), with TP communication overlap or not."""
     ranks = graph.parallel.pipeline_parallel
     if architecture is None or architecture is GpuArchitecture.CPU:
         return (0,) * ranks
@@ -47,12 +53,13 @@ def workspace_nbytes(graph: OpGraph, stack: SoftwareStack, architecture: GpuArch
     te_nbytes = (TE_CUBLAS_HOPPER_NBYTES if hopper else TE_CUBLAS_NBYTES) if te else 0
     grouped = te and graph.model is not None and graph.model.moe_grouped_gemm
     torch_gemm = [not te] * ranks
-    te_workspaces = [1] * ranks
+    base = TE_UB_STREAMS if te and tp_comm_overlap else 1  # TE's own, repeated by initialize_ub with TP overlap
+    te_workspaces = [base] * ranks
     for stage in graph.stages:
         if te and _runs_torch_gemm(stage):
             torch_gemm[stage.pipeline_rank] = True
         if grouped and stage.num_expert_parameters:
-            te_workspaces[stage.pipeline_rank] = 1 + TE_CUBLAS_STREAMS
+            te_workspaces[stage.pipeline_rank] = base + TE_CUBLAS_STREAMS
     return tuple(torch_nbytes * uses_torch + te_nbytes * count for uses_torch, count in zip(torch_gemm, te_workspaces))
 
 

@@ -55,18 +55,25 @@ class Schedule:
         """
         return self.peak_inflight_per_rank[pipeline_rank]
 
-    def peak_live(self, pipeline_rank: int, chunk_nbytes: Sequence[int]) -> tuple[int, int]:
-        """(Most activation bytes rank ``pipeline_rank`` holds at once, the (chunk, micro-batch)
-        pairs it holds then), for chunks whose forward keeps ``chunk_nbytes[c]`` each until their
-        backward: the walk of its task order, or :meth:`peak_inflight` times the size when its
-        chunks are alike."""
-        if len(set(chunk_nbytes)) <= 1:
-            return self.peak_inflight(pipeline_rank) * (chunk_nbytes[0] if chunk_nbytes else 0), \
-                self.peak_inflight(pipeline_rank)
+    def peak_live(self, pipeline_rank: int, chunk_nbytes: Sequence[int],
+                  rise_nbytes: Sequence[int] = ()) -> tuple[int, int]:
+        """(Most bytes rank ``pipeline_rank`` holds at once, the (chunk, micro-batch) pairs it holds
+        then), for chunks whose forward keeps ``chunk_nbytes[c]`` each until their backward, and
+        whose backward rises ``rise_nbytes[c]`` above the level it starts from (none: 0): the
+        walk of its task order, each forward's level after it and each backward's at its start plus
+        its rise; or :meth:`peak_inflight` times the size plus the rise when its chunks are alike
+        (1F1B and GPipe run a backward at their peak level)."""
+        rises = tuple(rise_nbytes) or (0,) * len(chunk_nbytes)
+        if len(set(zip(chunk_nbytes, rises))) <= 1:
+            return self.peak_inflight(pipeline_rank) * (chunk_nbytes[0] if chunk_nbytes else 0) + \
+                (rises[0] if rises else 0), self.peak_inflight(pipeline_rank)
         chunks, sign = self.task_walks[pipeline_rank]
-        live = np.cumsum(sign * np.asarray(chunk_nbytes, dtype=np.int64)[chunks])
-        peak = int(np.argmax(live))
-        return int(live[peak]), int(np.cumsum(sign)[peak])
+        sizes = np.asarray(chunk_nbytes, dtype=np.int64)[chunks]
+        live = np.cumsum(sign * sizes)
+        backward = sign < 0
+        moments = np.where(backward, live + sizes + np.asarray(rises, dtype=np.int64)[chunks], live)
+        peak = int(np.argmax(moments))
+        return int(moments[peak]), int(np.cumsum(sign)[peak]) + int(backward[peak])
 
     @property
     def peak_inflight_microbatches(self) -> tuple[float, ...]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.core.graph import Phase
+from vtrain_plugin.core.graph import BlockKind, Phase
 from vtrain_plugin.cost.activation_offload import (exposed_copy_ns, exposed_reload_ns, offload_groups, offloaded_by_module,
                                                    offloaded_nbytes)
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
@@ -83,7 +83,7 @@ def test_reloads_hide_only_behind_the_backward_between_groups(graph):
 
 def test_offloading_lowers_activation_memory_by_the_moved_bytes(graph):
     def peak(training):
-        return stack_rank_memory(graph, lambda rank, chunks: (sum(chunks) * 4, 4), SoftwareStack.MEGATRON_CORE_TE,
+        return stack_rank_memory(graph, lambda rank, chunks, rises: (sum(chunks) * 4 + max(rises), 4), SoftwareStack.MEGATRON_CORE_TE,
                                  training)[0]
     base = peak(TrainingSpec(global_batch_size=8))
     offload = ActivationOffload(modules=("qkv_linear", "core_attn", "attn_proj"), min_tensor_elements=1)
@@ -92,6 +92,32 @@ def test_offloading_lowers_activation_memory_by_the_moved_bytes(graph):
     # 2 layers x 4 micro-batches offloaded, one layer's worth kept back
     assert off.activations_gib < base.activations_gib
     assert (base.activations_gib - off.activations_gib) * 2**30 == pytest.approx(2 * 4 * moved - moved)
+
+
+def test_a_blocks_backward_rises_once_the_blocks_after_it_freed_their_stash(graph):
+    """What a stack adds in one block's backward (a reloaded group, TE's unfused score gradient)
+    stands beside the stash of that block and those before it: the head's is gone by a layer's."""
+    from vtrain_plugin.cost.memory import backward_rise
+
+    blocks = graph.stages[0].blocks
+    kinds = [b.kind for b in blocks]
+    assert kinds[0] is BlockKind.EMBEDDING and kinds[-1] is BlockKind.HEAD
+    layer_at = kinds.index(BlockKind.LAYER)
+    layers, head = blocks[layer_at], blocks[-1]
+    assert layers.count == 2 and layer_at == len(blocks) - 2
+
+    def extras(**at: int) -> list[int]:
+        where = {"embedding": 0, "layers": layer_at, "head": len(blocks) - 1}
+        return [next((n for name, n in at.items() if where[name] == k), 0) for k in range(len(blocks))]
+
+    step = 1000
+    assert backward_rise(blocks, step, extras()) == step
+    assert backward_rise(blocks, step, extras(head=7)) == step + 7  # the head's, with every stash in place
+    # the layers' first instance back-propagates after the head freed its stash; both instances hold theirs
+    assert backward_rise(blocks, step, extras(layers=head.activation_nbytes + 7)) == step + 7
+    assert backward_rise(blocks, step, extras(layers=head.activation_nbytes - 7)) == step
+    after_embedding = sum(b.count * b.activation_nbytes for b in blocks[1:])
+    assert backward_rise(blocks, step, extras(embedding=after_embedding + 9, head=5)) == step + 9
 
 
 def test_settings_validate_and_round_trip():

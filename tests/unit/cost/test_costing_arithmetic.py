@@ -132,6 +132,18 @@ def test_interleaved_peak_walks_the_schedule_with_each_chunks_activations():
     assert schedule.peak_live(1, [0, 10]) == (10, 3)
 
 
+def test_each_backward_rises_above_the_level_it_starts_from():
+    # the same schedule; a chunk's backward rise counts at its start, beside what is held then
+    schedule = build_schedule("interleaved_1f1b", 2, 2, 4)
+    # rank 0: B(c1 1) starts right after F(c0 3), with 4 chunk-0 pairs and one chunk-1 pair held
+    assert schedule.peak_live(0, [100, 1], [0, 1000]) == (4 * 100 + 1 + 1000, 5)
+    # rank 1: B(c0 0) starts once both chunk-1 pairs are gone, with three chunk-0 pairs of 0 bytes
+    assert schedule.peak_live(1, [0, 10], [50, 0]) == (50, 3)
+    # alike chunks: the peak level, which a backward starts from, plus the rise
+    assert schedule.peak_live(0, [7, 7], [3, 3]) == (5 * 7 + 3, 5)
+    assert build_schedule("1f1b", 4, 1, 8).peak_live(1, [7], [3]) == (3 * 7 + 3, 3)
+
+
 def test_distributed_optimizer_runs_each_parameter_kernel_on_its_shard():
     from vtrain_plugin.core.graph import KernelKey, OpNode
     from vtrain_plugin.cost.comm.optimizer_shard import shard_optimizer

@@ -57,8 +57,22 @@ def test_transformer_engine_adds_its_own_and_pytorchs_gemms_are_the_output_layer
 def test_grouped_gemm_experts_add_a_workspace_per_stream(moe):
     grouped = replace(moe, model=replace(MOE, moe_grouped_gemm=True))
     assert workspace_nbytes(grouped, TE, HOPPER) == (5 * TE_HOPPER + TORCH_HOPPER,) * 2
+    # once per GPU, however many of its chunks run experts
+    chunks = replace(grouped, parallel=replace(grouped.parallel, virtual_pipeline=2),
+                     stages=tuple(replace(s, chunk=c) for s in grouped.stages for c in (0, 1)))
+    assert workspace_nbytes(chunks, TE, HOPPER) == (5 * TE_HOPPER + TORCH_HOPPER,) * 2
+    assert workspace_nbytes(chunks, TE, HOPPER, tp_comm_overlap=True) == (7 * TE_HOPPER + TORCH_HOPPER,) * 2
     assert workspace_nbytes(grouped, TE, AMPERE) == (5 * TE_AMPERE + TORCH_AMPERE,) * 2
     assert workspace_nbytes(grouped, LOCAL, HOPPER) == (TORCH_HOPPER,) * 2  # no TE: no grouped-GEMM streams
+
+
+def test_tp_comm_overlap_repeats_transformer_engines_workspace_for_its_streams(gpt, moe):
+    # initialize_ub: get_workspace().repeat(_NUM_MAX_UB_STREAMS), 3 streams, in place of the one
+    assert workspace_nbytes(gpt, TE, HOPPER, tp_comm_overlap=True) == (3 * TE_HOPPER, 3 * TE_HOPPER + TORCH_HOPPER)
+    assert workspace_nbytes(gpt, TE, AMPERE, tp_comm_overlap=True) == (3 * TE_AMPERE, 3 * TE_AMPERE + TORCH_AMPERE)
+    grouped = replace(moe, model=replace(MOE, moe_grouped_gemm=True))
+    assert workspace_nbytes(grouped, TE, HOPPER, tp_comm_overlap=True) == (7 * TE_HOPPER + TORCH_HOPPER,) * 2
+    assert workspace_nbytes(gpt, LOCAL, HOPPER, tp_comm_overlap=True) == (TORCH_HOPPER,) * 2  # no TE, no ub
 
 
 @pytest.mark.parametrize(("gpu", "nbytes"), [("a100", TE_AMPERE + TORCH_AMPERE), ("h100", TE_HOPPER + TORCH_HOPPER)])

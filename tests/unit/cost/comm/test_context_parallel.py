@@ -208,8 +208,8 @@ def test_the_distributed_optimizer_shards_over_data_and_context_parallel_ranks()
     stage = StageGraph(pipeline_rank=0, blocks=(Block(kind=BlockKind.LAYER, name=LAYER, num_parameters=2**30),))
     graph = OpGraph(model=None, parallel=ParallelPlan(context_parallel=4, data_parallel=2), micro_batch_size=1,
                     seq_length=96, stages=(stage,))
-    (whole,) = rank_memory(graph, lambda rank, chunks: (0, 1))
-    (sharded,) = rank_memory(graph, lambda rank, chunks: (0, 1), distributed_optimizer=True)
+    (whole,) = rank_memory(graph, lambda rank, chunks, rises: (0, 1))
+    (sharded,) = rank_memory(graph, lambda rank, chunks, rises: (0, 1), distributed_optimizer=True)
     assert sharded.optimizer_gib == whole.optimizer_gib / 8 and sharded.weights_gib == whole.weights_gib
 
 

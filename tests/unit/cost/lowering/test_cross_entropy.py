@@ -8,6 +8,7 @@ import pytest
 from vtrain_plugin.core.graph import BlockKind
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.lowering.cross_entropy import deferred_wgrad_nbytes, fused_cross_entropy_forward_nbytes
+from vtrain_plugin.cost.memory import all_held
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
@@ -36,7 +37,7 @@ def test_the_loss_holds_one_more_fp32_copy_of_the_logits(gpt):
 def test_only_the_stage_of_the_loss_peaks_higher(gpt, stack):
     def memory(fusion: bool):
         training = TrainingSpec(global_batch_size=8, cross_entropy_fusion=fusion)
-        return stack_rank_memory(gpt, lambda rank, chunks: (sum(chunks), len(chunks)), stack, training)
+        return stack_rank_memory(gpt, all_held, stack, training)
 
     fused, unfused = memory(True), memory(False)
     assert fused[0] == unfused[0]
@@ -53,7 +54,7 @@ def test_deferred_output_layer_wgrad_keeps_earlier_micro_batches(gpt, limit, hel
 
     def memory(defer: bool):
         training = TrainingSpec(global_batch_size=4 * MB, defer_embedding_wgrad=defer, wgrad_deferral_limit=limit)
-        return stack_rank_memory(gpt, lambda rank, chunks: (sum(chunks), len(chunks)), SoftwareStack.MEGATRON_CORE_TE,
+        return stack_rank_memory(gpt, all_held, SoftwareStack.MEGATRON_CORE_TE,
                                  training)
 
     deferred, plain = memory(True), memory(False)
@@ -73,8 +74,9 @@ def test_the_fused_forward_and_the_backward_peak_are_two_moments(gpt, backward_e
     stage = gpt.stages[-1]
     head = next(b for b in stage.blocks if b.kind is BlockKind.HEAD)
     forward = fused_cross_entropy_forward_nbytes(head.nodes, 2)
-    memory = rank_memory(gpt, lambda rank, chunks: (sum(chunks), len(chunks)), backward_peaks=True,
-                         peak_extra=lambda s: backward_extra, forward_extra=lambda s: forward)[-1]
+    assert stage.blocks[-1] is head  # the extra at the head's backward, the first moment
+    memory = rank_memory(gpt, all_held, backward_peaks=True, forward_extra=lambda s: forward,
+                         block_extra=lambda s: [0] * (len(s.blocks) - 1) + [backward_extra])[-1]
     backward = stage.held_nbytes + stage.backward_peak_nbytes + backward_extra
     assert memory.activations_gib * GIB == stage.activation_nbytes + max(backward, stage.held_nbytes + forward)
     assert (backward > stage.held_nbytes + forward) == bool(backward_extra)  # each moment is the peak once

@@ -11,6 +11,7 @@ from vtrain_plugin.core.graph import BlockKind
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta
 from vtrain_plugin.cost.lowering.megatron_core_te import fused_attention_saved_delta
+from vtrain_plugin.cost.memory import all_held
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.specs.model import ModelSpec
@@ -88,7 +89,7 @@ def test_the_run_sets_gradient_and_fp8_weight_bytes():
 
     def memory(**training):
         spec = TrainingSpec(global_batch_size=MB, **training)
-        (rank,) = stack_rank_memory(graph, lambda rank, chunks: (sum(chunks), len(chunks)),
+        (rank,) = stack_rank_memory(graph, all_held,
                                     SoftwareStack.MEGATRON_CORE_TE, spec)
         return rank
 

@@ -14,6 +14,7 @@ from vtrain_plugin.cost.lowering.fp8 import fp8_weight_numel
 from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta
 from vtrain_plugin.cost.lowering.megatron_core_te import (fused_attention_saved_delta, fused_softmax_saved_delta,
                                                          unfused_backward_score_nbytes)
+from vtrain_plugin.cost.memory import all_held
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.specs.model import ModelSpec
@@ -317,7 +318,7 @@ def test_the_causal_mask_is_a_stage_block_that_fused_attention_does_not_keep():
     assert stage_blocks(selective)["stage"] == stage_blocks(none)["stage"] + mask
 
     def activations(graph, stack):
-        memory = stack_rank_memory(graph, lambda rank, chunks: (sum(chunks), len(chunks)), stack)
+        memory = stack_rank_memory(graph, all_held, stack)
         return memory[0].activations_gib * GIB
 
     layer = none.stages[0].layer_template()
