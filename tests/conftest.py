@@ -17,17 +17,17 @@ _SESSION_CACHE = "VTRAIN_TEST_SESSION_TRACE_CACHE"  # the controller's cache, in
 def python_m():
     """``python -m MODULE ARGS`` as a real separate process, forked from this worker's zygote
     (tests/support/zygote.py: torch, megatron-core and vtrain imported once); same arguments and
-    result as ``subprocess.run(..., capture_output=True, text=True)``. ``fresh=True``: a new
-    interpreter, for what a fork cannot show (imports, interpreter flags, signals)."""
+    result as ``subprocess.run(..., capture_output=True, text=True)``, ``input`` its stdin.
+    ``fresh=True``: a new interpreter, for what a fork cannot show (imports, interpreter flags, signals)."""
     zygote = Zygote()
 
     def run(module: str, *args: str, cwd: Path | str = REPO, env: dict | None = None, timeout: float = 600,
-            fresh: bool = False) -> subprocess.CompletedProcess:
+            fresh: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
         env = dict(os.environ if env is None else env)
         if fresh:
             return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd,
-                                  env=env, timeout=timeout)
-        return zygote.run(module, list(args), cwd=cwd, env=env, timeout=timeout)
+                                  env=env, timeout=timeout, input=input)
+        return zygote.run(module, list(args), cwd=cwd, env=env, timeout=timeout, input=input)
     yield run
     zygote.close()
 

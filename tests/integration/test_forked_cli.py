@@ -12,17 +12,18 @@ import json, os, sys, threading
 import vtrain_plugin
 print(json.dumps({"pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv[1:], "probe": os.environ.get("PROBE"),
                   "path0": sys.path[0], "main": __name__, "left_by_another": hasattr(vtrain_plugin, "_probe"),
-                  "dont_write_bytecode": sys.flags.dont_write_bytecode, "threads": threading.active_count()}))
+                  "dont_write_bytecode": sys.flags.dont_write_bytecode, "threads": threading.active_count(),
+                  "stdin": sys.stdin.read()}))
 vtrain_plugin._probe = True
 print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))
 """
 
 
-def _probe(python_m, folder, *args, **env):
+def _probe(python_m, folder, *args, input=None, **env):
     (folder / "probe_module.py").write_text(PROBE)
     env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
-    proc = python_m("probe_module", *args, cwd=folder, env=env)
+    proc = python_m("probe_module", *args, cwd=folder, env=env, input=input)
     return proc, json.loads(proc.stdout)
 
 
@@ -32,10 +33,11 @@ def test_a_child_runs_the_module_where_and_as_asked_and_exits_with_its_status(py
     assert first.args[1:] == ["-m", "probe_module", "3", "two words"]
     assert seen["cwd"] == seen["path0"] == str(tmp_path) and seen["argv"] == ["3", "two words"]
     assert seen["probe"] == "one" and seen["main"] == "__main__" and seen["pid"] != os.getpid()
-    assert not seen["left_by_another"] and seen["threads"] == 1
+    assert not seen["left_by_another"] and seen["threads"] == 1 and seen["stdin"] == ""
     assert seen["dont_write_bytecode"] == bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
-    second, again = _probe(python_m, tmp_path, "0")
+    second, again = _probe(python_m, tmp_path, "0", input="a request\n")
     assert second.returncode == 0 and again["probe"] is None and not again["left_by_another"]
+    assert again["stdin"] == "a request\n"
     assert again["pid"] != seen["pid"]
 
 

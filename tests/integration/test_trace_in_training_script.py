@@ -4,13 +4,16 @@ for another plan. Regression: ``trace(gpt_model, sample_input=...)`` raised ``Ty
 pickle ... ProcessGroup`` (the model was deep-copied) and tracing a TransformerConfig was refused
 ("torch.distributed is already initialized")."""
 
+import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import vtrain_plugin as vtrain
+from vtrain_plugin.capture import child_trace
 from vtrain_plugin.capture.tracer import clear_cache
 from vtrain_plugin.core.graph import ParallelGroup, Phase
 from vtrain_plugin.specs.model import Family
@@ -37,6 +40,22 @@ def fresh_traces(monkeypatch):
     """Every chunk is really traced (not read from a cache another test filled without groups up)."""
     clear_cache()
     monkeypatch.setenv("VTRAIN_NO_CACHE", "1")
+
+
+@pytest.fixture(autouse=True)
+def tracing_children_from_the_zygote(monkeypatch, python_m):
+    """With the script's groups up, vtrain traces in a child process (``python -m
+    vtrain_plugin.capture.child_trace``); here the child is forked from the tests' zygote (``python_m``)
+    instead of started as a fresh interpreter: still a separate process, with no process group, running
+    that module's entry point on the same request, without importing torch and megatron-core again for
+    each trace. Its import path is the zygote's (the same vtrain and megatron-core); the fresh
+    interpreter is run by test_trace_in_script_benchmark.py."""
+    def run(command, *, input, env, **_):
+        assert command[1:] == ["-m", child_trace.__name__]
+        env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+        env.update({k: v for k, v in os.environ.items() if k == "PYTHONPATH"})
+        return python_m(child_trace.__name__, env=env, input=input)
+    monkeypatch.setattr(child_trace, "subprocess", SimpleNamespace(run=run))
 
 
 def _config(**fields):

@@ -144,37 +144,55 @@ def _serialise(name: str, document: dict) -> bytes:
     return json.dumps(document).encode()  # NaN and Infinity written as JSON cannot: hostile too
 
 
+def _damage(content: bytes, kind: str, at: int, byte: int = 0xFF, inserted: bytes = b"\x00{") -> bytes:
+    if kind == "cut":
+        return content[:at]
+    if kind == "flip":
+        return content[:at] + bytes([byte]) + content[at + 1:]
+    return content[:at] + inserted + content[at:]
+
+
+DAMAGES = ("cut", "flip", "insert")
+
+
 @st.composite
 def _damaged(draw) -> Example:
     name, document, mutation = draw(_mutated_document())
     content = _serialise(name, document)
-    kind = draw(st.sampled_from(["cut", "flip", "insert"]))
+    kind = draw(st.sampled_from(DAMAGES))
     at = draw(st.integers(min_value=0, max_value=len(content)))
     if kind == "cut":
-        content = content[:at]
+        content = _damage(content, kind, at)
     elif kind == "flip":
-        content = content[:at] + bytes([draw(st.integers(0, 255))]) + content[at + 1:]
+        content = _damage(content, kind, at, byte=draw(st.integers(0, 255)))
     else:
-        content = content[:at] + draw(st.binary(min_size=1, max_size=16)) + content[at:]
+        content = _damage(content, kind, at, inserted=draw(st.binary(min_size=1, max_size=16)))
     return Example(name, content, f"{mutation}; {kind} at byte {at}")
 
 
-def _pathological() -> st.SearchStrategy[Example]:
-    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+def _alias_bomb() -> bytes:
+    return ("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
-        f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n" for i in range(9))
-    return st.sampled_from([
-        Example("deep.json", b"[" * 200_000 + b"]" * 200_000, "200,000-deep JSON"),
-        Example("deep.yaml", b"a: " + b"[" * 50_000 + b"]" * 50_000, "50,000-deep YAML"),
-        Example("bomb.yaml", bomb.encode(), "YAML alias bomb"),
-        Example("huge.json", b'{"model": {"num_layers": 1' + b"0" * 100_000 + b"}}", "100,000-digit number"),
-        Example("big.yaml", b"# " + b"x" * (1 << 20) + b"\n", "1 MiB file"),
-        Example("binary.yaml", bytes(range(256)) * 8, "binary garbage"),
-        Example("nul.json", b"\x00" * 64, "NUL bytes"),
-        Example("empty.yaml", b"", "empty file"),
-        Example("list.json", b"[1, 2, 3]", "a list at the top level"),
-        Example("utf16.json", json.dumps(PLAN).encode("utf-16"), "UTF-16"),
-    ])
+        f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n" for i in range(9))).encode()
+
+
+PATHOLOGICAL = (
+    Example("deep.json", b"[" * 200_000 + b"]" * 200_000, "200,000-deep JSON"),
+    Example("deep.yaml", b"a: " + b"[" * 50_000 + b"]" * 50_000, "50,000-deep YAML"),
+    Example("bomb.yaml", _alias_bomb(), "YAML alias bomb"),
+    Example("huge.json", b'{"model": {"num_layers": 1' + b"0" * 100_000 + b"}}", "100,000-digit number"),
+    Example("big.yaml", b"# " + b"x" * (1 << 20) + b"\n", "1 MiB file"),
+    Example("binary.yaml", bytes(range(256)) * 8, "binary garbage"),
+    Example("nul.json", b"\x00" * 64, "NUL bytes"),
+    Example("empty.yaml", b"", "empty file"),
+    Example("list.json", b"[1, 2, 3]", "a list at the top level"),
+    Example("utf16.json", json.dumps(PLAN).encode("utf-16"), "UTF-16"),
+)
+
+
+# each damage at the middle of each base file, unmutated: the fixed examples the property test always runs
+DAMAGED = tuple(Example(name, _damage(content, kind, len(content) // 2), f"{kind} in the middle")
+                for name, content in ((name, _serialise(name, base)) for name, base in BASES) for kind in DAMAGES)
 
 
 @st.composite
@@ -183,7 +201,7 @@ def _mutated(draw) -> Example:
     return Example(name, _serialise(name, document), mutation)
 
 
-examples = st.one_of(_mutated(), _mutated(), _mutated(), _damaged(), _pathological())
+examples = st.one_of(_mutated(), _mutated(), _mutated(), _damaged(), st.sampled_from(PATHOLOGICAL))
 
 
 # -- outcomes -------------------------------------------------------------------------------------

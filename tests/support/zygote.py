@@ -1,6 +1,6 @@
 """A zygote for the tests' ``python -m MODULE ARGS`` processes: one helper process that has imported
 torch, megatron-core and vtrain's commands, and forks a child per request, which runs the module's
-real ``-m`` entry point with the request's argv, environment and working directory.
+real ``-m`` entry point with the request's argv, environment, working directory and stdin.
 
 Why: a CLI subprocess pays about 4 CPU-seconds of imports before its work, and the suite starts
 hundreds of them. Each child is still a separate process (its own exit status, stdout, stderr,
@@ -56,18 +56,22 @@ class Zygote:
             raise RuntimeError(f"the test zygote failed to start (exit {self._proc.wait()})")
 
     def run(self, module: str, args: list[str], *, cwd: Path | str, env: dict[str, str],
-            timeout: float) -> subprocess.CompletedProcess:
+            timeout: float, input: str | None = None) -> subprocess.CompletedProcess:
         """``subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, ...)``,
-        forked from the zygote; a fresh subprocess where the start-up environment differs."""
+        forked from the zygote; a fresh subprocess where the start-up environment differs. ``input``:
+        the child's stdin (else an empty one)."""
         command = [sys.executable, "-m", module, *args]
         if self._proc is None:
             self._start(dict(os.environ))  # the session's start-up environment, whatever this request sets
         if not self.forkable(env):
-            return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+            return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout,
+                                  input=input)
         self._count += 1
         out, err = self._dir / f"{self._count}.out", self._dir / f"{self._count}.err"
+        stdin = self._dir / f"{self._count}.in"
+        stdin.write_text(input or "")
         request = {"module": module, "argv": [str(a) for a in args], "cwd": str(cwd), "env": env,
-                   "stdout": str(out), "stderr": str(err)}
+                   "stdin": str(stdin), "stdout": str(out), "stderr": str(err)}
         pid = None
         try:
             data = memoryview(json.dumps(request).encode() + b"\n")
@@ -87,7 +91,7 @@ class Zygote:
                 self._stop()
             raise
         stdout, stderr = _read(out), _read(err)
-        out.unlink(), err.unlink()
+        out.unlink(), err.unlink(), stdin.unlink()
         return subprocess.CompletedProcess(command, returncode, stdout, stderr)
 
     def _stop(self) -> None:
@@ -132,13 +136,13 @@ def _child(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
+        stdin = os.open(request["stdin"], os.O_RDONLY)
+        os.dup2(stdin, 0)
+        os.close(stdin)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(target, fd)
             os.close(target)
-        os.close(null)
         sys.path[0] = os.getcwd()  # what -m puts first: the working directory
         sys.argv = ["-m", *request["argv"]]
         runpy._run_module_as_main(request["module"], alter_argv=True)  # the entry of `python -m`
