@@ -43,9 +43,9 @@ def test_plans_that_fold_one_trace_to_other_layer_counts_share_its_lowered_kerne
 
 
 @pytest.mark.parametrize("model,space", [
-    (DENSE, SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(2, 4), micro_batch_size=(1, 2),
+    (DENSE, SearchSpace(tensor_parallel=(2,), pipeline_parallel=(2, 4), micro_batch_size=(1, 2),
                         sequence_parallel=(False,), recompute=("none", "full"), grad_reduce=("overlap",))),
-    (MOE, SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2), micro_batch_size=(1, 2),
+    (MOE, SearchSpace(tensor_parallel=(1,), pipeline_parallel=(1, 2), micro_batch_size=(1, 2),
                       sequence_parallel=(False,), recompute=("none",), grad_reduce=("overlap",))),
 ], ids=["dense", "moe"])
 def test_sampled_search_rows_equal_one_plan_estimates(model, space, tmp_path, monkeypatch):
@@ -53,7 +53,7 @@ def test_sampled_search_rows_equal_one_plan_estimates(model, space, tmp_path, mo
     clear_cache()
     result = search(model, cluster=CLUSTER, global_batch_size=16, gpus="8", space=space, workers=2)
     rows = result.table.to_dict("records")
-    assert len(rows) >= 12
+    assert len(rows) >= 8, len(rows)
     clear_cache()
     PREPARE._roles.clear()
     for row in rows[::max(1, len(rows) // 8)]:
