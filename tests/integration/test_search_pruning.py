@@ -51,7 +51,7 @@ def test_the_floor_is_below_the_peak_of_every_plan_of_a_small_space(model, space
         assert floor is not None and floor <= peak, (candidate.parallel, candidate.training.distributed_optimizer)
 
 
-@pytest.mark.parametrize("model", [DENSE, MOE, HYBRID], ids=["gpt-fp16", "moe-bf16", "hybrid-bf16"])
+@pytest.mark.parametrize("model", [DENSE, UNTIED_BF16, MOE, HYBRID], ids=["gpt-fp16", "llama-bf16", "moe-bf16", "hybrid-bf16"])
 def test_the_activation_floor_is_below_the_peak_of_every_plan(model):
     training = TrainingSpec(global_batch_size=16)
     candidates = enumerate_plans(model, ACTIVATION_SPACE, global_batch_size=16, budget=GpuBudget.parse("1,2,4"),

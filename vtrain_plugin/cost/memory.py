@@ -78,7 +78,7 @@ from vtrain_plugin.cost.lowering.optimizer_step import muon_matrices
 from vtrain_plugin.specs.fsdp import FsdpSettings
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.optimizer import OptimizerKind, OptimizerSpec
-from vtrain_plugin.specs.parallel import ParallelPlan
+from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
 from vtrain_plugin.specs.training import CudaGraphImpl, ScheduleKind, TrainingSpec, grad_dtype
 
 RESERVED_GIB = 2.0  # CUDA context, NCCL buffers, library workspaces (see the module doc)
@@ -286,7 +286,8 @@ def activation_floor_nbytes(model: ModelSpec, plan: ParallelPlan, training: Trai
     """Per pipeline rank, a lower bound on the activation bytes it holds at its schedule's peak
     (:func:`rank_memory`'s ``peak_live``): each of its layers keeps its input, ``seq / CP x
     micro_batch x hidden`` elements of the model dtype (divided by TP with sequence parallelism),
-    for each of ``min(PP - rank, m)`` micro-batches.
+    for each of ``min(PP - rank, m)`` micro-batches; a dense GPT layer that recomputes at most its
+    core attention keeps more (:func:`_saved_per_token`).
 
     Why it is a lower bound: a layer's input is the residual stream its first norm reads, and every
     recompute mode keeps it: without recompute the norm saves it for its backward, selective
@@ -307,9 +308,28 @@ def activation_floor_nbytes(model: ModelSpec, plan: ParallelPlan, training: Trai
     layers = [sum(chunks) for chunks in plan.chunk_layers(model)]
     if training.activation_offload is not None or training.cuda_graph_impl is not CudaGraphImpl.NONE:
         return (0,) * len(layers)
-    tokens = plan.local_seq_length(model) // (plan.tensor_parallel if plan.sequence_parallel else 1)
-    per_layer = tokens * plan.micro_batch_size * model.hidden_size * model.dtype.nbytes
+    per_layer = plan.local_seq_length(model) * plan.micro_batch_size * _saved_per_token(model, plan) * model.dtype.nbytes
     microbatches = training.num_microbatches(plan.data_parallel, plan.micro_batch_size)
     one_group = training.schedule is ScheduleKind.INTERLEAVED_1F1B and training.microbatch_group_size is not None
     held = [1 if one_group else min(plan.pipeline_parallel - rank, microbatches) for rank in range(len(layers))]
     return tuple(per_layer * count * n for count, n in zip(layers, held))
+
+
+def _saved_per_token(model: ModelSpec, plan: ParallelPlan) -> int:
+    """Elements one layer certainly saves per token of a micro-batch on one rank (see
+    :func:`activation_floor_nbytes`). The layer's input, ``h`` (``h / TP`` with sequence
+    parallelism), under any recompute; a dense GPT layer without recompute, or recomputing its core
+    attention only, also keeps what its linears and norms save for backward in Megatron's and
+    TransformerEngine's modules alike: the output of its first norm (the QKV GEMM's input) and the
+    residual and norm output of its MLP (``h`` each, ``/ TP`` with SP; a sequence-parallel linear
+    saves its shard and gathers it again in backward), the core attention's output (the
+    projection's input, ``h / TP``), and FC1's output and the activation's (``ffn / TP`` each, the
+    latter at least when a GLU doubles FC1). MoE, MLA and Mamba layers, and other selective
+    recompute modules, count the input only."""
+    sp = plan.tensor_parallel if plan.sequence_parallel else 1
+    simple = (not (model.is_moe or model.is_hybrid or model.multi_latent_attention)
+              and plan.recomputed_modules in ((), ("core_attn",)) and plan.recompute is not Recompute.FULL)
+    if not simple:
+        return model.hidden_size // sp
+    return (4 * model.hidden_size // sp + model.hidden_size // plan.tensor_parallel
+            + 2 * (model.ffn_size // plan.tensor_parallel))
