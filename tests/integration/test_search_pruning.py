@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from vtrain_plugin.cost.memory import memory_floor_gib
+from vtrain_plugin.cost.memory import activation_floor_nbytes, memory_floor_gib
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.planning.evaluate import evaluate
 from vtrain_plugin.planning.search import MEMORY_RULE, search
@@ -25,6 +25,14 @@ MOE = ModelSpec(family="llama", num_layers=4, hidden_size=256, num_attention_hea
 SPACE = SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2), micro_batch_size=(1,),
                     sequence_parallel=(False,), recompute=("full",), grad_reduce=("after_backward",))
 MOE_SPACE = replace(SPACE, sequence_parallel=(True, False))  # MoE with TP needs SP
+HYBRID = ModelSpec(num_layers=6, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1024, dtype="bf16",
+                   hybrid_layer_pattern="M*-M-M", mamba_state_dim=16, mamba_head_dim=32, mamba_num_groups=2)
+# Every axis that changes the activations held: micro-batch size, SP, recompute, the schedule (VP),
+# the software stack (what TE saves instead of the traced ops); the global batch leaves a few
+# micro-batches so that PP - rank of them are in flight.
+ACTIVATION_SPACE = SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2), micro_batch_size=(1, 4),
+                               grad_reduce=("after_backward",),
+                               software_stack=("megatron_core_te", "megatron_deepspeed_2023"))
 
 
 @pytest.mark.parametrize("model,space,optimizer", [
@@ -43,12 +51,31 @@ def test_the_floor_is_below_the_peak_of_every_plan_of_a_small_space(model, space
         assert floor is not None and floor <= peak, (candidate.parallel, candidate.training.distributed_optimizer)
 
 
-def test_the_floor_of_one_unsplit_gpu_is_the_model_states_of_every_parameter():
+@pytest.mark.parametrize("model", [DENSE, UNTIED_BF16, MOE, HYBRID], ids=["gpt-fp16", "llama-bf16", "moe-bf16", "hybrid-bf16"])
+def test_the_activation_floor_is_below_the_peak_of_every_plan(model):
+    training = TrainingSpec(global_batch_size=16)
+    candidates = enumerate_plans(model, ACTIVATION_SPACE, global_batch_size=16, budget=GpuBudget.parse("1,2,4"),
+                                 training=training, gpus_per_node=8).candidates
+    assert len(candidates) >= 48
+    for candidate in candidates:
+        plan = candidate.parallel
+        floor = memory_floor_gib(model, plan, candidate.training)
+        ranks = evaluate(model, candidate, CLUSTER).memory_gib
+        activations = activation_floor_nbytes(model, plan, candidate.training)
+        where = (plan, candidate.training.software_stack.value)
+        assert floor is not None and floor <= max(rank.total_gib for rank in ranks), where
+        for rank, held in zip(ranks, activations, strict=True):
+            assert 0 < held <= rank.activations_gib * 2**30, where
+
+
+def test_the_floor_of_one_unsplit_gpu_is_the_model_states_of_every_parameter_and_each_layers_input():
     training = TrainingSpec(global_batch_size=8)
     plan = enumerate_plans(DENSE, replace(SPACE, tensor_parallel=(1,), pipeline_parallel=(1,)), global_batch_size=8,
                            budget=GpuBudget.parse("1"), training=training, gpus_per_node=8).candidates[0].parallel
-    # fp16: 2 bytes of weight, 2 of gradient (Megatron's default for fp16), 12 of fp32 main weight and moments
-    tensors = DENSE.num_parameters * 16 / 2**30
+    # fp16: 2 bytes of weight, 2 of gradient (Megatron's default for fp16), 12 of fp32 main weight and
+    # moments; each of the 4 layers keeps its 128 x 1 x 256 fp16 input under full recompute
+    assert activation_floor_nbytes(DENSE, plan, training) == (4 * 128 * 256 * 2,)
+    tensors = (DENSE.num_parameters * 16 + 4 * 128 * 256 * 2) / 2**30
     assert memory_floor_gib(DENSE, plan, training) == pytest.approx(tensors * 1.05 + 2.0, rel=1e-12)
 
 

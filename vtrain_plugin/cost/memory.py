@@ -80,8 +80,8 @@ from vtrain_plugin.cost.lowering.optimizer_step import muon_matrices
 from vtrain_plugin.specs.fsdp import FsdpSettings
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.optimizer import OptimizerKind, OptimizerSpec
-from vtrain_plugin.specs.parallel import ParallelPlan
-from vtrain_plugin.specs.training import TrainingSpec, grad_dtype
+from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
+from vtrain_plugin.specs.training import CudaGraphImpl, ScheduleKind, TrainingSpec, grad_dtype
 
 RESERVED_GIB = 2.0  # CUDA context, NCCL buffers, library workspaces (see the module doc)
 FRAGMENTATION = 0.05  # of the tensors' bytes: the caching allocator's fragmentation
@@ -276,17 +276,21 @@ def _fsdp_held(stage: StageGraph, fsdp: FsdpSettings) -> tuple[int, int]:
 
 
 def memory_floor_gib(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> float | None:
-    """A lower bound on the peak memory of ``plan``'s ranks, from the model's parameter count alone
-    (no trace): what a plan search prunes by before it traces or costs anything.
+    """A lower bound on the peak memory of ``plan``'s busiest rank, from the model's dimensions
+    alone (no trace): what a plan search prunes by before it traces or costs anything.
 
-    The busiest pipeline rank holds at least the mean of the ranks, and the ranks of one TP group
-    together hold at least the model: TP splits every weight but the routed experts (replicated
-    ones count whole, a padded vocabulary more), expert TP x EP splits those. Each parameter takes
-    at least its weight, its gradient and the cheaper of its optimizer states (Adam's, or Muon's
-    for a matrix), the latter divided by TP x CP x DP with the distributed optimizer (more ranks
-    than any group it shards over); activations count as none. The allowance is
-    :func:`rank_memory`'s. None where model states are not that simple: FSDP shards weights and
-    gradients, and FP8 / FP4 weights replace the model-dtype copy.
+    Model states: the busiest pipeline rank holds at least the mean of the ranks, and the ranks of
+    one TP group together hold at least the model: TP splits every weight but the routed experts
+    (replicated ones count whole, a padded vocabulary more), expert TP x EP splits those. Each
+    parameter takes at least its weight, its gradient and the cheaper of its optimizer states
+    (Adam's, or Muon's for a matrix), the latter divided by TP x CP x DP with the distributed
+    optimizer (more ranks than any group it shards over).
+
+    Activations (:func:`activation_floor_nbytes`): at least each layer's input for every
+    micro-batch the schedule certainly holds. The busiest rank holds at least the mean of the ranks'
+    states plus activations, and at least the most activations of any one rank; the floor is the
+    larger of the two. The allowance is :func:`rank_memory`'s. None where model states are not that
+    simple: FSDP shards weights and gradients, and FP8 / FP4 weights replace the model-dtype copy.
     """
     if training.fsdp is not None or training.fp8_settings is not None:
         return None
@@ -297,5 +301,60 @@ def memory_floor_gib(model: ModelSpec, plan: ParallelPlan, training: TrainingSpe
     states = min(training.optimizer.state_nbytes(dtype.nbytes, matrix=matrix) for matrix in (False, True))
     if training.distributed_optimizer:
         states /= plan.tensor_parallel * plan.context_parallel * plan.data_parallel
-    tensors = params * (dtype.nbytes + training.grad_dtype(dtype).nbytes + states) / GIB
+    activations = activation_floor_nbytes(model, plan, training)
+    tensors = max(params * (dtype.nbytes + training.grad_dtype(dtype).nbytes + states)
+                  + sum(activations) / len(activations), max(activations)) / GIB
     return tensors + RESERVED_GIB + FRAGMENTATION * tensors
+
+
+def activation_floor_nbytes(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec) -> tuple[int, ...]:
+    """Per pipeline rank, a lower bound on the activation bytes it holds at its schedule's peak
+    (:func:`rank_memory`'s ``peak_live``): each of its layers keeps its input, ``seq / CP x
+    micro_batch x hidden`` elements of the model dtype (divided by TP with sequence parallelism),
+    for each of ``min(PP - rank, m)`` micro-batches; a dense GPT layer that recomputes at most its
+    core attention keeps more (:func:`_saved_per_token`).
+
+    Why it is a lower bound: a layer's input is the residual stream its first norm reads, and every
+    recompute mode keeps it: without recompute the norm saves it for its backward, selective
+    recompute checkpoints the inputs of what it recomputes (``CheckpointWithoutOutput``), and full
+    recompute (uniform, one layer per checkpoint, saved activations not distributed) saves exactly
+    the inputs of each layer. Inputs of consecutive layers are distinct tensors (each layer's output
+    is a new residual sum), so they add. A rank's forward keeps them until that micro-batch's
+    backward; in megatron-core's ``schedules.py`` 1F1B runs ``PP - rank - 1`` warm-up forwards and
+    one more before its first backward, so ``min(PP - rank, m)`` micro-batches are held through all
+    of the rank's layers; GPipe holds all ``m``; the interleaved schedule with its default group
+    size (PP micro-batches per virtual stage) runs ``(PP - rank - 1) x 2 + (VP - 1) x PP + 1``
+    forwards first, which take every chunk of the rank through at least ``min(PP - rank, m)``
+    micro-batches; another group size is counted as one micro-batch (a rank's first backward
+    follows the forward of every one of its chunks). Activations, the gradients in flight and the
+    transient of a backward only add to this. None counted (all zeros) where saved tensors may
+    leave the GPU's activations: activation offloading and CUDA graphs (their pools).
+    """
+    layers = [sum(chunks) for chunks in plan.chunk_layers(model)]
+    if training.activation_offload is not None or training.cuda_graph_impl is not CudaGraphImpl.NONE:
+        return (0,) * len(layers)
+    per_layer = plan.local_seq_length(model) * plan.micro_batch_size * _saved_per_token(model, plan) * model.dtype.nbytes
+    microbatches = training.num_microbatches(plan.data_parallel, plan.micro_batch_size)
+    one_group = training.schedule is ScheduleKind.INTERLEAVED_1F1B and training.microbatch_group_size is not None
+    held = [1 if one_group else min(plan.pipeline_parallel - rank, microbatches) for rank in range(len(layers))]
+    return tuple(per_layer * count * n for count, n in zip(layers, held))
+
+
+def _saved_per_token(model: ModelSpec, plan: ParallelPlan) -> int:
+    """Elements one layer certainly saves per token of a micro-batch on one rank (see
+    :func:`activation_floor_nbytes`). The layer's input, ``h`` (``h / TP`` with sequence
+    parallelism), under any recompute; a dense GPT layer without recompute, or recomputing its core
+    attention only, also keeps what its linears and norms save for backward in Megatron's and
+    TransformerEngine's modules alike: the output of its first norm (the QKV GEMM's input) and the
+    residual and norm output of its MLP (``h`` each, ``/ TP`` with SP; a sequence-parallel linear
+    saves its shard and gathers it again in backward), the core attention's output (the
+    projection's input, ``h / TP``), and FC1's output and the activation's (``ffn / TP`` each, the
+    latter at least when a GLU doubles FC1). MoE, MLA and Mamba layers, and other selective
+    recompute modules, count the input only."""
+    sp = plan.tensor_parallel if plan.sequence_parallel else 1
+    simple = (not (model.is_moe or model.is_hybrid or model.multi_latent_attention)
+              and plan.recomputed_modules in ((), ("core_attn",)) and plan.recompute is not Recompute.FULL)
+    if not simple:
+        return model.hidden_size // sp
+    return (4 * model.hidden_size // sp + model.hidden_size // plan.tensor_parallel
+            + 2 * (model.ffn_size // plan.tensor_parallel))
