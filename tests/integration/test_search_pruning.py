@@ -27,10 +27,11 @@ SPACE = SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2), micro_batc
 MOE_SPACE = replace(SPACE, sequence_parallel=(True, False))  # MoE with TP needs SP
 HYBRID = ModelSpec(num_layers=6, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1024, dtype="bf16",
                    hybrid_layer_pattern="M*-M-M", mamba_state_dim=16, mamba_head_dim=32, mamba_num_groups=2)
-# Every axis that changes the activations held: micro-batch size, SP, recompute, the schedule (VP),
-# the software stack (what TE saves instead of the traced ops); the global batch leaves a few
+# Every axis that changes the activations held: TP with and without SP, recompute, the schedule (PP 2
+# with and without VP), the software stack (what TE saves instead of the traced ops), at one micro-batch
+# size (the floor and the trace are affine in it: capture/rescale.py); the global batch leaves a few
 # micro-batches so that PP - rank of them are in flight.
-ACTIVATION_SPACE = SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2), micro_batch_size=(1, 4),
+ACTIVATION_SPACE = SearchSpace(tensor_parallel=(2,), pipeline_parallel=(2,), micro_batch_size=(2,),
                                grad_reduce=("after_backward",),
                                software_stack=("megatron_core_te", "megatron_deepspeed_2023"))
 
@@ -54,9 +55,9 @@ def test_the_floor_is_below_the_peak_of_every_plan_of_a_small_space(model, space
 @pytest.mark.parametrize("model", [DENSE, UNTIED_BF16, MOE, HYBRID], ids=["gpt-fp16", "llama-bf16", "moe-bf16", "hybrid-bf16"])
 def test_the_activation_floor_is_below_the_peak_of_every_plan(model):
     training = TrainingSpec(global_batch_size=16)
-    candidates = enumerate_plans(model, ACTIVATION_SPACE, global_batch_size=16, budget=GpuBudget.parse("1,2,4"),
+    candidates = enumerate_plans(model, ACTIVATION_SPACE, global_batch_size=16, budget=GpuBudget.parse("2,4"),
                                  training=training, gpus_per_node=8).candidates
-    assert len(candidates) >= 48
+    assert len(candidates) >= 8, len(candidates)
     for candidate in candidates:
         plan = candidate.parallel
         floor = memory_floor_gib(model, plan, candidate.training)
