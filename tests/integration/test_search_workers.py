@@ -10,6 +10,7 @@ import pytest
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.planning.evaluate import evaluate_batch, make_batches
+from vtrain_plugin.planning.progress import ProgressBar
 from vtrain_plugin.planning.space import GpuBudget, SearchSpace, enumerate_plans
 from vtrain_plugin.planning.workers import WorkerPool, evaluate_in_workers, fork_unsafe
 from vtrain_plugin.specs.model import ModelSpec
@@ -87,9 +88,10 @@ def test_an_error_or_ctrl_c_kills_the_forked_workers(stop):
 def test_a_running_thread_rules_out_fork():
     done = threading.Event()
     thread = threading.Thread(target=done.wait)
+    running = threading.active_count()
     thread.start()
     try:
-        assert fork_unsafe() == "2 threads running"
+        assert fork_unsafe() == f"{running + 1} threads running"
         before = set(_children())
         with WorkerPool(1) as pool:
             (pid,) = pool.map(os.getpgid, [0])  # its own process group: its pid
@@ -98,3 +100,12 @@ def test_a_running_thread_rules_out_fork():
     finally:
         done.set()
         thread.join()
+
+
+def test_progress_bars_leave_no_thread_to_rule_out_fork():
+    # tqdm's own bars start a monitor thread that lives as long as the process: after one, every
+    # later search in the process would run fresh interpreters
+    running = threading.active_count()
+    for _ in ProgressBar(range(3), file=open(os.devnull, "w")):
+        pass
+    assert threading.active_count() == running

@@ -27,7 +27,7 @@ from vtrain_plugin.capture import opinfo
 from vtrain_plugin.capture.live_memory import LiveMemory
 from vtrain_plugin.capture.records import CollectiveRecord, OpRecord, Record
 from vtrain_plugin.core.errors import TraceError
-from vtrain_plugin.core.graph import CollectiveKind, KernelKey, Phase
+from vtrain_plugin.core.graph import CollectiveKind, Phase
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION, is_core_attention_module, split_layer_module
 
 _TAG = "vtrain_module"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from tqdm import tqdm
+from vtrain_plugin.planning.progress import ProgressBar
 
 from vtrain_plugin.capture import disk_cache
 from vtrain_plugin.capture.tracer import run_trace_job, trace_jobs
@@ -143,7 +143,7 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
             pool.start()  # before the progress bars' thread, which would rule out forking them
         # Traced before the fan-out, so the workers that estimate only read: by those workers, each
         # job by one, when they share the disk cache (without it they trace their own batches).
-        with tqdm(total=len(jobs), unit="trace", desc="tracing", file=sys.stderr, disable=not progress) as bar:
+        with ProgressBar(total=len(jobs), unit="trace", desc="tracing", file=sys.stderr, disable=not progress) as bar:
             if not local:
                 for job in jobs:
                     run_trace_job(job)
@@ -153,7 +153,7 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
                 pool.map(run_trace_job, jobs, lambda job: bar.update())
         log.info("evaluating %d plans of %d trace shapes (%s, %d workers)", len(candidates), len(batches),
                  backend, workers)
-        with tqdm(total=len(candidates), unit="plan", file=sys.stderr, disable=not progress) as bar:
+        with ProgressBar(total=len(candidates), unit="plan", file=sys.stderr, disable=not progress) as bar:
             results = run_batches(batches, workers=workers, backend=backend, on_plans=bar.update,
                                   pool=pool if local else None)
     rows = [row for _, row in sorted(results, key=lambda item: item[0])]
@@ -169,12 +169,14 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
 def _load_tracing() -> None:
     """Import what tracing a chunk imports (torch, megatron-core's models), as tracing does, so the
     workers forked from this process share the imports instead of each paying them."""
-    from megatron_adapters.fake_world import quiet_megatron
-    from vtrain_plugin.capture import megatron_chunk  # noqa: F401
+    import importlib
 
+    from megatron_adapters.fake_world import quiet_megatron
+
+    importlib.import_module("vtrain_plugin.capture.megatron_chunk")
     with quiet_megatron():
-        import megatron.core.models.gpt  # noqa: F401
-        import megatron.core.transformer.transformer_config  # noqa: F401
+        for name in ("megatron.core.models.gpt", "megatron.core.transformer.transformer_config"):
+            importlib.import_module(name)
 
 
 def prune_by_memory(model: ModelSpec, candidates: Sequence[Candidate], gpu_memory_gib: float

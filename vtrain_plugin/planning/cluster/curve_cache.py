@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
+from vtrain_plugin.planning.progress import ProgressBar
 
 from profiler.lookup import database_stamp
 from vtrain_plugin.capture import disk_cache
@@ -118,7 +118,7 @@ def compute_curves(shapes: Iterable[tuple[ModelSpec, int]], cluster: ClusterConf
     """Fill ``cache`` with the curve of every (model, global batch) of ``shapes``, with a progress bar."""
     unique = list(dict.fromkeys((replace(model, name=""), batch) for model, batch in shapes))
     names = {(replace(model, name=""), batch): model.name for model, batch in shapes}
-    with tqdm(unique, desc="throughput curves", unit="curve", file=sys.stderr, disable=not progress) as bar:
+    with ProgressBar(unique, desc="throughput curves", unit="curve", file=sys.stderr, disable=not progress) as bar:
         for model, batch in bar:
             bar.set_postfix_str(f"{names[model, batch] or 'model'}, batch {batch}")
             cache.curve(model, batch, cluster, space)

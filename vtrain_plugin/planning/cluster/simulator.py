@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from tqdm import tqdm
+from vtrain_plugin.planning.progress import ProgressBar
 
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.planning.cluster.cluster_config import ClusterConfig
@@ -293,7 +293,7 @@ def simulate(jobs: Sequence[Job], curves: Mapping[str, ThroughputCurve], cluster
     arrivals = [Arrival(job.submit_s, i) for i, job in enumerate(jobs)]
     if not progress:
         return simulation.result(run_events(arrivals, simulation))
-    with tqdm(total=len(jobs), desc=policy.name, unit="job", file=sys.stderr) as bar:
+    with ProgressBar(total=len(jobs), desc=policy.name, unit="job", file=sys.stderr) as bar:
         def on_event(event: Event) -> None:
             done = sum(r.status in (Status.FINISHED, Status.REJECTED) for r in simulation.runs)
             if done != bar.n:
