@@ -27,6 +27,14 @@ def read_runs(data_dir: Path = DEFAULT_DATA_DIR) -> list[MeasuredRun]:
                         measured_ms=float(r["measured_ms"]), name=f"{r['case']} ({r['gpu']})") for r in rows]
 
 
+def read_env(data_dir: Path = DEFAULT_DATA_DIR) -> dict[str, str]:
+    """The environment variables each run's test set (``env_vars``, e.g.
+    ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``), by :func:`read_runs`'s run name: not an input of the
+    estimate (its command line has no environment), a diagnostic of the residuals."""
+    with open(data_dir / CI_CSV, newline="") as f:
+        return {f"{r['case']} ({r['gpu']})": r["env_vars"] for r in csv.DictReader(f)}
+
+
 def test_case_of(name: str) -> str:
     """The test case of a run's name (its A100 and H100 runs are one case)."""
     return name.rsplit(" (", 1)[0]
