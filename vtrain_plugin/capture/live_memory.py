@@ -33,7 +33,10 @@ class LiveMemory:
 
     def __init__(self, excluded: set[int]) -> None:
         self._excluded = excluded  # storage keys never counted (the parameters')
-        self._storages: dict[int, list[int]] = {}  # key -> [nbytes, tensors alive, allocation id]
+        # key -> [nbytes, tensors alive, allocation id, the storage]: the entry holds its storage, so
+        # that no other storage takes its key while it lives (a tensor can outlive the storage it was
+        # made with: megatron-core's make_viewless_tensor swaps a fresh tensor's ``.data``)
+        self._storages: dict[int, list] = {}
         self._events: list[tuple[int, int]] = []  # (allocation id, +/- bytes), in order
         self._backward_start: int | None = None  # events before the backward began
         self._attention: set[int] = set()  # allocation ids created by a core attention's ops
@@ -57,7 +60,7 @@ class LiveMemory:
                 if aliasing or key in self._excluded:
                     continue
                 self._allocations += 1
-                entry = self._storages[key] = [storage.nbytes(), 0, self._allocations]
+                entry = self._storages[key] = [storage.nbytes(), 0, self._allocations, storage]
                 self._events.append((entry[2], entry[0]))
                 if attention:
                     self._attention.add(entry[2])
@@ -76,7 +79,7 @@ class LiveMemory:
     def begin_backward(self, saved: set[int]) -> None:
         """The backward begins; ``saved``: the storage keys of the tensors saved for it."""
         self._backward_start = len(self._events)
-        held = [(nbytes, allocation) for key, (nbytes, _, allocation) in self._storages.items() if key not in saved]
+        held = [(nbytes, allocation) for key, (nbytes, _, allocation, _) in self._storages.items() if key not in saved]
         self.held_nbytes = sum(nbytes for nbytes, _ in held)
         self.held_outside_attention_nbytes = sum(nbytes for nbytes, a in held if a not in self._attention)
 

@@ -84,7 +84,10 @@ class OpRecorder:
         self._saved: list[weakref.ref[_SavedTensor]] = []  # in the order forward saved them
         self._last_layer = ""  # the transformer layer whose forward started last
         self._params = [stand_ins.get(id(p), p) for p in root.parameters()]
-        self._param_storages: set[int] = {p.untyped_storage()._cdata for p in self._params}
+        # held, so that while the recorder lives no op's storage takes the key of one whose parameter
+        # was given other data (``.data =``)
+        self._param_storage_refs = [p.untyped_storage() for p in self._params]
+        self._param_storages: set[int] = {s._cdata for s in self._param_storage_refs}
         self._live = LiveMemory(self._param_storages)
         # Bytes alive beside the saved activations when the backward began, and the most the backward
         # (its recompute included, the parameters' gradients left out) rose above that level;

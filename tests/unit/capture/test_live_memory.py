@@ -1,6 +1,9 @@
 """The live-bytes count of a traced step, op by op on fake tensors: views share their storage, a
 storage dies with its last tensor, parameters and their gradients are left out."""
 
+import gc
+import weakref
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,3 +53,27 @@ def test_saved_storages_are_not_held():
             assert live.held_nbytes == N  # y alone
             del y, kept
             assert live.backward_peak([]) == 0  # only frees after the start
+
+
+
+
+def test_a_storage_swapped_out_of_its_tensor_lives_until_the_tensor_dies():
+    """megatron-core's make_viewless_tensor gives a fresh one-element tensor another tensor's data:
+    the storage it was made with stays counted, and held, while the tensor lives, so that no later
+    storage is made at its address and taken for it (never counted)."""
+    with FakeTensorMode():
+        x = torch.empty(64, 256)
+        live = LiveMemory(set())
+        with _Feed(live):
+            live.begin_backward(saved=set())
+            out = torch.empty(1)  # +4 bytes
+            own = weakref.ref(out.untyped_storage())
+            out.data = x.data  # the tensor drops its own storage
+            held_beside_the_tensor = own() is not None
+            made = [torch.empty(64, 256) for _ in range(64)]  # each +N, none at the dropped one's address
+            peak = live.backward_peak([])
+            del out
+            gc.collect()
+            freed_with_the_tensor = own() is None
+    assert held_beside_the_tensor and freed_with_the_tensor
+    assert len(made) == 64 and peak == 4 + 64 * N
