@@ -11,9 +11,9 @@ efficiency and the spread of GPU speeds one value for every cluster (:data:`SHAR
 belongs to one run or one model size; the functional tests of megatron-core's local spec fit
 that stack's host costs (``megatron_core_local``). Then it reports, per set, the calibration MAPE and bias (the
 functional tests per GPU and deterministic or not), leave-out refits (per test case, per model
-size, per run of the small sets; each a bounded Gauss-Newton step from the joint fit without the
-runs left out: :meth:`~vtrain_plugin.measured.calibrate.JointFit.linearised_refit`), the bias by
-scale (GPUs x parameters) and every constant that ends on a bound of its range. ``--dry-run``
+size, per run of the small sets; each the joint fit redone without the runs left out, started from
+it: :func:`~vtrain_plugin.measured.calibrate.leave_out_refits`, to convergence or
+``--leave-out-steps`` trust-region steps), the bias by scale (GPUs x parameters) and every constant that ends on a bound of its range. ``--dry-run``
 writes nothing; otherwise each fitted (device, stack) file is written, and the files that take
 their constants from a fitted GPU (:data:`DERIVED`) or a fitted GPU and stack (:data:`CROSSED`) get
 them too, saying why.
