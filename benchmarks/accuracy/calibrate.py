@@ -13,10 +13,10 @@ that stack's host costs (``megatron_core_local``). Then it reports, per set, the
 functional tests per GPU and deterministic or not), leave-out refits (per test case, per model
 size, per run of the small sets; each the joint fit redone without the runs left out, started from
 it: :func:`~vtrain_plugin.measured.calibrate.leave_out_refits`, to convergence or
-``--leave-out-steps`` trust-region steps), the bias by scale (GPUs x parameters) and every constant that ends on a bound of its range. ``--dry-run``
-writes nothing; otherwise each fitted (device, stack) file is written, and the files that take
-their constants from a fitted GPU (:data:`DERIVED`) or a fitted GPU and stack (:data:`CROSSED`) get
-them too, saying why.
+``--leave-out-steps`` trust-region steps), the bias by scale (GPUs x parameters) and every
+constant that ends on a bound of its range. ``--dry-run`` writes nothing; otherwise each fitted
+(device, stack) file is written, and the files that take their constants from a fitted GPU
+(:data:`DERIVED`) or a fitted GPU and stack (:data:`CROSSED`) get them too, saying why.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ device's measured ceiling), never clipped afterwards; the backward per-kernel ho
 the forward one, as in the shipped calibrations. The other constants are those of the calibration
 the plans use now. A fit the runs cannot identify (:mod:`~vtrain_plugin.measured.identify`) is
 refused. Leave-one-out refits without each plan in turn, where the others still identify the
-constants, and predicts it (:func:`leave_out_refits`: the same fit started from the full one). Predictions use the analytical kernel model (no profile database): it
-is the model the calibration file feeds.
+constants, and predicts it (:func:`leave_out_refits`: the same fit started from the full one).
+Predictions use the analytical kernel model (no profile database): it is the model the calibration
+file feeds.
 
 :func:`fit_constants` is the fit itself, also over plans of several devices and software stacks at
 once (the shipped calibration files: ``benchmarks/accuracy/calibrate.py``): a host cost
@@ -298,7 +299,7 @@ def fit_constants(plans: Sequence[MeasuredPlan], names: Sequence[str], *, start:
     taken: list[np.ndarray] = []  # the Jacobians of a fit bounded by max_steps
 
     def jacobian(unit: np.ndarray) -> np.ndarray:
-        if taken and len(taken) >= max_steps:  # called after the last allowed step (the first: at the start)
+        if taken and len(taken) >= (max_steps or 0):  # after the last allowed step (the first call: the start)
             raise _StepsTaken(unit.copy())
         before = calls[0]
         taken.append(approx_derivative(residuals, unit, method="2-point", rel_step=_DIFF_STEP, bounds=(0.0, 1.0)))
