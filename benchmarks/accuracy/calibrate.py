@@ -11,12 +11,12 @@ efficiency and the spread of GPU speeds one value for every cluster (:data:`SHAR
 belongs to one run or one model size; the functional tests of megatron-core's local spec fit
 that stack's host costs (``megatron_core_local``). Then it reports, per set, the calibration MAPE and bias (the
 functional tests per GPU and deterministic or not), leave-out refits (per test case, per model
-size, per run of the small sets; each a bounded Gauss-Newton step from the joint fit without the
-runs left out: :meth:`~vtrain_plugin.measured.calibrate.JointFit.linearised_refit`), the bias by
-scale (GPUs x parameters) and every constant that ends on a bound of its range. ``--dry-run``
-writes nothing; otherwise each fitted (device, stack) file is written, and the files that take
-their constants from a fitted GPU (:data:`DERIVED`) or a fitted GPU and stack (:data:`CROSSED`) get
-them too, saying why.
+size, per run of the small sets; each the joint fit redone without the runs left out, started from
+it: :func:`~vtrain_plugin.measured.calibrate.leave_out_refits`, to convergence or
+``--leave-out-steps`` trust-region steps), the bias by scale (GPUs x parameters) and every
+constant that ends on a bound of its range. ``--dry-run`` writes nothing; otherwise each fitted
+(device, stack) file is written, and the files that take their constants from a fitted GPU
+(:data:`DERIVED`) or a fitted GPU and stack (:data:`CROSSED`) get them too, saying why.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from benchmarks.accuracy.a100_data import SOURCE_LABELS, MeasuredRun, add_data_a
 
 from vtrain_plugin.cli.render import render_table
 from vtrain_plugin.hardware.calibration import SOFTWARE_CONSTANTS, Calibration, calibration_for, write_calibration
-from vtrain_plugin.measured.calibrate import JointFit, JointSpace, MeasuredPlan, fit_constants, scope_of
+from vtrain_plugin.measured.calibrate import (JointFit, JointSpace, MeasuredPlan, fit_constants, leave_out_refits,
+                                              scope_of)
 
 SETS: dict[str, Callable[[Path], list[MeasuredRun]]] = {
     "single": lambda d: a100_data.read_runs(d, which=("single",)),
@@ -77,6 +78,7 @@ DERIVED = {
 CROSSED = {("h100-sxm", "megatron_deepspeed_2023"): "the legacy Megatron GPT (--use-legacy-models) on an H100"}
 GPU_BUCKETS = ((8, "8 GPUs"), (64, "9-64"), (512, "65-512"), (4096, "513-4,096"))
 SIZE_BUCKETS = ((1e9, "< 1B"), (10e9, "1-10B"), (100e9, "10-100B"), (math.inf, "> 100B"))
+SMALL_SET = 10  # runs: a set this small is also reported leaving out one run at a time
 HEADER = ["set", "evaluation", "runs", "MAPE %", "median %", "p90 %", "bias %"]
 
 
@@ -99,15 +101,28 @@ def stats_row(data_set: str, evaluation: str, predicted: np.ndarray, measured: n
     return [data_set, evaluation, str(s.count), f"{s.mape:.2f}", f"{s.median:.2f}", f"{s.p90:.2f}", f"{s.bias:+.2f}"]
 
 
-def leave_out(fit: JointFit, plans: Sequence[MeasuredPlan], key: Callable[[int], object]) -> np.ndarray:
-    """Each plan predicted by the fit refitted (linearised) without every plan of its ``key``."""
-    keys = [key(i) for i in range(len(plans))]
-    out = np.array([p.predict_ms(fit.space.constants(p, fit.unit)) for p in plans])
-    for value in dict.fromkeys(keys):
-        unit = fit.linearised_refit(np.array([k != value for k in keys]))
+def leave_out(fit: JointFit, plans: Sequence[MeasuredPlan], keys: dict[str, Callable[[int], object]],
+              max_steps: int | None, verbose: int = 0) -> dict[str, np.ndarray]:
+    """Per name of ``keys``: each plan predicted by the fit redone without every plan of its key
+    (:func:`~vtrain_plugin.measured.calibrate.leave_out_refits`, real refits); a plan whose key is
+    None keeps the fit's prediction (not reported), and a group shared by two keys is refitted once."""
+    full = np.array([p.predict_ms(fit.constants(p)) for p in plans])
+    groups: dict[str, list[list[int]]] = {}
+    for name, key in keys.items():
+        members: dict[object, list[int]] = {}
         for i in range(len(plans)):
-            if keys[i] == value:
-                out[i] = plans[i].predict_ms(fit.space.constants(plans[i], unit))
+            if key(i) is not None:
+                members.setdefault(key(i), []).append(i)
+        groups[name] = list(members.values())
+    every = [g for name in keys for g in groups[name]]
+    refits = dict(zip(map(frozenset, every),
+                      leave_out_refits(fit, plans, every, max_steps=max_steps, verbose=verbose)))
+    out = {}
+    for name in keys:
+        out[name] = full.copy()
+        for group in groups[name]:
+            for i in group:
+                out[name][i] = plans[i].predict_ms(refits[frozenset(group)].constants(plans[i]))
     return out
 
 
@@ -130,12 +145,20 @@ def bias_by_scale(plans: Sequence[MeasuredPlan], predicted: np.ndarray, measured
     return render_table(rows, ["GPUs", *(label for _, label in SIZE_BUCKETS)])
 
 
-def report(fit: JointFit, plans: Sequence[MeasuredPlan]) -> str:
+def report(fit: JointFit, plans: Sequence[MeasuredPlan], *, test_cases: bool = True,
+           max_steps: int | None = None) -> str:
+    """The per-set table, constants and bias by scale; ``test_cases``: also leave out each functional
+    test case; ``max_steps``: the leave-out refits' bound on trust-region steps (None: to convergence)."""
     measured = np.array([p.measured_ms for p in plans])
-    predicted = np.array([p.predict_ms(fit.space.constants(p, fit.unit)) for p in plans])
-    by_size = leave_out(fit, plans, lambda i: (plans[i].data_set, size_of(plans[i])))
-    by_case = leave_out(fit, plans, lambda i: (plans[i].data_set, ci_data.test_case_of(plans[i].label)
-                                               if plans[i].data_set == "ci" else i))
+    predicted = np.array([p.predict_ms(fit.constants(p)) for p in plans])
+    sizes = {s: sum(p.data_set == s for p in plans) for s in dict.fromkeys(p.data_set for p in plans)}
+    by = leave_out(fit, plans, {
+        "size": lambda i: (plans[i].data_set, size_of(plans[i])),
+        "case": lambda i: (((plans[i].data_set, ci_data.test_case_of(plans[i].label)) if test_cases else None)
+                           if plans[i].data_set == "ci"
+                           else (plans[i].data_set, i) if sizes[plans[i].data_set] <= SMALL_SET else None)},
+        max_steps=max_steps, verbose=1)
+    by_size, by_case = by["size"], by["case"]
     rows = []
     for data_set in dict.fromkeys(p.data_set for p in plans):
         idx = [i for i, p in enumerate(plans) if p.data_set == data_set]
@@ -149,11 +172,12 @@ def report(fit: JointFit, plans: Sequence[MeasuredPlan]) -> str:
                                ("non-deterministic", lambda p: not p.run.training.deterministic)):
                 sub = [i for i in idx if pick(plans[i])]
                 rows.append(stats_row(f"  {name}", "calibration", predicted[sub], measured[sub]))
-            rows.append(stats_row(label, "leave-one-test-case-out", by_case[idx], measured[idx]))
-            for name in ("A100", "H100"):
-                sub = [i for i in idx if plans[i].label.endswith(f"({name})")]
-                rows.append(stats_row(f"  {name}", "leave-one-test-case-out", by_case[sub], measured[sub]))
-        elif len(idx) <= 10:
+            if test_cases:
+                rows.append(stats_row(label, "leave-one-test-case-out", by_case[idx], measured[idx]))
+                for name in ("A100", "H100"):
+                    sub = [i for i in idx if plans[i].label.endswith(f"({name})")]
+                    rows.append(stats_row(f"  {name}", "leave-one-test-case-out", by_case[sub], measured[sub]))
+        elif len(idx) <= SMALL_SET:
             rows.append(stats_row(label, "leave-one-run-out", by_case[idx], measured[idx]))
         rows.append(stats_row(label, "leave-one-model-size-out", by_size[idx], measured[idx]))
     constants = [[fit.space.label(p), f"{fit.value(p):.6g}", f"[{low:g}, {high:g}]",
@@ -210,7 +234,13 @@ def main() -> None:
     parser.add_argument("--into-package", action="store_true", help="write into the package's calibration folder")
     parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
     parser.add_argument("--max-evals", type=int, default=None, help="bound on the fitter's evaluations")
+    parser.add_argument("--leave-out-steps", type=int, default=None,
+                        help="bound on each leave-out refit's trust-region steps (default: refit to convergence)")
+    parser.add_argument("--no-test-case-leave-out", action="store_true",
+                        help="skip leaving out each functional test case (one refit per case)")
     args = parser.parse_args()
+    if args.leave_out_steps is not None and args.leave_out_steps < 1:
+        parser.error(f"--leave-out-steps: {args.leave_out_steps} must be at least 1")
     start = time.perf_counter()
     runs = [run for name in args.sets.split(",") for run in SETS[name](args.data)]
     plans = measured_plans(runs)
@@ -220,7 +250,7 @@ def main() -> None:
     print(f"fitted {len(space.params)} constants in {time.perf_counter() - start:.0f} s: {fit.evaluations} "
           f"evaluations and {fit.jacobians} Jacobians, {fit.predictions} plan predictions; "
           f"{'converged' if fit.converged else 'stopped at --max-evals, not converged'}\n")
-    print(report(fit, plans))
+    print(report(fit, plans, test_cases=not args.no_test_case_leave_out, max_steps=args.leave_out_steps))
     if not args.dry_run:
         command = ".venv/bin/python -m benchmarks.accuracy.calibrate --into-package"
         for path in write_files(fit, plans, command, args.into_package):

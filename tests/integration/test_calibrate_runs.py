@@ -100,34 +100,87 @@ def test_calibrate_refuses_what_the_runs_cannot_identify(runs, run_cli):
     assert bad.returncode == 2 and "--fit: 'kernel_speed' is not a constant calibrate fits" in bad.stderr
 
 
-def test_a_joint_fit_shares_host_costs_by_stack_and_device_constants_by_gpu():
-    """fit_constants over two GPUs of one stack: one iteration cost for the stack, one GEMM efficiency
-    per GPU, recovered from times predicted with them; a linearised refit on every run stays put."""
-    from vtrain_plugin.measured.calibrate import JointSpace, fit_constants, measured_plan
+JOINT_TRUTH = {"a100-sxm4-80gb": 0.70, "h100-sxm": 0.66}
+JOINT_NAMES = ("gemm_efficiency", "iteration_overhead_ns")
+
+
+@pytest.fixture(scope="module")
+def joint_plans():
+    """A host-bound and a compute-bound plan on each of two GPUs of one stack, with the times predicted
+    under JOINT_TRUTH's GEMM efficiencies and a 3 ms iteration cost."""
+    from vtrain_plugin.measured.calibrate import measured_plan
     from vtrain_plugin.runs import run_config_from_megatron_args
     from vtrain_plugin.hardware.clusters import cluster_for_gpu
 
-    truth = {"a100-sxm4-80gb": 0.70, "h100-sxm": 0.66}
     plans = []
     for hidden, heads in ((512, 8), (4096, 32)):  # host-bound, compute-bound
         args = (f"--num-layers 2 --hidden-size {hidden} --num-attention-heads {heads} --seq-length 2048 "
                 f"--max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 8 --bf16 --vocab-size 32000 "
                 f"--transformer-impl transformer_engine")
-        for gpu in truth:
+        for gpu in JOINT_TRUTH:
             run = run_config_from_megatron_args(args, gpus=8, cluster=cluster_for_gpu(gpu))
             plan = measured_plan(f"{hidden} on {gpu}", run, 1.0)
-            known = replace(plan.base, gemm_efficiency=truth[gpu], iteration_overhead_ns=3e6)
+            known = replace(plan.base, gemm_efficiency=JOINT_TRUTH[gpu], iteration_overhead_ns=3e6)
             plans.append(replace(plan, measured_ms=plan.predict_ms(known)))
-    names = ("gemm_efficiency", "iteration_overhead_ns")
-    space = JointSpace(plans, names)
+    return plans
+
+
+def test_a_joint_fit_shares_host_costs_by_stack_and_device_constants_by_gpu(joint_plans):
+    """fit_constants over two GPUs of one stack: one iteration cost for the stack, one GEMM efficiency
+    per GPU, recovered from times predicted with them."""
+    from vtrain_plugin.measured.calibrate import JointSpace, fit_constants
+
+    space = JointSpace(joint_plans, JOINT_NAMES)
     assert space.params == (("gemm_efficiency", "a100-sxm4-80gb"), ("iteration_overhead_ns", "megatron_core_te"),
                             ("gemm_efficiency", "h100-sxm"))
-    fit = fit_constants(plans, names, space=space)
-    for gpu, value in truth.items():
+    fit = fit_constants(joint_plans, JOINT_NAMES, space=space)
+    for gpu, value in JOINT_TRUTH.items():
         assert fit.value(("gemm_efficiency", gpu)) == pytest.approx(value, rel=2e-3)
     assert fit.value(("iteration_overhead_ns", "megatron_core_te")) == pytest.approx(3e6, rel=2e-3)
     assert np.abs(fit.residuals).max() < 1e-4 and fit.on_bound() == [] and fit.converged
     # A GPU's GEMM efficiency moves the times of that GPU's two plans only: its finite differences
     # predict 2 plans, the stack's iteration cost 4 (8 a Jacobian, not 3 x 4).
     assert fit.jacobians > 0 and fit.predictions <= 4 * fit.evaluations + 8 * fit.jacobians
-    assert fit.linearised_refit(np.ones(len(plans), bool)) == pytest.approx(fit.unit, abs=1e-4)
+
+
+def test_leave_out_is_a_real_refit_not_a_linear_step(joint_plans):
+    """Measured times off the model by up to 30%: each leave-out (the user's leave-one-out and the
+    benchmark's by group) is exactly fit_constants on the rest from the full fit, and one Gauss-Newton
+    step from the full fit's Jacobian lands elsewhere."""
+    from scipy.optimize import lsq_linear
+
+    from benchmarks.accuracy.calibrate import leave_out
+    from vtrain_plugin.measured.calibrate import JointSpace, fit_constants, leave_out_refits
+
+    plans = [replace(p, measured_ms=p.measured_ms * f) for p, f in zip(joint_plans, (1.3, 0.9, 1.0, 1.1))]
+    space = JointSpace(plans, JOINT_NAMES)
+    fit = fit_constants(plans, JOINT_NAMES, space=space)
+    groups = [[0], [1, 3], [2], [0]]
+    refits = leave_out_refits(fit, plans, groups)
+    assert refits[0] is refits[3]  # a group given twice is refitted once
+    linear_moves = []
+    for group, refit in zip(groups, refits):
+        rest = [p for i, p in enumerate(plans) if i not in group]
+        alone = fit_constants(rest, JOINT_NAMES, start=fit.unit, space=space)
+        assert np.array_equal(refit.unit, alone.unit) and refit.converged
+        keep = np.array([i not in group for i in range(len(plans))])
+        w = fit.weights[keep][:, None]
+        step = lsq_linear(w * fit.jacobian[keep], -(w[:, 0] * (fit.residuals[keep] - fit.jacobian[keep] @ fit.unit)),
+                          bounds=(0.0, 1.0)).x
+        linear_moves.append(max(abs(plans[i].predict_ms(space.constants(plans[i], step))
+                                    / plans[i].predict_ms(refit.constants(plans[i])) - 1) for i in group))
+    assert max(linear_moves) > 0.01, linear_moves
+    by = leave_out(fit, plans, {"gpu": lambda i: plans[i].device, "second": lambda i: None if i % 2 else i},
+                   max_steps=None)
+    for i, plan in enumerate(plans):
+        rest = [p for p in plans if p.device != plan.device]
+        assert by["gpu"][i] == plan.predict_ms(fit_constants(rest, JOINT_NAMES, start=fit.unit, space=space)
+                                               .constants(plan))
+    assert by["second"][1] == plans[1].predict_ms(fit.constants(plans[1]))  # no key: the full fit's
+    assert by["second"][0] == plans[0].predict_ms(refits[0].constants(plans[0]))
+    # Bounded to one trust-region step: the same step as the fit's own first, and no Jacobian after it.
+    one, = leave_out_refits(fit, plans, [[1, 3]], max_steps=1)
+    rest = [plans[0], plans[2]]
+    alone = fit_constants(rest, JOINT_NAMES, start=fit.unit, space=space, max_steps=1)
+    assert np.array_equal(one.unit, alone.unit) and one.jacobians == alone.jacobians == 1
+    assert np.sum((one.weights * one.residuals) ** 2) < np.sum((one.weights * fit.residuals[[0, 2]]) ** 2)

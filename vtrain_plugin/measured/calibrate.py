@@ -10,8 +10,9 @@ device's measured ceiling), never clipped afterwards; the backward per-kernel ho
 the forward one, as in the shipped calibrations. The other constants are those of the calibration
 the plans use now. A fit the runs cannot identify (:mod:`~vtrain_plugin.measured.identify`) is
 refused. Leave-one-out refits without each plan in turn, where the others still identify the
-constants, and predicts it. Predictions use the analytical kernel model (no profile database): it
-is the model the calibration file feeds.
+constants, and predicts it (:func:`leave_out_refits`: the same fit started from the full one).
+Predictions use the analytical kernel model (no profile database): it is the model the calibration
+file feeds.
 
 :func:`fit_constants` is the fit itself, also over plans of several devices and software stacks at
 once (the shipped calibration files: ``benchmarks/accuracy/calibrate.py``): a host cost
@@ -49,6 +50,7 @@ from vtrain_plugin.specs.run import RunConfig
 # gradient is this small: far below the scatter of measured times (percents); scipy's default,
 # 1e-8, spends its last evaluations on digits no measurement supports.
 _TOLERANCE = 1e-6
+_DIFF_STEP = 1e-3  # finite-difference step, a share of the unit range (constants are read to 3-4 digits)
 _MEMO_PER_PLAN = 64  # predictions remembered per plan before the memo starts over
 DEFAULT_FIT = ("gemm_efficiency", "network_efficiency", "host_overhead_ns")
 # Constants set from a fitted one (see the module doc), never fitted themselves.
@@ -230,7 +232,7 @@ class JointSpace:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JointFit:
     """The result of :func:`fit_constants`: the fitted point, and per plan its log residual and its
-    response to each parameter there (the Jacobian, for linearised refits)."""
+    response to each parameter (the Jacobian the fitter last took)."""
 
     space: JointSpace
     unit: np.ndarray
@@ -252,22 +254,21 @@ class JointFit:
         """The parameters at (within ``tolerance`` of the unit range of) a bound of their range."""
         return [p for p, u in zip(self.space.params, self.unit) if u <= tolerance or u >= 1.0 - tolerance]
 
-    def linearised_refit(self, keep: np.ndarray) -> np.ndarray:
-        """The unit point fitted on the plans where ``keep`` is true, by one bounded Gauss-Newton step
-        from this fit (the residuals linear in the parameters around it): a cheap leave-out refit."""
-        from scipy.optimize import lsq_linear
-
-        w = self.weights[keep][:, None]
-        a = w * self.jacobian[keep]
-        b = -(w[:, 0] * (self.residuals[keep] - self.jacobian[keep] @ self.unit))
-        return lsq_linear(a, b, bounds=(0.0, 1.0)).x
-
 
 def fit_constants(plans: Sequence[MeasuredPlan], names: Sequence[str], *, start: np.ndarray | None = None,
-                  space: JointSpace | None = None, max_nfev: int | None = None, verbose: int = 0) -> JointFit:
-    """Fit ``names`` to ``plans`` by bounded least squares on the log error (see the module doc)."""
-    from scipy.optimize import least_squares  # here: a second to load, and only calibration needs it
+                  space: JointSpace | None = None, max_nfev: int | None = None, max_steps: int | None = None,
+                  verbose: int = 0, memo: dict[tuple[int, DeviceConstants], float] | None = None) -> JointFit:
+    """Fit ``names`` to ``plans`` by bounded least squares on the log error (see the module doc).
 
+    ``max_steps`` (at least 1): stop after this many accepted trust-region steps, before the Jacobian
+    at the last point is taken (the fit's cost); ``memo``: log predicted times by (``id`` of the plan, its
+    constants), shared between fits of the same plan objects (leave-out refits reuse the times at
+    their common start); a new one by default."""
+    from scipy.optimize import least_squares  # here: a second to load, and only calibration needs it
+    from scipy.optimize._numdiff import approx_derivative  # least_squares' own finite differences
+
+    if max_steps is not None and max_steps < 1:
+        raise ConfigError(f"max_steps: {max_steps} must be at least 1 (or None: to convergence)")
     space = space or JointSpace(plans, names)
     sizes: dict[str, int] = {}
     for p in plans:
@@ -276,12 +277,12 @@ def fit_constants(plans: Sequence[MeasuredPlan], names: Sequence[str], *, start:
     measured = np.log([p.measured_ms for p in plans])
     # A plan's time depends only on its own constants: a finite difference of a parameter outside
     # its scopes (another GPU's, another stack's) finds them unchanged and reuses the time.
-    memo: dict[tuple[int, DeviceConstants], float] = {}
+    memo = {} if memo is None else memo
     predictions = 0
 
-    def log_predicted(i: int, plan: MeasuredPlan, unit: np.ndarray) -> float:
+    def log_predicted(plan: MeasuredPlan, unit: np.ndarray) -> float:
         nonlocal predictions
-        key = (i, space.constants(plan, unit))
+        key = (id(plan), space.constants(plan, unit))
         if key not in memo:
             if len(memo) > _MEMO_PER_PLAN * len(plans):
                 memo.clear()
@@ -289,16 +290,60 @@ def fit_constants(plans: Sequence[MeasuredPlan], names: Sequence[str], *, start:
             predictions += 1
         return memo[key]
 
+    calls = [0, 0]  # of residuals: every one, and those of the finite differences of a max_steps fit
+
     def residuals(unit: np.ndarray) -> np.ndarray:
-        return weights * (np.array([log_predicted(i, p, unit) for i, p in enumerate(plans)]) - measured)
+        calls[0] += 1
+        return weights * (np.array([log_predicted(p, unit) for p in plans]) - measured)
+
+    taken: list[np.ndarray] = []  # the Jacobians of a fit bounded by max_steps
+
+    def jacobian(unit: np.ndarray) -> np.ndarray:
+        if taken and len(taken) >= (max_steps or 0):  # after the last allowed step (the first call: the start)
+            raise _StepsTaken(unit.copy())
+        before = calls[0]
+        taken.append(approx_derivative(residuals, unit, method="2-point", rel_step=_DIFF_STEP, bounds=(0.0, 1.0)))
+        calls[1] += calls[0] - before
+        return taken[-1]
 
     x0 = np.clip(space.start(plans) if start is None else start, 0.0, 1.0)
-    result = least_squares(residuals, x0, bounds=(0.0, 1.0), method="trf", diff_step=1e-3, x_scale=1.0,
-                           ftol=_TOLERANCE, xtol=_TOLERANCE, gtol=_TOLERANCE, max_nfev=max_nfev, verbose=verbose)
-    return JointFit(space=space, unit=result.x, residuals=result.fun / weights, jacobian=result.jac / weights[:, None],
-                    weights=weights, evaluations=int(result.nfev), jacobians=int(result.njev or 0),
-                    predictions=predictions,
-                    converged=bool(result.status > 0))
+    try:
+        result = least_squares(residuals, x0, jac="2-point" if max_steps is None else jacobian, bounds=(0.0, 1.0),
+                               method="trf", diff_step=_DIFF_STEP, x_scale=1.0, ftol=_TOLERANCE, xtol=_TOLERANCE,
+                               gtol=_TOLERANCE, max_nfev=max_nfev, verbose=verbose)
+        unit, fun, jac = result.x, result.fun, result.jac
+        evaluations, jacobians, converged = int(result.nfev), int(result.njev or 0), bool(result.status > 0)
+    except _StepsTaken as stop:
+        evaluations, jacobians, converged = calls[0] - calls[1], len(taken), False
+        unit, fun, jac = stop.unit, residuals(stop.unit), taken[-1]
+    return JointFit(space=space, unit=unit, residuals=fun / weights, jacobian=jac / weights[:, None], weights=weights,
+                    evaluations=evaluations, jacobians=jacobians, predictions=predictions, converged=converged)
+
+
+class _StepsTaken(Exception):
+    """A fit bounded by ``max_steps`` took them: its point."""
+
+    def __init__(self, unit: np.ndarray) -> None:
+        super().__init__()
+        self.unit = unit
+
+
+def leave_out_refits(fit: JointFit, plans: Sequence[MeasuredPlan], groups: Sequence[Collection[int]], *,
+                     max_steps: int | None = None, verbose: int = 0) -> list[JointFit]:
+    """Per group of indices into ``plans`` (those ``fit`` was fitted on), the fit redone without them:
+    :func:`fit_constants` in ``fit``'s space, started from its point, to convergence or
+    ``max_steps`` trust-region steps. The residuals and Jacobian at that start are taken once for
+    every plan and shared; a group given twice is refitted once."""
+    memo: dict[tuple[int, DeviceConstants], float] = {}
+    fit_constants(plans, fit.space.names, start=fit.unit, space=fit.space, max_nfev=1, max_steps=max_steps,
+                  memo=memo)
+    refits: dict[frozenset[int], JointFit] = {}
+    for group in map(frozenset, groups):
+        if group not in refits:
+            rest = [p for i, p in enumerate(plans) if i not in group]
+            refits[group] = fit_constants(rest, fit.space.names, start=fit.unit, space=fit.space, max_steps=max_steps,
+                                          verbose=verbose, memo=dict(memo))
+    return [refits[frozenset(group)] for group in groups]
 
 
 def fit_calibration(plans: Sequence[PlanRuns], *, fit: Sequence[str] = DEFAULT_FIT,
@@ -314,14 +359,13 @@ def fit_calibration(plans: Sequence[PlanRuns], *, fit: Sequence[str] = DEFAULT_F
     effects = space.effects(prepared, start)
     labels = [p.label for p in prepared]
     check_identifiable(effects, names, labels)
-    after = fit_constants(prepared, names, start=start, space=space).constants(prepared[0])
-    loo = []
-    for i, held in enumerate(prepared):
-        rest = [p for j, p in enumerate(prepared) if j != i]
-        if unidentifiable(np.delete(effects, i, axis=0), names, labels[:i] + labels[i + 1:]) is not None:
-            loo.append(None)
-        else:
-            loo.append(held.predict_ms(fit_constants(rest, names, start=start, space=space).constants(held)))
+    fit = fit_constants(prepared, names, start=start, space=space)
+    after = fit.constants(prepared[0])
+    held = [i for i in range(len(prepared)) if unidentifiable(np.delete(effects, i, axis=0), names,
+                                                              labels[:i] + labels[i + 1:]) is None]
+    loo: list[float | None] = [None] * len(prepared)
+    for i, refit in zip(held, leave_out_refits(fit, prepared, [[i] for i in held])):
+        loo[i] = prepared[i].predict_ms(refit.constants(prepared[i]))
     runs = tuple(FittedRun(plan=p.label, logs=p.logs, measured_ms=p.measured_ms, before_ms=p.predict_ms(base.constants),
                            after_ms=p.predict_ms(after), leave_one_out_ms=held_out, informs=informs)
                  for p, held_out, informs in zip(prepared, loo, informed(effects, names)))
