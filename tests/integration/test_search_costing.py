@@ -25,6 +25,16 @@ CLUSTER = get_cluster_preset("dgx-a100")
 PREPARE = importlib.import_module("vtrain_plugin.cost.prepare")  # the module: the package exports its function
 EVALUATE = importlib.import_module("vtrain_plugin.planning.evaluate")
 STACK_MEMORY = importlib.import_module("vtrain_plugin.cost.stack_memory")
+COSTING = importlib.import_module("vtrain_plugin.cost.costing")
+ARRAY_ENGINE = importlib.import_module("vtrain_plugin.sim.array_engine")
+
+
+def clear_costing_caches() -> None:
+    """Every in-process cache an estimate reads, so the next estimate is computed from nothing."""
+    clear_cache()
+    for cache in (PREPARE._roles, PREPARE._mapped_nodes, STACK_MEMORY._deltas, STACK_MEMORY._memories,
+                  COSTING._role_times, ARRAY_ENGINE._results):
+        cache.clear()
 
 
 def test_plans_that_fold_one_trace_to_other_layer_counts_share_its_lowered_kernels():
@@ -77,8 +87,29 @@ def test_a_batch_prepares_each_graph_once_per_training_options(monkeypatch):
     rows = evaluate_batch(batch)
     assert len(prepared) == 2 and [p for p, _ in rows] == [0, 1, 2, 3]
     for position, row in rows:
-        clear_cache()
-        PREPARE._roles.clear()
-        PREPARE._mapped_nodes.clear()
-        STACK_MEMORY._deltas.clear()
+        clear_costing_caches()
         assert row == plan_row(candidates[position], evaluate(DENSE, candidates[position], CLUSTER, profile_db=False))
+
+
+def test_plans_of_one_shape_time_its_roles_once_and_share_what_they_do_not_change():
+    # PP 2 and PP 4 of one traced shape on 8 GPUs: their first (and last) stages fold one role to 4
+    # and 2 layers, timed once; the two gradient reductions of one plan share its memory. Every
+    # estimate equals the one made with no cache warm.
+    two, four = (trace(DENSE, ParallelPlan(tensor_parallel=2, pipeline_parallel=pp, data_parallel=8 // (2 * pp)))
+                 for pp in (2, 4))
+    clear_costing_caches()
+    timed = []
+    original = COSTING._time_role
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(COSTING, "_time_role", lambda *a: timed.append(a[0]) or original(*a))
+    trainings = [TrainingSpec(global_batch_size=16, grad_reduce=reduce) for reduce in ("overlap", "after_backward")]
+    try:
+        shared = [estimate(g, cluster=CLUSTER, training=t, profile_db=False) for g in (two, four) for t in trainings]
+    finally:
+        monkey.undo()
+    roles = {id(role.kernels) for role in timed}
+    assert len(timed) == len(roles) == 3, "each lowered role (first, middle, last) timed once for all four plans"
+    assert shared[0].memory_gib is shared[1].memory_gib and shared[2].memory_gib is shared[3].memory_gib
+    for (graph, training), est in zip([(g, t) for g in (two, four) for t in trainings], shared):
+        clear_costing_caches()
+        assert est == estimate(graph, cluster=CLUSTER, training=training, profile_db=False)

@@ -26,6 +26,7 @@ the task's time is split between the two in proportion to their stand-alone time
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ import numpy as np
 
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.core.graph import CP_GROUPS, CollectiveKind, ParallelGroup, Phase
+from vtrain_plugin.core.graph import CP_GROUPS, Block, CollectiveKind, ParallelGroup, Phase
 from vtrain_plugin.cost.activation_offload import exposed_copy_ns, exposed_reload_ns, offload_groups, offloaded_by_module
 from vtrain_plugin.cost.comm.collectives import CommModel
 from vtrain_plugin.cost.lowering.fp8 import quantisation
@@ -49,7 +50,7 @@ from vtrain_plugin.cost.kernels.op_classes import OpClass, classify
 from vtrain_plugin.cost.kernels.timer import KernelTimer
 from vtrain_plugin.cost.comm.moe_dispatch import MOE_GROUPS
 from vtrain_plugin.cost.prepare import PHASES, PreparedGraph, PreparedStage
-from vtrain_plugin.cost.provenance import Provenance, StageProvenance, stage_provenance
+from vtrain_plugin.cost.provenance import Provenance, StageProvenance, counted_provenance, stage_provenance
 from vtrain_plugin.cost.work import ChunkWork, DpBucket, ParamGather, PipelineWork
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
@@ -165,12 +166,58 @@ def _reload_exposed_ns(modules: Sequence[str], device: np.ndarray, segments, blo
     return exposed_reload_ns(offload_groups(forward, offloaded), by_module, link)
 
 
-def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, training: TrainingSpec,
-                num_microbatches: int, explain: bool, ep_overlap: _EpOverlap | None = None,
-                offload_nbytes: Sequence[dict[str, float]] = (), model: ModelSpec | None = None,
-                parallel: ParallelPlan | None = None) -> StageCost:
-    stage, role = prepared.stage, prepared.role
-    rank = stage.pipeline_rank
+@dataclass(frozen=True, slots=True, eq=False)
+class RoleTimes:
+    """A chunk role's kernels timed on one device with one set of constants and one placement of
+    its collectives: every per-row array and per-segment sum of :func:`_stage_cost` that does not
+    depend on the block counts, the micro-batches or the data-parallel side of the plan. Plans of a
+    search that share a traced shape share these (:func:`role_times`)."""
+
+    kernels: object  # the role's KernelBatch and measured array, held so their ids stay theirs
+    measured: np.ndarray
+    device: np.ndarray  # per row, collectives' exposed time included
+    host: np.ndarray
+    is_comm: np.ndarray
+    is_ep: np.ndarray
+    modules: list[str]
+    h: np.ndarray  # per segment: host total, device total, pipelined time of one instance
+    d: np.ndarray
+    p: np.ndarray
+    pieces: dict[int, tuple]  # per segment with host waits inside: its pieces (split_times)
+    tp_comm: np.ndarray  # per segment
+    cp_comm: np.ndarray
+    ep_comm: np.ndarray
+    kernel: np.ndarray  # per segment: kernel time and its measured part (provenance)
+    measured_kernel: np.ndarray
+
+
+_ROLE_TIMES_CACHE_SIZE = 512
+_role_times: OrderedDict[tuple, RoleTimes] = OrderedDict()
+
+
+def role_times(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, training: TrainingSpec,
+               model: ModelSpec | None, parallel: ParallelPlan | None) -> RoleTimes:
+    """:class:`RoleTimes` of ``prepared``'s role on its pipeline rank, looked up when a plan before
+    timed the same lowered role with the same device, constants, collective times and options."""
+    role, rank = prepared.role, prepared.stage.pipeline_rank
+    comm_ns = tuple(comm.time_ns(c.node.kind, c.node.nbytes, c.node.group, pipeline_rank=rank) for c in role.comm_rows)
+    waits_on = model if model is not None and model.num_experts and parallel is not None else None
+    key = (id(role.kernels), id(role.measured_ns), timer.device, timer.constants, timer.model.allow_tf32,
+           timer.slowdown, comm_ns, training.tp_comm_overlap, waits_on, parallel if waits_on is not None else None)
+    hit = _role_times.get(key)
+    if hit is not None and hit.kernels is role.kernels and hit.measured is role.measured_ns:
+        _role_times.move_to_end(key)
+        return hit
+    times = _time_role(role, timer, comm_ns, training, model, parallel, prepared.stage.blocks)
+    if not graphed(training):  # graphed host times read the stage's blocks: not shared
+        _role_times[key] = times
+        if len(_role_times) > _ROLE_TIMES_CACHE_SIZE:
+            _role_times.popitem(last=False)
+    return times
+
+
+def _time_role(role, timer: KernelTimer, comm_ns: tuple[float, ...], training: TrainingSpec,
+               model: ModelSpec | None, parallel: ParallelPlan | None, blocks: tuple[Block, ...]) -> RoleTimes:
     constants = timer.constants
     device, host = timer.times_ns(role.kernels, role.measured_ns)
     slow = constants.host_time_factor  # every host cost below runs on the node's CPU
@@ -179,13 +226,12 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
     is_comm = np.zeros(len(device), bool)
     is_cp = np.zeros(len(device), bool)
     is_ep = np.zeros(len(device), bool)
-    for c in role.comm_rows:
+    for c, ns in zip(role.comm_rows, comm_ns):
         node = c.node
-        comm_ns = comm.time_ns(node.kind, node.nbytes, node.group, pipeline_rank=rank)
         on_cp = node.group in CP_GROUPS
         # CP and MoE partners exist only where they overlap; TP ones with TE's userbuffers.
         overlapped = c.partner >= 0 and (on_cp or node.group in MOE_GROUPS or training.tp_comm_overlap)
-        device[c.row] = exposed_ns(comm_ns, device[c.partner]) if overlapped else comm_ns
+        device[c.row] = exposed_ns(ns, device[c.partner]) if overlapped else ns
         host[c.row] = slow * (constants.collective_host_overhead_ns or (
             constants.backward_host_overhead_ns if node.phase is Phase.BACKWARD else constants.host_overhead_ns))
         is_comm[c.row] = True
@@ -193,25 +239,50 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         is_ep[c.row] = node.group in MOE_GROUPS
     modules = _row_modules(role)
     if graphed(training):  # captured kernels replayed by one graph launch each region
-        host = graphed_host_ns(host, modules, role.segments, stage.blocks, training, slow * constants.host_overhead_ns)
+        host = graphed_host_ns(host, modules, role.segments, blocks, training, slow * constants.host_overhead_ns)
     if timer.device.host_runs_kernels:  # a CPU issues and runs each op: no overlap to model
         device, host = device + host, np.zeros_like(host)
     segments = role.segments
     h, d, p = segment_times(host, device, segments)
     waits = {} if model is None or parallel is None else dispatch_waits(
         modules, all_to_all_rows(role.comm_rows), segments, model, parallel)
-    tp_comm = segment_sums(np.where(is_comm & ~is_cp & ~is_ep, device, 0.0), segments)
-    cp_comm = segment_sums(np.where(is_cp, device, 0.0), segments)
-    ep_comm = segment_sums(np.where(is_ep, device, 0.0), segments)
-    provenance = stage_provenance(role, device, is_comm, num_microbatches, track_modeled=explain)
+    measured_rows = ~np.isnan(role.measured_ns)
+    for shared in (device, host, is_comm, is_ep):  # shared by the plans that look them up
+        shared.setflags(write=False)
+    return RoleTimes(
+        kernels=role.kernels, measured=role.measured_ns, device=device, host=host, is_comm=is_comm, is_ep=is_ep,
+        modules=modules, h=h, d=d, p=p,
+        pieces={i: split_times(host, device, segments[i], w) for i, w in waits.items()},
+        tp_comm=segment_sums(np.where(is_comm & ~is_cp & ~is_ep, device, 0.0), segments),
+        cp_comm=segment_sums(np.where(is_cp, device, 0.0), segments),
+        ep_comm=segment_sums(np.where(is_ep, device, 0.0), segments),
+        kernel=segment_sums(np.where(is_comm, 0.0, device), segments),
+        measured_kernel=segment_sums(np.where(measured_rows, device, 0.0), segments))
+
+
+def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, training: TrainingSpec,
+                num_microbatches: int, explain: bool, ep_overlap: _EpOverlap | None = None,
+                offload_nbytes: Sequence[dict[str, float]] = (), model: ModelSpec | None = None,
+                parallel: ParallelPlan | None = None) -> StageCost:
+    stage, role = prepared.stage, prepared.role
+    rank = stage.pipeline_rank
+    constants = timer.constants
+    slow = constants.host_time_factor
+    times = role_times(prepared, timer, comm, training, model, parallel)
+    device, is_comm, is_ep, modules = times.device, times.is_comm, times.is_ep, times.modules
+    segments = role.segments
+    h, d, p = times.h, times.d, times.p
+    tp_comm, cp_comm, ep_comm = times.tp_comm, times.cp_comm, times.ep_comm
+    provenance = (stage_provenance(role, device, is_comm, num_microbatches, track_modeled=True) if explain
+                  else counted_provenance(segments, times.kernel, times.measured_kernel, num_microbatches))
 
     index = {(s.block, s.phase): i for i, s in enumerate(segments)}
     blocks = stage.blocks
 
     def time(b: int, phase: Phase) -> SegmentTime:
         i = index[b, phase]
-        pieces = split_times(host, device, segments[i], waits[i]) if i in waits else ()
-        return SegmentTime(host_ns=h[i], device_ns=d[i], pipelined_ns=p[i], count=blocks[b].count, pieces=pieces)
+        return SegmentTime(host_ns=h[i], device_ns=d[i], pipelined_ns=p[i], count=blocks[b].count,
+                           pieces=times.pieces.get(i, ()))
 
     forward_order = range(len(blocks))
     backward_order = range(len(blocks) - 1, -1, -1)

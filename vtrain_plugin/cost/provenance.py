@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from vtrain_plugin.core.graph import KernelKey, OpNode, Phase
-from vtrain_plugin.cost.kernels.host_device import segment_sums
+from vtrain_plugin.cost.kernels.host_device import Segment, segment_sums
 from vtrain_plugin.cost.prepare import PreparedRole
 
 
@@ -31,21 +32,36 @@ def stage_provenance(role: PreparedRole, device_ns: np.ndarray, is_comm: np.ndar
     measured_rows = ~np.isnan(role.measured_ns)
     kernel = segment_sums(np.where(is_comm, 0.0, device_ns), segments)
     measured = segment_sums(np.where(measured_rows, device_ns, 0.0), segments)
-    kernel_ns = measured_ns = 0.0
+    totals = counted_provenance(segments, kernel, measured, num_microbatches)
+    if not track_modeled:
+        return totals
     modeled: dict[ModeledUse, tuple[float, OpNode]] = {}
+    for s in segments:
+        runs = _runs(s, num_microbatches)
+        for row in range(s.start, s.stop):
+            node = role.nodes[row]
+            if node is not None and not measured_rows[row]:
+                use = (node.key, node.phase, node.module)
+                previous = modeled.get(use)
+                modeled[use] = ((previous[0] if previous else 0.0) + runs * device_ns[row], node)
+    return StageProvenance(kernel_ns=totals.kernel_ns, measured_kernel_ns=totals.measured_kernel_ns,
+                           modeled=tuple((key, ns, node) for key, (ns, node) in modeled.items()))
+
+
+def counted_provenance(segments: Sequence[Segment], kernel: np.ndarray, measured: np.ndarray,
+                       num_microbatches: int) -> StageProvenance:
+    """A stage's kernel time and its measured part per iteration, from the per-segment sums of one
+    instance (``kernel``, ``measured``): the modeled kernels not listed."""
+    kernel_ns = measured_ns = 0.0
     for i, s in enumerate(segments):
-        runs = s.count * (1 if s.phase is Phase.OPTIMIZER else num_microbatches)
+        runs = _runs(s, num_microbatches)
         kernel_ns += runs * kernel[i]
         measured_ns += runs * measured[i]
-        if track_modeled:
-            for row in range(s.start, s.stop):
-                node = role.nodes[row]
-                if node is not None and not measured_rows[row]:
-                    use = (node.key, node.phase, node.module)
-                    previous = modeled.get(use)
-                    modeled[use] = ((previous[0] if previous else 0.0) + runs * device_ns[row], node)
-    return StageProvenance(kernel_ns=kernel_ns, measured_kernel_ns=measured_ns,
-                           modeled=tuple((key, ns, node) for key, (ns, node) in modeled.items()))
+    return StageProvenance(kernel_ns=kernel_ns, measured_kernel_ns=measured_ns)
+
+
+def _runs(segment: Segment, num_microbatches: int) -> int:
+    return segment.count * (1 if segment.phase is Phase.OPTIMIZER else num_microbatches)
 
 
 @dataclass(slots=True)

@@ -62,7 +62,7 @@ from vtrain_plugin.cost.memory import FRAGMENTATION, PeakLive, RankMemory, rank_
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.cost.workspaces import workspace_nbytes
 from vtrain_plugin.specs.cluster import GpuArchitecture
-from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
+from vtrain_plugin.specs.training import GradReduce, SoftwareStack, TrainingSpec
 
 _DELTA_CACHE_SIZE = 1024
 # What a block's stack keeps minus what its trace did, by the identity of the block's nodes and
@@ -70,12 +70,41 @@ _DELTA_CACHE_SIZE = 1024
 _deltas: OrderedDict[tuple, tuple[int, tuple, tuple]] = OrderedDict()
 
 
+_MEMORY_CACHE_SIZE = 64
+# Results by the identity of the graph and of the schedule whose peak_live they walked (the entry
+# holds both), the stack, the training spec as memory reads it and the architecture.
+_memories: OrderedDict[tuple, tuple[OpGraph, object, tuple[RankMemory, ...]]] = OrderedDict()
+
+
 def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
                       training: TrainingSpec | None = None,
                       architecture: GpuArchitecture | None = None) -> tuple[RankMemory, ...]:
     """:func:`~vtrain_plugin.cost.memory.rank_memory` of ``graph`` as ``stack`` runs it with the
     options of ``training`` (FP8, FP8 weights, gradient dtype, distributed optimizer; None: none) on
-    a GPU of ``architecture`` (its GEMM workspaces; None: none counted)."""
+    a GPU of ``architecture`` (its GEMM workspaces; None: none counted).
+
+    The plans of a search that share a graph and a schedule and differ only in when gradients are
+    reduced and parameters gathered (``grad_reduce``, ``overlap_param_gather``: memory reads
+    neither) share the result, looked up."""
+    schedule = getattr(peak_live, "__self__", None)
+    if schedule is None:
+        return _stack_rank_memory(graph, peak_live, stack, training, architecture)
+    as_read = None if training is None else replace(training, grad_reduce=GradReduce.OVERLAP,
+                                                    overlap_param_gather=False)
+    key = (id(graph), id(schedule), stack, as_read, architecture)
+    hit = _memories.get(key)
+    if hit is not None and hit[0] is graph and hit[1] is schedule:
+        _memories.move_to_end(key)
+        return hit[2]
+    memory = _stack_rank_memory(graph, peak_live, stack, training, architecture)
+    _memories[key] = (graph, schedule, memory)
+    if len(_memories) > _MEMORY_CACHE_SIZE:
+        _memories.popitem(last=False)
+    return memory
+
+
+def _stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack, training: TrainingSpec | None,
+                       architecture: GpuArchitecture | None) -> tuple[RankMemory, ...]:
     settings = None if training is None else training.fp8_settings
     fp8 = settings is not None
     quantised = quantisation(settings) if fp8 else None

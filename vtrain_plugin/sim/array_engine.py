@@ -10,10 +10,19 @@ last backward's start follow from the end times in one pass over all tasks.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 from vtrain_plugin.cost.work import PipelineWork
 from vtrain_plugin.sim.task_graph import SteadyState, task_graph
+
+
+_RESULTS_CACHE_SIZE = 256
+# run_compute's results by everything they depend on: the schedule's shape, the chunks' compute and
+# send durations and the gates. Plans of a search that differ only in what happens beside the
+# compute streams (gradient reduction, optimizer step) share them.
+_results: OrderedDict[tuple, tuple[tuple[float, ...], ...]] = OrderedDict()
 
 
 def run_compute(work: PipelineWork, gates: list[float] | None = None
@@ -22,15 +31,30 @@ def run_compute(work: PipelineWork, gates: list[float] | None = None
     rank's time waiting on in-flight sends, each rank's time waiting on parameter all-gathers), as
     the event engine computes them. ``gates[s]``: the earliest end of virtual stage ``s``'s first
     forward (its parameters' all-gathers, see :func:`vtrain_plugin.sim.engine.simulate`)."""
+    chunks = work.chunks
+    durations = tuple((c.forward_ns, c.recompute_ns, c.backward_ns, c.p2p_forward_ns, c.p2p_backward_ns)
+                      for c in chunks)
+    key = (work.schedule, work.pipeline_parallel, work.virtual_pipeline, work.num_microbatches,
+           work.microbatch_group_size, durations, None if gates is None else tuple(gates))
+    hit = _results.get(key)
+    if hit is None:
+        hit = _results[key] = tuple(tuple(r) for r in _run_compute(work, durations, gates))
+        if len(_results) > _RESULTS_CACHE_SIZE:
+            _results.popitem(last=False)
+    else:
+        _results.move_to_end(key)
+    return tuple(list(r) for r in hit)  # fresh lists: the caller's to change
+
+
+def _run_compute(work: PipelineWork, durations: tuple[tuple[float, ...], ...], gates: list[float] | None
+                 ) -> tuple[list[float], list[float], list[float], list[float]]:
     graph = task_graph(work.schedule, work.pipeline_parallel, work.virtual_pipeline, work.num_microbatches,
                        work.microbatch_group_size)
-    chunks = work.chunks
-    forward = np.array([c.forward_ns for c in chunks])
-    recompute = np.array([c.recompute_ns for c in chunks])
-    backward = np.array([c.backward_ns for c in chunks])
+    forward, recompute, backward, p2p_forward, p2p_backward = (
+        np.array([d[i] for d in durations]) for i in range(5))
     # Indexed by virtual stage; the extra last entry is the "no send" sentinel.
-    sends = np.array([c.p2p_forward_ns for c in chunks] + [0.0])
-    sends_back = np.array([c.p2p_backward_ns for c in chunks] + [0.0])
+    sends = np.append(p2p_forward, 0.0)
+    sends_back = np.append(p2p_backward, 0.0)
 
     stage, is_forward = graph.stage, graph.is_forward
     duration = np.where(is_forward, forward[stage], recompute[stage] + backward[stage])
