@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from profiler.lookup import measured_for_graph
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core import checks as v
-from vtrain_plugin.core.dtypes import Dtype, canonical_dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey, OpGraph, Phase
 from vtrain_plugin.core.units import GIB, MS_PER_S, NS_PER_MS, NS_PER_S, SECONDS_PER_DAY, SECONDS_PER_HOUR
@@ -32,6 +31,7 @@ from vtrain_plugin.cost.kernels.timer import KernelTimer
 from vtrain_plugin.cost.memory import RankMemory
 from vtrain_plugin.cost.prepare import PreparedGraph, prepare_run
 from vtrain_plugin.cost.stack_memory import stack_rank_memory
+from vtrain_plugin.cost.time_floor import gemm_peak_flop_per_ns, gemm_precision
 from vtrain_plugin.cost.kernels.stragglers import slowest_gpu_factor
 from vtrain_plugin.hardware.calibration import DeviceConstants, calibration_for
 from vtrain_plugin.hardware.devices import DeviceSpec, get_device
@@ -45,7 +45,7 @@ from vtrain_plugin.specs.assumptions import assumptions, training_assumptions
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.run import RunConfig
-from vtrain_plugin.specs.training import Fp8Recipe, SoftwareStack, TrainingSpec
+from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -436,18 +436,10 @@ def _traced_flops(graph: OpGraph, costing: Costing) -> dict[Phase, int]:
 
 def _mfu_peak(device: DeviceSpec, dtype: str, training: TrainingSpec) -> tuple[float, str]:
     """The peak MFU is against: the device's dense tensor-core rate for the precision the GEMMs run
-    in: FP4 with an FP4 recipe (NVFP4), FP8 with an FP8 one (MXFP8 runs at the FP8 rate), else the
-    model dtype (TF32 for fp32). Layers kept in bf16 under FP8 do not change the peak named: the
-    output says which one it is, as Megatron-LM logs TFLOP/s only."""
-    if training.fp4 is not None:
-        gemm_dtype, kind = Dtype.FP4.value, training.fp4_recipe.value
-    elif training.fp8 is not None:
-        mx = training.fp8_recipe is Fp8Recipe.MXFP8
-        gemm_dtype, kind = Dtype.FP8.value, "mxfp8" if mx else "fp8"
-    else:
-        gemm_dtype = dtype
-        kind = "tf32" if canonical_dtype(dtype) is Dtype.FP32 else canonical_dtype(dtype).value
-    tflop_per_s = device.tensor_flop_per_ns(gemm_dtype) * NS_PER_S / 1e12
+    in (:func:`~vtrain_plugin.cost.time_floor.gemm_precision`). Layers kept in bf16 under FP8 do not
+    change the peak named: the output says which one it is, as Megatron-LM logs TFLOP/s only."""
+    kind = gemm_precision(dtype, training)[1]
+    tflop_per_s = gemm_peak_flop_per_ns(device, dtype, training) * NS_PER_S / 1e12
     return tflop_per_s, f"{device.name} dense {kind} peak {tflop_per_s:,.0f} TFLOP/s"
 
 

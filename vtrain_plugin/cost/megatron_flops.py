@@ -63,14 +63,14 @@ def _transformer_flops(model: ModelSpec, *, sequences: int, tensor_parallel: int
     shared = model.moe_shared_expert_intermediate_size or 0
     mlp = h * (model.ffn_size * ffn_gemms * dense_layers
                + (model.expert_ffn_size * model.router_topk + shared) * ffn_gemms * moe_layers)
-    projections, core_per_token_pair = _attention_terms(model)
+    projections, core_per_token_pair = attention_terms(model)
     mtp_extra = mtp * (3 * h + 2 * h * h)  # the MTP embedding and hidden norms, final norm; its projection
     logits = h * model.padded_vocab_size(tensor_parallel) * (mtp + 1)
     linear = FORWARD_BACKWARD * FMA * (mlp + projections * layers + mtp_extra + logits)
     return tokens * linear + sequences * s * s * core_per_token_pair * layers
 
 
-def _attention_terms(model: ModelSpec) -> tuple[int, int]:
+def attention_terms(model: ModelSpec) -> tuple[int, int]:
     """One layer's attention: (weight-like elements per token, multiplied by 6 per token; core
     attention FLOPs per (sequence, query, key) pair, forward and backward, causal)."""
     h, n = model.hidden_size, model.num_attention_heads

@@ -32,6 +32,7 @@ from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.memory import memory_floor_gib
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.planning.backends import BACKENDS, run_batches
+from vtrain_plugin.planning.bounded import best_first, plan_floors, rows_in_order
 from vtrain_plugin.planning.evaluate import (ESTIMATE_COLUMNS, EXPECTED_COLUMNS, PLAN_COLUMNS, TRAIN_COLUMNS,
                                             evaluate, make_batches, plan_row)
 from vtrain_plugin.planning.pareto import pareto_front
@@ -61,6 +62,8 @@ class SearchResult:
     time_column: str  # the time and cost the ranking and the front use: per iteration, or to train
     cost_column: str
     top_k: int = 10
+    num_candidates: int = 0  # plans after memory pruning; the table has them all unless the search was best-first
+    trace_jobs: int = 0  # chunk roles traced (or derived) for the plans costed
 
     def top(self, k: int | None = None) -> pd.DataFrame:
         """The ``k`` best plans (default ``top_k``), those that fit first."""
@@ -80,7 +83,8 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
            gpus: GpuBudget | int | str | Iterable[int], space: SearchSpace | None = None,
            training: TrainingSpec | None = None, objective: str = "time", top_k: int = 10,
            workers: int | None = None, backend: str = "local", progress: bool = False,
-           tokens: float | None = None, profile_db: str | None | Literal[False] = None) -> SearchResult:
+           tokens: float | None = None, profile_db: str | None | Literal[False] = None,
+           exhaustive: bool = True) -> SearchResult:
     """Estimate every valid plan of ``space`` (default: every axis over its whole range) for
     ``model`` on ``cluster`` with ``global_batch_size`` sequences per iteration and a GPU count
     in ``gpus`` (a :class:`GpuBudget`, a count, ``"1024:4096"``, ``"2240,2800,3360"``, or counts).
@@ -97,7 +101,9 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     ``progress`` draws a bar on stderr. ``tokens`` adds ``train_days`` and ``train_cost_usd`` for
     training on that many tokens. ``profile_db``: the profile database every estimate reads, as
     :func:`~vtrain_plugin.estimate.estimate` takes it (default ``$VTRAIN_PROFILE_DB``, else the
-    user cache; False: none).
+    user cache; False: none). ``exhaustive=False``: only the ``top_k`` best plans are wanted; plans
+    are costed best-first (:mod:`~vtrain_plugin.planning.bounded`) and the table holds those costed,
+    its ``top_k`` first rows those of the exhaustive search and the front that of the plans costed.
 
     Columns: the plan (``tensor_parallel, context_parallel, pipeline_parallel, data_parallel,
     expert_parallel, micro_batch_size, virtual_pipeline, sequence_parallel, recompute, grad_reduce,
@@ -134,36 +140,64 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
                                   budget=GpuBudget.of(gpus), training=base, gpus_per_node=cluster.gpus_per_node)
     candidates, pruned = prune_by_memory(model, enumeration.candidates, get_device(cluster.gpu).memory_bytes / GIB)
     skipped = {**enumeration.skipped, **({MEMORY_RULE: pruned} if pruned else {})}
+    time_column, cost_column = measures(priced=cluster.price_per_gpu_hour_usd is not None, tokens=tokens,
+                                        failures=failures)
+    column = cost_column if objective == "cost" else time_column
+    traced = [0]
+
+    def evaluate_plans(positions: Sequence[int]) -> list[tuple[int, dict[str, Any]]]:
+        chosen = [candidates[p] for p in positions]
+        results, jobs = _trace_and_evaluate(model, cluster, chosen, workers=workers, backend=backend, pool=pool,
+                                            progress=progress, profile_db=profile_db)
+        traced[0] += jobs
+        return [(positions[p], row) for p, row in results]
+
+    with WorkerPool(workers) as pool:  # started by the first evaluation that needs it
+        if exhaustive:
+            results = evaluate_plans(range(len(candidates)))
+        else:
+            floors = plan_floors(model, candidates, get_device(cluster.gpu), column,
+                                 price_per_gpu_hour_usd=cluster.price_per_gpu_hour_usd)
+            results = best_first(floors, evaluate_plans, column=column, top_k=top_k)
+    log.info("%s search: %d of %d plans costed, %d trace jobs", "exhaustive" if exhaustive else "best-first",
+             len(results), len(candidates), traced[0])
+    table = pd.DataFrame(rows_in_order(results),
+                         columns=[*PLAN_COLUMNS, *ESTIMATE_COLUMNS, *(TRAIN_COLUMNS if tokens else ()),
+                                  *(EXPECTED_COLUMNS if failures else ())])
+    table = rank_plans(table, "time" if objective == "days" else objective, time_column=time_column, cost_column=cost_column)
+    return SearchResult(table=table, skipped=skipped, objective=objective, time_column=time_column,
+                        cost_column=cost_column, top_k=top_k, num_candidates=len(candidates), trace_jobs=traced[0])
+
+
+def _trace_and_evaluate(model: ModelSpec, cluster: ClusterSpec, candidates: Sequence[Candidate], *, workers: int,
+                        backend: str, pool: WorkerPool, progress: bool, profile_db: str | None | Literal[False]
+                        ) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+    """``(position in candidates, row)`` of each candidate, and the trace jobs run for them: their
+    chunk shapes traced first, by ``pool``'s workers, each job by one, then the plans estimated by the
+    workers, reading the traces from the trace cache."""
     jobs = trace_jobs(model, [c.parallel for c in candidates])
     batches = make_batches(model, cluster, candidates, profile_db=profile_db)
     local = backend == "local" and workers > 1 and len(batches) > 1  # else evaluated here, or by Ray
     # Forked workers share the imports of tracing when there is some to do (else they need none).
-    with WorkerPool(min(workers, max(len(jobs), len(batches))), preload=_load_tracing if jobs else None) as pool:
-        if local:
-            pool.start()  # before the progress bars' thread, which would rule out forking them
-        # Traced before the fan-out, so the workers that estimate only read: by those workers, each
-        # job by one, when they share the disk cache (without it they trace their own batches).
-        with ProgressBar(total=len(jobs), unit="trace", desc="tracing", file=sys.stderr, disable=not progress) as bar:
-            if not local:
-                for job in jobs:
-                    run_trace_job(job)
-                    bar.update()
-            elif disk_cache.enabled():
-                log.info("tracing %d chunk roles in %d workers", len(jobs), pool.size)
-                pool.map(run_trace_job, jobs, lambda job: bar.update())
-        log.info("evaluating %d plans of %d trace shapes (%s, %d workers)", len(candidates), len(batches),
-                 backend, workers)
-        with ProgressBar(total=len(candidates), unit="plan", file=sys.stderr, disable=not progress) as bar:
-            results = run_batches(batches, workers=workers, backend=backend, on_plans=bar.update,
-                                  pool=pool if local else None)
-    rows = [row for _, row in sorted(results, key=lambda item: item[0])]
-    table = pd.DataFrame(rows, columns=[*PLAN_COLUMNS, *ESTIMATE_COLUMNS, *(TRAIN_COLUMNS if tokens else ()),
-                                        *(EXPECTED_COLUMNS if failures else ())])
-    time_column, cost_column = measures(priced=cluster.price_per_gpu_hour_usd is not None, tokens=tokens,
-                                        failures=failures)
-    table = rank_plans(table, "time" if objective == "days" else objective, time_column=time_column, cost_column=cost_column)
-    return SearchResult(table=table, skipped=skipped, objective=objective, time_column=time_column,
-                        cost_column=cost_column, top_k=top_k)
+    pool.before_start(size=max(len(jobs), len(batches)), preload=_load_tracing if jobs else None)
+    if local:
+        pool.start()  # before the progress bars' thread, which would rule out forking them
+    # Traced before the fan-out, so the workers that estimate only read: by those workers, each
+    # job by one, when they share the disk cache (without it they trace their own batches).
+    with ProgressBar(total=len(jobs), unit="trace", desc="tracing", file=sys.stderr, disable=not progress) as bar:
+        if not local:
+            for job in jobs:
+                run_trace_job(job)
+                bar.update()
+        elif disk_cache.enabled():
+            log.info("tracing %d chunk roles in %d workers", len(jobs), pool.size)
+            pool.map(run_trace_job, jobs, lambda job: bar.update())
+    log.info("evaluating %d plans of %d trace shapes (%s, %d workers)", len(candidates), len(batches),
+             backend, workers)
+    with ProgressBar(total=len(candidates), unit="plan", file=sys.stderr, disable=not progress) as bar:
+        results = run_batches(batches, workers=workers, backend=backend, on_plans=bar.update,
+                              pool=pool if local else None)
+    return results, len(jobs)
 
 
 def _load_tracing() -> None:

@@ -6,6 +6,9 @@ GPU budget, and the shape is *within budget* when a plan that fits in memory tra
 ``days`` and for at most ``budget_usd`` (whichever are given; the fastest such plan is reported).
 Days to train grow with the shape (tokens and FLOPs per token both grow with the parameter count),
 so the ladder is bisected: about ``log2(len(ladder))`` searches, each on a shape's own traces.
+With a budget in days alone a shape needs only its fastest plan, so its search is best-first
+(:mod:`~vtrain_plugin.planning.bounded`: the plans that cannot be faster are never traced nor
+costed); a dollar budget also needs the cheapest plan, and its searches cost every plan.
 
 The result also carries the naive answer, the largest shape whose ``6 N D`` FLOPs fit the budget at
 a fixed MFU (:func:`~vtrain_plugin.planning.model_family.naive_size`; a dollar budget buys GPU-hours at
@@ -231,7 +234,7 @@ def _judge(model: ModelSpec, *, cluster: ClusterSpec, budget: GpuBudget, days: f
         result = search(model, cluster=cluster, global_batch_size=global_batch, gpus=budget, space=space,
                         training=TrainingSpec(global_batch_size=global_batch, reliability=reliability),
                         objective="time", workers=workers, progress=progress, tokens=tokens,
-                        profile_db=profile_db)
+                        profile_db=profile_db, top_k=1, exhaustive=budget_usd is not None)
     except ConfigError as exc:  # no valid plan at all for this shape within the GPU budget
         return ShapeOutcome(model=model, tokens=tokens, within_budget=False, reason=str(exc), no_plan=True)
     fitting = result.table[result.table["fits_in_memory"]]

@@ -63,6 +63,12 @@ class WorkerPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def before_start(self, *, size: int, preload: Callable[[], None] | None) -> None:
+        """Until a worker has started: at most ``size`` workers, and ``preload`` instead of the
+        pool's (a search knows both once it has its first plans); no-op afterwards."""
+        if not self._processes:
+            self.size, self.preload = min(self.size, size), preload
+
     def start(self) -> None:
         """Start every worker now: before this process starts a thread (a progress bar's), so they can be forked."""
         while len(self._processes) < self.size:

@@ -1,0 +1,104 @@
+"""Best-first search: the iteration-time floor never exceeds an estimate, and the search that stops at
+the floor finds the very rows the exhaustive search ranks first, for every objective `size` and
+`search --top` use."""
+
+from dataclasses import replace
+
+import pytest
+
+from vtrain_plugin.cost.time_floor import iteration_floor_ns
+from vtrain_plugin.hardware.devices import get_device
+from vtrain_plugin.planning.evaluate import evaluate
+from vtrain_plugin.planning.search import search
+from vtrain_plugin.planning.sizing import size_model
+from vtrain_plugin.planning.space import GpuBudget, SearchSpace, enumerate_plans
+from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.training import TrainingSpec
+
+from vtrain_plugin.planning import bounded
+
+from test_search_pruning import CLUSTER, DENSE, HYBRID
+
+DEVICE = get_device(CLUSTER.gpu)
+# Wide enough that the weight GEMMs the floor counts are a third to two thirds of an iteration: a
+# floor that counted a GEMM twice would show here, not in the kernel overheads of a tiny model.
+WIDE = ModelSpec(family="llama", num_layers=4, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                 seq_length=2048, vocab_size=32000, dtype="bf16")
+WIDE_MOE = replace(WIDE, hidden_size=2048, num_attention_heads=16, num_query_groups=4, num_experts=8,
+                   moe_router_topk=2, moe_ffn_hidden_size=2048)
+WIDE_HYBRID = replace(HYBRID, hidden_size=2048, num_attention_heads=16, seq_length=2048)
+# Every axis the floor reads: TP (with and without SP), PP (with and without VP: 1F1B and interleaved),
+# DP through the GPU count and the micro-batches, recompute (full recomputes the GEMMs), EP for MoE.
+FLOOR_SPACE = SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2, 4), micro_batch_size=(1,),
+                          grad_reduce=("after_backward",), distributed_optimizer=(False,))
+# Small enough to cost exhaustively beside the best-first search, with plans that tie (the gradient
+# reduction does not show without data parallelism).
+SEARCH_SPACE = SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2), micro_batch_size=(1, 4),
+                           virtual_pipeline=(1,), sequence_parallel=(False,), recompute=("none", "full"),
+                           grad_reduce=("after_backward", "overlap"), distributed_optimizer=(False,))
+
+
+@pytest.mark.parametrize("model", [DENSE, WIDE, WIDE_MOE, WIDE_HYBRID], ids=["gpt-fp16", "llama-bf16", "moe-bf16",
+                                                                        "hybrid-bf16"])
+def test_the_floor_is_below_the_estimate_of_every_plan(model):
+    training = TrainingSpec(global_batch_size=16)
+    space = replace(FLOOR_SPACE, expert_parallel=(1, 4)) if model.is_moe else FLOOR_SPACE  # EP 2, 8: more of the same
+    candidates = enumerate_plans(model, space, global_batch_size=16, budget=GpuBudget.parse("8"),
+                                 training=training, gpus_per_node=8).candidates
+    assert len(candidates) >= 12, len(candidates)
+    assert model.is_hybrid or any(c.parallel.virtual_pipeline > 1 for c in candidates)
+    for candidate in candidates:
+        floor_ms = iteration_floor_ns(model, candidate.parallel, candidate.training, DEVICE) / 1e6
+        estimate_ms = evaluate(model, candidate, CLUSTER).iteration_time_ms
+        assert 0 < floor_ms <= estimate_ms, candidate.parallel
+
+
+def test_a_floor_counts_the_weight_gemms_at_peak():
+    # PP 1, TP 1, 4 micro-batches of 2 x 128 tokens: 4 layers of h (3h + h) + 2 h 4h weights, 256 x 1024 logits,
+    # 6 FLOPs per weight and token without recompute, 8 with full recompute, at the A100's 312 TFLOP/s.
+    training = TrainingSpec(global_batch_size=8)
+    weights = 4 * (4 * 256 * 256 + 2 * 256 * 1024) + 256 * 1024
+    tokens = 8 * 128
+    for recompute, flops in (("none", 6), ("full", 8)):
+        plan = enumerate_plans(DENSE, replace(FLOOR_SPACE, tensor_parallel=(1,), pipeline_parallel=(1,),
+                                              recompute=(recompute,), sequence_parallel=(False,)),
+                               global_batch_size=8, budget=GpuBudget.parse("1"), training=training,
+                               gpus_per_node=8).candidates[0].parallel
+        expected = (flops * tokens * weights - (flops - 6) * tokens * 256 * 1024) / 312e3
+        assert iteration_floor_ns(DENSE, plan, training, DEVICE) == pytest.approx(expected, rel=1e-12)
+
+
+def _best_rows(result, k):
+    return result.table.head(k).drop(columns=["pareto"]).to_dict("records")
+
+
+@pytest.mark.parametrize("objective,tokens", [("time", None), ("days", 3e8), ("cost", 3e8), ("cost", None)],
+                         ids=["iteration-time", "days-to-train", "cost-to-train", "cost-per-iteration"])
+@pytest.mark.parametrize("model", [WIDE, WIDE_MOE], ids=["llama-bf16", "moe-bf16"])
+def test_best_first_finds_the_exhaustive_searchs_best_rows(model, objective, tokens, monkeypatch):
+    monkeypatch.setattr(bounded, "FIRST_ROUND_PLANS", 4)  # rounds of 4, 8, 16, ... plans: the floor can stop one
+    kwargs = dict(cluster=CLUSTER, global_batch_size=16, gpus="1:8", space=SEARCH_SPACE, objective=objective,
+                  tokens=tokens, workers=1)
+    everything = search(model, **kwargs)
+    best = search(model, **kwargs, top_k=3, exhaustive=False)
+    assert everything.num_fitting > 3 and len(everything.table) == everything.num_candidates
+    # The floor prunes the plans on more GPUs than the fastest needs; by cost (GPUs x time) it may prune none.
+    assert len(best.table) < len(everything.table) or objective == "cost", "the floor pruned nothing"
+    assert _best_rows(best, 3) == _best_rows(everything, 3)
+    assert best.table.iloc[0].to_dict() == everything.table.iloc[0].to_dict()  # the front's fastest: pareto too
+    assert best.num_candidates == everything.num_candidates and best.trace_jobs <= everything.trace_jobs
+
+
+def test_size_picks_the_plan_the_exhaustive_search_ranks_first():
+    ladder = {"min_params": 5e6, "max_params": 1e8, "hidden_step": 256}
+    sized = size_model("gpt", cluster=CLUSTER, gpus="1:8", days=0.05, space=SEARCH_SPACE, workers=1,
+                       batch_tokens=2**14, **ladder)
+    assert len(sized.evaluated) >= 2
+    for outcome in sized.evaluated:
+        model: ModelSpec = outcome.model
+        global_batch = 2**14 // model.seq_length
+        everything = search(model, cluster=CLUSTER, global_batch_size=global_batch, gpus="1:8", space=SEARCH_SPACE,
+                            training=TrainingSpec(global_batch_size=global_batch), tokens=outcome.tokens, workers=1)
+        fastest = everything.table[everything.table["fits_in_memory"]].sort_values("expected_train_days",
+                                                                                    kind="stable")
+        assert outcome.plan == fastest.iloc[0].to_dict()
