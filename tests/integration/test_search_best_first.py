@@ -29,8 +29,9 @@ WIDE_MOE = replace(WIDE, hidden_size=2048, num_attention_heads=16, num_query_gro
 WIDE_HYBRID = replace(HYBRID, hidden_size=2048, num_attention_heads=16, seq_length=2048)
 # Every axis the floor reads: TP (with and without SP), PP (with and without VP: 1F1B and interleaved),
 # DP through the GPU count and the micro-batches, recompute (full recomputes the GEMMs), EP for MoE.
+# Selective recompute reruns no GEMM: its floor is the one without recompute, checked there.
 FLOOR_SPACE = SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2, 4), micro_batch_size=(1,),
-                          grad_reduce=("after_backward",), distributed_optimizer=(False,))
+                          recompute=("none", "full"), grad_reduce=("after_backward",), distributed_optimizer=(False,))
 # Small enough to cost exhaustively beside the best-first search, with plans that tie (the gradient
 # reduction does not show without data parallelism).
 SEARCH_SPACE = SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2), micro_batch_size=(1, 4),
@@ -38,8 +39,8 @@ SEARCH_SPACE = SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2), mic
                            grad_reduce=("after_backward", "overlap"), distributed_optimizer=(False,))
 
 
-@pytest.mark.parametrize("model", [DENSE, WIDE, WIDE_MOE, WIDE_HYBRID], ids=["gpt-fp16", "llama-bf16", "moe-bf16",
-                                                                        "hybrid-bf16"])
+# A dense GPT in fp16 is the llama's arithmetic at the same peak: the llama stands for both.
+@pytest.mark.parametrize("model", [WIDE, WIDE_MOE, WIDE_HYBRID], ids=["llama-bf16", "moe-bf16", "hybrid-bf16"])
 def test_the_floor_is_below_the_estimate_of_every_plan(model):
     training = TrainingSpec(global_batch_size=16)
     space = replace(FLOOR_SPACE, expert_parallel=(1, 4)) if model.is_moe else FLOOR_SPACE  # EP 2, 8: more of the same
@@ -74,7 +75,7 @@ def _best_rows(result, k):
 
 @pytest.mark.parametrize("objective,tokens", [("time", None), ("days", 3e8), ("cost", 3e8), ("cost", None)],
                          ids=["iteration-time", "days-to-train", "cost-to-train", "cost-per-iteration"])
-@pytest.mark.parametrize("model", [WIDE, WIDE_MOE], ids=["llama-bf16", "moe-bf16"])
+@pytest.mark.parametrize("model", [WIDE], ids=["llama-bf16"])  # the stop rule reads floors, not layer kinds
 def test_best_first_finds_the_exhaustive_searchs_best_rows(model, objective, tokens, monkeypatch):
     monkeypatch.setattr(bounded, "FIRST_ROUND_PLANS", 4)  # rounds of 4, 8, 16, ... plans: the floor can stop one
     kwargs = dict(cluster=CLUSTER, global_batch_size=16, gpus="1:8", space=SEARCH_SPACE, objective=objective,
@@ -90,7 +91,7 @@ def test_best_first_finds_the_exhaustive_searchs_best_rows(model, objective, tok
 
 
 def test_size_picks_the_plan_the_exhaustive_search_ranks_first():
-    ladder = {"min_params": 5e6, "max_params": 1e8, "hidden_step": 256}
+    ladder = {"min_params": 5e6, "max_params": 3e7, "hidden_step": 256}
     sized = size_model("gpt", cluster=CLUSTER, gpus="1:8", days=0.05, space=SEARCH_SPACE, workers=1,
                        batch_tokens=2**14, **ladder)
     assert len(sized.evaluated) >= 2
