@@ -16,7 +16,6 @@ Why: workers used to be fresh interpreters, each paying vtrain's imports and com
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import resource

@@ -18,7 +18,6 @@ import resource
 import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
 
 
 def _cpu_s() -> float:
