@@ -5,7 +5,9 @@ the floor finds the very rows the exhaustive search ranks first, for every objec
 from dataclasses import replace
 
 import pytest
+import yaml
 
+from vtrain_plugin.cli import main
 from vtrain_plugin.cost.time_floor import iteration_floor_ns
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.planning.evaluate import evaluate
@@ -22,8 +24,9 @@ from test_search_pruning import CLUSTER, DENSE, HYBRID
 DEVICE = get_device(CLUSTER.gpu)
 # Wide enough that the weight GEMMs the floor counts are a third to two thirds of an iteration: a
 # floor that counted a GEMM twice would show here, not in the kernel overheads of a tiny model.
-WIDE = ModelSpec(family="llama", num_layers=4, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
-                 seq_length=2048, vocab_size=32000, dtype="bf16")
+WIDE_FIELDS = dict(family="llama", num_layers=4, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                   seq_length=2048, vocab_size=32000, dtype="bf16")
+WIDE = ModelSpec(**WIDE_FIELDS)
 WIDE_MOE = replace(WIDE, hidden_size=2048, num_attention_heads=16, num_query_groups=4, num_experts=8,
                    moe_router_topk=2, moe_ffn_hidden_size=2048)
 WIDE_HYBRID = replace(HYBRID, hidden_size=2048, num_attention_heads=16, seq_length=2048)
@@ -88,6 +91,23 @@ def test_best_first_finds_the_exhaustive_searchs_best_rows(model, objective, tok
     assert _best_rows(best, 3) == _best_rows(everything, 3)
     assert best.table.iloc[0].to_dict() == everything.table.iloc[0].to_dict()  # the front's fastest: pareto too
     assert best.num_candidates == everything.num_candidates and best.trace_jobs <= everything.trace_jobs
+
+
+def test_the_cli_prints_the_whole_searchs_first_rows_and_how_many_plans_it_costed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bounded, "FIRST_ROUND_PLANS", 4)
+    plan = tmp_path / "wide.yaml"
+    plan.write_text(yaml.safe_dump({"model": WIDE_FIELDS, "training": {"global_batch_size": 16},
+                                    "cluster": {"preset": CLUSTER.name}}))
+    args = ["search", str(plan), "--gpus", "1:8", "--tp", "1,2", "--pp", "1,2", "--micro-batch", "1,4", "--vp", "1",
+            "--sp", "off", "--recompute", "none,full", "--grad-reduce", "after_backward,overlap", "--dist-opt", "off",
+            "--top", "3", "--workers", "1"]
+    assert main(args) == 0
+    whole = capsys.readouterr().out.splitlines()
+    assert main([*args, "--best-first"]) == 0
+    best = capsys.readouterr().out.splitlines()
+    assert best[:5] == whole[:5]  # header, rule and the 3 best plans
+    costed, candidates = int(best[-1].split()[0].replace(",", "")), int(whole[-1].split()[0].replace(",", ""))
+    assert costed < candidates and best[-1].startswith(f"{costed} plans evaluated (best-first, of {candidates}), ")
 
 
 def test_size_picks_the_plan_the_exhaustive_search_ranks_first():

@@ -388,7 +388,9 @@ def search_table(result: SearchResult, *, baseline: Mapping[str, Any] | None = N
             "*" if row["pareto"] else ""])
     skipped = sum(result.skipped.values())
     lines = [render_table(rows, header), "",
-             f"{len(table):,} plans evaluated, {result.num_fitting:,} fit in memory, "
+             f"{len(table):,} plans evaluated"
+             + (f" (best-first, of {result.num_candidates:,})" if len(table) < result.num_candidates else "")
+             + f", {result.num_fitting:,} fit in memory, "
              f"{int(table['pareto'].sum()):,} on the Pareto front (*), ranked by {result.objective}"
              + (f" ({result.time_column if result.objective != 'cost' else result.cost_column})" if trained else "")
              + "; "

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--tokens, time and days rank by the days to train and cost by the cost to train, both "
                         "expected with failures unless --failures off")
     p.add_argument("--top", default="10", metavar="K", help="plans in the table (default 10)")
+    p.add_argument("--best-first", action="store_true",
+                   help="cost only the plans whose proven time floor can still reach the --top K: the same first "
+                        "K rows as the whole search, fewer plans costed (the table and front hold those alone)")
     p.add_argument("--format", choices=FORMATS, default="table",
                    help="table: the top K and a summary; csv, jsonl: every evaluated plan")
     p.add_argument("--output", "-o", help="write to this file instead of stdout")
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                     objective=args.objective, top_k=_number("--top", args.top, int),
                     workers=_number("--workers", args.workers, int) if args.workers is not None else None,
                     backend=args.backend, progress=sys.stderr.isatty(), tokens=tokens,
-                    profile_db=profile_db(args))
+                    profile_db=profile_db(args), exhaustive=not args.best_first)
     if args.format == "csv":
         emit(search_csv(result.table), args.output)
     elif args.format == "jsonl":
