@@ -201,6 +201,8 @@ def role_times(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tra
     timed the same lowered role with the same device, constants, collective times and options."""
     role, rank = prepared.role, prepared.stage.pipeline_rank
     comm_ns = tuple(comm.time_ns(c.node.kind, c.node.nbytes, c.node.group, pipeline_rank=rank) for c in role.comm_rows)
+    if graphed(training):  # graphed host times read the stage's blocks and the graph scope: never shared
+        return _time_role(role, timer, comm_ns, training, model, parallel, prepared.stage.blocks)
     waits_on = model if model is not None and model.num_experts and parallel is not None else None
     key = (id(role.kernels), id(role.measured_ns), timer.device, timer.constants, timer.model.allow_tf32,
            timer.slowdown, comm_ns, training.tp_comm_overlap, waits_on, parallel if waits_on is not None else None)
@@ -208,11 +210,9 @@ def role_times(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tra
     if hit is not None and hit.kernels is role.kernels and hit.measured is role.measured_ns:
         _role_times.move_to_end(key)
         return hit
-    times = _time_role(role, timer, comm_ns, training, model, parallel, prepared.stage.blocks)
-    if not graphed(training):  # graphed host times read the stage's blocks: not shared
-        _role_times[key] = times
-        if len(_role_times) > _ROLE_TIMES_CACHE_SIZE:
-            _role_times.popitem(last=False)
+    times = _role_times[key] = _time_role(role, timer, comm_ns, training, model, parallel, prepared.stage.blocks)
+    if len(_role_times) > _ROLE_TIMES_CACHE_SIZE:
+        _role_times.popitem(last=False)
     return times
 
 
