@@ -51,6 +51,7 @@ class WorkerPool:
 
     def __init__(self, size: int, *, preload: Callable[[], None] | None = None, fresh: bool = False) -> None:
         self.size = size
+        self.max_size = size  # what the caller allowed; before_start may size the pool below it
         self.preload = preload
         self.fresh = fresh
         self._idle: list[tuple[Connection, Worker]] = []
@@ -64,10 +65,11 @@ class WorkerPool:
         self.close()
 
     def before_start(self, *, size: int, preload: Callable[[], None] | None) -> None:
-        """Until a worker has started: at most ``size`` workers, and ``preload`` instead of the
-        pool's (a search knows both once it has its first plans); no-op afterwards."""
+        """Until a worker has started: ``size`` workers (at most the pool's own), and ``preload``
+        instead of the pool's (a search knows both once it has its plans: a best-first search's first
+        round may be smaller than a later one, which may then start more); no-op afterwards."""
         if not self._processes:
-            self.size, self.preload = min(self.size, size), preload
+            self.size, self.preload = min(self.max_size, size), preload
 
     def start(self) -> None:
         """Start every worker now: before this process starts a thread (a progress bar's), so they can be forked."""
