@@ -14,11 +14,14 @@ and torch functions are never touched; the child costs one import of torch and m
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +66,28 @@ def _trace_here(model: ModelSpec, plan: ParallelPlan, roles: list[Role]) -> list
     # torch and megatron-core are loaded here, when a chunk must really be traced, and only then.
     from vtrain_plugin.capture.megatron_chunk import trace_chunk
 
-    return [trace_chunk(model, plan, pre, post, built) for pre, post, built in roles]
+    with _collector_skips_older_objects():
+        return [trace_chunk(model, plan, pre, post, built) for pre, post, built in roles]
+
+
+@contextmanager
+def _collector_skips_older_objects() -> Iterator[None]:
+    """Objects made before the traces (torch's, megatron-core's, the caller's: about 400,000) left out
+    of the cyclic garbage collector's walks while tracing, then given back to it.
+
+    Why: each trace runs a full collection (the recorder collects dead cycles before it counts the
+    saved activations) and allocates enough to start others, and each walked every object of the
+    process: about a fifth of a chunk's trace. Objects older than the traces are never garbage made
+    by them, so what a trace collects is the same. Where the process froze objects itself (a forked
+    search worker, a test runner), there is no telling which to give back: it is left as it is."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _child_environment() -> dict[str, str]:
