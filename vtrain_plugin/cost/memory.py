@@ -162,13 +162,14 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
     layer_wise = optimizer.kind is OptimizerKind.MUON and distributed_optimizer and fsdp is None
     per_param = optimizer.state_nbytes(dtype.nbytes, matrix=False)
     per_matrix_element = optimizer.state_nbytes(dtype.nbytes, matrix=True)
-    params = [0] * plan.pipeline_parallel
-    experts = [0] * plan.pipeline_parallel
-    held = [(0, 0)] * plan.pipeline_parallel  # FSDP: elements of the units gathered, of their gradients
-    matrices = [[0, 0] for _ in range(plan.pipeline_parallel)]  # Muon's 2-D weights: dense, experts
-    chunks: list[list[int]] = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]
-    rises: list[list[int]] = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]
-    transient = [0] * plan.pipeline_parallel  # the most any chunk's step rises above its stash
+    kinds = set(ranks)  # by the rank of each kind whose stages graph holds
+    params = dict.fromkeys(kinds, 0)
+    experts = dict.fromkeys(kinds, 0)
+    held = dict.fromkeys(kinds, (0, 0))  # FSDP: elements of the units gathered, of their gradients
+    matrices = {kind: [0, 0] for kind in kinds}  # Muon's 2-D weights: dense, experts
+    chunks = {kind: [0] * plan.virtual_pipeline for kind in kinds}
+    rises = {kind: [0] * plan.virtual_pipeline for kind in kinds}
+    transient = dict.fromkeys(kinds, 0)  # the most any chunk's step rises above its stash
     for stage in graph.stages:
         if backward_peaks:
             held_alone = stage.held_outside_attention_nbytes if fused_attention else stage.held_nbytes
