@@ -99,6 +99,11 @@ def all_held(pipeline_rank: int, chunk_nbytes: Sequence[int], rise_nbytes: Seque
     return sum(chunk_nbytes) + max(rise_nbytes, default=0), len(chunk_nbytes)
 
 
+def _tensors_gib(weights: float, gradients: float, optimizer: float, activations: float, workspaces: float) -> float:
+    """:attr:`RankMemory.tensors_gib` of these parts, in its order of additions."""
+    return weights + gradients + optimizer + activations + workspaces
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankMemory:
     weights_gib: float
@@ -112,8 +117,8 @@ class RankMemory:
     @property
     def tensors_gib(self) -> float:
         """What ``max allocated`` counts: model states, activations and the GEMM workspaces."""
-        return (self.weights_gib + self.gradients_gib + self.optimizer_gib + self.activations_gib
-                + self.workspaces_gib)
+        return _tensors_gib(self.weights_gib, self.gradients_gib, self.optimizer_gib, self.activations_gib,
+                            self.workspaces_gib)
 
     @property
     def total_gib(self) -> float:
@@ -225,12 +230,11 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
             if alike not in states:
                 states[alike] = model_states(alike)
             weights, grads, optimizer_gib = states[alike]
-            tensors = RankMemory(weights_gib=weights, gradients_gib=grads, optimizer_gib=optimizer_gib,
-                                 activations_gib=activations / GIB, inflight_microbatches=inflight)
+            activations_gib = activations / GIB
+            tensors = _tensors_gib(weights, grads, optimizer_gib, activations_gib, 0.0)  # workspaces: the stack's
             memory = built[(alike, activations, inflight)] = RankMemory(
-                weights_gib=weights, gradients_gib=grads, optimizer_gib=optimizer_gib,
-                activations_gib=tensors.activations_gib, inflight_microbatches=inflight,
-                allowance_gib=RESERVED_GIB + FRAGMENTATION * tensors.tensors_gib)
+                weights_gib=weights, gradients_gib=grads, optimizer_gib=optimizer_gib, activations_gib=activations_gib,
+                inflight_microbatches=inflight, allowance_gib=RESERVED_GIB + FRAGMENTATION * tensors)
         out.append(memory)
     return tuple(out)
 
