@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
 from profiler.lookup import measured_for_graph
@@ -443,8 +444,11 @@ def _mfu_peak(device: DeviceSpec, dtype: str, training: TrainingSpec) -> tuple[f
     return tflop_per_s, f"{device.name} dense {kind} peak {tflop_per_s:,.0f} TFLOP/s"
 
 
+_BREAKDOWN_NS = attrgetter(*(f"{name}_ns" for name in BREAKDOWN_FIELDS))  # a rank's, in that order
+
+
 def _breakdown_ms(rank: RankBreakdown) -> dict[str, float]:
-    return {name: getattr(rank, f"{name}_ns") / NS_PER_MS for name in BREAKDOWN_FIELDS}
+    return dict(zip(BREAKDOWN_FIELDS, [ns / NS_PER_MS for ns in _BREAKDOWN_NS(rank)]))
 
 
 def _busy(rank: RankBreakdown) -> float:

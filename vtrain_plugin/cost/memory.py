@@ -68,7 +68,8 @@ shard).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from operator import attrgetter
 
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.graph import Block, OpGraph, StageGraph
@@ -98,6 +99,11 @@ def all_held(pipeline_rank: int, chunk_nbytes: Sequence[int], rise_nbytes: Seque
     return sum(chunk_nbytes) + max(rise_nbytes, default=0), len(chunk_nbytes)
 
 
+def _tensors_gib(weights: float, gradients: float, optimizer: float, activations: float, workspaces: float) -> float:
+    """:attr:`RankMemory.tensors_gib` of these parts, in its order of additions."""
+    return weights + gradients + optimizer + activations + workspaces
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankMemory:
     weights_gib: float
@@ -111,8 +117,8 @@ class RankMemory:
     @property
     def tensors_gib(self) -> float:
         """What ``max allocated`` counts: model states, activations and the GEMM workspaces."""
-        return (self.weights_gib + self.gradients_gib + self.optimizer_gib + self.activations_gib
-                + self.workspaces_gib)
+        return _tensors_gib(self.weights_gib, self.gradients_gib, self.optimizer_gib, self.activations_gib,
+                            self.workspaces_gib)
 
     @property
     def total_gib(self) -> float:
@@ -129,7 +135,8 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
                 optimizer: OptimizerSpec | None = None, backward_peaks: bool = False,
                 fused_attention: bool = False,
                 block_extra: Callable[[StageGraph], Sequence[int]] | None = None,
-                forward_extra: Callable[[StageGraph], int] | None = None) -> tuple[RankMemory, ...]:
+                forward_extra: Callable[[StageGraph], int] | None = None,
+                ranks: Sequence[int] | None = None) -> tuple[RankMemory, ...]:
     """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule;
     ``backward_peaks``: add the traced step's held bytes and backward peak, those outside the core
     attention with ``fused_attention`` (a stack whose attention allocates no score-sized tensors),
@@ -140,7 +147,12 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
     schedule's walk at its own backward (:func:`backward_rise`);
     ``gradients``: the run's gradient dtype (None: Megatron-LM's default for the model dtype);
     ``fsdp``: the run's FSDP (None: DDP, with the distributed optimizer or not);
-    ``optimizer``: the run's (None: Adam in fp32)."""
+    ``optimizer``: the run's (None: Adam in fp32); ``ranks``: for each pipeline rank, the rank
+    alike to it whose stages alone ``graph`` holds (:func:`alike_ranks`; None: worked out here).
+    Ranks alike share their model states and stash, and those that also hold as many bytes at
+    their peak share one result."""
+    if ranks is None:
+        graph, ranks = alike_ranks(graph)
     dtype = graph.dtype
     gradients = gradients or grad_dtype(dtype)
     optimizer = optimizer or OptimizerSpec()
@@ -155,13 +167,14 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
     layer_wise = optimizer.kind is OptimizerKind.MUON and distributed_optimizer and fsdp is None
     per_param = optimizer.state_nbytes(dtype.nbytes, matrix=False)
     per_matrix_element = optimizer.state_nbytes(dtype.nbytes, matrix=True)
-    params = [0] * plan.pipeline_parallel
-    experts = [0] * plan.pipeline_parallel
-    held = [(0, 0)] * plan.pipeline_parallel  # FSDP: elements of the units gathered, of their gradients
-    matrices = [[0, 0] for _ in range(plan.pipeline_parallel)]  # Muon's 2-D weights: dense, experts
-    chunks: list[list[int]] = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]
-    rises: list[list[int]] = [[0] * plan.virtual_pipeline for _ in range(plan.pipeline_parallel)]
-    transient = [0] * plan.pipeline_parallel  # the most any chunk's step rises above its stash
+    kinds = set(ranks)  # by the rank of each kind whose stages graph holds
+    params = dict.fromkeys(kinds, 0)
+    experts = dict.fromkeys(kinds, 0)
+    held = dict.fromkeys(kinds, (0, 0))  # FSDP: elements of the units gathered, of their gradients
+    matrices = {kind: [0, 0] for kind in kinds}  # Muon's 2-D weights: dense, experts
+    chunks = {kind: [0] * plan.virtual_pipeline for kind in kinds}
+    rises = {kind: [0] * plan.virtual_pipeline for kind in kinds}
+    transient = dict.fromkeys(kinds, 0)  # the most any chunk's step rises above its stash
     for stage in graph.stages:
         if backward_peaks:
             held_alone = stage.held_outside_attention_nbytes if fused_attention else stage.held_nbytes
@@ -182,10 +195,10 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
             for block in stage.blocks:
                 for module, (rows, columns) in muon_matrices(block.nodes):
                     matrices[stage.pipeline_rank][is_expert_module(module)] += block.count * rows * columns
-    out = []
-    for rank, count in enumerate(params):
-        activations, inflight = peak_live(rank, chunks[rank], rises[rank])
-        dense, expert = count - experts[rank], experts[rank]
+    states: dict[int, tuple[float, float, float]] = {}  # by the rank alike: weights, gradients, optimizer
+
+    def model_states(rank: int) -> tuple[float, float, float]:
+        dense, expert = params[rank] - experts[rank], experts[rank]
         dense_matrices, expert_matrices = matrices[rank]
 
         def sharded(per_element: float, field: str) -> float:
@@ -203,13 +216,49 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
         # gradients add only what they exceed the smallest chunk's stash and step transient by
         dynamic = fsdp is not None and not fsdp.double_buffer
         freed = min(chunks[rank], default=0) + transient[rank] if dynamic else 0
-        tensors = RankMemory(weights_gib=(sharded(dtype.nbytes, "weights") + held_weights * dtype.nbytes) / GIB,
-                             gradients_gib=(sharded(gradients.nbytes, "gradients")
-                                            + max(0, held_grads * gradients.nbytes - freed)) / GIB,
-                             optimizer_gib=optimizer_nbytes / GIB, activations_gib=activations / GIB,
-                             inflight_microbatches=inflight)
-        out.append(replace(tensors, allowance_gib=RESERVED_GIB + FRAGMENTATION * tensors.tensors_gib))
+        return ((sharded(dtype.nbytes, "weights") + held_weights * dtype.nbytes) / GIB,
+                (sharded(gradients.nbytes, "gradients") + max(0, held_grads * gradients.nbytes - freed)) / GIB,
+                optimizer_nbytes / GIB)
+
+    out = []
+    built: dict[tuple[int, int, int], RankMemory] = {}
+    for rank in range(plan.pipeline_parallel):
+        alike = ranks[rank]
+        activations, inflight = peak_live(rank, chunks[alike], rises[alike])
+        memory = built.get((alike, activations, inflight))
+        if memory is None:
+            if alike not in states:
+                states[alike] = model_states(alike)
+            weights, grads, optimizer_gib = states[alike]
+            activations_gib = activations / GIB
+            tensors = _tensors_gib(weights, grads, optimizer_gib, activations_gib, 0.0)  # workspaces: the stack's
+            memory = built[(alike, activations, inflight)] = RankMemory(
+                weights_gib=weights, gradients_gib=grads, optimizer_gib=optimizer_gib, activations_gib=activations_gib,
+                inflight_microbatches=inflight, allowance_gib=RESERVED_GIB + FRAGMENTATION * tensors)
+        out.append(memory)
     return tuple(out)
+
+
+# every field of a stage but its pipeline rank and blocks (those by identity: comparing them is a walk)
+_STAGE_FIELDS = attrgetter(*(f.name for f in fields(StageGraph) if f.name not in ("pipeline_rank", "blocks")))
+
+
+def alike_ranks(graph: OpGraph) -> tuple[OpGraph, tuple[int, ...]]:
+    """``graph`` with only the stages of the first pipeline rank of each kind, and for every rank
+    the rank of its kind kept: ranks whose stages are alike in order (the same blocks tuple, by
+    identity, and every other field but the pipeline rank the same) are of one kind.
+
+    Why: the ranks of one chunk role (first, middle, last) share their blocks tuple, so memory is
+    worked out once per kind, a handful, not once per rank (up to 105 in a search); the schedule's
+    walk alone differs between them."""
+    per_rank: list[list[tuple]] = [[] for _ in range(graph.parallel.pipeline_parallel)]
+    for stage in graph.stages:
+        per_rank[stage.pipeline_rank].append((id(stage.blocks), *_STAGE_FIELDS(stage)))
+    first: dict[tuple, int] = {}
+    ranks = tuple(first.setdefault(tuple(keys), rank) for rank, keys in enumerate(per_rank))
+    if len(first) == len(ranks):
+        return graph, ranks
+    return replace(graph, stages=tuple(s for s in graph.stages if ranks[s.pipeline_rank] == s.pipeline_rank)), ranks
 
 
 def backward_rise(blocks: Sequence[Block], step_nbytes: int, extra_nbytes: Sequence[int]) -> int:

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
+from operator import attrgetter
 
 from megatron_adapters.conventions import SHARED_BY_CORE_ATTENTION
 from vtrain_plugin.core.graph import Block, OpGraph, StageGraph
@@ -58,11 +59,11 @@ from vtrain_plugin.cost.lowering.cross_entropy import deferred_wgrad_nbytes, fus
 from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta
 from vtrain_plugin.cost.lowering.megatron_core_te import (fused_attention_saved_delta, fused_softmax_saved_delta,
                                                          unfused_backward_score_nbytes)
-from vtrain_plugin.cost.memory import FRAGMENTATION, PeakLive, RankMemory, rank_memory
+from vtrain_plugin.cost.memory import FRAGMENTATION, PeakLive, RankMemory, alike_ranks, rank_memory
 from vtrain_plugin.cost.lowering.te_saved import te_saved_delta
 from vtrain_plugin.cost.workspaces import workspace_nbytes
 from vtrain_plugin.specs.cluster import GpuArchitecture
-from vtrain_plugin.specs.training import GradReduce, SoftwareStack, TrainingSpec
+from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
 
 _DELTA_CACHE_SIZE = 1024
 # What a block's stack keeps minus what its trace did, by the identity of the block's nodes and
@@ -71,6 +72,8 @@ _deltas: OrderedDict[tuple, tuple[int, tuple, tuple]] = OrderedDict()
 
 
 _MEMORY_CACHE_SIZE = 64
+# The fields of a training spec memory reads: all but when gradients are reduced and parameters gathered
+_AS_READ = attrgetter(*(f.name for f in fields(TrainingSpec) if f.name not in ("grad_reduce", "overlap_param_gather")))
 # Results by the identity of the graph and of the schedule whose peak_live they walked (the entry
 # holds both), the stack, the training spec as memory reads it and the architecture.
 _memories: OrderedDict[tuple, tuple[OpGraph, object, tuple[RankMemory, ...]]] = OrderedDict()
@@ -89,9 +92,7 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
     schedule = getattr(peak_live, "__self__", None)
     if schedule is None:
         return _stack_rank_memory(graph, peak_live, stack, training, architecture)
-    as_read = None if training is None else replace(training, grad_reduce=GradReduce.OVERLAP,
-                                                    overlap_param_gather=False)
-    key = (id(graph), id(schedule), stack, as_read, architecture)
+    key = (id(graph), id(schedule), stack, None if training is None else _AS_READ(training), architecture)
     hit = _memories.get(key)
     if hit is not None and hit[0] is graph and hit[1] is schedule:
         _memories.move_to_end(key)
@@ -105,6 +106,7 @@ def stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack,
 
 def _stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack, training: TrainingSpec | None,
                        architecture: GpuArchitecture | None) -> tuple[RankMemory, ...]:
+    graph, ranks = alike_ranks(graph)  # from here on the stages of one rank of each kind
     settings = None if training is None else training.fp8_settings
     fp8 = settings is not None
     quantised = quantisation(settings) if fp8 else None
@@ -166,7 +168,8 @@ def _stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack
                            distributed_optimizer=training is not None and training.distributed_optimizer,
                            gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
                            optimizer=None if training is None else training.optimizer,
-                           backward_peaks=True, fused_attention=te, block_extra=extra, forward_extra=forward)
+                           backward_peaks=True, fused_attention=te, block_extra=extra, forward_extra=forward,
+                           ranks=ranks)
 
     def cross_entropy(stage: StageGraph) -> int:
         return _forward_extra(graph, stage, training)
@@ -187,33 +190,49 @@ def _stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack
         memory = tuple(max(r, c, key=lambda m: m.activations_gib) for r, c in zip(replay, capture))
     else:
         memory = memory_of(graph, lambda stage: _block_extra(graph, stage, te, training, reloaded), cross_entropy)
-    if offload is not None:  # the last group of each name stays: one layer's offloaded bytes per rank
-        kept = [0.0] * graph.parallel.pipeline_parallel
+    pp = graph.parallel.pipeline_parallel
+    kept = [0.0] * pp  # offloading: the last group of each name stays, one layer's bytes per rank
+    if offload is not None:
         for stage, nbytes in zip(graph.stages, moved):
             kept[stage.pipeline_rank] = max(kept[stage.pipeline_rank], *nbytes, 0.0)
-        memory = tuple(replace(m, activations_gib=m.activations_gib + kept[rank] / GIB,
-                               allowance_gib=m.allowance_gib + FRAGMENTATION * kept[rank] / GIB)
-                       for rank, m in enumerate(memory))
     workspaces = workspace_nbytes(graph, stack, architecture,
                                   tp_comm_overlap=training is not None and training.tp_comm_overlap)
-    memory = tuple(replace(m, workspaces_gib=workspaces[rank] / GIB) for rank, m in enumerate(memory))
-    if training is not None:
-        pools = graph_pool_gib(graph, training)
-        memory = tuple(replace(m, allowance_gib=m.allowance_gib + pools[rank]) for rank, m in enumerate(memory))
-    if not fp8:
-        return memory
-    # per element of a linear weight: its quantised copy and transpose with their scales, less its
-    # model-dtype copy when the FP8 copy is the parameter itself
-    per_element = 2 * quantised.weight_nbytes - (graph.dtype.nbytes if training.fp8_param_gather else 0)
-    if fsdp is not None and fsdp.sharding_strategy.shards_parameters:
-        # FSDP keeps the shard only: quantised instead of the model dtype with fp8_param_gather; TE's
-        # quantised copies and transposes of a gathered unit live while it computes (not counted)
-        shards = graph.parallel.grad_reduce_group_size
-        per_element = (quantised.weight_nbytes - graph.dtype.nbytes) / shards if training.fp8_param_gather else 0
-    linear = [0] * graph.parallel.pipeline_parallel
-    for stage in graph.stages:
-        linear[stage.pipeline_rank] += sum(b.count * fp8_weight_numel(b.nodes) for b in stage.blocks)
-    return tuple(replace(m, weights_gib=m.weights_gib + per_element * linear[rank] / GIB) for rank, m in enumerate(memory))
+    pools = None if training is None else graph_pool_gib(graph, training)
+    per_element = 0.0
+    linear = [0] * pp  # elements of the linear weights TE keeps FP8 copies of
+    if fp8:
+        # per element of a linear weight: its quantised copy and transpose with their scales, less its
+        # model-dtype copy when the FP8 copy is the parameter itself
+        per_element = 2 * quantised.weight_nbytes - (graph.dtype.nbytes if training.fp8_param_gather else 0)
+        if fsdp is not None and fsdp.sharding_strategy.shards_parameters:
+            # FSDP keeps the shard only: quantised instead of the model dtype with fp8_param_gather; TE's
+            # quantised copies and transposes of a gathered unit live while it computes (not counted)
+            shards = graph.parallel.grad_reduce_group_size
+            per_element = (quantised.weight_nbytes - graph.dtype.nbytes) / shards if training.fp8_param_gather else 0
+        for stage in graph.stages:
+            linear[stage.pipeline_rank] += sum(b.count * fp8_weight_numel(b.nodes) for b in stage.blocks)
+    finished: dict[int, RankMemory] = {}  # by the identity of rank_memory's result, which alike ranks share
+
+    def finish(m: RankMemory, alike: int) -> RankMemory:  # what the stack adds on ranks of alike's kind
+        activations, allowance, weights = m.activations_gib, m.allowance_gib, m.weights_gib
+        if offload is not None:
+            activations += kept[alike] / GIB
+            allowance += FRAGMENTATION * kept[alike] / GIB
+        if pools is not None:
+            allowance += pools[alike]
+        if fp8:
+            weights += per_element * linear[alike] / GIB
+        return RankMemory(weights_gib=weights, gradients_gib=m.gradients_gib, optimizer_gib=m.optimizer_gib,
+                          activations_gib=activations, inflight_microbatches=m.inflight_microbatches,
+                          workspaces_gib=workspaces[alike] / GIB, allowance_gib=allowance)
+
+    out = []
+    for m, alike in zip(memory, ranks):
+        done = finished.get(id(m))
+        if done is None:
+            done = finished[id(m)] = finish(m, alike)
+        out.append(done)
+    return tuple(out)
 
 
 def _saved_by_walk(graph: OpGraph, captured_nbytes: list[list[int]], *, captured: bool) -> OpGraph:
