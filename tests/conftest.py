@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cpu_profile import TinyProfile, tiny_profile
 from tests.support.zygote import Zygote
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,6 +44,13 @@ def run_cli(tmp_path, python_m):
             raise AssertionError(f"vtrain {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
         return proc
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_cpu_profile(python_m) -> TinyProfile:
+    """The kernels of tests/support/cpu_profile.py's tiny plan measured on this CPU, once per session
+    (xdist workers included: they share the session's scratch folder)."""
+    return tiny_profile(Path(os.environ[_SESSION_CACHE]) / "tiny-cpu-profile", python_m)
 
 
 @pytest.fixture(autouse=True, scope="session")
