@@ -1,3 +1,4 @@
+import gc
 import os
 import shutil
 import subprocess
@@ -75,6 +76,14 @@ def pytest_configure(config):
     os.environ["VTRAIN_CACHE_DIR"] = config._vtrain_trace_cache
     os.environ.pop("VTRAIN_NO_CACHE", None)
     os.environ.pop("VTRAIN_CACHE_MAX_MB", None)
+
+
+def pytest_collection_finish(session):
+    """Move what the imports and collection made (torch, megatron-core, the test modules: hundreds
+    of thousands of objects that live to the end) out of the cyclic garbage collector's reach. Every
+    trace runs a full collection (vtrain_plugin/capture/recorder.py, to drop the cycles that hold
+    saved tensors, all made later), which would otherwise walk them all each time."""
+    gc.freeze()
 
 
 def pytest_unconfigure(config):
