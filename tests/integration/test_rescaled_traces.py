@@ -7,6 +7,7 @@ import os
 import pytest
 
 from vtrain_plugin.capture import child_trace, tracer
+from vtrain_plugin.capture.chunk import shape_key
 from vtrain_plugin.capture.megatron_chunk import trace_chunk
 from vtrain_plugin.capture.rescale import PROBES, rescale
 from vtrain_plugin.capture.tracer import clear_cache, prepare_traces, trace
@@ -79,10 +80,16 @@ def test_prepared_traces_are_the_direct_ones_and_evaluating_then_traces_nothing(
     candidates = enumerate_plans(DENSE, space, global_batch_size=16, budget=GpuBudget.parse("4,8"),
                                  training=training, gpus_per_node=8).candidates
     assert {c.parallel.micro_batch_size for c in candidates} == {1, 2, 4, 8}
-    calls = []
+    calls, traced = [], {}
     real = child_trace.trace_chunks
-    monkeypatch.setattr(child_trace, "trace_chunks", lambda model, plan, roles: calls.append(plan.micro_batch_size)
-                        or real(model, plan, roles))
+
+    def tracing(model, plan, roles):
+        calls.append(plan.micro_batch_size)
+        chunks = real(model, plan, roles)
+        traced.update((shape_key(model, plan, *role), chunk) for role, chunk in zip(roles, chunks, strict=True))
+        return chunks
+
+    monkeypatch.setattr(child_trace, "trace_chunks", tracing)
     prepare_traces(DENSE, [c.parallel for c in candidates])
     assert sorted(set(calls)) == [1, *PROBES]  # sizes 4 and 8 derived, 1 traced
     clear_cache()
@@ -91,8 +98,11 @@ def test_prepared_traces_are_the_direct_ones_and_evaluating_then_traces_nothing(
     assert calls == []  # every shape read from the cache
     monkeypatch.setenv("VTRAIN_NO_CACHE", "1")
     clear_cache()
+    for key, chunk in traced.items():  # the direct traces above, in memory: no trace from the disk cache
+        tracer._remember(key, chunk)
     for candidate, est in zip(candidates, prepared):
         assert est == estimate(trace(DENSE, candidate.parallel), cluster=CLUSTER, training=candidate.training)
+    assert sorted(set(calls)) == [4, 8]  # the derived sizes, traced directly here
 
 
 def test_a_cold_search_traces_in_its_workers_and_its_rows_equal_one_plan_estimates(tmp_path, monkeypatch):
