@@ -1,3 +1,4 @@
+import gc
 import os
 import shutil
 import subprocess
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cpu_profile import TinyProfile, tiny_profile
 from tests.support.zygote import Zygote
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +47,13 @@ def run_cli(tmp_path, python_m):
     return run
 
 
+@pytest.fixture(scope="session")
+def tiny_cpu_profile(python_m) -> TinyProfile:
+    """The kernels of tests/support/cpu_profile.py's tiny plan measured on this CPU, once per session
+    (xdist workers included: they share the session's scratch folder)."""
+    return tiny_profile(Path(os.environ[_SESSION_CACHE]) / "tiny-cpu-profile", python_m)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _package_calibrations_only(tmp_path_factory):
     """Estimates in tests use the calibration files shipped in the package, never a user's own, and
@@ -67,6 +76,14 @@ def pytest_configure(config):
     os.environ["VTRAIN_CACHE_DIR"] = config._vtrain_trace_cache
     os.environ.pop("VTRAIN_NO_CACHE", None)
     os.environ.pop("VTRAIN_CACHE_MAX_MB", None)
+
+
+def pytest_collection_finish(session):
+    """Move what the imports and collection made (torch, megatron-core, the test modules: hundreds
+    of thousands of objects that live to the end) out of the cyclic garbage collector's reach. Every
+    trace runs a full collection (vtrain_plugin/capture/recorder.py, to drop the cycles that hold
+    saved tensors, all made later), which would otherwise walk them all each time."""
+    gc.freeze()
 
 
 def pytest_unconfigure(config):

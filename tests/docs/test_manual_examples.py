@@ -1,7 +1,9 @@
 """Every example of README.md and docs/*.md runs, and every output they show is what the code prints.
 
-Fenced blocks by info string: ``bash`` and ``python`` are run from the repository root (bash with
-``vtrain`` as this checkout's CLI under ``set -e -o pipefail``, python as a script); ``console`` is a
+Fenced blocks by info string: ``bash`` and ``python`` are run (bash from the repository root with
+``vtrain`` as this checkout's CLI under ``set -e -o pipefail``, python as the ``__main__`` module of a
+scratch folder; each ``vtrain`` and the python a process forked from the tests' zygote, where
+torch and megatron-core are imported once: tests/support/zygote.py); ``console`` is a
 transcript, ``$ vtrain ...`` lines followed by what the command printed (stdout and stderr as a
 terminal shows them), each command run and its output compared with the one shown (``$ cd DIR``
 moves the transcript's later commands, as in a shell). Blocks tagged
@@ -27,8 +29,10 @@ import os
 import re
 import shlex
 import shutil
+import socketserver
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -114,8 +118,53 @@ def _environment(tmp_path: Path) -> dict[str, str]:
             "VTRAIN_EXAMPLE_OUT": str(tmp_path)}
 
 
+# ``vtrain`` and ``python -m`` of the examples: hands its argv, working directory, environment and
+# stdin to the test process (cli_socket) and prints what the command printed, exiting with its status.
+_CLIENT = """
+import json, os, socket, sys
+request = {"module": sys.argv[1], "argv": sys.argv[2:], "cwd": os.getcwd(), "env": dict(os.environ),
+           "input": sys.stdin.read()}
+with socket.socket(socket.AF_UNIX) as s:
+    s.connect(os.environ["VTRAIN_TEST_CLI_SOCKET"])
+    s.sendall(json.dumps(request).encode() + b"\\n")
+    answer = json.loads(s.makefile("rb").readline())
+sys.stdout.write(answer["stdout"])
+sys.stderr.write(answer["stderr"])
+sys.exit(answer["returncode"])
+"""
+
+
+@pytest.fixture(scope="module")
+def cli_socket(python_m, tmp_path_factory):
+    """A socket on which an example's commands are run as ``python -m MODULE ARGS`` by conftest's
+    ``python_m``: each a process of its own, forked from the zygote that imported torch and
+    megatron-core once (a fresh interpreter would pay those imports per command). Yields the client
+    script to run in their place, with the environment variable it connects by."""
+    folder = tmp_path_factory.mktemp("cli")
+    lock = threading.Lock()
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self):
+            request = json.loads(self.rfile.readline())
+            with lock:
+                proc = python_m(request["module"], *request["argv"], cwd=request["cwd"], env=request["env"],
+                                input=request["input"])
+            answer = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+            self.wfile.write(json.dumps(answer).encode() + b"\n")
+
+    server = socketserver.UnixStreamServer(str(folder / "socket"), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    client = folder / "client.py"
+    client.write_text(_CLIENT, encoding="utf-8")
+    yield client, {"VTRAIN_TEST_CLI_SOCKET": str(folder / "socket")}
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
 @pytest.mark.parametrize("language, tags, code", list(_examples()))
-def test_example_runs(language: str, tags: list[str], code: str, tmp_path: Path) -> None:
+def test_example_runs(language: str, tags: list[str], code: str, tmp_path: Path, request) -> None:
     if "sketch" in tags:
         pytest.skip("a sketch: needs the user's own training script")
     if "setup" in tags:
@@ -126,15 +175,19 @@ def test_example_runs(language: str, tags: list[str], code: str, tmp_path: Path)
     if "gpu" in tags and not _has_cuda():
         _parses(code)
         pytest.skip("needs a CUDA device: its commands parsed only")
+    client, connect = request.getfixturevalue("cli_socket")
+    # the commands run as separate processes forked from the zygote (see cli_socket), in the start-up
+    # environment of the zygote (PYTHONPATH as the tests have it): the repository's packages imported
+    env = {**os.environ, **connect, "VTRAIN_EXAMPLE_OUT": str(tmp_path)}
     if language == "bash":
-        script = (f'set -e -o pipefail\nvtrain() {{ "{sys.executable}" -m vtrain_plugin.cli "$@"; }}\n'
-                  f'python() {{ "{sys.executable}" "$@"; }}\n{code}')
+        script = (f'set -e -o pipefail\nvtrain() {{ "{sys.executable}" -I -S "{client}" vtrain_plugin.cli "$@"; }}\n'
+                  f'python() {{ PYTHONPATH="{_environment(tmp_path)["PYTHONPATH"]}" "{sys.executable}" "$@"; }}\n{code}')
         cmd = ["bash", "-c", script]
-    else:
-        path = tmp_path / "example.py"
-        path.write_text(code, encoding="utf-8")
-        cmd = [sys.executable, str(path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=_environment(tmp_path), capture_output=True, text=True, timeout=600)
+    else:  # as a module run from its folder: what a script's top-level code sees alike (``__name__``, sys.path[0])
+        (tmp_path / "example.py").write_text(code, encoding="utf-8")
+        cmd = [sys.executable, "-I", "-S", str(client), "example"]
+    proc = subprocess.run(cmd, cwd=REPO if language == "bash" else tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
 
 

@@ -4,11 +4,12 @@
 
 import json
 import os
+import shutil
 
 import pytest
 
 import vtrain_plugin as vtrain
-from tests.integration.test_profile_validate import TINY_PLAN
+from tests.support.cpu_profile import TINY_PLAN
 from vtrain_plugin.runs import load_run_config
 from vtrain_plugin.planning.search import search
 from vtrain_plugin.planning.space import SearchSpace
@@ -22,11 +23,11 @@ def plan(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def profiled(tmp_path_factory, plan, python_m):
-    """A profile database holding the tiny CPU plan's kernels, measured on this machine."""
+def profiled(tmp_path_factory, tiny_cpu_profile):
+    """A profile database holding the tiny CPU plan's kernels, measured on this machine (the session's
+    profile, copied)."""
     db = tmp_path_factory.mktemp("profiles") / "profiles.sqlite"
-    proc = python_m("vtrain_plugin.cli", "profile", plan, "--db", str(db))
-    assert proc.returncode == 0, proc.stderr
+    shutil.copy(tiny_cpu_profile.db, db)
     return db
 
 

@@ -1,20 +1,11 @@
 """The real CLI: profile a tiny plan on this CPU, estimate from the profile, validate against training."""
 
 import json
+import shutil
 
 import pytest
 
-# Small enough to profile and train in seconds on two cores: every kernel's operands stay under the
-# 4 MiB above which the CPU profiler writes 512 MiB between repetitions to flush the last-level cache
-# (profiler/device_timing.py), the logits and attention scores included. What is checked here does not
-# depend on the size; benchmarks/device/validate_cpu.py measures the error on a larger plan.
-TINY_PLAN = """
-model: {name: gpt-test, num_layers: 2, hidden_size: 256, num_attention_heads: 4, seq_length: 128,
-        vocab_size: 1024, dtype: fp32}
-parallel: {micro_batch_size: 2}
-training: {global_batch_size: 4}
-cluster: {preset: local-cpu}
-"""
+from tests.support.cpu_profile import TINY_PLAN
 
 
 @pytest.fixture
@@ -24,13 +15,15 @@ def plan(tmp_path):
     return str(path)
 
 
-def test_profile_then_estimate_and_validate(plan, run_cli, tmp_path):
+def test_profile_then_estimate_and_validate(plan, run_cli, tmp_path, tiny_cpu_profile):
     before = run_cli("estimate", plan, "--explain", "3", check=True).stdout
     assert "kernel time measured: 0.0%" in before
     assert "largest unmeasured kernels" in before
 
-    first = run_cli("profile", plan, check=True, fresh=True)  # each command once in a plain subprocess
-    assert " 0 already in the database, 0 failed" in first.stdout
+    # the first profile, into the default database, is the session's (a minute of CPU): each command
+    # runs once in a plain subprocess, that one there
+    assert " 0 already in the database, 0 failed" in tiny_cpu_profile.stdout
+    shutil.copy(tiny_cpu_profile.db, tmp_path / "profiles.sqlite")  # run_cli's $VTRAIN_PROFILE_DB
     second = run_cli("profile", plan, check=True)
     assert " 0 measured," in second.stdout and " 0 failed" in second.stdout
 

@@ -2,11 +2,13 @@
 op (dense layers; MoE chunks are refused and traced); a search traces its shapes before it evaluates,
 deriving micro-batch sizes, and its rows equal the one-plan estimates of directly traced plans."""
 
+import json
 import os
 
 import pytest
 
-from vtrain_plugin.capture import child_trace, tracer
+from vtrain_plugin.capture import child_trace, disk_cache, tracer
+from vtrain_plugin.capture.chunk import shape_key
 from vtrain_plugin.capture.megatron_chunk import trace_chunk
 from vtrain_plugin.capture.rescale import PROBES, rescale
 from vtrain_plugin.capture.tracer import clear_cache, prepare_traces, trace
@@ -79,10 +81,16 @@ def test_prepared_traces_are_the_direct_ones_and_evaluating_then_traces_nothing(
     candidates = enumerate_plans(DENSE, space, global_batch_size=16, budget=GpuBudget.parse("4,8"),
                                  training=training, gpus_per_node=8).candidates
     assert {c.parallel.micro_batch_size for c in candidates} == {1, 2, 4, 8}
-    calls = []
+    calls, traced = [], {}
     real = child_trace.trace_chunks
-    monkeypatch.setattr(child_trace, "trace_chunks", lambda model, plan, roles: calls.append(plan.micro_batch_size)
-                        or real(model, plan, roles))
+
+    def tracing(model, plan, roles):
+        calls.append(plan.micro_batch_size)
+        chunks = real(model, plan, roles)
+        traced.update((shape_key(model, plan, *role), chunk) for role, chunk in zip(roles, chunks, strict=True))
+        return chunks
+
+    monkeypatch.setattr(child_trace, "trace_chunks", tracing)
     prepare_traces(DENSE, [c.parallel for c in candidates])
     assert sorted(set(calls)) == [1, *PROBES]  # sizes 4 and 8 derived, 1 traced
     clear_cache()
@@ -91,24 +99,32 @@ def test_prepared_traces_are_the_direct_ones_and_evaluating_then_traces_nothing(
     assert calls == []  # every shape read from the cache
     monkeypatch.setenv("VTRAIN_NO_CACHE", "1")
     clear_cache()
+    for key, chunk in traced.items():  # the direct traces above, in memory: no trace from the disk cache
+        tracer._remember(key, chunk)
     for candidate, est in zip(candidates, prepared):
         assert est == estimate(trace(DENSE, candidate.parallel), cluster=CLUSTER, training=candidate.training)
+    assert sorted(set(calls)) == [4, 8]  # the derived sizes, traced directly here
 
 
 def test_a_cold_search_traces_in_its_workers_and_its_rows_equal_one_plan_estimates(tmp_path, monkeypatch):
     # The parent may not trace: its trace_chunks raises. The workers (forked from it, or fresh
     # interpreters) trace (and derive micro-batch sizes) into the shared cache, then estimate from it;
-    # each row equals the estimate of its plan traced directly, at its own micro-batch size.
+    # each row equals the estimate of its plan traced directly, at its own micro-batch size: traced
+    # here, or by a forked worker (the roles it traced, not derived, are listed in ``direct``).
     space = SearchSpace(tensor_parallel=(1, 2), pipeline_parallel=(1, 2), micro_batch_size=(1, 2, 4, 8),
                         recompute=("full",), grad_reduce=("overlap",))
     monkeypatch.setenv("VTRAIN_CACHE_DIR", str(tmp_path / "search"))
     clear_cache()
     parent, traces = os.getpid(), child_trace.trace_chunks
+    direct = tmp_path / "direct.jsonl"
 
-    def no_trace(*args, **kwargs):  # a forked worker inherits it: there it traces
+    def no_trace(model, plan, roles):  # a forked worker inherits it: there it traces
         if os.getpid() == parent:
             raise AssertionError("the parent traced")
-        return traces(*args, **kwargs)
+        chunks = traces(model, plan, roles)
+        with open(direct, "a", encoding="utf-8") as f:  # one short line per append: whole between workers
+            f.writelines(json.dumps([plan.to_dict(), role]) + "\n" for role in roles)
+        return chunks
 
     monkeypatch.setattr(child_trace, "trace_chunks", no_trace)
     candidates = enumerate_plans(LLAMA, space, global_batch_size=8, budget=GpuBudget.parse("4"),
@@ -117,9 +133,17 @@ def test_a_cold_search_traces_in_its_workers_and_its_rows_equal_one_plan_estimat
     assert len(jobs) > 2 and any(job.derives for job in jobs)
     result = search(LLAMA, cluster=CLUSTER, global_batch_size=8, gpus="4", space=space, workers=2)
     assert tracer.trace_jobs(LLAMA, [c.parallel for c in candidates]) == []  # every role in the disk cache
+    traced = {}  # the workers' direct traces, read back from the cache before it is turned off
+    for plan, (pre, post, built) in map(json.loads, direct.read_text(encoding="utf-8").splitlines()
+                                        if direct.exists() else []):
+        key = shape_key(LLAMA, ParallelPlan(**plan), pre, post, tuple(built) if isinstance(built, list) else built)
+        traced[key] = disk_cache.load(key)
+        assert traced[key] is not None, key
     monkeypatch.setattr(child_trace, "trace_chunks", traces)
     monkeypatch.setenv("VTRAIN_NO_CACHE", "1")
     clear_cache()
+    for key, chunk in traced.items():
+        tracer._remember(key, chunk)
     assert len(result.table) >= 10
     for row in result.table.to_dict("records"):
         plan, training = plan_of(row, TrainingSpec(global_batch_size=8))  # as a plan file gives it

@@ -174,6 +174,7 @@ def _child(request: dict) -> None:
 def serve() -> None:
     """The zygote: import, then fork one child per request line on stdin; answer its pid, then its
     exit status as ``subprocess`` reports it."""
+    import gc
     import importlib
     import threading
     import warnings
@@ -192,6 +193,9 @@ def serve() -> None:
         vtrain_plugin.cli.command_modules()
     if threading.active_count() != 1:  # a fork copies only the thread that forks
         raise RuntimeError(f"the zygote has {threading.active_count()} threads after its imports")
+    # the imports' objects out of the cyclic collector's reach: a child's full collections (one per
+    # trace, vtrain_plugin/capture/recorder.py) skip them, and do not write to the pages it shares
+    gc.freeze()
     os.write(answers, b"ready\n")
     for line in requests:
         request = json.loads(line)
