@@ -1,20 +1,27 @@
 """CPU per plan of a search's estimating, in this process, with the traces in the disk cache.
 
-    VTRAIN_CACHE_DIR=DIR .venv/bin/python -m benchmarks.speed.search_costing
+    VTRAIN_CACHE_DIR=DIR .venv/bin/python -m benchmarks.speed.search_costing [--phases] [--one N] [--pp 35,105]
 
 MT-NLG 530B (benchmarks.speed.search_phases.MT_NLG_PLAN) on 3,360 A100, the space of TP 8, PP 35,
-full recompute, SP off (48 plans, 12 trace shapes), evaluated batch by batch as one search worker
-does: first each plan's traces are read (the trace cache's share), then every plan estimated twice,
-the first pass preparing each chunk role, the second with every in-process cache warm. Why: the
-phase benchmark samples a whole CLI run; this isolates the costing a worker repeats per plan.
+full recompute, SP off (48 plans, 12 trace shapes; ``--pp 105``: 96 plans of one layer per stage, 24
+shapes), evaluated batch by batch as one search worker does: first each plan's traces are read (the
+trace cache's share), then every plan estimated twice, the first pass preparing each chunk role, the
+second with every in-process cache warm. ``--phases`` also splits each pass into trace() (stage
+assembly), prepare and cost() per plan; ``--one N`` times one plan's whole estimate repeated N times.
+Why: the phase benchmark samples a whole CLI run; this isolates the costing a worker repeats per plan.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import statistics
 import time
 
 from vtrain_plugin.capture.tracer import trace, trace_jobs
 from vtrain_plugin.core.units import GIB
+from vtrain_plugin.cost.prepare import prepare_run, run_options_key
+from vtrain_plugin.estimate import estimate, estimate_prepared, run_stack
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.planning.evaluate import evaluate_batch, make_batches
@@ -22,16 +29,23 @@ from vtrain_plugin.planning.search import prune_by_memory
 from vtrain_plugin.planning.space import GpuBudget, SearchSpace, enumerate_plans
 from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import TrainingSpec
 
 from benchmarks.speed.search_phases import MT_NLG_PLAN
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phases", action="store_true", help="split each pass into trace, prepare and cost")
+    parser.add_argument("--one", type=int, default=0, metavar="N", help="time one estimate repeated N times")
+    parser.add_argument("--pp", default="35", help="pipeline sizes of the space, comma-separated (default 35)")
+    args = parser.parse_args(argv)
     model = ModelSpec(**MT_NLG_PLAN["model"])
     cluster: ClusterSpec = get_cluster_preset(MT_NLG_PLAN["cluster"]["preset"])
     batch = MT_NLG_PLAN["training"]["global_batch_size"]
-    space = SearchSpace(tensor_parallel=(8,), pipeline_parallel=(35,), recompute=("full",), sequence_parallel=(False,))
+    space = SearchSpace(tensor_parallel=(8,), pipeline_parallel=tuple(int(n) for n in args.pp.split(",")),
+                        recompute=("full",), sequence_parallel=(False,))
     enumeration = enumerate_plans(model, space, global_batch_size=batch, budget=GpuBudget.of(3360),
                                   training=TrainingSpec(global_batch_size=batch), gpus_per_node=cluster.gpus_per_node)
     candidates, _ = prune_by_memory(model, enumeration.candidates, get_device(cluster.gpu).memory_bytes / GIB)
@@ -42,16 +56,71 @@ def main() -> int:
     for c in candidates:
         trace(model, c.parallel)
     reads = time.process_time() - start
+    n = len(candidates)
+    if args.phases:
+        for name in ("first pass", "second pass"):
+            print(f"{name}: " + ", ".join(f"{phase} {1000 * s / n:.2f}" for phase, s in _phases(batches).items())
+                  + " ms per plan")
     passes = []
     for _ in range(2):
         start = time.process_time()
         rows = [row for b in batches for row in evaluate_batch(b)]
         passes.append(time.process_time() - start)
-    n = len(candidates)
     print(f"{n} plans of {len(batches)} trace shapes: trace-cache reads {1000 * reads / n:.1f} ms per plan; "
           f"estimating {1000 * passes[0] / n:.1f} ms per plan (first pass), {1000 * passes[1] / n:.1f} ms "
           f"(caches warm); {len(rows)} rows")
+    if args.one:
+        print(f"one estimate repeated: {_one(model, cluster, batch, args.one)}")
     return 0
+
+
+def _phases(batches) -> dict[str, float]:
+    """CPU seconds of trace() (stage assembly: each batch's traces are read first, untimed), prepare,
+    cost() and the whole estimate over every plan of ``batches``, each plan traced, prepared and
+    estimated as :func:`evaluate_batch` does (no measured kernels)."""
+    estimate_module = importlib.import_module("vtrain_plugin.estimate")  # the package exports a function of that name
+    spent = dict.fromkeys(("trace", "prepare", "cost", "estimate"), 0.0)
+    timed_cost = estimate_module.cost
+
+    def cost(*args, **kwargs):
+        start = time.process_time()
+        try:
+            return timed_cost(*args, **kwargs)
+        finally:
+            spent["cost"] += time.process_time() - start
+
+    estimate_module.cost = cost
+    try:
+        for b in batches:
+            for candidate in b.candidates:  # the batch's chunk traces read (the in-process cache holds 64)
+                trace(b.model, candidate.parallel)
+            for candidate in b.candidates:
+                start = time.process_time()
+                graph = trace(b.model, candidate.parallel)
+                spent["trace"] += time.process_time() - start
+                stack = run_stack(graph, b.cluster, candidate.training)
+                start = time.process_time()
+                prepared = prepare_run(graph, stack, candidate.training)
+                spent["prepare"] += time.process_time() - start
+                start = time.process_time()
+                estimate_prepared(prepared, cluster=b.cluster, training=candidate.training)
+                spent["estimate"] += time.process_time() - start
+    finally:
+        estimate_module.cost = timed_cost
+    return spent
+
+
+def _one(model: ModelSpec, cluster: ClusterSpec, batch: int, repeats: int) -> str:
+    """CPU per call of one MT-NLG estimate (TP 8, PP 35, DP 12, full recompute) after a first one."""
+    plan = ParallelPlan(tensor_parallel=8, pipeline_parallel=35, data_parallel=12, recompute="full")
+    training = TrainingSpec(global_batch_size=batch)
+    estimate(trace(model, plan), cluster=cluster, training=training)
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        estimate(trace(model, plan), cluster=cluster, training=training)
+        times.append(time.process_time() - start)
+    return f"{1000 * statistics.mean(times):.2f} ms mean, {1000 * statistics.median(times):.2f} ms median CPU"
 
 
 if __name__ == "__main__":
