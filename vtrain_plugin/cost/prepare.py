@@ -20,7 +20,7 @@ candidate set of constants.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -176,29 +176,47 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
                                      expert_tensor_parallel=graph.parallel.expert_tp))
     roles: dict[tuple, PreparedRole] = {}
     runtimes: dict[tuple, RuntimeCollectives] = {}
+    # Stages of one role share their blocks' tuple (folded once by the tracer): a stage whose tuple,
+    # embedding, activation and place (first, last virtual stage) were seen takes that stage's role
+    # and runtime collectives by reference. Where layers at the edges leave FP8 each stage is split.
+    alike: dict[tuple, tuple[PreparedRole, RuntimeCollectives]] = {}
     stages = []
     edges = _bf16_edges(graph, fp8)
     for stage in ordered:
-        stage, outside_fp8 = split_bf16_layers(stage, edges(stage)) if edges else (stage, ())
-        role_key = (stack, fp8, shards, cp, tuple(id(b.nodes) for b in stage.blocks), outside_fp8, *options)
-        counts = tuple(b.count for b in stage.blocks)
-        role = roles.get((role_key, counts))
-        if role is None:
-            role = roles[role_key, counts] = _role(stage.blocks, stack, fp8, shards, cp, measured, role_key, options,
-                                                   outside_fp8)
         virtual = stage.chunk * pp + stage.pipeline_rank
-        runtime_key = (role_key, tuple(b.num_parameters for b in stage.blocks), stage.word_embedding_parameters,
-                       stage.activation_shape, stage.activation_dtype, virtual == 0, virtual == last)
-        runtime = runtimes.get(runtime_key)
-        if runtime is None:
-            runtime = runtimes[runtime_key] = runtime_collectives(stage, graph.parallel, dtype=graph.dtype,
-                                                                  tied_embeddings=tied,
-                                                                  distributed_optimizer=distributed_optimizer,
-                                                                  grads=grads, fp8_param_gather=fp8_param_gather)
-        stages.append(PreparedStage(stage=stage, role=role, runtime=runtime))
-    flops = {phase: sum(s.role.flops[phase] for s in stages) for phase in PHASES}
+        seen = None if edges else (id(stage.blocks), stage.word_embedding_parameters, stage.activation_shape,
+                                   stage.activation_dtype, virtual == 0, virtual == last)
+        shared = alike.get(seen) if seen is not None else None
+        if shared is None:
+            stage, outside_fp8 = split_bf16_layers(stage, edges(stage)) if edges else (stage, ())
+            role_key = (stack, fp8, shards, cp, tuple(id(b.nodes) for b in stage.blocks), outside_fp8, *options)
+            counts = tuple(b.count for b in stage.blocks)
+            role = roles.get((role_key, counts))
+            if role is None:
+                role = roles[role_key, counts] = _role(stage.blocks, stack, fp8, shards, cp, measured, role_key,
+                                                       options, outside_fp8)
+            runtime_key = (role_key, tuple(b.num_parameters for b in stage.blocks), stage.word_embedding_parameters,
+                           stage.activation_shape, stage.activation_dtype, virtual == 0, virtual == last)
+            runtime = runtimes.get(runtime_key)
+            if runtime is None:
+                runtime = runtimes[runtime_key] = runtime_collectives(stage, graph.parallel, dtype=graph.dtype,
+                                                                      tied_embeddings=tied,
+                                                                      distributed_optimizer=distributed_optimizer,
+                                                                      grads=grads, fp8_param_gather=fp8_param_gather)
+            shared = (role, runtime)
+            if seen is not None:
+                alike[seen] = shared
+        stages.append(PreparedStage(stage=stage, role=shared[0], runtime=shared[1]))
+    flops = _graph_flops(stages)
     return PreparedGraph(graph=graph, stack=stack, distributed_optimizer=distributed_optimizer, stages=tuple(stages),
                          flops=flops)
+
+
+def _graph_flops(stages: list[PreparedStage]) -> dict[Phase, int]:
+    """Of one micro-batch through every stage: each distinct role's FLOPs times its stages."""
+    uses = Counter(id(stage.role) for stage in stages)
+    roles = {id(stage.role): stage.role for stage in stages}
+    return {phase: sum(n * roles[role].flops[phase] for role, n in uses.items()) for phase in PHASES}
 
 
 def prepare_run(graph: OpGraph, stack: SoftwareStack | str, training: TrainingSpec,
