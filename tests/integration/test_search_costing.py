@@ -2,6 +2,7 @@
 VP), and its rows stay the one-plan estimates of the same plans, exactly, for dense and MoE models."""
 
 import importlib
+from dataclasses import replace
 
 import pytest
 
@@ -113,3 +114,48 @@ def test_plans_of_one_shape_time_its_roles_once_and_share_what_they_do_not_chang
     for (graph, training), est in zip([(g, t) for g in (two, four) for t in trainings], shared):
         clear_costing_caches()
         assert est == estimate(graph, cluster=CLUSTER, training=training, profile_db=False)
+
+
+def _costed_alone(prepared, est_training, cluster=CLUSTER):
+    """Each stage's work costed by itself, with nothing shared between stages."""
+    from vtrain_plugin.cost.comm.collectives import CommModel
+    from vtrain_plugin.cost.kernels.timer import KernelTimer
+    from vtrain_plugin.hardware.calibration import calibration_for
+    from vtrain_plugin.hardware.devices import get_device
+
+    plan = prepared.graph.parallel
+    device = get_device(cluster.gpu)
+    constants = calibration_for(device.name, prepared.stack).constants
+    comm = CommModel.for_plan(cluster, plan, network_efficiency=constants.network_efficiency,
+                              model=prepared.graph.model)
+    timer = KernelTimer(device, constants)
+    m = est_training.num_microbatches(plan.data_parallel, plan.micro_batch_size)
+    costing = COSTING.cost(prepared, timer=timer, comm=comm, training=est_training, num_microbatches=m)
+    alone = [COSTING._stage_cost(s, timer, comm, est_training, m, False, COSTING._ep_overlap(plan, timer),
+                                 COSTING._offload_nbytes(prepared, s, est_training), prepared.graph.model, plan)
+             for s in prepared.stages]
+    return costing, alone, comm.rank_classes()
+
+
+@pytest.mark.parametrize("model,plan", [
+    (DENSE, ParallelPlan(tensor_parallel=2, pipeline_parallel=4, virtual_pipeline=2, data_parallel=2)),
+    (replace(MOE, num_layers=8), ParallelPlan(pipeline_parallel=4, virtual_pipeline=2, data_parallel=2,
+                                              expert_parallel=2, overlap_moe_expert_parallel_comm=True)),
+], ids=["dense", "moe-ep-overlap"])
+def test_stages_of_one_role_are_assembled_prepared_and_costed_once(model, plan):
+    # the middle chunks of a plan share their blocks, their prepared role and runtime collectives and,
+    # where their ranks time collectives alike, their stage cost; each stage's work is what costing it
+    # alone gives (with the EP overlap, whose merged pairs depend on the rank, each rank its own)
+    graph = trace(model, plan)
+    middle = [s for s in graph.stages if not s.has_embedding and not s.has_head]
+    assert len(middle) == 6 and len({id(s.blocks) for s in middle if s.chunk == 0}) == 1
+    training = TrainingSpec(global_batch_size=16)
+    prepared = prepare(graph, "megatron_core_te")
+    alike = [s for s in prepared.stages if s.stage in middle and s.stage.chunk == 0]
+    assert all(s.role is alike[0].role and s.runtime is alike[0].runtime for s in alike)
+    costing, alone, classes = _costed_alone(prepared, training)
+    assert list(costing.work.chunks) == [s.work for s in alone]
+    works = {id(costing.work.chunks[i]) for i, s in enumerate(prepared.stages) if s in alike}
+    ranks = {s.stage.pipeline_rank if plan.overlap_moe_expert_parallel_comm else classes[s.stage.pipeline_rank]
+             for s in alike}
+    assert len(works) == len(ranks) and (len(ranks) < len(alike)) != plan.overlap_moe_expert_parallel_comm

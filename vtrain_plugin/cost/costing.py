@@ -95,8 +95,10 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
         rank = stage.stage.pipeline_rank
         chunk = stage.stage.chunk
         # Megatron-Core buckets the gradients of the first chunk of the first rank alone and
-        # groups those of later chunks: the same role costs differently there.
-        key = (id(stage.role), id(stage.runtime), classes[rank], rank == 0 and chunk == 0, chunk > 0)
+        # groups those of later chunks: the same role costs differently there. The EP overlap merges
+        # fewer pairs on earlier ranks (steady_pairs): with it, each rank costs its own.
+        key = (id(stage.role), id(stage.runtime), classes[rank] if ep_overlap is None else (classes[rank], rank),
+               rank == 0 and chunk == 0, chunk > 0)
         staged = costed.get(key)
         if staged is None:
             staged = costed[key] = _stage_cost(stage, timer, comm, training, num_microbatches, explain, ep_overlap,
