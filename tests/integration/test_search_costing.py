@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from vtrain_plugin.capture.tracer import clear_cache, trace
+from vtrain_plugin.core.graph import Phase
 from vtrain_plugin.cost.prepare import prepare
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.hardware.clusters import get_cluster_preset
@@ -33,8 +34,8 @@ ARRAY_ENGINE = importlib.import_module("vtrain_plugin.sim.array_engine")
 def clear_costing_caches() -> None:
     """Every in-process cache an estimate reads, so the next estimate is computed from nothing."""
     clear_cache()
-    for cache in (PREPARE._roles, PREPARE._mapped_nodes, STACK_MEMORY._deltas, STACK_MEMORY._memories,
-                  COSTING._role_times, ARRAY_ENGINE._results):
+    for cache in (PREPARE._roles, PREPARE._mapped_nodes, PREPARE._bodies, STACK_MEMORY._deltas,
+                  STACK_MEMORY._memories, COSTING._role_times, ARRAY_ENGINE._results):
         cache.clear()
 
 
@@ -159,3 +160,38 @@ def test_stages_of_one_role_are_assembled_prepared_and_costed_once(model, plan):
     ranks = {s.stage.pipeline_rank if plan.overlap_moe_expert_parallel_comm else classes[s.stage.pipeline_rank]
              for s in alike}
     assert len(works) == len(ranks) and (len(ranks) < len(alike)) != plan.overlap_moe_expert_parallel_comm
+
+
+def _role_fields(role) -> tuple:
+    """Every field of a prepared role, arrays as lists (NaN as None), to compare roles made apart."""
+    def plain(a):
+        return [None if x != x else x for x in a.tolist()]
+    kernels = role.kernels
+    return (role.blocks, role.nodes, role.comm_rows, role.segments, role.flops, plain(role.measured_ns),
+            plain(role.module_calls), plain(role.layer_calls),
+            *(plain(getattr(kernels, name)) for name in ("kind", "dtype", "flops", "nbytes", "batch", "m", "n", "k",
+                                                         "backward", "launches")))
+
+
+def test_optimizer_shardings_lay_out_each_blocks_other_phases_once(monkeypatch):
+    # with and without the distributed optimizer (its step on 1 of 4 shards): each block's forward,
+    # backward and recompute rows are laid out once, its optimizer step per sharding; every role is
+    # the one lowered with no cache warm
+    graph = trace(DENSE, ParallelPlan(tensor_parallel=2, pipeline_parallel=2, data_parallel=4, recompute="full"))
+    clear_costing_caches()
+    laid_out = []
+    original = PREPARE._piece
+    monkeypatch.setattr(PREPARE, "_piece", lambda block, mapped, phases, moe: laid_out.append(phases)
+                        or original(block, mapped, phases, moe))
+    plain, sharded = (prepare(graph, "megatron_core_te", distributed_optimizer=d) for d in (False, True))
+    blocks = sum(len(s.role.blocks) for s in plain.stages[:1] + plain.stages[-1:])
+    assert laid_out.count(PREPARE._BODY_PHASES) == blocks and laid_out.count((Phase.OPTIMIZER,)) == 2 * blocks
+    for prepared, shards in ((plain, False), (sharded, True)):
+        for stage in prepared.stages:
+            PREPARE._roles.clear()
+            PREPARE._bodies.clear()
+            PREPARE._mapped_nodes.clear()
+            alone = prepare(graph, "megatron_core_te", distributed_optimizer=shards)
+            (same,) = [s for s in alone.stages if s.stage == stage.stage]
+            assert _role_fields(stage.role) == _role_fields(same.role)
+    assert _role_fields(plain.stages[0].role) != _role_fields(sharded.stages[0].role)
