@@ -92,7 +92,7 @@ def _phases(batches) -> dict[str, float]:
     estimate_module.cost = cost
     try:
         for b in batches:
-            for candidate in b.candidates:  # the batch's chunk traces read (the in-process cache holds 64)
+            for candidate in b.candidates:  # the batch's chunk traces read first, untimed
                 trace(b.model, candidate.parallel)
             for candidate in b.candidates:
                 start = time.process_time()

@@ -45,7 +45,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_TRACED_LAYERS = 2
-_CACHE_SIZE = 64
+# Chunk traces this process keeps: a search's batches revisit them (every role of a shape: PP 105's
+# 24 MT-NLG shapes are 72 entries) and prepare's lowering caches are keyed by their node tuples, so
+# an evicted and re-read trace is lowered again. An MT-NLG 530B role is 0.10-0.15 MB in memory
+# (tracemalloc over disk_cache.load), so 512 entries stay under ~80 MB.
+_CACHE_SIZE = 512
 
 _cache: OrderedDict[tuple, ChunkTrace] = OrderedDict()
 
