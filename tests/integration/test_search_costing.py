@@ -2,10 +2,12 @@
 VP), and its rows stay the one-plan estimates of the same plans, exactly, for dense and MoE models."""
 
 import importlib
+from dataclasses import replace
 
 import pytest
 
 from vtrain_plugin.capture.tracer import clear_cache, trace
+from vtrain_plugin.core.graph import Phase
 from vtrain_plugin.cost.prepare import prepare
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.hardware.clusters import get_cluster_preset
@@ -32,8 +34,8 @@ ARRAY_ENGINE = importlib.import_module("vtrain_plugin.sim.array_engine")
 def clear_costing_caches() -> None:
     """Every in-process cache an estimate reads, so the next estimate is computed from nothing."""
     clear_cache()
-    for cache in (PREPARE._roles, PREPARE._mapped_nodes, STACK_MEMORY._deltas, STACK_MEMORY._memories,
-                  COSTING._role_times, ARRAY_ENGINE._results):
+    for cache in (PREPARE._roles, PREPARE._mapped_nodes, PREPARE._bodies, STACK_MEMORY._deltas,
+                  STACK_MEMORY._memories, COSTING._role_times, ARRAY_ENGINE._results):
         cache.clear()
 
 
@@ -113,3 +115,83 @@ def test_plans_of_one_shape_time_its_roles_once_and_share_what_they_do_not_chang
     for (graph, training), est in zip([(g, t) for g in (two, four) for t in trainings], shared):
         clear_costing_caches()
         assert est == estimate(graph, cluster=CLUSTER, training=training, profile_db=False)
+
+
+def _costed_alone(prepared, est_training, cluster=CLUSTER):
+    """Each stage's work costed by itself, with nothing shared between stages."""
+    from vtrain_plugin.cost.comm.collectives import CommModel
+    from vtrain_plugin.cost.kernels.timer import KernelTimer
+    from vtrain_plugin.hardware.calibration import calibration_for
+    from vtrain_plugin.hardware.devices import get_device
+
+    plan = prepared.graph.parallel
+    device = get_device(cluster.gpu)
+    constants = calibration_for(device.name, prepared.stack).constants
+    comm = CommModel.for_plan(cluster, plan, network_efficiency=constants.network_efficiency,
+                              model=prepared.graph.model)
+    timer = KernelTimer(device, constants)
+    m = est_training.num_microbatches(plan.data_parallel, plan.micro_batch_size)
+    costing = COSTING.cost(prepared, timer=timer, comm=comm, training=est_training, num_microbatches=m)
+    alone = [COSTING._stage_cost(s, timer, comm, est_training, m, False, COSTING._ep_overlap(plan, timer),
+                                 COSTING._offload_nbytes(prepared, s, est_training), prepared.graph.model, plan)
+             for s in prepared.stages]
+    return costing, alone, comm.rank_classes()
+
+
+@pytest.mark.parametrize("model,plan", [
+    (DENSE, ParallelPlan(tensor_parallel=2, pipeline_parallel=4, virtual_pipeline=2, data_parallel=2)),
+    (replace(MOE, num_layers=8), ParallelPlan(pipeline_parallel=4, virtual_pipeline=2, data_parallel=2,
+                                              expert_parallel=2, overlap_moe_expert_parallel_comm=True)),
+], ids=["dense", "moe-ep-overlap"])
+def test_stages_of_one_role_are_assembled_prepared_and_costed_once(model, plan):
+    # the middle chunks of a plan share their blocks, their prepared role and runtime collectives and,
+    # where their ranks time collectives alike, their stage cost; each stage's work is what costing it
+    # alone gives (with the EP overlap, whose merged pairs depend on the rank, each rank its own)
+    graph = trace(model, plan)
+    middle = [s for s in graph.stages if not s.has_embedding and not s.has_head]
+    assert len(middle) == 6 and len({id(s.blocks) for s in middle if s.chunk == 0}) == 1
+    training = TrainingSpec(global_batch_size=16)
+    prepared = prepare(graph, "megatron_core_te")
+    alike = [s for s in prepared.stages if s.stage in middle and s.stage.chunk == 0]
+    assert all(s.role is alike[0].role and s.runtime is alike[0].runtime for s in alike)
+    costing, alone, classes = _costed_alone(prepared, training)
+    assert list(costing.work.chunks) == [s.work for s in alone]
+    works = {id(costing.work.chunks[i]) for i, s in enumerate(prepared.stages) if s in alike}
+    ranks = {s.stage.pipeline_rank if plan.overlap_moe_expert_parallel_comm else classes[s.stage.pipeline_rank]
+             for s in alike}
+    assert len(works) == len(ranks) and (len(ranks) < len(alike)) != plan.overlap_moe_expert_parallel_comm
+
+
+def _role_fields(role) -> tuple:
+    """Every field of a prepared role, arrays as lists (NaN as None), to compare roles made apart."""
+    def plain(a):
+        return [None if x != x else x for x in a.tolist()]
+    kernels = role.kernels
+    return (role.blocks, role.nodes, role.comm_rows, role.segments, role.flops, plain(role.measured_ns),
+            plain(role.module_calls), plain(role.layer_calls),
+            *(plain(getattr(kernels, name)) for name in ("kind", "dtype", "flops", "nbytes", "batch", "m", "n", "k",
+                                                         "backward", "launches")))
+
+
+def test_optimizer_shardings_lay_out_each_blocks_other_phases_once(monkeypatch):
+    # with and without the distributed optimizer (its step on 1 of 4 shards): each block's forward,
+    # backward and recompute rows are laid out once, its optimizer step per sharding; every role is
+    # the one lowered with no cache warm
+    graph = trace(DENSE, ParallelPlan(tensor_parallel=2, pipeline_parallel=2, data_parallel=4, recompute="full"))
+    clear_costing_caches()
+    laid_out = []
+    original = PREPARE._piece
+    monkeypatch.setattr(PREPARE, "_piece", lambda block, mapped, phases, moe: laid_out.append(phases)
+                        or original(block, mapped, phases, moe))
+    plain, sharded = (prepare(graph, "megatron_core_te", distributed_optimizer=d) for d in (False, True))
+    blocks = sum(len(s.role.blocks) for s in plain.stages[:1] + plain.stages[-1:])
+    assert laid_out.count(PREPARE._BODY_PHASES) == blocks and laid_out.count((Phase.OPTIMIZER,)) == 2 * blocks
+    for prepared, shards in ((plain, False), (sharded, True)):
+        for stage in prepared.stages:
+            PREPARE._roles.clear()
+            PREPARE._bodies.clear()
+            PREPARE._mapped_nodes.clear()
+            alone = prepare(graph, "megatron_core_te", distributed_optimizer=shards)
+            (same,) = [s for s in alone.stages if s.stage == stage.stage]
+            assert _role_fields(stage.role) == _role_fields(same.role)
+    assert _role_fields(plain.stages[0].role) != _role_fields(sharded.stages[0].role)

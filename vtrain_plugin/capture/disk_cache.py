@@ -116,7 +116,7 @@ def load(key: tuple) -> ChunkTrace | None:
     with _collector_paused():
         chunk = _read(path, key)
     if chunk is not None:
-        _touch(path)
+        touch(path)
     return chunk
 
 
@@ -197,9 +197,10 @@ def clear() -> int:
     return len(files)
 
 
-def prune(directory: Path, limit: int) -> None:
-    """Remove the least recently used entries of ``directory`` until they take at most ``limit`` bytes."""
-    files = _entries(directory)
+def prune(directory: Path, limit: int, suffix: str = SUFFIX) -> None:
+    """Remove the least recently used entries (files ending in ``suffix``) of ``directory`` until they
+    take at most ``limit`` bytes."""
+    files = _entries(directory, suffix)
     total = sum(size for _, size, _ in files)
     for path, size, _ in sorted(files, key=lambda f: f[2]):
         if total <= limit:
@@ -209,11 +210,11 @@ def prune(directory: Path, limit: int) -> None:
         log.debug("trace cache: removed %s (least recently used; cache above %d bytes)", path, limit)
 
 
-def _entries(directory: Path) -> list[tuple[Path, int, float]]:
+def _entries(directory: Path, suffix: str = SUFFIX) -> list[tuple[Path, int, float]]:
     """``(path, bytes, last use)`` of every entry; entries another process removes meanwhile are skipped."""
     found = []
     try:
-        paths = list(directory.glob(f"*{SUFFIX}"))
+        paths = list(directory.glob(f"*{suffix}"))
     except OSError:
         return []
     for path in paths:
@@ -225,7 +226,7 @@ def _entries(directory: Path) -> list[tuple[Path, int, float]]:
     return found
 
 
-def _touch(path: Path) -> None:
+def touch(path: Path) -> None:
     """Mark an entry as used now (its modification time orders the pruning)."""
     try:
         os.utime(path)

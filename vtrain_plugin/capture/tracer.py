@@ -45,7 +45,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_TRACED_LAYERS = 2
-_CACHE_SIZE = 64
+# Chunk traces this process keeps: a search's batches revisit them (every role of a shape: PP 105's
+# 24 MT-NLG shapes are 72 entries) and prepare's lowering caches are keyed by their node tuples, so
+# an evicted and re-read trace is lowered again. An MT-NLG 530B role is 0.10-0.15 MB in memory
+# (tracemalloc over disk_cache.load), so 512 entries stay under ~80 MB.
+_CACHE_SIZE = 512
 
 _cache: OrderedDict[tuple, ChunkTrace] = OrderedDict()
 
@@ -125,7 +129,8 @@ def trace_stage(model: ModelSpec, plan: ParallelPlan, *, pipeline_rank: int, chu
 def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, int]],
             traced_layers: int | None) -> tuple[StageGraph, ...]:
     """The stages of ``chunks`` (pipeline rank, chunk, layers); chunks of one role share a trace
-    (:func:`_roles`)."""
+    (:func:`_roles`), and those that also share their layer count (and kinds) share every field but
+    their place, assembled once."""
     roles = _roles(model, plan, chunks, traced_layers)
     kinds_of = _chunk_layer_kinds(model, plan) if model.has_dense_layers_between_moe else {}
     traces = _chunk_traces(model, plan, roles)
@@ -135,10 +140,17 @@ def _stages(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, i
                      for role, (rank, _, _) in zip(roles, chunks, strict=True))
     first = first_layer_numbers(model, plan) if mixes_windows(model) or mixes_nope(model) else None
     counted = nope_layers if mixes_nope(model) else windowed_layers
-    return tuple(_assemble_stage(traces[role], rank, chunk, num_layers, kinds_of.get((rank, chunk)),
-                                 two_kinds=None if first is None else (counted is nope_layers, counted(
-                                     model, first[rank][chunk], num_layers)))
-                 for role, (rank, chunk, num_layers) in zip(roles, chunks, strict=True))
+    assembled: dict[tuple, dict[str, Any]] = {}
+    stages = []
+    for role, (rank, chunk, num_layers) in zip(roles, chunks, strict=True):
+        kinds = kinds_of.get((rank, chunk))
+        two_kinds = None if first is None else (counted is nope_layers, counted(model, first[rank][chunk], num_layers))
+        alike = (role, num_layers, kinds, two_kinds)
+        fields = assembled.get(alike)
+        if fields is None:
+            fields = assembled[alike] = _stage_fields(traces[role], num_layers, kinds, two_kinds=two_kinds)
+        stages.append(StageGraph(pipeline_rank=rank, chunk=chunk, **fields))
+    return tuple(stages)
 
 
 def _plan_chunks(model: ModelSpec, plan: ParallelPlan) -> list[tuple[int, int, int]]:
@@ -158,15 +170,25 @@ def _roles(model: ModelSpec, plan: ParallelPlan, chunks: list[tuple[int, int, in
     # Windowed and full-attention layers (NoPE and RoPE layers) alternate: at least one of each is
     # traced (two consecutive layers), and each stage counts its own of each kind from its layer numbers.
     fewest = 2 if mixes_windows(model) or mixes_nope(model) else 1
+    hybrid = model.is_hybrid
+    last_rank, last_chunk = plan.pipeline_parallel - 1, plan.virtual_pipeline - 1
+    # A chunk's role depends on whether it is a first or last one, its layers and their kinds: the
+    # middle chunks of a plan share one.
+    found: dict[tuple, Role] = {}
     for rank, chunk, num_layers in chunks:
-        role = chunk_role(plan, rank, chunk)
-        built: int | tuple[bool, ...] = max(fewest, num_layers if traced_layers is None
-                                            else min(num_layers, traced_layers))
-        if kinds_of:
-            built = _built_kinds(kinds_of[rank, chunk], built, traced_layers is None)
-        if model.is_hybrid:  # one layer of each kind, whatever the stage (megatron_adapters/hybrid.py)
-            built = len(traced_kinds(model.hybrid_layer_pattern or ""))
-        roles.append((role.pre_process, role.post_process, built))
+        kinds = kinds_of.get((rank, chunk))
+        alike = (rank if rank in (0, last_rank) else -1, chunk if chunk in (0, last_chunk) else -1, num_layers, kinds)
+        known = found.get(alike)
+        if known is None:
+            role = chunk_role(plan, rank, chunk)
+            built: int | tuple[bool, ...] = max(fewest, num_layers if traced_layers is None
+                                                else min(num_layers, traced_layers))
+            if kinds_of:
+                built = _built_kinds(kinds, built, traced_layers is None)
+            if hybrid:  # one layer of each kind, whatever the stage (megatron_adapters/hybrid.py)
+                built = len(traced_kinds(model.hybrid_layer_pattern or ""))
+            known = found[alike] = (role.pre_process, role.post_process, built)
+        roles.append(known)
     return roles
 
 
@@ -313,13 +335,12 @@ def _remember(key: tuple, traced: ChunkTrace) -> None:
         _cache.popitem(last=False)
 
 
-def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int,
-                    kinds: tuple[bool, ...] | None = None, *, two_kinds: tuple[bool, int] | None = None
-                    ) -> StageGraph:
-    """One stage's graph from its role's trace: layers folded to the chunk's count (to the count of
-    each kind, MoE and dense, with ``kinds``; with ``two_kinds`` (NoPE, count), that many of them
-    NoPE layers, or with a sliding window, when the model alternates them), parameters per block.
-    Stages of one role share their blocks' node tuples, so each is costed once."""
+def _stage_fields(traced: ChunkTrace, per_chunk: int, kinds: tuple[bool, ...] | None = None, *,
+                  two_kinds: tuple[bool, int] | None = None) -> dict[str, Any]:
+    """The fields of a stage but its place, from its role's trace: layers folded to the chunk's count
+    (to the count of each kind, MoE and dense, with ``kinds``; with ``two_kinds`` (NoPE, count), that
+    many of them NoPE layers, or with a sliding window, when the model alternates them), parameters
+    per block. Stages of one role share their blocks' node tuples, so each is costed once."""
     key: int | tuple = per_chunk if kinds is None else kinds
     if two_kinds is not None:
         key = (per_chunk, *two_kinds)
@@ -332,15 +353,9 @@ def _assemble_stage(traced: ChunkTrace, rank: int, chunk: int, per_chunk: int,
             folded = fold(traced.blocks, per_chunk, two_kinds[1])
         else:
             folded = folding.fold_layers(traced.blocks, per_chunk)
-        blocks = traced.folded[key] = tuple(
-            replace(block, num_parameters=sum(traced.params_by_block.get(block.name, ()))
-                    + sum(traced.expert_params_by_block.get(block.name, ())),
-                    parameter_numels=traced.params_by_block.get(block.name, ()),
-                    expert_parameter_numels=traced.expert_params_by_block.get(block.name, ()))
-            for block in folded)
-    return StageGraph(pipeline_rank=rank, chunk=chunk, blocks=blocks,
-                      activation_shape=traced.activation_shape, activation_dtype=traced.activation_dtype,
-                      word_embedding_parameters=traced.word_embedding_params, **_held(traced))
+        blocks = traced.folded[key] = tuple(_with_parameters(traced, block) for block in folded)
+    return {"blocks": blocks, "activation_shape": traced.activation_shape, "activation_dtype": traced.activation_dtype,
+            "word_embedding_parameters": traced.word_embedding_params, **_held(traced)}
 
 
 def _assemble_hybrid_stage(traced: ChunkTrace, model: ModelSpec, rank: int, pattern: str) -> StageGraph:

@@ -88,19 +88,22 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
     # once per rank, every chunk's step after it
     optimizer = [timer.constants.iteration_overhead_ns * timer.constants.host_time_factor] * pp
     embedding_sync_ns = 0.0
-    placements = comm.rank_signatures()
+    classes = comm.rank_classes()
+    ep_overlap = _ep_overlap(parallel, timer)
     costed: dict[tuple, StageCost] = {}  # stages of one role whose ranks time every collective alike
     for stage in prepared.stages:
         rank = stage.stage.pipeline_rank
         chunk = stage.stage.chunk
         # Megatron-Core buckets the gradients of the first chunk of the first rank alone and
-        # groups those of later chunks: the same role costs differently there.
-        key = (id(stage.role), id(stage.runtime), placements[rank], rank == 0 and chunk == 0, chunk > 0)
+        # groups those of later chunks: the same role costs differently there. The EP overlap merges
+        # fewer pairs on earlier ranks (steady_pairs): with it, each rank costs its own.
+        key = (id(stage.role), id(stage.runtime), classes[rank] if ep_overlap is None else (classes[rank], rank),
+               rank == 0 and chunk == 0, chunk > 0)
         staged = costed.get(key)
         if staged is None:
-            staged = costed[key] = _stage_cost(stage, timer, comm, training, num_microbatches, explain,
-                                               _ep_overlap(parallel, timer),
-                                               _offload_nbytes(prepared, stage, training), prepared.graph.model, parallel)
+            staged = costed[key] = _stage_cost(stage, timer, comm, training, num_microbatches, explain, ep_overlap,
+                                               _offload_nbytes(prepared, stage, training), prepared.graph.model,
+                                               parallel)
         provenance.add(staged.provenance)
         chunks.append(staged.work)
         optimizer[rank] += staged.optimizer_ns

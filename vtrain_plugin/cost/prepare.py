@@ -20,7 +20,7 @@ candidate set of constants.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -176,29 +176,47 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
                                      expert_tensor_parallel=graph.parallel.expert_tp))
     roles: dict[tuple, PreparedRole] = {}
     runtimes: dict[tuple, RuntimeCollectives] = {}
+    # Stages of one role share their blocks' tuple (folded once by the tracer): a stage whose tuple,
+    # embedding, activation and place (first, last virtual stage) were seen takes that stage's role
+    # and runtime collectives by reference. Where layers at the edges leave FP8 each stage is split.
+    alike: dict[tuple, tuple[PreparedRole, RuntimeCollectives]] = {}
     stages = []
     edges = _bf16_edges(graph, fp8)
     for stage in ordered:
-        stage, outside_fp8 = split_bf16_layers(stage, edges(stage)) if edges else (stage, ())
-        role_key = (stack, fp8, shards, cp, tuple(id(b.nodes) for b in stage.blocks), outside_fp8, *options)
-        counts = tuple(b.count for b in stage.blocks)
-        role = roles.get((role_key, counts))
-        if role is None:
-            role = roles[role_key, counts] = _role(stage.blocks, stack, fp8, shards, cp, measured, role_key, options,
-                                                   outside_fp8)
         virtual = stage.chunk * pp + stage.pipeline_rank
-        runtime_key = (role_key, tuple(b.num_parameters for b in stage.blocks), stage.word_embedding_parameters,
-                       stage.activation_shape, stage.activation_dtype, virtual == 0, virtual == last)
-        runtime = runtimes.get(runtime_key)
-        if runtime is None:
-            runtime = runtimes[runtime_key] = runtime_collectives(stage, graph.parallel, dtype=graph.dtype,
-                                                                  tied_embeddings=tied,
-                                                                  distributed_optimizer=distributed_optimizer,
-                                                                  grads=grads, fp8_param_gather=fp8_param_gather)
-        stages.append(PreparedStage(stage=stage, role=role, runtime=runtime))
-    flops = {phase: sum(s.role.flops[phase] for s in stages) for phase in PHASES}
+        seen = None if edges else (id(stage.blocks), stage.word_embedding_parameters, stage.activation_shape,
+                                   stage.activation_dtype, virtual == 0, virtual == last)
+        shared = alike.get(seen) if seen is not None else None
+        if shared is None:
+            stage, outside_fp8 = split_bf16_layers(stage, edges(stage)) if edges else (stage, ())
+            role_key = (stack, fp8, shards, cp, tuple(id(b.nodes) for b in stage.blocks), outside_fp8, *options)
+            counts = tuple(b.count for b in stage.blocks)
+            role = roles.get((role_key, counts))
+            if role is None:
+                role = roles[role_key, counts] = _role(stage.blocks, stack, fp8, shards, cp, measured, role_key,
+                                                       options, outside_fp8)
+            runtime_key = (role_key, tuple(b.num_parameters for b in stage.blocks), stage.word_embedding_parameters,
+                           stage.activation_shape, stage.activation_dtype, virtual == 0, virtual == last)
+            runtime = runtimes.get(runtime_key)
+            if runtime is None:
+                runtime = runtimes[runtime_key] = runtime_collectives(stage, graph.parallel, dtype=graph.dtype,
+                                                                      tied_embeddings=tied,
+                                                                      distributed_optimizer=distributed_optimizer,
+                                                                      grads=grads, fp8_param_gather=fp8_param_gather)
+            shared = (role, runtime)
+            if seen is not None:
+                alike[seen] = shared
+        stages.append(PreparedStage(stage=stage, role=shared[0], runtime=shared[1]))
+    flops = _graph_flops(stages)
     return PreparedGraph(graph=graph, stack=stack, distributed_optimizer=distributed_optimizer, stages=tuple(stages),
                          flops=flops)
+
+
+def _graph_flops(stages: list[PreparedStage]) -> dict[Phase, int]:
+    """Of one micro-batch through every stage: each distinct role's FLOPs times its stages."""
+    uses = Counter(id(stage.role) for stage in stages)
+    roles = {id(stage.role): stage.role for stage in stages}
+    return {phase: sum(n * roles[role].flops[phase] for role, n in uses.items()) for phase in PHASES}
 
 
 def prepare_run(graph: OpGraph, stack: SoftwareStack | str, training: TrainingSpec,
@@ -304,52 +322,128 @@ def _lower_role(blocks: tuple[Block, ...], stack: SoftwareStack, fp8: Fp8Setting
                 cp: ContextParallel | None, measured: Mapping[KernelKey, float],
                 moe: MoeOptions = MoeOptions(), kernels: KernelOptions = KernelOptions(),
                 outside_fp8: tuple[bool, ...] = ()) -> _Lowered:
-    """``outside_fp8[b]``: block ``b`` runs in the model dtype whatever ``fp8`` says."""
+    """``outside_fp8[b]``: block ``b`` runs in the model dtype whatever ``fp8`` says. Each block's
+    forward, backward and recompute rows are laid out once (:func:`_body`) for every optimizer
+    sharding; its optimizer step (:func:`_step`) per sharding."""
+    pieces: list[_Piece] = []
+    block_flops = []
+    for b, block in enumerate(blocks):
+        block_fp8 = None if outside_fp8 and outside_fp8[b] else fp8
+        body = _body(block, stack, block_fp8, cp, moe, kernels)
+        pieces.extend((body, _step(block, stack, block_fp8, cp, moe, kernels, shards)))
+        block_flops.append(body.flops)
     rows: list[OpNode | None] = []
-    phases: list[Phase] = []
     comm_rows: list[CommRow] = []
     segments: list[Segment] = []
-    for b, block in enumerate(blocks):
-        layer = block.kind is BlockKind.LAYER
-        nodes = cp.layer_nodes(block.nodes) if cp is not None and layer else block.nodes
-        by_phase: dict[Phase, list[OpNode | CollectiveNode]] = {p: [] for p in PHASES}
-        block_fp8 = None if outside_fp8 and outside_fp8[b] else fp8
-        mapped = _mapped(block.nodes, nodes, stack, block_fp8, cp, moe.grouped_experts, kernels.unfused_attention,
-                         kernels.deterministic)
-        mapped = grad_hook_adds(mapped, block, kernels.grad_hooks)
-        mapped = optimizer_step(shard_optimizer(mapped, *shards), kernels.optimizer, traced=block.nodes,
-                                tensor_parallel=kernels.tensor_parallel,
-                                expert_tensor_parallel=kernels.expert_tensor_parallel, shards=shards[0],
-                                expert_shards=shards[1])
-        mapped = logging_passes(mapped, params_norm=kernels.log_params_norm, num_zeros=kernels.log_num_zeros_in_grad)
-        for node in mapped:
-            if isinstance(node, OpNode):
-                if node.launches_kernel:
-                    by_phase[node.phase].append(node)
-            elif _on_compute_stream(node):
-                by_phase[node.phase].append(node)
-        for phase in PHASES:
-            start = len(rows)
-            partners = overlap_partners(by_phase[phase], in_layer=layer,
-                                        shared_expert_overlap=moe.shared_expert_overlap)
-            for i, node in enumerate(by_phase[phase]):
-                if isinstance(node, CollectiveNode):
-                    partner = partners.get(i)
-                    partner_row = -1 if partner is None else start + partner
-                    comm_rows.append(CommRow(row=len(rows), node=node, partner=partner_row))
-                    rows.append(None)
-                else:
-                    rows.append(node)
-                phases.append(phase)
-            segments.append(Segment(block=b, phase=phase, start=start, stop=len(rows), count=1))
-    kernels = KernelBatch.of([n if n is not None else _NO_KERNEL for n in rows])
-    kernels = replace(kernels, backward=np.array([p is Phase.BACKWARD for p in phases], bool))
-    block_flops = tuple(_phase_flops(b, cp) for b in blocks)
-    module_calls, layer_calls = host_calls(rows, segments, blocks)
-    return _Lowered(node_tuples=tuple(b.nodes for b in blocks), kernels=kernels,
+    for i, piece in enumerate(pieces):
+        offset = len(rows)
+        rows.extend(piece.rows)
+        comm_rows.extend(CommRow(row=offset + c.row, node=c.node, partner=-1 if c.partner < 0 else offset + c.partner)
+                         for c in piece.comm_rows)
+        segments.extend(Segment(block=i // 2, phase=phase, start=offset + start, stop=offset + stop, count=1)
+                        for phase, start, stop in piece.bounds)
+    return _Lowered(node_tuples=tuple(b.nodes for b in blocks), kernels=KernelBatch.concat([p.kernels for p in pieces]),
                     measured_ns=measured_ns(rows, measured), nodes=tuple(rows), comm_rows=tuple(comm_rows),
-                    segments=tuple(segments), block_flops=block_flops, module_calls=module_calls,
-                    layer_calls=layer_calls)
+                    segments=tuple(segments), block_flops=tuple(block_flops),
+                    module_calls=np.concatenate([p.module_calls for p in pieces]),
+                    layer_calls=np.concatenate([p.layer_calls for p in pieces]))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Piece:
+    """Some phases of one block laid out as rows of a role's batch, rows counted from the piece's
+    first: their nodes (None for a collective), collectives, each phase's rows, kernels and host
+    calls (:func:`host_calls`); the forward, backward and recompute piece also holds the FLOPs of one
+    instance per phase (:func:`_phase_flops`)."""
+
+    traced: tuple  # the block's traced nodes, held so their id stays theirs (see _bodies)
+    rows: tuple[OpNode | None, ...]
+    comm_rows: tuple[CommRow, ...]
+    bounds: tuple[tuple[Phase, int, int], ...]
+    kernels: KernelBatch
+    module_calls: np.ndarray
+    layer_calls: np.ndarray
+    flops: dict[Phase, int] | None = None
+
+
+_BODY_CACHE_SIZE = 512
+# A block's forward, backward and recompute rows: the same for every optimizer sharding, so the
+# plans of one shape with and without the distributed optimizer, and over several DP sizes, lay them
+# out once. Keyed by the identity of the traced nodes (the entry holds them, as _roles does).
+_bodies: OrderedDict[tuple, _Piece] = OrderedDict()
+_BODY_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE)
+
+
+def _body(block: Block, stack: SoftwareStack, fp8: Fp8Settings | None, cp: ContextParallel | None, moe: MoeOptions,
+          kernels: KernelOptions) -> _Piece:
+    key = (id(block.nodes), block.kind, block.num_parameters, block.parameter_numels, block.expert_parameter_numels,
+           stack, fp8, cp, moe, kernels.unfused_attention, kernels.deterministic, kernels.grad_hooks)
+    known = _bodies.get(key)
+    if known is not None:
+        _bodies.move_to_end(key)
+        return known
+    mapped = grad_hook_adds(_block_mapped(block, stack, fp8, cp, moe, kernels), block, kernels.grad_hooks)
+    piece = _bodies[key] = replace(_piece(block, mapped, _BODY_PHASES, moe), flops=_phase_flops(block, cp))
+    if len(_bodies) > _BODY_CACHE_SIZE:
+        _bodies.popitem(last=False)
+    return piece
+
+
+def _step(block: Block, stack: SoftwareStack, fp8: Fp8Settings | None, cp: ContextParallel | None, moe: MoeOptions,
+          kernels: KernelOptions, shards: tuple[int, int]) -> _Piece:
+    """The block's optimizer step on its shard (no hook adds: they are backward kernels)."""
+    mapped = tuple(n for n in _block_mapped(block, stack, fp8, cp, moe, kernels) if n.phase is Phase.OPTIMIZER)
+    mapped = optimizer_step(shard_optimizer(mapped, *shards),
+                            kernels.optimizer, traced=block.nodes, tensor_parallel=kernels.tensor_parallel,
+                            expert_tensor_parallel=kernels.expert_tensor_parallel, shards=shards[0],
+                            expert_shards=shards[1])
+    mapped = logging_passes(mapped, params_norm=kernels.log_params_norm, num_zeros=kernels.log_num_zeros_in_grad)
+    return _piece(block, mapped, (Phase.OPTIMIZER,), moe)
+
+
+def _block_mapped(block: Block, stack: SoftwareStack, fp8: Fp8Settings | None, cp: ContextParallel | None,
+                  moe: MoeOptions, kernels: KernelOptions) -> tuple:
+    layer = block.kind is BlockKind.LAYER
+    nodes = cp.layer_nodes(block.nodes) if cp is not None and layer else block.nodes
+    return _mapped(block.nodes, nodes, stack, fp8, cp, moe.grouped_experts, kernels.unfused_attention,
+                   kernels.deterministic)
+
+
+def _piece(block: Block, mapped: tuple, phases: tuple[Phase, ...], moe: MoeOptions) -> _Piece:
+    """The rows of ``phases`` of ``mapped`` (one block's lowered nodes): its kernels and the
+    collectives on the compute stream, each with the kernel it can hide behind."""
+    layer = block.kind is BlockKind.LAYER
+    by_phase: dict[Phase, list[OpNode | CollectiveNode]] = {p: [] for p in phases}
+    for node in mapped:
+        if node.phase not in by_phase:
+            continue
+        if isinstance(node, OpNode):
+            if node.launches_kernel:
+                by_phase[node.phase].append(node)
+        elif _on_compute_stream(node):
+            by_phase[node.phase].append(node)
+    rows: list[OpNode | None] = []
+    backward: list[bool] = []
+    comm_rows: list[CommRow] = []
+    bounds: list[tuple[Phase, int, int]] = []
+    for phase in phases:
+        start = len(rows)
+        partners = overlap_partners(by_phase[phase], in_layer=layer, shared_expert_overlap=moe.shared_expert_overlap)
+        for i, node in enumerate(by_phase[phase]):
+            if isinstance(node, CollectiveNode):
+                partner = partners.get(i)
+                comm_rows.append(CommRow(row=len(rows), node=node, partner=-1 if partner is None else start + partner))
+                rows.append(None)
+            else:
+                rows.append(node)
+        backward.extend([phase is Phase.BACKWARD] * (len(rows) - start))
+        bounds.append((phase, start, len(rows)))
+    batch = KernelBatch.of([n if n is not None else _NO_KERNEL for n in rows])
+    batch = replace(batch, backward=np.array(backward, bool))
+    module_calls, layer_calls = host_calls(rows, [Segment(block=0, phase=phase, start=start, stop=stop, count=1)
+                                                  for phase, start, stop in bounds], (block,))
+    return _Piece(traced=block.nodes, rows=tuple(rows), comm_rows=tuple(comm_rows), bounds=tuple(bounds),
+                  kernels=batch, module_calls=module_calls, layer_calls=layer_calls)
 
 
 def _phase_flops(block: Block, cp: ContextParallel | None) -> dict[Phase, int]:

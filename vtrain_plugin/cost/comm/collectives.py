@@ -124,11 +124,12 @@ class CommModel:
                    tp_pp_dp_mapping=plan.tp_pp_dp_mapping, cp_a2a=plan.cp_a2a_size,
                    optimizer_instances=plan.distributed_optimizer_instances)
 
-    def rank_signatures(self) -> tuple[tuple, ...]:
-        """Per pipeline rank, everything :meth:`time_ns` depends on besides the message: every
-        group's placement and whether its pipeline send crosses nodes. Ranks with equal signatures
-        time every collective alike (the costing shares their stage costs)."""
-        return _rank_signatures(self.layout)
+    def rank_classes(self) -> tuple[int, ...]:
+        """Per pipeline rank, the class of everything :meth:`time_ns` depends on besides the message
+        (every group's placement and whether its pipeline send crosses nodes), numbered from 0 in
+        order of first appearance. Ranks of one class time every collective alike (the costing
+        shares their stage costs); small integers, so a stage's key hashes cheaply."""
+        return _rank_classes(self.layout)
 
     def placement(self, group: ParallelGroup, *, pipeline_rank: int = 0) -> GroupPlacement:
         return _placement(self.layout, group, pipeline_rank)
@@ -286,6 +287,8 @@ def _placement(layout: Layout, group: ParallelGroup, pipeline_rank: int) -> Grou
 
 
 @lru_cache(maxsize=1024)
-def _rank_signatures(layout: Layout) -> tuple[tuple, ...]:
-    return tuple((*(layout.placement(group, pipeline_rank=r) for group in ParallelGroup), layout.p2p_crosses_nodes(r))
+def _rank_classes(layout: Layout) -> tuple[int, ...]:
+    classes: dict[tuple, int] = {}
+    return tuple(classes.setdefault((*(layout.placement(group, pipeline_rank=r) for group in ParallelGroup),
+                                     layout.p2p_crosses_nodes(r)), len(classes))
                  for r in range(layout.pipeline_parallel))

@@ -154,6 +154,12 @@ class KernelBatch:
                    k=np.array(cols[7], float), backward=np.array(cols[8], bool),
                    launches=np.array([_launches(node) for node in nodes], float))
 
+    @classmethod
+    def concat(cls, batches: Sequence[KernelBatch]) -> KernelBatch:
+        """The rows of ``batches`` one after another (each made by :meth:`of`)."""
+        return cls(**{name: np.concatenate([getattr(b, name) for b in batches])
+                      for name in ("kind", "dtype", "flops", "nbytes", "batch", "m", "n", "k", "backward", "launches")})
+
 
 def tensor_dtype_code(dtype: Dtype) -> int:
     """The :attr:`KernelBatch.dtype` code of a tensor-core dtype."""

@@ -20,6 +20,8 @@ from vtrain_plugin.hardware.devices import DeviceSpec
 
 def measured_ns(nodes: Sequence[OpNode | None], measured: Mapping[KernelKey, float]) -> np.ndarray:
     """Measured device time of each node's kernel, NaN where unmeasured (or not a kernel)."""
+    if not measured:
+        return np.full(len(nodes), np.nan)
     get = measured.get
     return np.array([np.nan if n is None or not n.launches_kernel else get(n.key, np.nan) for n in nodes], float)
 
