@@ -107,10 +107,8 @@ def build_task_graph(kind: ScheduleKind, pipeline_parallel: int, virtual_pipelin
     # (stage, microbatch, is_forward) -> task id
     ids = np.full((stages, m, 2), -1, dtype=np.intp)
     ids[stage_of, mb_of, forward_of.astype(np.intp)] = np.arange(n, dtype=np.intp)
-    after = forward_of & (stage_of > 0)  # waits on the forward of the stage before
-    before = ~forward_of & (stage_of < stages - 1)  # waits on the backward of the stage after
-    send_of = np.where(after, stage_of - 1, np.where(before, stage_of + 1, stages))
-    dep_of = np.where(after | before, ids[np.minimum(send_of, stages - 1), mb_of, forward_of.astype(np.intp)], -1)
+    send_of = _send_stage(stage_of, forward_of, stages)
+    dep_of = np.where(send_of < stages, ids[np.minimum(send_of, stages - 1), mb_of, forward_of.astype(np.intp)], -1)
     level = np.asarray(_levels(prev_of.tolist(), dep_of.tolist(), tasks), dtype=np.intp)
     order = np.lexsort((rank_of, level))  # by level, then rank (stable: the sort of (level, rank) pairs)
     new = np.empty(n, dtype=np.intp)
@@ -139,7 +137,8 @@ def build_task_graph(kind: ScheduleKind, pipeline_parallel: int, virtual_pipelin
 
 
 def _send_stage(stage: np.ndarray, is_forward: np.ndarray, stages: int) -> np.ndarray:
-    """Per task, the virtual stage whose send its dependency waits for (``stages``: none)."""
+    """Per task, the virtual stage whose send its dependency waits for (``stages``: none): a forward
+    waits on the forward of the stage before, a backward on the backward of the stage after."""
     after = is_forward & (stage > 0)
     before = ~is_forward & (stage < stages - 1)
     return np.where(after, stage - 1, np.where(before, stage + 1, stages))
