@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import lru_cache
+from itertools import accumulate
 
 import numpy as np
 
@@ -124,11 +125,8 @@ def _walk(tasks: tuple[Task, ...]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _peak_inflight(tasks: tuple[Task, ...]) -> int:
-    live = peak = 0
-    for task in tasks:
-        live += 1 if task.kind is TaskKind.FORWARD else -1
-        peak = max(peak, live)
-    return peak
+    """The most forwards not yet matched by a backward at any point of the rank's order (0 at the start)."""
+    return max(accumulate((1 if task.kind is TaskKind.FORWARD else -1 for task in tasks), initial=0))
 
 
 # Tasks carry no rank, so every rank shares the same immutable instances.
