@@ -85,8 +85,10 @@ def test_cache_dir_flag_wins_over_the_environment_and_cache_command(tmp_path, ru
     assert not from_env.exists() and len(_entries(from_flag)) == 1
     info = run_cli("cache", "info", "--cache-dir", str(from_flag), env=env, check=True, fresh=True)  # plain subprocess
     assert info.stdout.startswith(f"trace cache {from_flag / 'traces'}: 1 trace(s), ")
+    assert f"\ntask graphs {from_flag / 'task_graphs'}: 0 graph(s), 0.00 MB" in info.stdout
     cleared = run_cli("cache", "clear", env={"VTRAIN_CACHE_DIR": str(from_flag)}, check=True)
-    assert cleared.stdout == f"removed 1 trace(s) from {from_flag / 'traces'}\n"
+    assert cleared.stdout == (f"removed 1 trace(s) from {from_flag / 'traces'}\n"
+                              f"removed 0 task graph(s) from {from_flag / 'task_graphs'}\n")
     assert _entries(from_flag) == []
 
 

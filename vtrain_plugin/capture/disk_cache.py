@@ -183,15 +183,18 @@ class CacheInfo:
     max_bytes: int
 
 
-def info() -> CacheInfo:
-    files = _entries(traces_dir())
-    return CacheInfo(directory=traces_dir(), entries=len(files), nbytes=sum(size for _, size, _ in files),
+def info(directory: Path | None = None, suffix: str = SUFFIX) -> CacheInfo:
+    """The entries of the trace folder, or of another folder of the cache (files ending in ``suffix``)."""
+    directory = traces_dir() if directory is None else directory
+    files = _entries(directory, suffix)
+    return CacheInfo(directory=directory, entries=len(files), nbytes=sum(size for _, size, _ in files),
                      max_bytes=max_bytes())
 
 
-def clear() -> int:
-    """Remove every entry; returns how many were removed."""
-    files = _entries(traces_dir())
+def clear(directory: Path | None = None, suffix: str = SUFFIX) -> int:
+    """Remove every entry of the trace folder (or of ``directory``: files ending in ``suffix``);
+    returns how many were removed."""
+    files = _entries(traces_dir() if directory is None else directory, suffix)
     for path, _, _ in files:
         path.unlink(missing_ok=True)
     return len(files)

@@ -149,7 +149,7 @@ def _send_stage(stage: np.ndarray, is_forward: np.ndarray, stages: int) -> np.nd
 # zlib stream: one read and one inflate (a zip of arrays, .npz, costs ~2 ms to open whatever its size).
 # What follows from other arrays (rank, send stage) is not stored.
 _ENTRY_FORMAT = 1
-_SUFFIX = ".graph.z"
+SUFFIX = ".graph.z"
 # Smaller graphs are built, not stored: a read costs ~0.5 ms CPU however small the graph, a build of
 # 512 tasks (1F1B, pp 4, 64 micro-batches) ~1.6 ms, of 100,800 (pp 105, 480) ~230 ms against a 6 ms read.
 _DISK_MIN_TASKS = 512
@@ -177,7 +177,7 @@ def _entry_key(key: tuple) -> dict:
 
 def _entry_path(key: tuple) -> Path:
     name = json.dumps(_entry_key(key), sort_keys=True)
-    return task_graphs_dir() / f"{hashlib.sha256(name.encode()).hexdigest()}{_SUFFIX}"
+    return task_graphs_dir() / f"{hashlib.sha256(name.encode()).hexdigest()}{SUFFIX}"
 
 
 def _read(path: Path, key: tuple) -> TaskGraph | None:
@@ -221,7 +221,7 @@ def _store(path: Path, key: tuple, graph: TaskGraph) -> None:
     payload = zlib.compress(np.concatenate(arrays).astype(np.int32).tobytes(), 1)  # level 6: 7x the CPU, 1% smaller
     try:
         atomic_write_bytes(path, header.encode() + b"\n" + payload)
-        disk_cache.prune(path.parent, disk_cache.max_bytes(), suffix=_SUFFIX)
+        disk_cache.prune(path.parent, disk_cache.max_bytes(), suffix=SUFFIX)
     except OSError as exc:
         log.warning("task-graph cache: could not write %s (%s); continuing without it", path, exc)
 

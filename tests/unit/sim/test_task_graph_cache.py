@@ -24,7 +24,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def _entries(folder):
-    return sorted((folder / "task_graphs").glob(f"*{tg._SUFFIX}"))
+    return sorted((folder / "task_graphs").glob(f"*{tg.SUFFIX}"))
 
 
 def assert_same_graph(read: tg.TaskGraph, built: tg.TaskGraph) -> None:
