@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 
 from vtrain_plugin.core.units import NS_PER_MS, NS_PER_S, SECONDS_PER_DAY, SECONDS_PER_HOUR
-from vtrain_plugin.cost.time_floor import iteration_floor_ns
-from vtrain_plugin.hardware.devices import DeviceSpec
+from vtrain_plugin.cost.time_floor import PlanTerms, iteration_floor_ns, plan_terms
 from vtrain_plugin.planning.evaluate import Row
 from vtrain_plugin.planning.space import Candidate
+from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
+from vtrain_plugin.specs.parallel import ParallelPlan
 
 log = logging.getLogger(__name__)
 
@@ -32,25 +33,24 @@ PER_ITERATION = ("iteration_time_ms", "cost_usd", "gpu_hours")  # else to train 
 COST_COLUMNS = ("cost_usd", "gpu_hours", "train_cost_usd", "expected_train_cost_usd")
 
 
-def plan_floors(model: ModelSpec, candidates: Sequence[Candidate], device: DeviceSpec, column: str, *,
-                price_per_gpu_hour_usd: float | None) -> np.ndarray:
+def plan_floors(model: ModelSpec, candidates: Sequence[Candidate], cluster: ClusterSpec, column: str) -> np.ndarray:
     """Each candidate's floor on ``column`` (a search's ranking column): the iteration-time floor,
     times the iterations to train (expected days and dollars count failures on top: at least the
     failure-free ones), times GPUs and price per hour for a cost."""
-    memo: dict[tuple, float] = {}
+    terms: dict[ParallelPlan, PlanTerms] = {}
     floors = np.empty(len(candidates))
     for i, candidate in enumerate(candidates):
-        training = candidate.training
-        key = (candidate.parallel, training.fp8, training.fp4, training.fp8_recipe, training.global_batch_size)
-        if key not in memo:
-            memo[key] = iteration_floor_ns(model, candidate.parallel, training, device)
-        seconds = memo[key] / NS_PER_S
+        training, plan = candidate.training, candidate.parallel
+        if plan not in terms:
+            terms[plan] = plan_terms(model, plan, cluster)
+        floor_ns = iteration_floor_ns(model, plan, training, cluster, terms[plan])
+        seconds = floor_ns / NS_PER_S
         if column not in PER_ITERATION:
             seconds *= training.train_iterations(model.seq_length)
         if column == "iteration_time_ms":
-            floors[i] = memo[key] / NS_PER_MS
+            floors[i] = floor_ns / NS_PER_MS
         elif column in COST_COLUMNS:
-            price = 1.0 if column == "gpu_hours" else price_per_gpu_hour_usd
+            price = 1.0 if column == "gpu_hours" else cluster.price_per_gpu_hour_usd
             floors[i] = seconds * candidate.num_gpus / SECONDS_PER_HOUR * price
         else:
             floors[i] = seconds / SECONDS_PER_DAY
