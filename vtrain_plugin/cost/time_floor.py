@@ -197,11 +197,11 @@ def iteration_floor_ns(model: ModelSpec, plan: ParallelPlan, training: TrainingS
     terms = terms or plan_terms(model, plan, cluster)
     pp, tp = plan.pipeline_parallel, plan.tensor_parallel
     tokens = plan.micro_batch_size * model.seq_length  # one micro-batch of one replica
-    peak = gemm_peak_flop_per_ns(get_device(cluster.gpu), model.dtype.value, training)
+    peak = _peak(cluster.gpu, gemm_precision(model.dtype.value, training)[0])
     per_flop_ns = 1.0 / (peak * _top(cluster.gpu, "gemm_efficiency") * tp * plan.context_parallel)
     passes = 1 + (plan.recompute is Recompute.FULL)  # full recompute runs each layer's forward twice
     layer_per_weight = (passes * FORWARD_FLOPS_PER_WEIGHT + BACKWARD_FLOPS_PER_WEIGHT) * tokens * per_flop_ns
-    reduction_ns = [(passes + 1) * _tp_reduction_ns(model, plan, training, terms, rank) for rank in range(pp)]
+    reduction_ns = [(passes + 1) * ns for ns in _tp_reduction_ns(model, plan, training, terms)]
     attention_ns = _core_attention_ns(model, plan, peak, cluster.gpu)
     stage_ns = [[w * layer_per_weight + n * reduction_ns[rank] + a * attention_ns for w, n, a in zip(*per_chunk)]
                 for rank, per_chunk in enumerate(zip(terms.stage_weights, terms.stage_reductions,
@@ -212,12 +212,17 @@ def iteration_floor_ns(model: ModelSpec, plan: ParallelPlan, training: TrainingS
     work[-1] += m * model.hidden_size * model.vocab_size * (FORWARD_FLOPS_PER_WEIGHT + BACKWARD_FLOPS_PER_WEIGHT
                                                            ) * tokens * per_flop_ns
     path = sum(stage_ns[rank][0] for rank in range(pp - 1)) + work[-1]  # the last rank's compute
-    reduce, gather = zip(*(_dp_ns(model, plan, training, terms, rank) for rank in range(pp)))
+    reduce, gather = _dp_ns(model, plan, training, terms)
     tail = reduce if training.grad_reduce is GradReduce.AFTER_BACKWARD else (0.0,) * pp
     overlapped = training.overlap_param_gather  # the gathers open the iteration on the DP stream, else follow the step
     compute = max(*(w + t for w, t in zip(work, tail)), path + tail[-1],
                   *(r + g * overlapped for r, g in zip(reduce, gather)))
     return compute + (0.0 if overlapped else max(gather))
+
+
+@lru_cache(maxsize=64)
+def _peak(gpu: str, precision: str) -> float:
+    return get_device(gpu).tensor_flop_per_ns(precision)
 
 
 @lru_cache(maxsize=64)
@@ -239,29 +244,31 @@ def _core_attention_ns(model: ModelSpec, plan: ParallelPlan, peak_flop_per_ns: f
     return (1 + again + ATTENTION_BACKWARD_PER_FORWARD) * forward / rate
 
 
-def _tp_reduction_ns(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec, terms: PlanTerms,
-                     rank: int) -> float:
-    """One block's TP reduction of one micro-batch's ``tokens x h`` tensor in one pass on pipeline
-    rank ``rank`` (0 where it may be hidden or narrower): see the module doc."""
+def _tp_reduction_ns(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec, terms: PlanTerms
+                     ) -> tuple[float, ...]:
+    """Per pipeline rank, one block's TP reduction of one micro-batch's ``tokens x h`` tensor in one
+    pass (0 where it may be hidden or narrower): see the module doc."""
     n = plan.tensor_parallel
     if n == 1 or training.tp_comm_overlap or training.fp8 is not None or training.fp4 is not None:
-        return 0.0
+        return (0.0,) * plan.pipeline_parallel
     nbytes = plan.micro_batch_size * model.seq_length // plan.context_parallel * model.hidden_size * (
         canonical_dtype(model.dtype.value).nbytes)
-    return 2 * (n - 1) * (nbytes / n / terms.tp_bytes_per_ns[rank] + terms.tp_step_latency_ns[rank])
+    return tuple(2 * (n - 1) * (nbytes / n / rate + latency)
+                 for rate, latency in zip(terms.tp_bytes_per_ns, terms.tp_step_latency_ns))
 
 
-def _dp_ns(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec, terms: PlanTerms,
-           rank: int) -> tuple[float, float]:
-    """Pipeline rank ``rank``'s gradient reductions and parameter all-gathers over its DP group, at
-    least (see the module doc)."""
-    n = terms.dp_size[rank]
+def _dp_ns(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec, terms: PlanTerms
+           ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per pipeline rank, its gradient reductions and its parameter all-gathers over its DP group,
+    at least (see the module doc)."""
+    pp = plan.pipeline_parallel
     sharded = training.distributed_optimizer
-    if n == 1 or training.fsdp is not None or (sharded and plan.distributed_optimizer_instances > 1):
-        return 0.0, 0.0
-    per_weight_byte_ns = terms.dp_weights[rank] * (n - 1) / n / terms.dp_bytes_per_ns[rank]
-    grads = training.grad_dtype(model.dtype).nbytes * per_weight_byte_ns
+    if training.fsdp is not None or (sharded and plan.distributed_optimizer_instances > 1):
+        return (0.0,) * pp, (0.0,) * pp
+    per_weight_byte_ns = [w * (n - 1) / n / rate for w, n, rate in zip(terms.dp_weights, terms.dp_size,
+                                                                       terms.dp_bytes_per_ns)]
+    grad_nbytes = training.grad_dtype(model.dtype).nbytes
     if not sharded:
-        return 2 * grads, 0.0
+        return tuple(2 * grad_nbytes * ns for ns in per_weight_byte_ns), (0.0,) * pp
     param_nbytes = Dtype.FP8.nbytes if training.fp8_param_gather else canonical_dtype(model.dtype.value).nbytes
-    return grads, param_nbytes * per_weight_byte_ns
+    return tuple(grad_nbytes * ns for ns in per_weight_byte_ns), tuple(param_nbytes * ns for ns in per_weight_byte_ns)
