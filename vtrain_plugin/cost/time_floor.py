@@ -68,6 +68,7 @@ Why it is a lower bound of what :func:`vtrain_plugin.estimate.predict` computes:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -164,8 +165,18 @@ def _layer_terms(model: ModelSpec) -> tuple[tuple[int, ...], ...]:
             layer_weight_elements(model, routed_experts=False))
 
 
+def terms_key(plan: ParallelPlan) -> tuple:
+    """What :func:`plan_terms` reads of ``plan``: the layout (group sizes, rank order, CP all-to-all
+    ranks, optimizer instances) and the pipeline split; plans equal in it share their terms."""
+    return (plan.tensor_parallel, plan.context_parallel, plan.pipeline_parallel, plan.virtual_pipeline,
+            plan.data_parallel, plan.expert_parallel, plan.expert_tp, plan.tp_pp_dp_mapping, plan.cp_a2a_size,
+            plan.distributed_optimizer_instances, plan.decoder_first_pipeline_num_layers,
+            plan.decoder_last_pipeline_num_layers, plan.account_for_embedding_in_pipeline_split,
+            plan.account_for_loss_in_pipeline_split, plan.pipeline_layout)
+
+
 def plan_terms(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> PlanTerms:
-    """The :class:`PlanTerms` of ``plan`` (shared by the plans that differ in training options only)."""
+    """The :class:`PlanTerms` of ``plan`` (shared by the plans equal in :func:`terms_key`)."""
     pp, vp = plan.pipeline_parallel, plan.virtual_pipeline
     per_layer = _layer_terms(model)  # weights, TP reductions, core attentions, weights reduced over DP
     layers = stage_layers(plan, model)  # [rank][chunk]; virtual stage chunk * pp + rank holds the next layers
@@ -195,6 +206,23 @@ def iteration_floor_ns(model: ModelSpec, plan: ParallelPlan, training: TrainingS
     """A lower bound on the iteration time :func:`~vtrain_plugin.estimate.estimate` gives ``plan``
     on ``cluster`` (see the module doc for why); ``terms``: :func:`plan_terms`, when known."""
     terms = terms or plan_terms(model, plan, cluster)
+    work, path = compute_floor_ns(model, plan, training, cluster, terms)
+    reduce, gather = dp_floor_ns(model, plan, training, terms)
+    return combine_floor_ns(training, work, path, reduce, gather)
+
+
+def compute_key(model: ModelSpec, training: TrainingSpec) -> tuple:
+    """What :func:`compute_floor_ns` reads of ``training``: the GEMM precision, whether TP
+    collectives may be hidden or narrower, the global batch."""
+    hidden = training.tp_comm_overlap or training.fp8 is not None or training.fp4 is not None
+    return gemm_precision(model.dtype.value, training)[0], hidden, training.global_batch_size
+
+
+def compute_floor_ns(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec, cluster: ClusterSpec,
+                     terms: PlanTerms) -> tuple[tuple[float, ...], float]:
+    """Per pipeline rank, its ``m`` micro-batches' compute and TP collectives, and the critical
+    path's to the last rank's end (see the module doc); reads ``plan``'s :func:`terms_key`, micro-batch
+    size and recompute, and ``training``'s :func:`compute_key`."""
     pp, tp = plan.pipeline_parallel, plan.tensor_parallel
     tokens = plan.micro_batch_size * model.seq_length  # one micro-batch of one replica
     peak = _peak(cluster.gpu, gemm_precision(model.dtype.value, training)[0])
@@ -212,8 +240,15 @@ def iteration_floor_ns(model: ModelSpec, plan: ParallelPlan, training: TrainingS
     work[-1] += m * model.hidden_size * model.vocab_size * (FORWARD_FLOPS_PER_WEIGHT + BACKWARD_FLOPS_PER_WEIGHT
                                                            ) * tokens * per_flop_ns
     path = sum(stage_ns[rank][0] for rank in range(pp - 1)) + work[-1]  # the last rank's compute
-    reduce, gather = _dp_ns(model, plan, training, terms)
-    tail = reduce if training.grad_reduce is GradReduce.AFTER_BACKWARD else (0.0,) * pp
+    return tuple(work), path
+
+
+def combine_floor_ns(training: TrainingSpec, work: Sequence[float], path: float, reduce: Sequence[float],
+                     gather: Sequence[float]) -> float:
+    """The iteration floor from :func:`compute_floor_ns` and :func:`dp_floor_ns`: the busiest
+    stream, with the reductions after the compute under ``grad_reduce: after_backward`` and the
+    parameter gathers after the step without ``overlap_param_gather``."""
+    tail = reduce if training.grad_reduce is GradReduce.AFTER_BACKWARD else (0.0,) * len(work)
     overlapped = training.overlap_param_gather  # the gathers open the iteration on the DP stream, else follow the step
     compute = max(*(w + t for w, t in zip(work, tail)), path + tail[-1],
                   *(r + g * overlapped for r, g in zip(reduce, gather)))
@@ -257,10 +292,17 @@ def _tp_reduction_ns(model: ModelSpec, plan: ParallelPlan, training: TrainingSpe
                  for rate, latency in zip(terms.tp_bytes_per_ns, terms.tp_step_latency_ns))
 
 
-def _dp_ns(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec, terms: PlanTerms
-           ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def dp_key(model: ModelSpec, training: TrainingSpec) -> tuple:
+    """What :func:`dp_floor_ns` reads of ``training``: FSDP, the distributed optimizer, the gradient
+    dtype, FP8 parameter gathers."""
+    return (training.fsdp is not None, training.distributed_optimizer, training.grad_dtype(model.dtype),
+            training.fp8_param_gather)
+
+
+def dp_floor_ns(model: ModelSpec, plan: ParallelPlan, training: TrainingSpec, terms: PlanTerms
+                ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per pipeline rank, its gradient reductions and its parameter all-gathers over its DP group,
-    at least (see the module doc)."""
+    at least (see the module doc); reads ``plan``'s :func:`terms_key` and ``training``'s :func:`dp_key`."""
     pp = plan.pipeline_parallel
     sharded = training.distributed_optimizer
     if training.fsdp is not None or (sharded and plan.distributed_optimizer_instances > 1):
