@@ -7,7 +7,10 @@ tokens and 2,048 sequences per iteration, the default SearchSpace pruned by memo
 prunes: the floors' CPU time, the floor of the best plan (TP 3, PP 2, VP 4, DP 512, micro-batch 1,
 no recompute, overlapped gradient reduction, distributed optimizer: 0.0494 expected days, the
 argument) against its days, and the plans and trace shapes whose floor is at most the best (the
-plans a best-first search must cost, the shapes it must trace), and at most 0.03 and 0.02 days.
+plans a best-first search must cost, the shapes it must trace), and at most 0.03 and 0.02 days;
+then the best-first rounds (plans, floors, new trace shapes), the best found by round 1 as in the
+cold run, as they are and with each round also costing the untaken plans of shapes already traced
+whose floor is at most the best so far.
 Why: a plan's trace shape is traced once any of its plans has a floor under the best found, so
 the floor's tightness sets the traces of ``size``.
 """
@@ -22,7 +25,8 @@ import numpy as np
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.hardware.devices import get_device
-from vtrain_plugin.planning.bounded import plan_floors
+from vtrain_plugin.capture.chunk import plan_shape_key
+from vtrain_plugin.planning.bounded import FIRST_ROUND_PLANS, plan_floors
 from vtrain_plugin.planning.evaluate import make_batches
 from vtrain_plugin.planning.model_family import chinchilla_tokens, family_shapes
 from vtrain_plugin.planning.search import prune_by_memory
@@ -56,6 +60,35 @@ def main(best_days: float = BEST_DAYS) -> None:
         chosen = [candidates[i] for i in np.flatnonzero(floors <= cutoff)]
         print(f"floor <= {cutoff:.4f} days: {len(chosen):,} plans in {len(make_batches(model, cluster, chosen))} "
               f"trace shapes")
+    keys: dict[tuple, int] = {}
+    shapes = np.array([keys.setdefault(plan_shape_key(c.parallel), len(keys)) for c in candidates])
+    for same_shapes in (False, True):
+        print("rounds" + (", with the plans of traced shapes:" if same_shapes else ":"))
+        for plans, low, high, new, traced in rounds(floors, shapes, best_days, same_shapes):
+            print(f"  {plans:6,} plans, floors {low:.4f}-{high:.4f}: {new:3} new trace shapes ({traced} in all)")
+
+
+def rounds(floors: np.ndarray, shapes: np.ndarray, best: float, same_shapes: bool):
+    """``(plans, lowest floor, highest floor, new shapes, shapes traced)`` per round of
+    :func:`~vtrain_plugin.planning.bounded.best_first`, ``best`` found by the first."""
+    order = np.lexsort((np.arange(len(floors)), floors))
+    costed = np.zeros(len(floors), bool)
+    traced = np.zeros(shapes.max() + 1, bool)
+    size, cutoff = FIRST_ROUND_PLANS, np.inf
+    while True:
+        waiting = order[~costed[order] & (floors[order] <= cutoff)]
+        chunk = waiting[:size]
+        if not len(chunk):
+            return
+        new = len(set(shapes[chunk].tolist()) - set(np.flatnonzero(traced).tolist()))
+        traced[shapes[chunk]] = True
+        costed[chunk] = True
+        if same_shapes and np.isfinite(cutoff):
+            extra = np.flatnonzero(~costed & traced[shapes] & (floors <= cutoff))
+            costed[extra] = True
+            chunk = np.concatenate([chunk, extra])
+        yield len(chunk), floors[chunk].min(), floors[chunk].max(), new, int(traced.sum())
+        size, cutoff = size * 2, best
 
 
 if __name__ == "__main__":
