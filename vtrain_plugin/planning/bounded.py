@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from vtrain_plugin.core.units import NS_PER_MS, NS_PER_S, SECONDS_PER_DAY, SECONDS_PER_HOUR
-from vtrain_plugin.cost.time_floor import iteration_floor_ns
-from vtrain_plugin.hardware.devices import DeviceSpec
+from vtrain_plugin.cost.time_floor import (PlanTerms, combine_floor_ns, compute_floor_ns, compute_key, dp_floor_ns,
+                                           dp_key, plan_terms, terms_key)
 from vtrain_plugin.planning.evaluate import Row
 from vtrain_plugin.planning.space import Candidate
+from vtrain_plugin.specs.cluster import ClusterSpec
 from vtrain_plugin.specs.model import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -32,29 +33,43 @@ PER_ITERATION = ("iteration_time_ms", "cost_usd", "gpu_hours")  # else to train 
 COST_COLUMNS = ("cost_usd", "gpu_hours", "train_cost_usd", "expected_train_cost_usd")
 
 
-def plan_floors(model: ModelSpec, candidates: Sequence[Candidate], device: DeviceSpec, column: str, *,
-                price_per_gpu_hour_usd: float | None) -> np.ndarray:
+def plan_floors(model: ModelSpec, candidates: Sequence[Candidate], cluster: ClusterSpec, column: str) -> np.ndarray:
     """Each candidate's floor on ``column`` (a search's ranking column): the iteration-time floor,
     times the iterations to train (expected days and dollars count failures on top: at least the
-    failure-free ones), times GPUs and price per hour for a cost."""
-    memo: dict[tuple, float] = {}
-    floors = np.empty(len(candidates))
+    failure-free ones), times GPUs and price per hour for a cost. Each term of the floor is computed
+    once per distinct input it reads (:func:`~vtrain_plugin.cost.time_floor.terms_key`, ``compute_key``,
+    ``dp_key``), then combined per plan: the values of :func:`iteration_floor_ns`."""
+    terms: dict[tuple, PlanTerms] = {}
+    compute: dict[tuple, tuple[tuple[float, ...], float]] = {}
+    dp: dict[tuple, tuple[tuple[float, ...], tuple[float, ...]]] = {}
+    keys: dict[int, tuple[tuple, tuple]] = {}  # by id: plans share their training specs, each read once
+    floor_ns, iterations, gpus = np.empty(len(candidates)), np.ones(len(candidates)), np.empty(len(candidates))
     for i, candidate in enumerate(candidates):
-        training = candidate.training
-        key = (candidate.parallel, training.fp8, training.fp4, training.fp8_recipe, training.global_batch_size)
-        if key not in memo:
-            memo[key] = iteration_floor_ns(model, candidate.parallel, training, device)
-        seconds = memo[key] / NS_PER_S
+        training, plan = candidate.training, candidate.parallel
+        if id(training) not in keys:
+            keys[id(training)] = compute_key(model, training), dp_key(model, training)
+        training_compute, training_dp = keys[id(training)]
+        layout = terms_key(plan)
+        if layout not in terms:
+            terms[layout] = plan_terms(model, plan, cluster)
+        compute_at = (layout, plan.micro_batch_size, plan.recompute, plan.recompute_modules, training_compute)
+        if compute_at not in compute:
+            compute[compute_at] = compute_floor_ns(model, plan, training, cluster, terms[layout])
+        if (layout, training_dp) not in dp:
+            dp[layout, training_dp] = dp_floor_ns(model, plan, training, terms[layout])
+        floor_ns[i] = combine_floor_ns(training, *compute[compute_at], *dp[layout, training_dp])
         if column not in PER_ITERATION:
-            seconds *= training.train_iterations(model.seq_length)
-        if column == "iteration_time_ms":
-            floors[i] = memo[key] / NS_PER_MS
-        elif column in COST_COLUMNS:
-            price = 1.0 if column == "gpu_hours" else price_per_gpu_hour_usd
-            floors[i] = seconds * candidate.num_gpus / SECONDS_PER_HOUR * price
-        else:
-            floors[i] = seconds / SECONDS_PER_DAY
-    return floors
+            iterations[i] = training.train_iterations(model.seq_length)
+        gpus[i] = candidate.num_gpus
+    log.debug("floors of %d plans: %d layouts, %d compute and %d DP terms", len(candidates), len(terms),
+              len(compute), len(dp))
+    if column == "iteration_time_ms":
+        return floor_ns / NS_PER_MS
+    seconds = floor_ns / NS_PER_S * iterations
+    if column in COST_COLUMNS:
+        price = 1.0 if column == "gpu_hours" else cluster.price_per_gpu_hour_usd
+        return seconds * gpus / SECONDS_PER_HOUR * price
+    return seconds / SECONDS_PER_DAY
 
 
 def best_first(floors: np.ndarray, evaluate: Callable[[Sequence[int]], list[tuple[int, Row]]], *,

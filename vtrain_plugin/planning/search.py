@@ -156,8 +156,7 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
         if exhaustive:
             results = evaluate_plans(range(len(candidates)))
         else:
-            floors = plan_floors(model, candidates, get_device(cluster.gpu), column,
-                                 price_per_gpu_hour_usd=cluster.price_per_gpu_hour_usd)
+            floors = plan_floors(model, candidates, cluster, column)
             results = best_first(floors, evaluate_plans, column=column, top_k=top_k)
     log.info("%s search: %d of %d plans costed, %d trace jobs", "exhaustive" if exhaustive else "best-first",
              len(results), len(candidates), traced[0])

@@ -177,6 +177,11 @@ class CommModel:
                 return self._all_to_all_ns(nbytes, placement)
         raise AssertionError(f"unhandled collective kind {kind}")
 
+    def ring_bytes_per_ns(self, group: ParallelGroup, *, pipeline_rank: int = 0) -> float:
+        """The rate ``B`` of stage ``pipeline_rank``'s ``group`` that every collective's size term
+        above divides by (its ring; a tree runs at a fraction of it)."""
+        return self._ring_bytes_per_ns(self.placement(group, pipeline_rank=pipeline_rank))
+
     def send_recv_ns(self, nbytes: int, *, across_nodes: bool) -> float:
         """One point-to-point transfer of ``nbytes`` (a pipeline activation or gradient)."""
         v.non_negative_int("nbytes", nbytes)
