@@ -70,24 +70,38 @@ def _trace_here(model: ModelSpec, plan: ParallelPlan, roles: list[Role]) -> list
         return [trace_chunk(model, plan, pre, post, built) for pre, post, built in roles]
 
 
+_own_process = False  # set by the processes vtrain starts for itself (search workers): see below
+
+
+def own_this_process() -> None:
+    """Mark this process as one vtrain started for its own work (a search worker): objects made
+    before a trace may then stay out of the garbage collector's walks for the process's life."""
+    global _own_process
+    _own_process = True
+
+
 @contextmanager
 def _collector_skips_older_objects() -> Iterator[None]:
-    """Objects made before the traces (torch's, megatron-core's, the caller's: about 400,000) left out
-    of the cyclic garbage collector's walks while tracing, then given back to it.
+    """Objects made before the traces (torch's, megatron-core's, earlier traces', the caller's) left
+    out of the cyclic garbage collector's walks while tracing.
 
     Why: each trace runs a full collection (the recorder collects dead cycles before it counts the
     saved activations) and allocates enough to start others, and each walked every object of the
-    process: about a fifth of a chunk's trace. Objects older than the traces are never garbage made
-    by them, so what a trace collects is the same. Where the process froze objects itself (a forked
-    search worker, a test runner), there is no telling which to give back: it is left as it is."""
-    if gc.get_freeze_count():
+    process: about 400,000 after the imports, and more with every trace a search worker keeps. Objects
+    older than the traces are never garbage made by them, so what a trace collects is the same. In a
+    process of nothing frozen they are given back after; in one of vtrain's own workers (which froze
+    its parent's objects when it started) they stay frozen; where any other code froze objects, there
+    is no telling which to give back, so it is left as it is."""
+    if gc.get_freeze_count() and not _own_process:
         yield
         return
+    given_back = not gc.get_freeze_count()
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if given_back:
+            gc.unfreeze()
 
 
 def _child_environment() -> dict[str, str]:
