@@ -124,18 +124,8 @@ def _phases(batches) -> dict[str, float]:
     """CPU seconds of trace() (stage assembly: each batch's traces are read first, untimed), prepare,
     cost() and the whole estimate over every plan of ``batches``, each plan traced, prepared and
     estimated as :func:`evaluate_batch` does (no measured kernels)."""
-    estimate_module = importlib.import_module("vtrain_plugin.estimate")  # the package exports a function of that name
     spent = dict.fromkeys(("trace", "prepare", "cost", "estimate"), 0.0)
-    timed_cost = estimate_module.cost
-
-    def cost(*args, **kwargs):
-        start = time.process_time()
-        try:
-            return timed_cost(*args, **kwargs)
-        finally:
-            spent["cost"] += time.process_time() - start
-
-    estimate_module.cost = cost
+    undo = _timed("cost", spent)
     try:
         for b in batches:
             for candidate in b.candidates:  # the batch's chunk traces read first, untimed
@@ -152,7 +142,7 @@ def _phases(batches) -> dict[str, float]:
                 estimate_prepared(prepared, cluster=b.cluster, training=candidate.training)
                 spent["estimate"] += time.process_time() - start
     finally:
-        estimate_module.cost = timed_cost
+        undo()
     return spent
 
 
