@@ -36,7 +36,7 @@ PHASES = {
     "cost": ("vtrain_plugin.estimate", "cost"),
     "simulate": ("vtrain_plugin.estimate", "simulate"),
     "summary": ("vtrain_plugin.estimate", "_summarize"),
-    "render": ("vtrain_plugin.cli.estimate", "estimate_table"),
+    "render": ("vtrain_plugin.cli.render", "estimate_table"),
 }
 HEAVY = ("torch", "megatron", "pandas", "yaml", "numpy", "sqlite3")
 
