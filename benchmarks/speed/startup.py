@@ -66,10 +66,10 @@ def child(plan: str) -> None:
     def main() -> int:  # what console() runs: the command's imports, then the command, phase by phase
         before = time.process_time()
         cli.command_modules(["estimate"])
+        owners = {module: importlib.import_module(module) for module, _ in PHASES.values()}  # the command's own
         spent["imports"] += time.process_time() - before
         for phase, (module, name) in PHASES.items():
-            owner = importlib.import_module(module)
-            setattr(owner, name, timed(phase, getattr(owner, name)))
+            setattr(owners[module], name, timed(phase, getattr(owners[module], name)))
         command = importlib.import_module("vtrain_plugin.cli.estimate")
         run_inputs = command.run_inputs
         command.run_inputs = lambda *a, **k: [(label, timed("config parsing", load)) for label, load in run_inputs(*a, **k)]
