@@ -6,7 +6,7 @@ Fresh processes, the trace cache in DIR filled by a first run and no result cach
 (``python -c pass``), the imports by package (``-X importtime`` self times, scaled to the measured
 import CPU), then the command's own phases, each timed in CPU seconds by wrapping the function that
 does it: config parsing, the trace-cache read, the profile-database look-up, prepare, cost, simulate,
-summary and render. Why: issue 32 wants a warm single estimate under 0.3 s, and the breakdown says
+summary and render; then the process's exit. Why: issue 32 wants a warm single estimate under 0.3 s, and the breakdown says
 which part to cut. Medians over the repeats; on a shared machine compare CPU, not wall, figures.
 """
 
@@ -36,13 +36,15 @@ PHASES = {
     "cost": ("vtrain_plugin.estimate", "cost"),
     "simulate": ("vtrain_plugin.estimate", "simulate"),
     "summary": ("vtrain_plugin.estimate", "_summarize"),
-    "render": ("vtrain_plugin.cli.estimate", "estimate_table"),
+    "render": ("vtrain_plugin.cli.render", "estimate_table"),
 }
 HEAVY = ("torch", "megatron", "pandas", "yaml", "numpy", "sqlite3")
 
 
 def child(plan: str) -> None:
-    """One estimate in this process; prints ``phase seconds`` lines on stderr."""
+    """One estimate in this process, through the program's own entry (``vtrain_plugin.cli.console``, as
+    ``python -m vtrain_plugin.cli`` runs it); prints ``phase seconds`` lines on stderr, the last one
+    the CPU seconds spent when the command returns (the rest of the process is its exit)."""
     import importlib
 
     spent: Counter[str] = Counter()
@@ -58,28 +60,36 @@ def child(plan: str) -> None:
 
     before = time.process_time()
     import vtrain_plugin.cli as cli
-    cli.command_modules(["estimate"])
     spent["imports"] = time.process_time() - before
-    for phase, (module, name) in PHASES.items():
-        owner = importlib.import_module(module)
-        setattr(owner, name, timed(phase, getattr(owner, name)))
-    command = importlib.import_module("vtrain_plugin.cli.estimate")
-    run_inputs = command.run_inputs
-    command.run_inputs = lambda *a, **k: [(label, timed("config parsing", load)) for label, load in run_inputs(*a, **k)]
-    before = time.process_time()
-    with open(os.devnull, "w") as sink:
-        stdout, sys.stdout = sys.stdout, sink
-        try:
-            code = cli.main(["estimate", plan])
-        finally:
-            sys.stdout = stdout
-    spent["command, other"] = time.process_time() - before - sum(v for k, v in spent.items() if k != "imports")
-    spent["interpreter (in this process)"] = _START_CPU_S
-    for phase, seconds in spent.items():
-        print(f"{phase}\t{seconds:.4f}", file=sys.stderr)
-    print(f"loaded\t{' '.join(m for m in HEAVY if m in sys.modules) or '-'}", file=sys.stderr)
-    if code:
-        raise SystemExit(code)
+    real_main = cli.main
+
+    def main() -> int:  # what console() runs: the command's imports, then the command, phase by phase
+        before = time.process_time()
+        cli.command_modules(["estimate"])
+        owners = {module: importlib.import_module(module) for module, _ in PHASES.values()}  # the command's own
+        spent["imports"] += time.process_time() - before
+        for phase, (module, name) in PHASES.items():
+            setattr(owners[module], name, timed(phase, getattr(owners[module], name)))
+        command = importlib.import_module("vtrain_plugin.cli.estimate")
+        run_inputs = command.run_inputs
+        command.run_inputs = lambda *a, **k: [(label, timed("config parsing", load)) for label, load in run_inputs(*a, **k)]
+        before = time.process_time()
+        with open(os.devnull, "w") as sink:
+            stdout, sys.stdout = sys.stdout, sink
+            try:
+                code = real_main(["estimate", plan])
+            finally:
+                sys.stdout = stdout
+        spent["command, other"] = time.process_time() - before - sum(v for k, v in spent.items() if k != "imports")
+        spent["interpreter (in this process)"] = _START_CPU_S
+        for phase, seconds in spent.items():
+            print(f"{phase}\t{seconds:.4f}", file=sys.stderr)
+        print(f"loaded\t{' '.join(m for m in HEAVY if m in sys.modules) or '-'}", file=sys.stderr)
+        print(f"returned\t{time.process_time():.4f}", file=sys.stderr)
+        return code
+
+    cli.main = main
+    cli.console()
 
 
 def run(argv: list[str]) -> tuple[float, str]:
@@ -123,11 +133,13 @@ def main() -> None:
     phases: dict[str, list[float]] = {}
     loaded = ""
     for _ in range(args.repeats):
-        _, err = run(["-m", "benchmarks.speed.startup", "--child", args.plan])
+        cpu_s, err = run(["-m", "benchmarks.speed.startup", "--child", args.plan])
         for line in err.splitlines():
             name, _, value = line.partition("\t")
             if name == "loaded":
                 loaded = value
+            elif name == "returned":
+                phases.setdefault("exit (after the command returns)", []).append(cpu_s - float(value))
             elif value:
                 phases.setdefault(name, []).append(float(value))
     imports_s = statistics.median(phases.pop("imports"))

@@ -1,7 +1,5 @@
 """``python -m vtrain_plugin.cli``."""
 
-import sys
+from vtrain_plugin.cli import console
 
-from vtrain_plugin.cli import main
-
-sys.exit(main())
+console()

@@ -9,17 +9,18 @@ import sys
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vtrain_plugin.cli.commands import Command
 from vtrain_plugin.cli.common import EXIT_USER_ERROR, db_option, positive_int, profile_db, reliability_options, with_reliability
 from vtrain_plugin.cli.inputs import INPUT_HELP, add_input_options, run_inputs
-from vtrain_plugin.cli.render import estimate_table
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError, VTrainError
-from vtrain_plugin.estimate import Estimate, estimate, estimates_frame
 from vtrain_plugin.specs import plan_file
 from vtrain_plugin.specs.run import RunConfig
+
+if TYPE_CHECKING:
+    from vtrain_plugin.estimate import Estimate
 
 
 FORMATS = ("table", "json", "jsonl", "csv")
@@ -48,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Estimate every input in turn; a bad input is reported (inline with jsonl and json, on stderr
     otherwise) and the others still run. Exit 2 when any failed."""
+    # here, not at import: the estimate and its table load numpy and the cost model, which neither
+    # `vtrain --help` nor `vtrain estimate --help` needs
+    from vtrain_plugin.cli.render import estimate_table
+    from vtrain_plugin.estimate import estimate, estimates_frame
+
     tokens = None if args.tokens is None else _total_tokens(args.tokens)
     inputs = run_inputs(args)
     failed = 0

@@ -51,6 +51,17 @@ def test_a_warm_estimate_imports_neither_the_planning_layer_nor_torch(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_estimate_help_loads_neither_numpy_nor_the_cost_model(tmp_path):
+    # the estimate and its table are imported when the command runs, not to print its options
+    code = ("import contextlib, io, sys; from vtrain_plugin.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit): main(['estimate', '--help'])\n"
+            "print(sorted(m for m in sys.modules if m in ('numpy', 'sqlite3', 'torch', 'vtrain_plugin.estimate') "
+            "or m.startswith(('vtrain_plugin.cost', 'vtrain_plugin.sim', 'megatron.'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 @pytest.mark.parametrize("name", HELP_ORDER)
 def test_tracing_commands_and_only_they_take_the_cache_options(name):
     parser = _subparsers(build_parser())[name]
