@@ -40,7 +40,7 @@ from vtrain_plugin.hardware.error_bands import ErrorBand, error_band
 from vtrain_plugin.hardware.nccl import NcclTable
 from vtrain_plugin.sim.engine import BREAKDOWN_FIELDS, RankBreakdown, SimResult, simulate
 from vtrain_plugin.sim.run_totals import TrainTotals, train_totals
-from vtrain_plugin.sim.schedules import build_schedule
+from vtrain_plugin.sim.schedules import schedule_occupancy
 from vtrain_plugin.sim.timeline import Timeline, write_chrome_trace
 from vtrain_plugin.specs.assumptions import assumptions, training_assumptions
 from vtrain_plugin.specs.cluster import ClusterSpec
@@ -357,8 +357,8 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
     plan = graph.parallel
     num_microbatches = costing.work.num_microbatches
     seconds = result.iteration_ns / NS_PER_S
-    schedule = build_schedule(training.schedule, plan.pipeline_parallel, plan.virtual_pipeline, num_microbatches,
-                              training.microbatch_group_size)
+    occupancy = schedule_occupancy(training.schedule, plan.pipeline_parallel, plan.virtual_pipeline,
+                                   num_microbatches, training.microbatch_group_size)
     gpus = plan.world_size
     stage_breakdowns = tuple(dict(zip(BREAKDOWN_FIELDS, [ns / NS_PER_MS for ns in r])) for r in result.ranks)
     busy = [_busy(r) for r in result.ranks]
@@ -403,7 +403,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         cost_usd=None if price is None else price * gpus * seconds / SECONDS_PER_HOUR,
         measured_fraction=costing.provenance.measured_fraction,
         largest_unmeasured=unmeasured,
-        memory_gib=stack_rank_memory(graph, schedule.peak_live, stack, training, device.architecture),
+        memory_gib=stack_rank_memory(graph, occupancy.peak_live, stack, training, device.architecture),
         gpu_memory_gib=device.memory_bytes / GIB,
         gpu_usable_memory_gib=device.usable_memory_gib,
         total_tokens=training.total_tokens,
