@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from operator import attrgetter
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 
 from profiler.lookup import measured_for_graph
@@ -21,7 +21,7 @@ from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.graph import CollectiveKind, KernelKey, OpGraph, Phase
 from vtrain_plugin.core.units import GIB, MS_PER_S, NS_PER_MS, NS_PER_S, SECONDS_PER_DAY, SECONDS_PER_HOUR
-from vtrain_plugin.cost.checkpoint import CheckpointSize, checkpoint_size
+from vtrain_plugin.cost.checkpoint import CheckpointSize, checkpoint_size, model_checkpoint_size
 from vtrain_plugin.cost.lowering.fp8 import recipe_assumptions
 from vtrain_plugin.cost.comm.collectives import CommModel
 from vtrain_plugin.cost.comm.context_parallel import ContextParallel
@@ -40,10 +40,11 @@ from vtrain_plugin.hardware.error_bands import ErrorBand, error_band
 from vtrain_plugin.hardware.nccl import NcclTable
 from vtrain_plugin.sim.engine import BREAKDOWN_FIELDS, RankBreakdown, SimResult, simulate
 from vtrain_plugin.sim.run_totals import TrainTotals, train_totals
-from vtrain_plugin.sim.schedules import build_schedule
+from vtrain_plugin.sim.schedules import schedule_occupancy
 from vtrain_plugin.sim.timeline import Timeline, write_chrome_trace
 from vtrain_plugin.specs.assumptions import assumptions, training_assumptions
 from vtrain_plugin.specs.cluster import ClusterSpec
+from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.reliability import ReliabilitySpec
 from vtrain_plugin.specs.run import RunConfig
 from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
@@ -299,7 +300,8 @@ def estimate(graph_or_run: OpGraph | RunConfig, *, cluster: ClusterSpec | None =
     if training is None:
         if global_batch_size is None:
             raise ConfigError("estimate: give training=TrainingSpec(...) or global_batch_size")
-        training = TrainingSpec(global_batch_size=global_batch_size)
+        training = _plain_training(global_batch_size) if type(global_batch_size) is int else TrainingSpec(
+            global_batch_size=global_batch_size)  # the spec refuses what is no int
     if profile_db is not False and (measured is None or measured_comm is None):
         kernels, tables = measured_for_graph(graph, cluster, db_path=profile_db)
         measured = kernels if measured is None else measured
@@ -355,11 +357,12 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
     plan = graph.parallel
     num_microbatches = costing.work.num_microbatches
     seconds = result.iteration_ns / NS_PER_S
-    schedule = build_schedule(training.schedule, plan.pipeline_parallel, plan.virtual_pipeline, num_microbatches,
-                              training.microbatch_group_size)
+    occupancy = schedule_occupancy(training.schedule, plan.pipeline_parallel, plan.virtual_pipeline,
+                                   num_microbatches, training.microbatch_group_size)
     gpus = plan.world_size
-    stage_breakdowns = tuple(_breakdown_ms(r) for r in result.ranks)
-    bottleneck = max(range(len(result.ranks)), key=lambda i: _busy(result.ranks[i]))
+    stage_breakdowns = tuple(dict(zip(BREAKDOWN_FIELDS, [ns / NS_PER_MS for ns in r])) for r in result.ranks)
+    busy = [_busy(r) for r in result.ranks]
+    bottleneck = busy.index(max(busy))  # the first of the busiest
     flops = _traced_flops(graph, costing)
     ranks_per_replica = plan.tensor_parallel * plan.context_parallel  # that split one micro-batch of a stage
     per_microbatch = (flops[Phase.FORWARD] + flops[Phase.BACKWARD]) * ranks_per_replica
@@ -367,14 +370,12 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
     replicas_work = num_microbatches * plan.data_parallel
     hardware_flops = (per_microbatch + recompute) * replicas_work
     if graph.model is not None:
-        model_flops = megatron_model_flops(graph.model, sequences=training.global_batch_size,
-                                           tensor_parallel=plan.tensor_parallel)
+        checkpoint, model_flops = _model_counts(graph.model, plan.tensor_parallel, training.global_batch_size)
     else:  # a plain module: no Megatron-LM count, the traced forward and backward
-        model_flops = per_microbatch * replicas_work
+        checkpoint, model_flops = checkpoint_size(graph), per_microbatch * replicas_work
     peak_tflop_per_s, peak_words = _mfu_peak(device, graph.dtype, training)
     tflops = model_flops / seconds / gpus / 1e12
     price = cluster.price_per_gpu_hour_usd
-    checkpoint = checkpoint_size(graph)
     unmeasured = tuple(
         UnmeasuredKernel(op=op.op, input_shapes=op.key.input_shapes, dtypes=op.key.dtypes, phase=op.phase.value,
                          module=op.module, time_ms=ns / NS_PER_MS)
@@ -402,7 +403,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
         cost_usd=None if price is None else price * gpus * seconds / SECONDS_PER_HOUR,
         measured_fraction=costing.provenance.measured_fraction,
         largest_unmeasured=unmeasured,
-        memory_gib=stack_rank_memory(graph, schedule.peak_live, stack, training, device.architecture),
+        memory_gib=stack_rank_memory(graph, occupancy.peak_live, stack, training, device.architecture),
         gpu_memory_gib=device.memory_bytes / GIB,
         gpu_usable_memory_gib=device.usable_memory_gib,
         total_tokens=training.total_tokens,
@@ -419,6 +420,22 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
                               parameters=checkpoint.parameters),
         timeline=result.timeline,
     )
+
+
+@lru_cache(maxsize=256)
+def _plain_training(global_batch_size: int) -> TrainingSpec:
+    """The training spec of a global batch size alone (frozen: the estimates given only a batch
+    size share it)."""
+    return TrainingSpec(global_batch_size=global_batch_size)
+
+
+@lru_cache(maxsize=256)
+def _model_counts(model: ModelSpec, tensor_parallel: int, global_batch_size: int) -> tuple[CheckpointSize, int]:
+    """The checkpoint size (:func:`~vtrain_plugin.cost.checkpoint.checkpoint_size`) and Megatron-LM's
+    FLOPs of a global batch of ``model`` at ``tensor_parallel``: sums over the model's layers that
+    the plans of a search sharing these three would otherwise repeat."""
+    return (model_checkpoint_size(model, tensor_parallel=tensor_parallel),
+            megatron_model_flops(model, sequences=global_batch_size, tensor_parallel=tensor_parallel))
 
 
 def _traced_flops(graph: OpGraph, costing: Costing) -> dict[Phase, int]:
@@ -442,13 +459,6 @@ def _mfu_peak(device: DeviceSpec, dtype: str, training: TrainingSpec) -> tuple[f
     kind = gemm_precision(dtype, training)[1]
     tflop_per_s = gemm_peak_flop_per_ns(device, dtype, training) * NS_PER_S / 1e12
     return tflop_per_s, f"{device.name} dense {kind} peak {tflop_per_s:,.0f} TFLOP/s"
-
-
-_BREAKDOWN_NS = attrgetter(*(f"{name}_ns" for name in BREAKDOWN_FIELDS))  # a rank's, in that order
-
-
-def _breakdown_ms(rank: RankBreakdown) -> dict[str, float]:
-    return dict(zip(BREAKDOWN_FIELDS, [ns / NS_PER_MS for ns in _BREAKDOWN_NS(rank)]))
 
 
 def _busy(rank: RankBreakdown) -> float:

@@ -60,6 +60,7 @@ def evaluate(model: ModelSpec, candidate: Candidate, cluster: ClusterSpec, *,
 def plan_row(candidate: Candidate, est: Estimate) -> Row:
     """One row of the search table: the plan's columns, then its estimate's."""
     plan, training = candidate.parallel, candidate.training
+    peak = est.peak_memory_gib  # a maximum over the stages, once: Estimate.fits_in_memory's comparison below
     return {
         "tensor_parallel": plan.tensor_parallel,
         "context_parallel": plan.context_parallel,
@@ -83,8 +84,8 @@ def plan_row(candidate: Candidate, est: Estimate) -> Row:
         "tokens_per_second": est.tokens_per_second,
         "tflops_per_gpu": est.tflops_per_gpu,
         "mfu": est.mfu,
-        "peak_memory_gib": est.peak_memory_gib,
-        "fits_in_memory": est.fits_in_memory,
+        "peak_memory_gib": peak,
+        "fits_in_memory": peak <= est.usable_memory_gib,
         "cost_usd": math.nan if est.cost_usd is None else est.cost_usd,
         "gpu_hours": est.num_gpus * est.iteration_time_ms / 1000 / SECONDS_PER_HOUR,
         **({} if est.iterations is None else {

@@ -11,6 +11,7 @@ last backward's start follow from the end times in one pass over all tasks.
 from __future__ import annotations
 
 from collections import OrderedDict
+from operator import attrgetter
 
 import numpy as np
 
@@ -18,6 +19,8 @@ from vtrain_plugin.cost.work import PipelineWork
 from vtrain_plugin.sim.task_graph import SteadyState, task_graph
 
 
+# what the compute streams read of a chunk, in the order _run_compute unpacks it
+_DURATIONS = attrgetter("forward_ns", "recompute_ns", "backward_ns", "p2p_forward_ns", "p2p_backward_ns")
 _RESULTS_CACHE_SIZE = 256
 # run_compute's results by everything they depend on: the schedule's shape, the chunks' compute and
 # send durations and the gates. Plans of a search that differ only in what happens beside the
@@ -32,8 +35,7 @@ def run_compute(work: PipelineWork, gates: list[float] | None = None
     the event engine computes them. ``gates[s]``: the earliest end of virtual stage ``s``'s first
     forward (its parameters' all-gathers, see :func:`vtrain_plugin.sim.engine.simulate`)."""
     chunks = work.chunks
-    durations = tuple((c.forward_ns, c.recompute_ns, c.backward_ns, c.p2p_forward_ns, c.p2p_backward_ns)
-                      for c in chunks)
+    durations = tuple(map(_DURATIONS, chunks))
     key = (work.schedule, work.pipeline_parallel, work.virtual_pipeline, work.num_microbatches,
            work.microbatch_group_size, durations, None if gates is None else tuple(gates))
     hit = _results.get(key)

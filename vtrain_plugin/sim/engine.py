@@ -34,19 +34,22 @@ optimizer, and bubble (every other idle time: pipeline fill and drain, waiting f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from vtrain_plugin.sim import array_engine
 from vtrain_plugin.sim.schedules import Task, TaskKind, build_schedule
 from vtrain_plugin.sim.timeline import Interval, IntervalKind, Stream, Timeline
-from vtrain_plugin.cost.work import PipelineWork
+from vtrain_plugin.cost.work import ChunkWork, PipelineWork
 
 
 BREAKDOWN_FIELDS = ("forward", "backward", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm",
                     "embedding_sync", "optimizer", "bubble")  # RankBreakdown's ``<name>_ns`` fields
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankBreakdown:
+class RankBreakdown(NamedTuple):
+    """One pipeline rank's share of the iteration, fields in :data:`BREAKDOWN_FIELDS`' order: a
+    named tuple, as a simulation makes one per rank and the summary reads each as a row."""
+
     forward_ns: float
     backward_ns: float
     recompute_ns: float
@@ -88,11 +91,23 @@ def simulate(work: PipelineWork, *, record_timeline: bool = False, reference: bo
         schedule = build_schedule(work.schedule, pp, vp, m, work.microbatch_group_size)
         compute_end, last_backward_start, pp_wait, gate_wait = _run_compute(work, schedule.tasks, intervals, gates)
 
-    grads_ready = [_reduce_gradients(work, r, compute_end[r], last_backward_start, gathered[r], intervals)
-                   for r in range(pp)]
+    # What depends on a rank's chunks alone, once per distinct set: the stages of one role share
+    # their chunk objects (cost.costing), so a deep pipeline has a handful.
+    own = [chunks[r::pp] for r in range(pp)]  # virtual stages r, pp + r, ...: the rank's chunks in order
+    by_chunks: dict[tuple[int, ...], tuple] = {}
+    shares = []
+    for r in range(pp):
+        key = tuple(map(id, own[r]))
+        got = by_chunks.get(key)
+        if got is None:
+            got = by_chunks[key] = _rank_shares(own[r], m)
+        shares.append(got)
+
+    grads_ready = [_reduce_gradients(work, r, compute_end[r], last_backward_start, gathered[r], intervals,
+                                     shares[r][-1]) for r in range(pp)]
     synced = list(grads_ready)
+    ends = {0, pp - 1}  # the ranks of the tied embedding's copies
     if work.embedding_sync_ns:
-        ends = {0, pp - 1}
         start = max(grads_ready[r] for r in ends)
         for r in ends:
             synced[r] = start + work.embedding_sync_ns
@@ -100,11 +115,12 @@ def simulate(work: PipelineWork, *, record_timeline: bool = False, reference: bo
                 intervals[r].append(Interval(stream=Stream.DP, kind=IntervalKind.EMBEDDING_SYNC,
                                              label="embedding sync", start_ns=start, end_ns=synced[r]))
     optimizer_start = max(synced)
-    after_step = [0.0 if work.param_gather_overlap else _gather_ns(work, r) for r in range(pp)]
-    iteration_ns = optimizer_start + max(t + g for t, g in zip(work.optimizer_ns, after_step))
+    after_step = [0.0 if work.param_gather_overlap else shares[r][-2] for r in range(pp)]
+    optimizer_ns = work.optimizer_ns
+    iteration_ns = optimizer_start + max(t + g for t, g in zip(optimizer_ns, after_step))
     if intervals is not None:
         for r in range(pp):
-            step_end = optimizer_start + work.optimizer_ns[r]
+            step_end = optimizer_start + optimizer_ns[r]
             intervals[r].append(Interval(stream=Stream.COMPUTE, kind=IntervalKind.OPTIMIZER, label="optimizer",
                                          start_ns=optimizer_start, end_ns=step_end))
             if after_step[r]:
@@ -112,29 +128,14 @@ def simulate(work: PipelineWork, *, record_timeline: bool = False, reference: bo
                                              start_ns=step_end, end_ns=step_end + after_step[r]))
 
     ranks = []
-    for r in range(pp):
-        forward = backward = recompute = tp = cp = ep = fsdp = 0.0
-        for c in range(vp):
-            chunk = chunks[c * pp + r]
-            fb = chunk.backward_ns + chunk.recompute_ns
-            keep = (1.0 - (chunk.tp_comm_backward_ns + chunk.cp_comm_backward_ns + chunk.ep_comm_backward_ns
-                           + chunk.dp_comm_backward_ns) / fb if fb else 1.0)
-            forward += m * (chunk.forward_ns - chunk.tp_comm_forward_ns - chunk.cp_comm_forward_ns
-                            - chunk.ep_comm_forward_ns - chunk.dp_comm_forward_ns)
-            backward += m * chunk.backward_ns * keep
-            recompute += m * chunk.recompute_ns * keep
-            tp += m * (chunk.tp_comm_forward_ns + chunk.tp_comm_backward_ns)
-            cp += m * (chunk.cp_comm_forward_ns + chunk.cp_comm_backward_ns)
-            ep += m * (chunk.ep_comm_forward_ns + chunk.ep_comm_backward_ns)
-            fsdp += m * (chunk.dp_comm_forward_ns + chunk.dp_comm_backward_ns)
-        embedding = work.embedding_sync_ns if r in (0, pp - 1) else 0.0
-        dp = grads_ready[r] - compute_end[r] + gate_wait[r] + after_step[r] + fsdp
-        busy = forward + backward + recompute + tp + cp + ep + pp_wait[r] + dp + embedding + work.optimizer_ns[r]
-        ranks.append(RankBreakdown(
-            forward_ns=forward, backward_ns=backward, recompute_ns=recompute, tp_comm_ns=tp, cp_comm_ns=cp,
-            ep_comm_ns=ep,
-            pp_comm_ns=pp_wait[r], dp_comm_ns=dp, embedding_sync_ns=embedding,
-            optimizer_ns=work.optimizer_ns[r], bubble_ns=max(iteration_ns - busy, 0.0)))
+    for r, (share, ready, end, waited, held, after, step) in enumerate(
+            zip(shares, grads_ready, compute_end, pp_wait, gate_wait, after_step, optimizer_ns)):
+        forward, backward, recompute, tp, cp, ep, fsdp, computing = share[:8]
+        embedding = work.embedding_sync_ns if r in ends else 0.0
+        dp = ready - end + held + after + fsdp
+        busy = computing + waited + dp + embedding + step
+        ranks.append(RankBreakdown(forward, backward, recompute, tp, cp, ep, waited, dp, embedding, step,
+                                   max(iteration_ns - busy, 0.0)))
     timeline = None
     if intervals is not None:
         timeline = Timeline(ranks=tuple(tuple(ivs) for ivs in intervals), iteration_ns=iteration_ns)
@@ -164,10 +165,28 @@ def _gather_params(work: PipelineWork, intervals: list[list[Interval]] | None
     return done, gates
 
 
-def _gather_ns(work: PipelineWork, r: int) -> float:
-    """All of rank ``r``'s parameter all-gathers, one after the other."""
-    return sum(g.comm_ns for c in range(work.virtual_pipeline)
-               for g in work.chunks[c * work.pipeline_parallel + r].param_gathers)
+def _rank_shares(chunks: tuple[ChunkWork, ...], m: int) -> tuple:
+    """What a rank running ``chunks`` (in chunk order) spends on each kind of compute over ``m``
+    micro-batches (forward, backward, recompute, TP, CP, EP and FSDP comm: the compute streams'
+    time split out by the chunks' shares), the sum of the first six, all its parameter all-gathers
+    one after the other, and its gradient buckets' reduction times in chunk order."""
+    forward = backward = recompute = tp = cp = ep = fsdp = 0.0
+    for chunk in chunks:
+        fb = chunk.backward_ns + chunk.recompute_ns
+        keep = (1.0 - (chunk.tp_comm_backward_ns + chunk.cp_comm_backward_ns + chunk.ep_comm_backward_ns
+                       + chunk.dp_comm_backward_ns) / fb if fb else 1.0)
+        forward += m * (chunk.forward_ns - chunk.tp_comm_forward_ns - chunk.cp_comm_forward_ns
+                        - chunk.ep_comm_forward_ns - chunk.dp_comm_forward_ns)
+        backward += m * chunk.backward_ns * keep
+        recompute += m * chunk.recompute_ns * keep
+        tp += m * (chunk.tp_comm_forward_ns + chunk.tp_comm_backward_ns)
+        cp += m * (chunk.cp_comm_forward_ns + chunk.cp_comm_backward_ns)
+        ep += m * (chunk.ep_comm_forward_ns + chunk.ep_comm_backward_ns)
+        fsdp += m * (chunk.dp_comm_forward_ns + chunk.dp_comm_backward_ns)
+    computing = forward + backward + recompute + tp + cp + ep  # the first additions of the rank's busy time
+    gathers = sum(g.comm_ns for chunk in chunks for g in chunk.param_gathers)
+    buckets = tuple(b.comm_ns for chunk in chunks for b in chunk.dp_buckets)
+    return forward, backward, recompute, tp, cp, ep, fsdp, computing, gathers, buckets
 
 
 def _run_compute(work: PipelineWork, tasks: tuple[tuple[Task, ...], ...], intervals: list[list[Interval]] | None,
@@ -247,9 +266,16 @@ def _run_compute(work: PipelineWork, tasks: tuple[tuple[Task, ...], ...], interv
 
 
 def _reduce_gradients(work: PipelineWork, r: int, compute_end: float, last_backward_start: list[float],
-                      stream_free: float, intervals: list[list[Interval]] | None) -> float:
+                      stream_free: float, intervals: list[list[Interval]] | None,
+                      bucket_comms: tuple[float, ...]) -> float:
     """When rank ``r``'s gradients are reduced over the data-parallel group (its DP stream free
-    from ``stream_free``, after the parameter all-gathers that open the iteration)."""
+    from ``stream_free``, after the parameter all-gathers that open the iteration).
+    ``bucket_comms``: its buckets' reduction times, in chunk order."""
+    if not work.dp_overlap and intervals is None:  # one after another from the end of compute
+        t = compute_end
+        for comm in bucket_comms:
+            t += comm
+        return max(compute_end, t)
     pp = work.pipeline_parallel
     buckets = []
     for c in range(work.virtual_pipeline):

@@ -3,7 +3,8 @@
 Builders are registered by :class:`ScheduleKind` and give one rank's task list; the orders follow
 megatron-core 0.16 (``forward_backward_pipelining_without_interleaving`` and
 ``..._with_interleaving``, whose micro-batch groups are ``microbatch_group_size_per_vp_stage``,
-``pp`` by default). Schedules are immutable and cached, so a sweep builds each shape once.
+``pp`` by default). Schedules are immutable and cached, so a sweep builds each shape once; what
+memory reads of one (:class:`Occupancy`) follows from its shape without building it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import lru_cache
-from itertools import accumulate
 
 import numpy as np
 
@@ -34,14 +34,11 @@ class Task:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Schedule:
-    kind: ScheduleKind
-    pipeline_parallel: int
-    virtual_pipeline: int
-    num_microbatches: int
-    tasks: tuple[tuple[Task, ...], ...]  # per pipeline rank, in execution order
-    microbatch_group_size: int | None = None  # interleaved: micro-batches per group; None: pp
+class Occupancy:
+    """What a schedule's ranks hold at their peaks: what memory reads of a schedule, known from its
+    shape without its task lists (:func:`schedule_occupancy`)."""
 
+    virtual_pipeline: int
     peak_inflight_per_rank: tuple[int, ...]  # see peak_inflight
     # Per rank with several chunks: each task's chunk and +1 (forward) / -1 (backward), for peak_live.
     task_walks: tuple[tuple[np.ndarray, np.ndarray], ...] = field(default=(), compare=False, repr=False)
@@ -51,8 +48,8 @@ class Schedule:
 
         A forward stores its chunk's activations until the matching backward frees them; the peak
         is taken right after a forward (GPipe: m, 1F1B: min(pp - rank, m), interleaved:
-        min((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v)). Counted from the tasks when the
-        schedule is built.
+        min((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v)): the warm-up forwards and the first
+        forward of the steady phase, or every forward when there is no steady phase.
         """
         return self.peak_inflight_per_rank[pipeline_rank]
 
@@ -83,7 +80,32 @@ class Schedule:
         For interleaving on rank 0 this is ``pp + (pp - 1) / v``, i.e. Korthikanti et al.'s
         ``pp * (1 + (pp - 1) / (pp * v))``.
         """
-        return tuple(self.peak_inflight(r) / self.virtual_pipeline for r in range(self.pipeline_parallel))
+        return tuple(peak / self.virtual_pipeline for peak in self.peak_inflight_per_rank)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Schedule:
+    kind: ScheduleKind
+    pipeline_parallel: int
+    virtual_pipeline: int
+    num_microbatches: int
+    tasks: tuple[tuple[Task, ...], ...]  # per pipeline rank, in execution order
+    microbatch_group_size: int | None = None  # interleaved: micro-batches per group; None: pp
+    occupancy: Occupancy  # what its ranks hold at their peaks
+
+    def peak_inflight(self, pipeline_rank: int) -> int:
+        """:meth:`Occupancy.peak_inflight`."""
+        return self.occupancy.peak_inflight(pipeline_rank)
+
+    def peak_live(self, pipeline_rank: int, chunk_nbytes: Sequence[int],
+                  rise_nbytes: Sequence[int] = ()) -> tuple[int, int]:
+        """:meth:`Occupancy.peak_live`."""
+        return self.occupancy.peak_live(pipeline_rank, chunk_nbytes, rise_nbytes)
+
+    @property
+    def peak_inflight_microbatches(self) -> tuple[float, ...]:
+        """:attr:`Occupancy.peak_inflight_microbatches`."""
+        return self.occupancy.peak_inflight_microbatches
 
 
 ScheduleBuilder = Callable[[int, int, int, int, int], list[Task]]
@@ -104,29 +126,70 @@ def schedule_builder(kind: ScheduleKind | str) -> ScheduleBuilder:
 @lru_cache(maxsize=256)
 def build_schedule(kind: ScheduleKind | str, pipeline_parallel: int, virtual_pipeline: int,
                    num_microbatches: int, microbatch_group_size: int | None = None) -> Schedule:
-    builder = schedule_builder(kind)
-    v.positive_int("pipeline_parallel", pipeline_parallel)
-    v.positive_int("virtual_pipeline", virtual_pipeline)
-    v.positive_int("num_microbatches", num_microbatches)
-    check_schedule(ScheduleKind(kind), pipeline_parallel, virtual_pipeline, num_microbatches, microbatch_group_size)
+    builder = _checked(kind, pipeline_parallel, virtual_pipeline, num_microbatches, microbatch_group_size)
     group = pipeline_parallel if microbatch_group_size is None else microbatch_group_size
     tasks = tuple(tuple(builder(pipeline_parallel, virtual_pipeline, num_microbatches, r, group))
                   for r in range(pipeline_parallel))
     return Schedule(kind=ScheduleKind(kind), pipeline_parallel=pipeline_parallel,
                     virtual_pipeline=virtual_pipeline, num_microbatches=num_microbatches, tasks=tasks,
                     microbatch_group_size=microbatch_group_size,
-                    peak_inflight_per_rank=tuple(_peak_inflight(rank_tasks) for rank_tasks in tasks),
-                    task_walks=tuple(_walk(rank_tasks) for rank_tasks in tasks) if virtual_pipeline > 1 else ())
+                    occupancy=schedule_occupancy(kind, pipeline_parallel, virtual_pipeline, num_microbatches,
+                                                 microbatch_group_size))
 
 
-def _walk(tasks: tuple[Task, ...]) -> tuple[np.ndarray, np.ndarray]:
-    return (np.array([t.chunk for t in tasks], dtype=np.intp),
-            np.array([1 if t.kind is TaskKind.FORWARD else -1 for t in tasks], dtype=np.int64))
+@lru_cache(maxsize=256)
+def schedule_occupancy(kind: ScheduleKind | str, pipeline_parallel: int, virtual_pipeline: int,
+                       num_microbatches: int, microbatch_group_size: int | None = None) -> Occupancy:
+    """The :class:`Occupancy` of :func:`build_schedule`'s schedule, from its shape: each rank runs
+    its warm-up forwards, then a forward and a backward in turn, then the remaining backwards, the
+    backwards taking the virtual micro-batches in the forwards' order with the chunk mirrored (the
+    three builders below). Its memory needs no task list, which is thousands of objects per rank
+    for a deep pipeline of many micro-batches."""
+    _checked(kind, pipeline_parallel, virtual_pipeline, num_microbatches, microbatch_group_size)
+    kind = ScheduleKind(kind)
+    pp, vp, m = pipeline_parallel, virtual_pipeline, num_microbatches
+    group = pp if microbatch_group_size is None else microbatch_group_size
+    total = m * vp
+    warmups = [_warmup(kind, pp, vp, m, r, group) for r in range(pp)]
+    walks = ()
+    if vp > 1:
+        forward = np.array([c for _, c in interleaved_table(m, vp, group)], dtype=np.intp)
+        walks = tuple(_walk(forward, vp - 1 - forward, w) for w in warmups)
+    return Occupancy(virtual_pipeline=vp, peak_inflight_per_rank=tuple(min(w + 1, total) for w in warmups),
+                     task_walks=walks)
 
 
-def _peak_inflight(tasks: tuple[Task, ...]) -> int:
-    """The most forwards not yet matched by a backward at any point of the rank's order (0 at the start)."""
-    return max(accumulate((1 if task.kind is TaskKind.FORWARD else -1 for task in tasks), initial=0))
+def _checked(kind: ScheduleKind | str, pp: int, vp: int, m: int, group: int | None) -> ScheduleBuilder:
+    """The builder of ``kind``, once the shape is one it can build."""
+    builder = schedule_builder(kind)
+    v.positive_int("pipeline_parallel", pp)
+    v.positive_int("virtual_pipeline", vp)
+    v.positive_int("num_microbatches", m)
+    check_schedule(ScheduleKind(kind), pp, vp, m, group)
+    return builder
+
+
+def _warmup(kind: ScheduleKind, pp: int, vp: int, m: int, rank: int, group: int) -> int:
+    """Forwards rank ``rank`` runs before its first backward."""
+    if kind is ScheduleKind.GPIPE:
+        return m
+    if kind is ScheduleKind.ONE_F_ONE_B:
+        return min(pp - rank - 1, m)
+    return min((pp - rank - 1) * 2 + (vp - 1) * group, m * vp)
+
+
+def _walk(forward: np.ndarray, backward: np.ndarray, warmup: int) -> tuple[np.ndarray, np.ndarray]:
+    """(Chunk, +1 forward / -1 backward) of each task of a rank whose k-th forward and backward run
+    chunks ``forward[k]`` and ``backward[k]``, after ``warmup`` forwards."""
+    total = len(forward)
+    steady = total - warmup
+    chunks = np.empty(2 * total, dtype=np.intp)
+    sign = np.empty(2 * total, dtype=np.int64)
+    chunks[:warmup], sign[:warmup] = forward[:warmup], 1
+    chunks[warmup:warmup + 2 * steady:2], sign[warmup:warmup + 2 * steady:2] = forward[warmup:], 1
+    chunks[warmup + 1:warmup + 2 * steady:2], sign[warmup + 1:warmup + 2 * steady:2] = backward[:steady], -1
+    chunks[warmup + 2 * steady:], sign[warmup + 2 * steady:] = backward[steady:], -1
+    return chunks, sign
 
 
 # Tasks carry no rank, so every rank shares the same immutable instances.
@@ -149,7 +212,7 @@ def _gpipe(pp: int, vp: int, m: int, rank: int, group: int) -> list[Task]:
 @register_schedule(ScheduleKind.ONE_F_ONE_B)
 def _one_f_one_b(pp: int, vp: int, m: int, rank: int, group: int) -> list[Task]:
     """Megatron's non-interleaved 1F1B: pp - rank - 1 warm-up forwards, steady 1F1B, cool-down."""
-    warmup = min(pp - rank - 1, m)
+    warmup = _warmup(ScheduleKind.ONE_F_ONE_B, pp, vp, m, rank, group)
     tasks = [_forward(0, i) for i in range(warmup)]
     for i in range(m - warmup):
         tasks += [_forward(0, warmup + i), _backward(0, i)]
@@ -167,7 +230,7 @@ def _interleaved(pp: int, vp: int, m: int, rank: int, group: int) -> list[Task]:
     """
     table = interleaved_table(m, vp, group)
     total = m * vp
-    warmup = min((pp - rank - 1) * 2 + (vp - 1) * group, total)
+    warmup = _warmup(ScheduleKind.INTERLEAVED_1F1B, pp, vp, m, rank, group)
 
     def forward(k: int) -> Task:
         mb, c = table[k]

@@ -1,7 +1,9 @@
+from itertools import accumulate
+
 import pytest
 
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.sim import TaskKind, build_schedule, register_schedule, schedule_builder
+from vtrain_plugin.sim import TaskKind, build_schedule, register_schedule, schedule_builder, schedule_occupancy
 from vtrain_plugin.specs.training import ScheduleKind
 
 
@@ -108,3 +110,35 @@ def test_microbatch_groups_need_the_interleaved_schedule():
     with pytest.raises(ConfigError, match=r"training.microbatch_group_size \(4\) needs training.schedule "
                                           r"interleaved_1f1b \(got 1f1b\)"):
         build_schedule(ScheduleKind.ONE_F_ONE_B, 4, 1, 8, 4)
+
+
+OCCUPANCY_SHAPES = ([(kind, pp, 1, m, None) for kind in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B)
+                     for pp in (1, 2, 5) for m in (1, 3, 8)]
+                    + [(ScheduleKind.INTERLEAVED_1F1B, pp, vp, m, None) for pp in (2, 3) for vp in (2, 3)
+                       for m in (pp, 2 * pp, 5 * pp)]
+                    + [(ScheduleKind.INTERLEAVED_1F1B, pp, vp, m, group)
+                       for pp, vp, m, group in [(2, 2, 5, 3), (2, 3, 8, 3), (4, 2, 10, 6), (3, 2, 7, 4), (4, 2, 8, 8)]])
+
+
+@pytest.mark.parametrize("kind, pp, vp, m, group", OCCUPANCY_SHAPES)
+def test_occupancy_from_the_shape_is_the_tasks_count(kind, pp, vp, m, group):
+    """schedule_occupancy derives the peaks and walks from the shape; counted here from the tasks."""
+    occupancy = schedule_occupancy(kind, pp, vp, m, group)
+    tasks = build_schedule(kind, pp, vp, m, group).tasks
+    for r in range(pp):
+        sign = [1 if t.kind is TaskKind.FORWARD else -1 for t in tasks[r]]
+        assert occupancy.peak_inflight(r) == max(accumulate(sign, initial=0))
+        if vp > 1:
+            chunks, walked = occupancy.task_walks[r]
+            assert chunks.tolist() == [t.chunk for t in tasks[r]] and walked.tolist() == sign
+    assert occupancy.task_walks == () if vp == 1 else len(occupancy.task_walks) == pp
+    sizes, rises = [5 + 3 * c for c in range(vp)], [7 * (vp - c) for c in range(vp)]
+    walked = [occupancy.peak_live(r, sizes, rises) for r in range(pp)]
+    assert walked == [build_schedule(kind, pp, vp, m, group).peak_live(r, sizes, rises) for r in range(pp)]
+
+
+def test_occupancy_refuses_what_the_builder_refuses():
+    with pytest.raises(ConfigError, match=r"interleaved_1f1b requires num_microbatches \(6\) to be a multiple"):
+        schedule_occupancy(ScheduleKind.INTERLEAVED_1F1B, 4, 2, 6)
+    with pytest.raises(ConfigError, match="unknown schedule 'zb'"):
+        schedule_occupancy("zb", 4, 1, 8)
