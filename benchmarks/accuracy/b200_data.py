@@ -6,7 +6,8 @@ Shared by ``calibrate.py`` and ``published_runs.py``. Each row of
 ``model_configs_b200.csv`` settings, cited per row): bf16 weights with FP8 GEMMs (delayed scaling),
 sequence parallelism whenever TP > 1, context parallelism and the interleaved schedule where the row
 has them, TransformerEngine's TP communication overlap where the recipe turns it on, no activation
-recompute, gradient reduction overlapped with the backward pass, on DGX B200 nodes. The measured time
+recompute, the distributed optimizer with NeMo's overlap of its gradient reduce-scatter and
+parameter all-gather (``h100_data.NEMO_OPTIMIZER``), on DGX B200 nodes. The measured time
 is the global batch's tokens over the published tokens/s per GPU times the GPUs. LLAMA3-8B's recipe
 uses CUDA graphs, which this plan leaves out (its row's note): at 8,192 tokens per sequence its
 kernels are long and the host is idle, so the graphs change little.
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.accuracy.a100_data import DEFAULT_DATA_DIR, MeasuredRun
-from benchmarks.accuracy.h100_data import published_model
+from benchmarks.accuracy.h100_data import NEMO_OPTIMIZER, published_model
 
 B200_CSV = "b200_published_calibration.csv"
 
@@ -39,7 +40,7 @@ def plan_mapping(row: dict[str, str]) -> dict[str, Any]:
         "training": {
             "global_batch_size": int(row["global_batch"]),
             "schedule": "interleaved_1f1b" if vp > 1 else "1f1b",
-            "grad_reduce": "overlap", "software_stack": "megatron_core_te", "fp8": "hybrid",
+            "software_stack": "megatron_core_te", "fp8": "hybrid", **NEMO_OPTIMIZER,
             "tp_comm_overlap": row["tp_comm_overlap"] == "true" and tp > 1,
         },
         "cluster": {"preset": "dgx-b200"},

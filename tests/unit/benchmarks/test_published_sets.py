@@ -1,7 +1,8 @@
-"""benchmarks/accuracy: the B200 and functional-test readers turn the shared CSVs into the runs the
+"""benchmarks/accuracy: the B200, H100 and functional-test readers turn the shared CSVs into the runs the
 joint calibration fits, with the measured times the rows state or imply."""
 
-from benchmarks.accuracy import b200_data, ci_data
+from benchmarks.accuracy import b200_data, ci_data, h100_data
+from vtrain_plugin.estimate import estimate
 
 
 def test_b200_rows_become_fp8_plans_timed_from_their_throughput():
@@ -28,3 +29,13 @@ def test_functional_test_rows_are_read_as_the_cli_reads_their_arguments():
     assert run.cluster.gpu == "a100-sxm4-80gb" and not run.training.deterministic
     flagged = ["--deterministic-mode" in r.config["megatron_args"].split() for r in runs[:6]]
     assert [r.run.training.deterministic for r in runs[:6]] == flagged == [False, False, True, True, True, True]
+
+
+def test_nemo_runs_use_the_distributed_optimizer_and_then_fit_their_gpus():
+    # NeMo's recipes shard the optimizer and overlap its gradient reduce-scatter and parameter
+    # all-gather; without the sharding none of these runs would fit its GPU, and all of them ran.
+    for r in b200_data.read_runs() + h100_data.read_runs():
+        training = r.run.training
+        assert training.distributed_optimizer and training.overlap_param_gather, r.name
+    for r in b200_data.read_runs():
+        assert estimate(r.run).fits_in_memory, r.name
