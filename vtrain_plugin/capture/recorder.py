@@ -52,6 +52,9 @@ _COLLECTIVE_KINDS = {
 }
 
 
+_COLLECTIVE, _PRIM, _OP = "collective", "prim", "op"  # how _record treats an op overload
+
+
 class _DispatchRecorder(TorchDispatchMode):
     def __init__(self, owner: OpRecorder) -> None:
         super().__init__()
@@ -100,6 +103,9 @@ class OpRecorder:
         self._backward_measured = False
         self._module_override: str | None = None
         self._default_module = ""
+        # per op overload and per module name, what _record asks of each on every op
+        self._op_kinds: dict[Any, str] = {}
+        self._in_core_attention: dict[str, bool] = {}
         for name, module in root.named_modules(prefix=prefix):
             self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(name)))
             self._handles.append(module.register_forward_hook(self._make_post_hook(name)))
@@ -164,9 +170,9 @@ class OpRecorder:
 
     # -- hooks ------------------------------------------------------------------------------
     def _next_sequence_nr(self) -> int:
-        with self.paused(), torch.enable_grad():
-            probe = torch.zeros((), requires_grad=True).expand(1)
-            return probe.grad_fn._sequence_nr() + 1
+        """The sequence number autograd gives the next node it creates (per thread, rising): read,
+        not taken, so no probe node (and no fake tensor) is made per module call."""
+        return torch._C._autograd._get_sequence_nr()
 
     def _make_pre_hook(self, name: str) -> Callable:
         layer = split_layer_module(name)
@@ -257,11 +263,18 @@ class OpRecorder:
 
     def _record(self, func, args, kwargs, out) -> None:
         phase, module = self._current()
-        self._live.saw(func, out, is_core_attention_module(module))
-        if func in collective_ops:
+        attention = self._in_core_attention.get(module)
+        if attention is None:
+            attention = self._in_core_attention[module] = is_core_attention_module(module)
+        self._live.saw(func, out, attention)
+        kind = self._op_kinds.get(func)
+        if kind is None:
+            kind = self._op_kinds[func] = (_COLLECTIVE if func in collective_ops
+                                           else _PRIM if func.namespace == "prim" else _OP)
+        if kind is _COLLECTIVE:
             self.records.append(self._collective(func, args, kwargs, out, phase, module))
             return
-        if func.namespace == "prim":  # a fake tensor's device or layout: no kernel, no bytes, not recorded
+        if kind is _PRIM:  # a fake tensor's device or layout: no kernel, no bytes, not recorded
             return
         kernel = opinfo.launches_kernel(func, args, kwargs, out)
         self.records.append(OpRecord(
