@@ -27,6 +27,9 @@ from collections.abc import Iterable
 import torch
 
 
+_aliasing: dict = {}  # per op overload: whether it returns an alias of an input (a view, an in-place result)
+
+
 class LiveMemory:
     """Counts the storages of op outputs: :attr:`held_nbytes` and :meth:`backward_peak`, with and
     without what core attentions allocate."""
@@ -48,7 +51,9 @@ class LiveMemory:
         """Count the storages ``func`` created (not those of a view or in-place result of an
         uncounted tensor) and follow every output tensor to its death; ``attention``: ``func`` runs
         in a core attention."""
-        aliasing = any(r.alias_info is not None for r in func._schema.returns)
+        aliasing = _aliasing.get(func)
+        if aliasing is None:
+            aliasing = _aliasing[func] = any(r.alias_info is not None for r in func._schema.returns)
         for tensor in _tensors(out):
             try:
                 storage = tensor.untyped_storage()

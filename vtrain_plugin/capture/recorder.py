@@ -262,19 +262,19 @@ class OpRecorder:
         return self._phase, (self._stack[-1][0] if self._stack else self._default_module)
 
     def _record(self, func, args, kwargs, out) -> None:
+        kind = self._op_kinds.get(func)
+        if kind is None:
+            kind = self._op_kinds[func] = (_COLLECTIVE if func in collective_ops
+                                           else _PRIM if func.namespace == "prim" else _OP)
+        if kind is _PRIM:  # a fake tensor's device or layout: no kernel, no bytes (no tensor), not recorded
+            return
         phase, module = self._current()
         attention = self._in_core_attention.get(module)
         if attention is None:
             attention = self._in_core_attention[module] = is_core_attention_module(module)
         self._live.saw(func, out, attention)
-        kind = self._op_kinds.get(func)
-        if kind is None:
-            kind = self._op_kinds[func] = (_COLLECTIVE if func in collective_ops
-                                           else _PRIM if func.namespace == "prim" else _OP)
         if kind is _COLLECTIVE:
             self.records.append(self._collective(func, args, kwargs, out, phase, module))
-            return
-        if kind is _PRIM:  # a fake tensor's device or layout: no kernel, no bytes, not recorded
             return
         kernel = opinfo.launches_kernel(func, args, kwargs, out)
         self.records.append(OpRecord(
