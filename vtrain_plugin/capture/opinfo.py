@@ -19,10 +19,12 @@ from vtrain_plugin.core.graph import KernelKey
 class OpInfo:
     """What the recorder needs of an op overload that does not depend on its arguments."""
 
-    __slots__ = ("name", "launches", "arguments", "flop_formula")
+    __slots__ = ("func", "name", "prim", "launches", "arguments", "flop_formula")
 
     def __init__(self, func: Any) -> None:
+        self.func = func  # held: the table is keyed by its id
         self.name = str(func)
+        self.prim = func.namespace == "prim"  # a fake tensor's metadata query (prim.device)
         self.launches = op_names.launches_kernel(self.name)
         # (name, whether its type mentions Tensor, whether it is a ProcessGroup), in schema order
         self.arguments = tuple((arg.name, "Tensor" in (t := str(arg.type)), "ProcessGroup" in t)
@@ -30,14 +32,15 @@ class OpInfo:
         self.flop_formula = flop_registry.get(getattr(func, "_overloadpacket", None))
 
 
-_INFO: dict[Any, OpInfo] = {}
+# by the op overload's id: an int hashes in C, an OpOverload in Python, on every op of a trace
+_INFO: dict[int, OpInfo] = {}
 
 
 def op_info(func: Any) -> OpInfo:
     """``func``'s :class:`OpInfo`, worked out on its first call."""
-    info = _INFO.get(func)
+    info = _INFO.get(id(func))
     if info is None:
-        info = _INFO[func] = OpInfo(func)
+        info = _INFO[id(func)] = OpInfo(func)
     return info
 
 

@@ -52,9 +52,6 @@ _COLLECTIVE_KINDS = {
 }
 
 
-_COLLECTIVE, _PRIM, _OP = "collective", "prim", "op"  # how _record treats an op overload
-
-
 class _DispatchRecorder(TorchDispatchMode):
     def __init__(self, owner: OpRecorder) -> None:
         super().__init__()
@@ -103,8 +100,8 @@ class OpRecorder:
         self._backward_measured = False
         self._module_override: str | None = None
         self._default_module = ""
-        # per op overload and per module name, what _record asks of each on every op
-        self._op_kinds: dict[Any, str] = {}
+        # per op overload (by id: opinfo holds them) and per module name, what _record asks on every op
+        self._collective_ops: dict[int, bool] = {}
         self._in_core_attention: dict[str, bool] = {}
         for name, module in root.named_modules(prefix=prefix):
             self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(name)))
@@ -262,18 +259,18 @@ class OpRecorder:
         return self._phase, (self._stack[-1][0] if self._stack else self._default_module)
 
     def _record(self, func, args, kwargs, out) -> None:
-        kind = self._op_kinds.get(func)
-        if kind is None:
-            kind = self._op_kinds[func] = (_COLLECTIVE if func in collective_ops
-                                           else _PRIM if func.namespace == "prim" else _OP)
-        if kind is _PRIM:  # a fake tensor's device or layout: no kernel, no bytes (no tensor), not recorded
+        info = opinfo.op_info(func)
+        if info.prim:  # a fake tensor's device or layout: no kernel, no bytes (no tensor), not recorded
             return
+        collective = self._collective_ops.get(id(func))
+        if collective is None:
+            collective = self._collective_ops[id(func)] = func in collective_ops
         phase, module = self._current()
         attention = self._in_core_attention.get(module)
         if attention is None:
             attention = self._in_core_attention[module] = is_core_attention_module(module)
         self._live.saw(func, out, attention)
-        if kind is _COLLECTIVE:
+        if collective:
             self.records.append(self._collective(func, args, kwargs, out, phase, module))
             return
         kernel = opinfo.launches_kernel(func, args, kwargs, out)
