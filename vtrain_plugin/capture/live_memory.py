@@ -27,6 +27,11 @@ from collections.abc import Iterable
 import torch
 
 
+# per op overload, by its id (the overload held so the id stays its own): the overload, and whether it
+# returns an alias of an input (a view, an in-place result)
+_aliasing: dict[int, tuple] = {}
+
+
 class LiveMemory:
     """Counts the storages of op outputs: :attr:`held_nbytes` and :meth:`backward_peak`, with and
     without what core attentions allocate."""
@@ -48,7 +53,10 @@ class LiveMemory:
         """Count the storages ``func`` created (not those of a view or in-place result of an
         uncounted tensor) and follow every output tensor to its death; ``attention``: ``func`` runs
         in a core attention."""
-        aliasing = any(r.alias_info is not None for r in func._schema.returns)
+        known = _aliasing.get(id(func))
+        if known is None:
+            known = _aliasing[id(func)] = (func, any(r.alias_info is not None for r in func._schema.returns))
+        aliasing = known[1]
         for tensor in _tensors(out):
             try:
                 storage = tensor.untyped_storage()

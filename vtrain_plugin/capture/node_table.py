@@ -40,8 +40,13 @@ def pack_blocks(blocks: Sequence[Block]) -> dict[str, Any]:
     strings, shapes, shape_lists, dtype_lists, arg_lists = _Table(), _Table(), _Table(), _Table(), _Table()
     keys, ops, collectives = _Table(), _Table(), _Table()
 
+    known_shape_lists: dict[tuple[tuple[int, ...], ...], int] = {}  # most nodes repeat another's shapes
+
     def shape_list(value: tuple[tuple[int, ...], ...]) -> int:
-        return shape_lists.add(tuple(shapes.add(s) for s in value))
+        index = known_shape_lists.get(value)
+        if index is None:
+            index = known_shape_lists[value] = shape_lists.add(tuple(shapes.add(s) for s in value))
+        return index
 
     packed_blocks = []
     for block in blocks:

@@ -100,6 +100,9 @@ class OpRecorder:
         self._backward_measured = False
         self._module_override: str | None = None
         self._default_module = ""
+        # per op overload (by id: opinfo holds them) and per module name, what _record asks on every op
+        self._collective_ops: dict[int, bool] = {}
+        self._in_core_attention: dict[str, bool] = {}
         for name, module in root.named_modules(prefix=prefix):
             self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(name)))
             self._handles.append(module.register_forward_hook(self._make_post_hook(name)))
@@ -164,9 +167,9 @@ class OpRecorder:
 
     # -- hooks ------------------------------------------------------------------------------
     def _next_sequence_nr(self) -> int:
-        with self.paused(), torch.enable_grad():
-            probe = torch.zeros((), requires_grad=True).expand(1)
-            return probe.grad_fn._sequence_nr() + 1
+        """The sequence number autograd gives the next node it creates (per thread, rising): read,
+        not taken, so no probe node (and no fake tensor) is made per module call."""
+        return torch._C._autograd._get_sequence_nr()
 
     def _make_pre_hook(self, name: str) -> Callable:
         layer = split_layer_module(name)
@@ -256,12 +259,19 @@ class OpRecorder:
         return self._phase, (self._stack[-1][0] if self._stack else self._default_module)
 
     def _record(self, func, args, kwargs, out) -> None:
-        phase, module = self._current()
-        self._live.saw(func, out, is_core_attention_module(module))
-        if func in collective_ops:
-            self.records.append(self._collective(func, args, kwargs, out, phase, module))
+        info = opinfo.op_info(func)
+        if info.prim:  # a fake tensor's device or layout: no kernel, no bytes (no tensor), not recorded
             return
-        if func.namespace == "prim":  # a fake tensor's device or layout: no kernel, no bytes, not recorded
+        collective = self._collective_ops.get(id(func))
+        if collective is None:
+            collective = self._collective_ops[id(func)] = func in collective_ops
+        phase, module = self._current()
+        attention = self._in_core_attention.get(module)
+        if attention is None:
+            attention = self._in_core_attention[module] = is_core_attention_module(module)
+        self._live.saw(func, out, attention)
+        if collective:
+            self.records.append(self._collective(func, args, kwargs, out, phase, module))
             return
         kernel = opinfo.launches_kernel(func, args, kwargs, out)
         self.records.append(OpRecord(
