@@ -123,6 +123,18 @@ def test_best_first_finds_the_exhaustive_searchs_best_rows(model, objective, tok
     assert best.num_candidates == everything.num_candidates and best.trace_jobs <= everything.trace_jobs
 
 
+def test_a_search_gives_up_untraced_when_every_floor_exceeds_the_limit():
+    kwargs = dict(cluster=CLUSTER, global_batch_size=16, gpus="1:8", space=SEARCH_SPACE, workers=1, top_k=1,
+                  exhaustive=False)
+    best = search(WIDE, **kwargs)
+    lowest = best.lowest_floor
+    assert lowest is not None and 0 < lowest <= best.table["iteration_time_ms"].min()
+    given_up = search(WIDE, **kwargs, give_up_above=lowest * 0.999)
+    assert given_up.table.empty and given_up.trace_jobs == 0 and given_up.lowest_floor == lowest
+    at_the_floor = search(WIDE, **kwargs, give_up_above=lowest)  # not above it: searched as without a limit
+    assert _best_rows(at_the_floor, 1) == _best_rows(best, 1)
+
+
 def test_the_cli_prints_the_whole_searchs_first_rows_and_how_many_plans_it_costed(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bounded, "FIRST_ROUND_PLANS", 4)
     plan = tmp_path / "wide.yaml"
@@ -141,10 +153,13 @@ def test_the_cli_prints_the_whole_searchs_first_rows_and_how_many_plans_it_coste
 
 
 def test_size_picks_the_plan_the_exhaustive_search_ranks_first():
-    ladder = {"min_params": 5e6, "max_params": 3e7, "hidden_step": 256}
-    sized = size_model("gpt", cluster=CLUSTER, gpus="1:8", days=0.05, space=SEARCH_SPACE, workers=1,
+    # 15M, 40M, 83M and 155M parameters; within 0.004 days: the 83M shape's floors exceed them (0.0049),
+    # the 40M shape's do not but its fastest plan does (0.011), the 15M shape trains in 0.0027
+    ladder = {"min_params": 5e6, "max_params": 2e8, "hidden_step": 256}
+    sized = size_model("gpt", cluster=CLUSTER, gpus="1:8", days=0.004, space=SEARCH_SPACE, workers=1,
                        batch_tokens=2**14, **ladder)
     assert len(sized.evaluated) >= 2
+    over_by_floor = 0
     for outcome in sized.evaluated:
         model: ModelSpec = outcome.model
         global_batch = 2**14 // model.seq_length
@@ -152,4 +167,10 @@ def test_size_picks_the_plan_the_exhaustive_search_ranks_first():
                             training=TrainingSpec(global_batch_size=global_batch), tokens=outcome.tokens, workers=1)
         fastest = everything.table[everything.table["fits_in_memory"]].sort_values("expected_train_days",
                                                                                     kind="stable")
-        assert outcome.plan == fastest.iloc[0].to_dict()
+        if outcome.floor_days is None:
+            assert outcome.plan == fastest.iloc[0].to_dict()
+        else:  # judged over budget by its floors alone: every plan is slower than the floor, itself over budget
+            over_by_floor += 1
+            assert outcome.plan is None and not outcome.within_budget and outcome.floor_days > 0.004
+            assert everything.table["expected_train_days"].min() >= outcome.floor_days
+    assert over_by_floor and any(o.plan is not None and not o.within_budget for o in sized.evaluated)

@@ -452,7 +452,8 @@ def sizing_table(result: SizingResult) -> str:
     for o in result.evaluated:
         d = o.to_dict()
         plan = (f"tp={d['tensor_parallel']} pp={d['pipeline_parallel']} dp={d['data_parallel']} "
-                f"mb={d['micro_batch_size']} {d['recompute']}" if o.plan is not None else "none fits")
+                f"mb={d['micro_batch_size']} {d['recompute']}" if o.plan is not None
+                else "none fits" if o.floor_days is None else "none costed: every floor over budget")
         mark = " <- answer" if o.model == result.answer.model else ""
         if result.naive is not None and o.model == result.naive.model:
             mark += " <- naive"
@@ -460,7 +461,8 @@ def sizing_table(result: SizingResult) -> str:
                      str(d["num_attention_heads"]), f"{d['tokens'] / 1e9:,.1f}B", plan,
                      f"{d['num_gpus']:,}" if o.plan is not None else "",
                      f"{100 * d['mfu']:.1f}%" if o.plan is not None else "",
-                     _days(o.train_days) if o.plan is not None else "",
+                     _days(o.train_days) if o.plan is not None
+                     else f"> {_days(o.floor_days)}" if o.floor_days is not None else "",
                      _money(o.train_cost_usd) if o.plan is not None else "",
                      *([f"{100 * d['goodput']:.1f}%" if o.plan is not None else ""] if expected else []),
                      ("yes" if o.within_budget else "no") + mark])
@@ -476,7 +478,9 @@ def sizing_table(result: SizingResult) -> str:
              + (f", {_money(answer.train_cost_usd)}" if not math.isnan(answer.train_cost_usd) else "")]
     if result.naive is not None:
         naive = result.naive_outcome
-        verdict = f"vtrain: {_days(naive.train_days)} days" if naive.plan is not None else "vtrain: no plan fits"
+        verdict = (f"vtrain: {_days(naive.train_days)} days" if naive.plan is not None
+                   else f"vtrain: more than {_days(naive.floor_days)} days" if naive.floor_days is not None
+                   else "vtrain: no plan fits")
         lines.append(f"naive answer at a fixed {100 * result.naive_mfu:.0f}% MFU: {naive.model.name}, "
                      f"{naive.model.num_parameters / 1e9:,.2f}B parameters ({verdict}"
                      + ("" if naive.within_budget else ", over budget") + ")")

@@ -64,6 +64,7 @@ class SearchResult:
     top_k: int = 10
     num_candidates: int = 0  # plans after memory pruning; the table has them all unless the search was best-first
     trace_jobs: int = 0  # chunk roles traced (or derived) for the plans costed
+    lowest_floor: float | None = None  # best-first: the lowest floor of the ranking column (bounded.plan_floors)
 
     def top(self, k: int | None = None) -> pd.DataFrame:
         """The ``k`` best plans (default ``top_k``), those that fit first."""
@@ -84,7 +85,7 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
            training: TrainingSpec | None = None, objective: str = "time", top_k: int = 10,
            workers: int | None = None, backend: str = "local", progress: bool = False,
            tokens: float | None = None, profile_db: str | None | Literal[False] = None,
-           exhaustive: bool = True) -> SearchResult:
+           exhaustive: bool = True, give_up_above: float | None = None) -> SearchResult:
     """Estimate every valid plan of ``space`` (default: every axis over its whole range) for
     ``model`` on ``cluster`` with ``global_batch_size`` sequences per iteration and a GPU count
     in ``gpus`` (a :class:`GpuBudget`, a count, ``"1024:4096"``, ``"2240,2800,3360"``, or counts).
@@ -104,6 +105,8 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
     user cache; False: none). ``exhaustive=False``: only the ``top_k`` best plans are wanted; plans
     are costed best-first (:mod:`~vtrain_plugin.planning.bounded`) and the table holds those costed,
     its ``top_k`` first rows those of the exhaustive search and the front that of the plans costed.
+    ``give_up_above`` (best-first only): when every plan's floor on the ranking column exceeds it, no
+    plan is traced nor costed, and the table is empty (``lowest_floor`` says how far above it is).
 
     Columns: the plan (``tensor_parallel, context_parallel, pipeline_parallel, data_parallel,
     expert_parallel, micro_batch_size, virtual_pipeline, sequence_parallel, recompute, grad_reduce,
@@ -144,6 +147,7 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
                                         failures=failures)
     column = cost_column if objective == "cost" else time_column
     traced = [0]
+    lowest: float | None = None
 
     def evaluate_plans(positions: Sequence[int]) -> list[tuple[int, dict[str, Any]]]:
         chosen = [candidates[p] for p in positions]
@@ -157,7 +161,13 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
             results = evaluate_plans(range(len(candidates)))
         else:
             floors = plan_floors(model, candidates, cluster, column)
-            results = best_first(floors, evaluate_plans, column=column, top_k=top_k)
+            lowest = float(floors.min()) if len(floors) else None
+            if give_up_above is not None and lowest is not None and lowest > give_up_above:
+                log.info("best-first: every floor is above %.4g %s (the lowest %.4g); none costed", give_up_above,
+                         column, lowest)
+                results = []
+            else:
+                results = best_first(floors, evaluate_plans, column=column, top_k=top_k)
     log.info("%s search: %d of %d plans costed, %d trace jobs", "exhaustive" if exhaustive else "best-first",
              len(results), len(candidates), traced[0])
     table = pd.DataFrame(rows_in_order(results),
@@ -165,7 +175,8 @@ def search(model: ModelSpec, *, cluster: ClusterSpec, global_batch_size: int,
                                   *(EXPECTED_COLUMNS if failures else ())])
     table = rank_plans(table, "time" if objective == "days" else objective, time_column=time_column, cost_column=cost_column)
     return SearchResult(table=table, skipped=skipped, objective=objective, time_column=time_column,
-                        cost_column=cost_column, top_k=top_k, num_candidates=len(candidates), trace_jobs=traced[0])
+                        cost_column=cost_column, top_k=top_k, num_candidates=len(candidates), trace_jobs=traced[0],
+                        lowest_floor=lowest)
 
 
 def _trace_and_evaluate(model: ModelSpec, cluster: ClusterSpec, candidates: Sequence[Candidate], *, workers: int,

@@ -5,10 +5,13 @@ token count; :func:`~vtrain_plugin.planning.search.search` finds its plans on th
 GPU budget, and the shape is *within budget* when a plan that fits in memory trains it in at most
 ``days`` and for at most ``budget_usd`` (whichever are given; the fastest such plan is reported).
 Days to train grow with the shape (tokens and FLOPs per token both grow with the parameter count),
-so the ladder is bisected: about ``log2(len(ladder))`` searches, each on a shape's own traces.
+so the ladder is bisected: about ``log2(len(ladder))`` searches, each on a shape's own traces; the
+smallest shape is searched only when no larger one is within budget (else it cannot change the answer).
 With a budget in days alone a shape needs only its fastest plan, so its search is best-first
 (:mod:`~vtrain_plugin.planning.bounded`: the plans that cannot be faster are never traced nor
-costed); a dollar budget also needs the cheapest plan, and its searches cost every plan.
+costed), and a shape whose every plan's floor exceeds the days is over budget without a trace (its
+row then gives that floor, not a plan); a dollar budget also needs the cheapest plan, and its
+searches cost every plan.
 
 The result also carries the naive answer, the largest shape whose ``6 N D`` FLOPs fit the budget at
 a fixed MFU (:func:`~vtrain_plugin.planning.model_family.naive_size`; a dollar budget buys GPU-hours at
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -59,6 +62,9 @@ class ShapeOutcome:
     within_budget: bool
     reason: str  # why not within budget ("" when it is)
     no_plan: bool = False  # no valid plan at all within the GPU budget (rather than over days or dollars)
+    # Set when no plan was costed because every plan's floor on the days exceeds the days budget
+    # (planning/bounded.py): at least this many days; ``plan`` is then None.
+    floor_days: float | None = None
 
     @property
     def train_days(self) -> float:
@@ -81,7 +87,7 @@ class ShapeOutcome:
             "train_days": None if self.plan is None else self.train_days,
             "train_cost_usd": None if self.plan is None or math.isnan(self.train_cost_usd) else self.train_cost_usd,
             "ideal_train_days": plan.get("train_days"), "goodput": plan.get("goodput"),
-            "within_budget": self.within_budget, "reason": self.reason,
+            "within_budget": self.within_budget, "reason": self.reason, "floor_days": self.floor_days,
         }
 
 
@@ -177,19 +183,13 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
             log.info("%s: %s", model.name, outcomes[key].reason or "within budget")
         return outcomes[key]
 
-    low, high = 0, len(shapes) - 1  # invariant: the answer, if any, lies in shapes[low..high]
-    if not judge(shapes[0]).within_budget:
+    answer = _bisect(shapes, judge)
+    if answer is None:
         first = outcomes[shapes[0].num_parameters]
         if first.no_plan:
             raise ConfigError(_no_plan_message(shapes[0], budget, batch_tokens, first.reason))
         raise ConfigError(f"size: budget too small: the smallest shape, {shapes[0].name} "
                           f"({shapes[0].num_parameters / 1e9:.2f}B parameters), {first.reason}")
-    while low < high:
-        middle = (low + high + 1) // 2
-        if judge(shapes[middle]).within_budget:
-            low = middle
-        else:
-            high = middle - 1
     peak = get_device(cluster.gpu).tensor_flop_per_ns(shapes[0].dtype) * 1e-3  # TFLOP/s
     most = max(budget.counts or (budget.high,))
     naive = naive_size(family, peak_tflop_per_s=peak, gpus=most,
@@ -198,8 +198,26 @@ def size_model(family: Family | str, *, cluster: ClusterSpec, gpus: GpuBudget | 
                        **settings)
     naive_outcome = judge(naive.model)
     evaluated = tuple(outcomes[k] for k in sorted(outcomes))
-    return SizingResult(answer=outcomes[shapes[low].num_parameters], evaluated=evaluated, naive=naive,
+    return SizingResult(answer=outcomes[shapes[answer].num_parameters], evaluated=evaluated, naive=naive,
                         naive_outcome=naive_outcome, days=days, budget_usd=budget_usd, naive_mfu=naive_mfu)
+
+
+def _bisect(shapes: list[ModelSpec], judge: Callable[[ModelSpec], ShapeOutcome]) -> int | None:
+    """The index in ``shapes`` of the largest shape ``judge`` finds within budget, None when not even
+    the first is; by bisection, on the premise that days and dollars grow with the shape. The
+    smallest shape is judged only when no larger one is within budget: otherwise, by the same
+    premise, it is within budget too, and its search (the one of most plans that fit) cannot change
+    the answer."""
+    low, high = 0, len(shapes) - 1  # the answer, if any, lies in shapes[low..high]
+    while low < high:  # shapes[low] was judged within budget, unless low is 0
+        middle = (low + high + 1) // 2
+        if judge(shapes[middle]).within_budget:
+            low = middle
+        else:
+            high = middle - 1
+    if low == 0 and not judge(shapes[0]).within_budget:
+        return None
+    return low
 
 
 def naive_days(days: float | None, budget_usd: float | None, price_per_gpu_hour_usd: float | None,
@@ -234,9 +252,14 @@ def _judge(model: ModelSpec, *, cluster: ClusterSpec, budget: GpuBudget, days: f
         result = search(model, cluster=cluster, global_batch_size=global_batch, gpus=budget, space=space,
                         training=TrainingSpec(global_batch_size=global_batch, reliability=reliability),
                         objective="time", workers=workers, progress=progress, tokens=tokens,
-                        profile_db=profile_db, top_k=1, exhaustive=budget_usd is not None)
+                        profile_db=profile_db, top_k=1, exhaustive=budget_usd is not None,
+                        give_up_above=days if budget_usd is None else None)
     except ConfigError as exc:  # no valid plan at all for this shape within the GPU budget
         return ShapeOutcome(model=model, tokens=tokens, within_budget=False, reason=str(exc), no_plan=True)
+    if budget_usd is None and result.lowest_floor is not None and result.lowest_floor > days:
+        return ShapeOutcome(model=model, tokens=tokens, within_budget=False, floor_days=result.lowest_floor,
+                            reason=f"needs more than {result.lowest_floor:.3g} days > {days:g} (every plan's floor; "
+                                   f"none costed)")
     fitting = result.table[result.table["fits_in_memory"]]
     if fitting.empty:
         return ShapeOutcome(model=model, tokens=tokens, within_budget=False,
