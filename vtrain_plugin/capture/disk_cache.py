@@ -8,7 +8,9 @@ JSON, and reading entries is most of a warm estimate. The key is the chunk's sha
 (marshal's format is one release's), vtrain, torch and megatron-core, of the graph schema and of
 this entry format, and a digest of the source of the code a trace runs (so an edited checkout never
 reads traces of older code).
-The entry holds its own key: one whose key differs from the one asked for (another version, a
+Entries read in one process share their blocks' node tuples where equal (:func:`_shared_nodes`),
+so what the costing keeps per node tuple (a block's lowering) serves every chunk role that folds
+the same layer. The entry holds its own key: one whose key differs from the one asked for (another version, a
 hash collision), or that cannot be read back (corrupt, truncated), is ignored with a debug log
 and traced again, and the new trace overwrites it. Entries are written atomically, so processes
 that share the folder (the workers of a plan search) never see half of one.
@@ -34,9 +36,10 @@ import os
 import re
 import sys
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -115,9 +118,38 @@ def load(key: tuple) -> ChunkTrace | None:
     path = entry_path(key)
     with _collector_paused():
         chunk = _read(path, key)
+        if chunk is not None:
+            chunk = _shared_nodes(chunk)
     if chunk is not None:
         touch(path)
     return chunk
+
+
+_SHARED_SIZE = 4096
+# The node tuples of the blocks read so far, each its own key: an entry's block whose nodes equal
+# one of these takes that tuple. Least recently used first; an evicted tuple is only shared no more.
+_node_tuples: OrderedDict[tuple, tuple] = OrderedDict()
+
+
+def _shared_nodes(chunk: ChunkTrace) -> ChunkTrace:
+    """``chunk`` with each block's nodes the equal tuple of an entry read before, if any.
+
+    Why: the chunk roles of one plan shape (first, middle and last stages, each number of layers
+    built) hold the same layer, read from several entries as equal but distinct tuples; the costing
+    lowers a block once per node tuple (it keys its caches by the tuple's identity, as the tracer's
+    folding shares one tuple among equal layers), so shared tuples are lowered once. Equal is
+    Python's equality, the tracer's folding criterion."""
+    blocks = []
+    for block in chunk.blocks:
+        nodes = _node_tuples.get(block.nodes)
+        if nodes is None:
+            _node_tuples[block.nodes] = nodes = block.nodes
+            if len(_node_tuples) > _SHARED_SIZE:
+                _node_tuples.popitem(last=False)
+        else:
+            _node_tuples.move_to_end(nodes)
+        blocks.append(block if nodes is block.nodes else replace(block, nodes=nodes))
+    return replace(chunk, blocks=tuple(blocks))
 
 
 def _read(path: Path, key: tuple) -> ChunkTrace | None:
@@ -138,16 +170,32 @@ def _read(path: Path, key: tuple) -> ChunkTrace | None:
         return None
 
 
+_freeze_reads = False  # set in vtrain's own worker processes: see keep_reads_frozen
+
+
+def keep_reads_frozen() -> None:
+    """For a process vtrain started for its own work (a search worker): the entries it reads, and
+    whatever the process made before, stay out of the garbage collector's walks for its life."""
+    global _freeze_reads
+    _freeze_reads = True
+
+
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off while an entry is decoded: decoding makes thousands of
     containers, none of them garbage and none in a cycle, and the collections they would trigger
-    scan every object of the process (most of a read's time in a search worker otherwise)."""
+    scan every object of the process (most of a read's time in a search worker otherwise). In a
+    process that keeps its reads frozen (:func:`keep_reads_frozen`) they are frozen before the
+    collector is back on: the first collection after a read would otherwise walk the whole entry,
+    and the later ones again as it ages (frozen objects are still freed when no longer referenced;
+    only cycles among them would stay)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if _freeze_reads:
+            gc.freeze()
         if enabled:
             gc.enable()
 

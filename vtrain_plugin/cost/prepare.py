@@ -189,7 +189,7 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
         shared = alike.get(seen) if seen is not None else None
         if shared is None:
             stage, outside_fp8 = split_bf16_layers(stage, edges(stage)) if edges else (stage, ())
-            role_key = (stack, fp8, shards, cp, tuple(id(b.nodes) for b in stage.blocks), outside_fp8, *options)
+            role_key = (stack, fp8, shards, cp, tuple(_lowered_by(b) for b in stage.blocks), outside_fp8, *options)
             counts = tuple(b.count for b in stage.blocks)
             role = roles.get((role_key, counts))
             if role is None:
@@ -210,6 +210,13 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
     flops = _graph_flops(stages)
     return PreparedGraph(graph=graph, stack=stack, distributed_optimizer=distributed_optimizer, stages=tuple(stages),
                          flops=flops)
+
+
+def _lowered_by(block: Block) -> tuple:
+    """What of ``block`` its lowering reads (its counts aside): its node tuple, by identity (blocks of
+    other chunk roles may share it: the trace cache hands equal tuples out as one), and its kind and
+    parameters."""
+    return id(block.nodes), block.kind, block.num_parameters, block.parameter_numels, block.expert_parameter_numels
 
 
 def _graph_flops(stages: list[PreparedStage]) -> dict[Phase, int]:
