@@ -8,9 +8,10 @@ JSON, and reading entries is most of a warm estimate. The key is the chunk's sha
 (marshal's format is one release's), vtrain, torch and megatron-core, of the graph schema and of
 this entry format, and a digest of the source of the code a trace runs (so an edited checkout never
 reads traces of older code).
-Entries read in one process share their blocks' node tuples where equal (:func:`_shared_nodes`),
-so what the costing keeps per node tuple (a block's lowering) serves every chunk role that folds
-the same layer. The entry holds its own key: one whose key differs from the one asked for (another version, a
+Entries read in one process share their equal kernel keys, nodes and blocks' node tuples
+(:class:`~vtrain_plugin.capture.node_table.SharedNodes`): what the costing keeps per node tuple (a
+block's lowering) serves every chunk role that holds the same layer.
+The entry holds its own key: one whose key differs from the one asked for (another version, a
 hash collision), or that cannot be read back (corrupt, truncated), is ignored with a debug log
 and traced again, and the new trace overwrites it. Entries are written atomically, so processes
 that share the folder (the workers of a plan search) never see half of one.
@@ -36,15 +37,15 @@ import os
 import re
 import sys
 import zlib
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from vtrain_plugin.capture.chunk import ChunkTrace, named_shape_key
+from vtrain_plugin.capture.node_table import SharedNodes
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.files import atomic_write_bytes, user_cache_dir
@@ -118,38 +119,13 @@ def load(key: tuple) -> ChunkTrace | None:
     path = entry_path(key)
     with _collector_paused():
         chunk = _read(path, key)
-        if chunk is not None:
-            chunk = _shared_nodes(chunk)
     if chunk is not None:
         touch(path)
     return chunk
 
 
-_SHARED_SIZE = 4096
-# The node tuples of the blocks read so far, each its own key: an entry's block whose nodes equal
-# one of these takes that tuple. Least recently used first; an evicted tuple is only shared no more.
-_node_tuples: OrderedDict[tuple, tuple] = OrderedDict()
-
-
-def _shared_nodes(chunk: ChunkTrace) -> ChunkTrace:
-    """``chunk`` with each block's nodes the equal tuple of an entry read before, if any.
-
-    Why: the chunk roles of one plan shape (first, middle and last stages, each number of layers
-    built) hold the same layer, read from several entries as equal but distinct tuples; the costing
-    lowers a block once per node tuple (it keys its caches by the tuple's identity, as the tracer's
-    folding shares one tuple among equal layers), so shared tuples are lowered once. Equal is
-    Python's equality, the tracer's folding criterion."""
-    blocks = []
-    for block in chunk.blocks:
-        nodes = _node_tuples.get(block.nodes)
-        if nodes is None:
-            _node_tuples[block.nodes] = nodes = block.nodes
-            if len(_node_tuples) > _SHARED_SIZE:
-                _node_tuples.popitem(last=False)
-        else:
-            _node_tuples.move_to_end(nodes)
-        blocks.append(block if nodes is block.nodes else replace(block, nodes=nodes))
-    return replace(chunk, blocks=tuple(blocks))
+# What the entries read here have built, for the next ones to share (node_table.SharedNodes).
+_shared = SharedNodes()
 
 
 def _read(path: Path, key: tuple) -> ChunkTrace | None:
@@ -164,7 +140,7 @@ def _read(path: Path, key: tuple) -> ChunkTrace | None:
         log.debug("trace cache: ignoring %s, an entry of another key (other versions or a hash collision)", path)
         return None
     try:
-        return ChunkTrace.from_tables(data["chunk"])
+        return ChunkTrace.from_tables(data["chunk"], _shared)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         log.debug("trace cache: ignoring %s (malformed: %s: %s)", path, type(exc).__name__, exc)
         return None
