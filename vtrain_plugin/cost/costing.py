@@ -204,8 +204,8 @@ def role_times(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tra
     timed the same lowered role with the same device, constants, collective times and options."""
     role, rank = prepared.role, prepared.stage.pipeline_rank
     messages, of_row = _messages(role.comm_rows)
-    times = [comm.time_ns(kind, nbytes, group, pipeline_rank=rank) for kind, nbytes, group in messages]
-    comm_ns = tuple([times[i] for i in of_row])
+    message_ns = [comm.time_ns(kind, nbytes, group, pipeline_rank=rank) for kind, nbytes, group in messages]
+    comm_ns = tuple([message_ns[i] for i in of_row])
     if graphed(training):  # graphed host times read the stage's blocks and the graph scope: never shared
         return _time_role(role, timer, comm_ns, training, model, parallel, prepared.stage.blocks)
     waits_on = model if model is not None and model.num_experts and parallel is not None else None
