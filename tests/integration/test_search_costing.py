@@ -34,8 +34,8 @@ ARRAY_ENGINE = importlib.import_module("vtrain_plugin.sim.array_engine")
 def clear_costing_caches() -> None:
     """Every in-process cache an estimate reads, so the next estimate is computed from nothing."""
     clear_cache()
-    for cache in (PREPARE._roles, PREPARE._mapped_nodes, PREPARE._bodies, STACK_MEMORY._deltas,
-                  STACK_MEMORY._memories, COSTING._role_times, ARRAY_ENGINE._results):
+    for cache in (PREPARE._roles, PREPARE._mapped_nodes, PREPARE._bodies, PREPARE._steps, STACK_MEMORY._deltas,
+                  STACK_MEMORY._memories, COSTING._role_times, COSTING._role_messages, ARRAY_ENGINE._results):
         cache.clear()
 
 
@@ -190,6 +190,7 @@ def test_optimizer_shardings_lay_out_each_blocks_other_phases_once(monkeypatch):
         for stage in prepared.stages:
             PREPARE._roles.clear()
             PREPARE._bodies.clear()
+            PREPARE._steps.clear()
             PREPARE._mapped_nodes.clear()
             alone = prepare(graph, "megatron_core_te", distributed_optimizer=shards)
             (same,) = [s for s in alone.stages if s.stage == stage.stage]

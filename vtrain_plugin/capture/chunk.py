@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from vtrain_plugin.capture.node_table import pack_blocks, unpack_blocks
+from vtrain_plugin.capture.node_table import SharedNodes, pack_blocks, unpack_blocks
 from vtrain_plugin.core.graph import Block
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
@@ -68,8 +68,9 @@ class ChunkTrace:
                 "backward_peak_outside_attention_nbytes": self.backward_peak_outside_attention_nbytes}
 
     @classmethod
-    def from_tables(cls, d: dict[str, Any]) -> ChunkTrace:
-        return cls._of(d, unpack_blocks(d["blocks"]))
+    def from_tables(cls, d: dict[str, Any], shared: SharedNodes | None = None) -> ChunkTrace:
+        """:meth:`to_tables`'s form read back; equal nodes taken from ``shared`` when given (:func:`unpack_blocks`)."""
+        return cls._of(d, unpack_blocks(d["blocks"], shared))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ChunkTrace:

@@ -8,6 +8,9 @@ JSON, and reading entries is most of a warm estimate. The key is the chunk's sha
 (marshal's format is one release's), vtrain, torch and megatron-core, of the graph schema and of
 this entry format, and a digest of the source of the code a trace runs (so an edited checkout never
 reads traces of older code).
+Entries read in one process share their equal kernel keys, nodes and blocks' node tuples
+(:class:`~vtrain_plugin.capture.node_table.SharedNodes`): what the costing keeps per node tuple (a
+block's lowering) serves every chunk role that holds the same layer.
 The entry holds its own key: one whose key differs from the one asked for (another version, a
 hash collision), or that cannot be read back (corrupt, truncated), is ignored with a debug log
 and traced again, and the new trace overwrites it. Entries are written atomically, so processes
@@ -42,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from vtrain_plugin.capture.chunk import ChunkTrace, named_shape_key
+from vtrain_plugin.capture.node_table import SharedNodes
 from vtrain_plugin.core import checks as v
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.core.files import atomic_write_bytes, user_cache_dir
@@ -120,6 +124,10 @@ def load(key: tuple) -> ChunkTrace | None:
     return chunk
 
 
+# What the entries read here have built, for the next ones to share (node_table.SharedNodes).
+_shared = SharedNodes()
+
+
 def _read(path: Path, key: tuple) -> ChunkTrace | None:
     try:
         data = marshal.loads(gzip.decompress(path.read_bytes()))
@@ -132,22 +140,38 @@ def _read(path: Path, key: tuple) -> ChunkTrace | None:
         log.debug("trace cache: ignoring %s, an entry of another key (other versions or a hash collision)", path)
         return None
     try:
-        return ChunkTrace.from_tables(data["chunk"])
+        return ChunkTrace.from_tables(data["chunk"], _shared)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         log.debug("trace cache: ignoring %s (malformed: %s: %s)", path, type(exc).__name__, exc)
         return None
+
+
+_freeze_reads = False  # set in vtrain's own worker processes: see keep_reads_frozen
+
+
+def keep_reads_frozen() -> None:
+    """For a process vtrain started for its own work (a search worker): the entries it reads, and
+    whatever the process made before, stay out of the garbage collector's walks for its life."""
+    global _freeze_reads
+    _freeze_reads = True
 
 
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off while an entry is decoded: decoding makes thousands of
     containers, none of them garbage and none in a cycle, and the collections they would trigger
-    scan every object of the process (most of a read's time in a search worker otherwise)."""
+    scan every object of the process (most of a read's time in a search worker otherwise). In a
+    process that keeps its reads frozen (:func:`keep_reads_frozen`) they are frozen before the
+    collector is back on: the first collection after a read would otherwise walk the whole entry,
+    and the later ones again as it ages (frozen objects are still freed when no longer referenced;
+    only cycles among them would stay)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if _freeze_reads:
+            gc.freeze()
         if enabled:
             gc.enable()
 

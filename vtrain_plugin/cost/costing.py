@@ -203,7 +203,9 @@ def role_times(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tra
     """:class:`RoleTimes` of ``prepared``'s role on its pipeline rank, looked up when a plan before
     timed the same lowered role with the same device, constants, collective times and options."""
     role, rank = prepared.role, prepared.stage.pipeline_rank
-    comm_ns = tuple(comm.time_ns(c.node.kind, c.node.nbytes, c.node.group, pipeline_rank=rank) for c in role.comm_rows)
+    messages, of_row = _messages(role.comm_rows)
+    message_ns = [comm.time_ns(kind, nbytes, group, pipeline_rank=rank) for kind, nbytes, group in messages]
+    comm_ns = tuple([message_ns[i] for i in of_row])
     if graphed(training):  # graphed host times read the stage's blocks and the graph scope: never shared
         return _time_role(role, timer, comm_ns, training, model, parallel, prepared.stage.blocks)
     waits_on = model if model is not None and model.num_experts and parallel is not None else None
@@ -217,6 +219,26 @@ def role_times(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tra
     if len(_role_times) > _ROLE_TIMES_CACHE_SIZE:
         _role_times.popitem(last=False)
     return times
+
+
+_MESSAGES_CACHE_SIZE = 512
+_role_messages: OrderedDict[int, tuple[tuple, tuple, tuple[int, ...]]] = OrderedDict()
+
+
+def _messages(comm_rows: tuple) -> tuple[tuple, tuple[int, ...]]:
+    """The distinct messages (kind, bytes, group) of a role's collectives, and each row's among
+    them: a layer repeats a few messages many times, and every stage of every plan times its role's.
+    Kept per tuple of rows (by identity; the entry holds it)."""
+    hit = _role_messages.get(id(comm_rows))
+    if hit is not None and hit[0] is comm_rows:
+        _role_messages.move_to_end(id(comm_rows))
+        return hit[1], hit[2]
+    index: dict[tuple, int] = {}
+    of_row = tuple(index.setdefault((c.node.kind, c.node.nbytes, c.node.group), len(index)) for c in comm_rows)
+    _role_messages[id(comm_rows)] = (comm_rows, tuple(index), of_row)
+    if len(_role_messages) > _MESSAGES_CACHE_SIZE:
+        _role_messages.popitem(last=False)
+    return tuple(index), of_row
 
 
 def _time_role(role, timer: KernelTimer, comm_ns: tuple[float, ...], training: TrainingSpec,

@@ -189,7 +189,7 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
         shared = alike.get(seen) if seen is not None else None
         if shared is None:
             stage, outside_fp8 = split_bf16_layers(stage, edges(stage)) if edges else (stage, ())
-            role_key = (stack, fp8, shards, cp, tuple(id(b.nodes) for b in stage.blocks), outside_fp8, *options)
+            role_key = (stack, fp8, shards, cp, tuple(_lowered_by(b) for b in stage.blocks), outside_fp8, *options)
             counts = tuple(b.count for b in stage.blocks)
             role = roles.get((role_key, counts))
             if role is None:
@@ -210,6 +210,13 @@ def prepare(graph: OpGraph, stack: SoftwareStack | str, measured: Mapping[Kernel
     flops = _graph_flops(stages)
     return PreparedGraph(graph=graph, stack=stack, distributed_optimizer=distributed_optimizer, stages=tuple(stages),
                          flops=flops)
+
+
+def _lowered_by(block: Block) -> tuple:
+    """What of ``block`` its lowering reads (its counts aside): its node tuple, by identity (blocks of
+    other chunk roles may share it: the trace cache hands equal tuples out as one), and its kind and
+    parameters."""
+    return id(block.nodes), block.kind, block.num_parameters, block.parameter_numels, block.expert_parameter_numels
 
 
 def _graph_flops(stages: list[PreparedStage]) -> dict[Phase, int]:
@@ -389,9 +396,29 @@ def _body(block: Block, stack: SoftwareStack, fp8: Fp8Settings | None, cp: Conte
     return piece
 
 
+_STEP_CACHE_SIZE = 1024
+# A block's optimizer step on one sharding: the roles that hold the block (a plan shape's first,
+# middle and last stages, each number of layers built) lay it out once per sharding. Keyed by the
+# identity of the traced nodes (the entry holds them, as _roles does).
+_steps: OrderedDict[tuple, _Piece] = OrderedDict()
+
+
 def _step(block: Block, stack: SoftwareStack, fp8: Fp8Settings | None, cp: ContextParallel | None, moe: MoeOptions,
           kernels: KernelOptions, shards: tuple[int, int]) -> _Piece:
     """The block's optimizer step on its shard (no hook adds: they are backward kernels)."""
+    key = (id(block.nodes), block.kind, stack, fp8, cp, moe, kernels, shards)
+    known = _steps.get(key)
+    if known is not None:
+        _steps.move_to_end(key)
+        return known
+    piece = _steps[key] = _lay_out_step(block, stack, fp8, cp, moe, kernels, shards)
+    if len(_steps) > _STEP_CACHE_SIZE:
+        _steps.popitem(last=False)
+    return piece
+
+
+def _lay_out_step(block: Block, stack: SoftwareStack, fp8: Fp8Settings | None, cp: ContextParallel | None,
+                  moe: MoeOptions, kernels: KernelOptions, shards: tuple[int, int]) -> _Piece:
     mapped = tuple(n for n in _block_mapped(block, stack, fp8, cp, moe, kernels) if n.phase is Phase.OPTIMIZER)
     mapped = optimizer_step(shard_optimizer(mapped, *shards),
                             kernels.optimizer, traced=block.nodes, tensor_parallel=kernels.tensor_parallel,

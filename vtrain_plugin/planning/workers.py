@@ -246,9 +246,10 @@ def serve(fd: int) -> None:
 def _serve(connection: Connection) -> None:
     """The worker's loop: a function and its argument in, the result (or the exception and its
     traceback) out, until the parent hangs up."""
-    from vtrain_plugin.capture import child_trace
+    from vtrain_plugin.capture import child_trace, disk_cache
 
     child_trace.own_this_process()  # traces here may keep older objects frozen for the worker's life
+    disk_cache.keep_reads_frozen()  # and so may the trace-cache entries read here
     while True:
         try:
             function, item = connection.recv()

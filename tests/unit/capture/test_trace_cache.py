@@ -337,3 +337,28 @@ def test_trace_jobs_look_each_shape_up_once_and_ignore_repeated_plans(cache_dir)
     assert len(keys) == len(set(keys)) == len({shape_key(model, plan, *role) for plan in plans
                                                for role in tracer._roles(model, plan, tracer._plan_chunks(model, plan),
                                                                          tracer.DEFAULT_TRACED_LAYERS)})
+
+
+def test_entries_read_share_their_equal_node_tuples(cache_dir):
+    trace(MODEL, PLAN)
+    chunk = disk_cache.load(KEY)
+    other = shape_key(MODEL, PLAN, True, True, 1)  # another entry holding equal blocks
+    disk_cache.store(other, chunk)
+    first, second = disk_cache.load(KEY), disk_cache.load(other)
+    assert first.blocks == chunk.blocks and second.blocks == chunk.blocks
+    assert all(a.nodes is b.nodes for a, b in zip(first.blocks, second.blocks))
+    layers = [b for b in first.blocks if b.kind is BlockKind.LAYER]
+    assert len(layers) == 2 and layers[0].nodes != first.blocks[0].nodes  # unequal tuples stay apart
+    assert {id(b.nodes) for b in first.blocks} == {id(n) for n in {b.nodes: b.nodes for b in first.blocks}.values()}
+
+
+def test_a_process_that_keeps_its_reads_frozen_freezes_each_entry(cache_dir, monkeypatch):
+    import gc
+
+    trace(MODEL, PLAN)
+    before = gc.get_freeze_count()  # the test session's own (tests/conftest.py), left frozen
+    disk_cache.load(KEY)
+    assert gc.get_freeze_count() == before  # by default a read leaves the collector as it was
+    monkeypatch.setattr(disk_cache, "_freeze_reads", True)
+    assert disk_cache.load(KEY) is not None
+    assert gc.get_freeze_count() > before and gc.isenabled()

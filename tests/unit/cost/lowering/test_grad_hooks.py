@@ -2,6 +2,8 @@
 none for linear weights under gradient-accumulation fusion (exact on a hand-built block and on a
 traced megatron-core GPT), only on the Megatron-Core stacks, and read from Megatron-LM's flag."""
 
+from dataclasses import replace
+
 import pytest
 
 from vtrain_plugin.capture.tracer import trace
@@ -108,3 +110,17 @@ def test_the_flag_turns_the_fusion_off():
     assert run_config_from_megatron_args(argv, gpus=2, cluster=cluster, source="t").training.gradient_accumulation_fusion
     assert not run_config_from_megatron_args(argv + " --no-gradient-accumulation-fusion", gpus=2, cluster=cluster,
                                              source="t").training.gradient_accumulation_fusion
+
+
+def test_blocks_of_one_node_tuple_and_other_parameters_lower_apart(graph):
+    # The trace cache hands equal node tuples out as one (vtrain_plugin/capture/disk_cache.py): the
+    # parameters the hooks read still tell two blocks' lowerings apart.
+    training = TrainingSpec(global_batch_size=4, gradient_accumulation_fusion=False)
+    stage = graph.stages[0]
+    fewer = tuple(replace(b, parameter_numels=b.parameter_numels[:-1],
+                          num_parameters=b.num_parameters - b.parameter_numels[-1])
+                  if b.kind is BlockKind.LAYER else b for b in stage.blocks)
+    other = replace(graph, stages=(replace(stage, blocks=fewer),))
+    assert [b.nodes for b in other.stages[0].blocks] == [b.nodes for b in stage.blocks]
+    assert _adds_per_layer(graph, "megatron_core_te", training) == [12]
+    assert _adds_per_layer(other, "megatron_core_te", training) == [11]
