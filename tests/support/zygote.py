@@ -25,8 +25,11 @@ REPO = Path(__file__).resolve().parents[2]
 # read by the interpreter, torch or its thread pools when they load: a request that sets them otherwise
 # than the zygote's environment gets a fresh interpreter
 _STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH", "CUDA", "LD_", "MALLOC_")
+# megatron-core's GPT model and layer specs: what a child's first trace imports, frozen here with the
+# rest (a child's traces do not freeze what its parent froze: vtrain_plugin/capture/child_trace.py)
 _PRELOADED = ("torch", "megatron.core", "megatron.core.optimizer", "vtrain_plugin.estimate", "vtrain_plugin.capture.tracer",
-              "vtrain_plugin.runs", "megatron_adapters")
+              "vtrain_plugin.runs", "megatron_adapters", "vtrain_plugin.capture.megatron_chunk",
+              "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs")
 
 
 def startup_environment(env: dict[str, str]) -> dict[str, str]:
