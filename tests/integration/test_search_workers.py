@@ -109,3 +109,13 @@ def test_progress_bars_leave_no_thread_to_rule_out_fork():
     for _ in ProgressBar(range(3), file=open(os.devnull, "w")):
         pass
     assert threading.active_count() == running
+
+
+def test_meanwhile_runs_once_here_after_the_workers_have_their_items():
+    calls = []
+    with WorkerPool(2) as pool:
+        pool.meanwhile(lambda: calls.append((os.getpid(), len(pool._processes))))
+        assert pool.map(abs, []) == [] and calls == []  # nothing handed out: not yet
+        assert pool.map(abs, [-1, -2, -3]) == [1, 2, 3]
+        assert calls == [(os.getpid(), 2)]  # in this process, both workers started
+        assert pool.map(abs, [-4]) == [4] and len(calls) == 1  # once

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any
 
@@ -117,6 +117,16 @@ class _Context:
     budget: GpuBudget
     max_tp: int
     training: TrainingSpec  # the base of each plan's training spec
+    plans: dict[tuple, ParallelPlan] = field(default_factory=dict)  # plan values -> plan, built once
+
+    def plan(self, prefix: Prefix) -> ParallelPlan:
+        """The plan of the plan fields of ``prefix``: one object per distinct set of values, as
+        many prefixes (and the rules of several axes) share them."""
+        key = tuple((name, value) for name, value in prefix.items() if name in _PLAN_FIELDS)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = ParallelPlan(**dict(key))
+        return plan
 
 
 Prefix = Mapping[str, Any]  # axis name -> value, for the axes chosen so far
@@ -133,14 +143,10 @@ class Rule:
 _PLAN_FIELDS = frozenset(f.name for f in fields(ParallelPlan))
 
 
-def _layout_plan(prefix: Prefix) -> ParallelPlan:
-    return ParallelPlan(**{name: value for name, value in prefix.items() if name in _PLAN_FIELDS})
-
-
 def _layout_rule(name: str) -> Rule:
     """One of :data:`LAYOUT_RULES` (the rules of ``ParallelPlan.check_fits``) on the values so far."""
     (rule,) = (r for r in LAYOUT_RULES if r.name == name)
-    return Rule(name, lambda ctx, c: rule.broken(_layout_plan(c), ctx.model))
+    return Rule(name, lambda ctx, c: rule.broken(ctx.plan(c), ctx.model))
 
 
 def _microbatches(ctx: _Context, c: Prefix) -> int:
@@ -380,14 +386,14 @@ def enumerate_plans(model: ModelSpec, space: SearchSpace, *, global_batch_size: 
     specs: dict[tuple, TrainingSpec] = {}
     candidates = []
     for values in found:
-        plan_values = {k: x for k, x in values.items() if k in _PLAN_FIELDS}
+        plan = ctx.plan(values)
         training_values = {k: x for k, x in values.items() if k not in _PLAN_FIELDS}
-        schedule = _schedule(base.schedule, plan_values["virtual_pipeline"])
+        schedule = _schedule(base.schedule, values["virtual_pipeline"])
         key = (schedule, *training_values.items())
         if key not in specs:
             overlap = training_values["distributed_optimizer"] and training_values["grad_reduce"] is GradReduce.OVERLAP
             specs[key] = replace(base, schedule=schedule, overlap_param_gather=overlap, **training_values)
-        candidates.append(Candidate(parallel=ParallelPlan(**plan_values), training=specs[key]))
+        candidates.append(Candidate(parallel=plan, training=specs[key]))
     return Enumeration(candidates=tuple(candidates), skipped=skipped)
 
 

@@ -57,6 +57,12 @@ class WorkerPool:
         self._idle: list[tuple[Connection, Worker]] = []
         self._processes: list[Worker] = []
         self._ours: list[Connection] = []  # this process's end of every worker's pipe
+        self._meanwhile: list[Callable[[], None]] = []
+
+    def meanwhile(self, work: Callable[[], None]) -> None:
+        """Run ``work`` here once the next :meth:`map` has handed every worker its first item (or,
+        where no map follows, never): this process's own serial work done while the workers run."""
+        self._meanwhile.append(work)
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -90,6 +96,8 @@ class WorkerPool:
                 connection, process = self._idle.pop() if self._idle else self._start()
                 running[connection] = (process, todo.pop())
                 connection.send((function, items[running[connection][1]]))
+            while running and self._meanwhile:
+                self._meanwhile.pop(0)()
             while running:
                 for connection in wait(list(running)):
                     process, index = running.pop(connection)
