@@ -258,6 +258,7 @@ def _serve(connection: Connection) -> None:
 
     child_trace.own_this_process()  # traces here may keep older objects frozen for the worker's life
     disk_cache.keep_reads_frozen()  # and so may the trace-cache entries read here
+    # (two marks, not one: a warm estimate reads the trace cache without loading child_trace)
     while True:
         try:
             function, item = connection.recv()
