@@ -93,12 +93,17 @@ MLA_SMALL = {**{k: v for k, v in _llama("mla-0.5b", 12, 1024, 16, 16, 2816, 4096
              "v_head_dim": 128}
 CI_GPT = _gpt("ci-gpt-126m", 12, 512, 8, 1024)
 LLAMA32_1B = {**_llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 4096), "vocab_size": 128256, "tied_embeddings": True}
+# Qwen3 1.7B as published: the device-bound end of the catalogue (1.7B parameters, 31 GB of weights,
+# gradients and Adam states), which fits one H200 (141 GB) with selective recompute.
+QWEN3_17B = {**_llama("qwen3-1.7b", 28, 2048, 16, 8, 6144, 4096), "vocab_size": 151936, "kv_channels": 128,
+             "qk_layernorm": True, "tied_embeddings": True}
 PLANS.update({
     "qwen3-0.6b_mb1_none": _plan(QWEN3_06B, 1, 4, "none", "dgx-h100"),
     "mla-0.5b_mb1_none": _plan(MLA_SMALL, 1, 4, "none", "dgx-h100"),
     "ci-gpt-126m_mb4_none": _plan(CI_GPT, 4, 32, "none", "dgx-h100"),
     "llama3.2-1b_mb1_selective": _plan(LLAMA32_1B, 1, 4, "selective", "dgx-h100"),
     "qwen3-0.6b_mb2_full": _plan(QWEN3_06B, 2, 8, "full", "dgx-h100"),
+    "qwen3-1.7b_mb1_selective": _plan(QWEN3_17B, 1, 4, "selective", "dgx-h100"),
 })
 
 # --smoke: the same steps on the CPU with models small enough for seconds (checks the script only).
