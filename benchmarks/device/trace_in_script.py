@@ -52,6 +52,8 @@ COLUMNS = ["plan", "analytic_ms", "predicted_ms", "measured_ms", "analytic_error
 _GPT = dict(normalization="LayerNorm", add_bias_linear=True, gated_linear_unit=False)
 _LLAMA = dict(normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True,
               hidden_dropout=0.0, attention_dropout=0.0)
+_MOE = dict(qk_layernorm=True, moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=1e-3)
 
 # name -> (TransformerConfig fields, GPTModel fields, micro-batch, number of micro-batches).
 # The shapes of h100_validation.py's gpt-1.3b and llama-1b, without recompute (the default a user
@@ -64,6 +66,14 @@ PLANS: dict[str, tuple[dict[str, Any], dict[str, Any], int, int]] = {
                   "num_query_groups": 4, "ffn_hidden_size": 5632},
                  {"vocab_size": 32000, "max_sequence_length": 4096, "position_embedding_type": "rope",
                   "share_embeddings_and_output_weights": False}, 1, 4),
+    # Today's MoE layer as a script builds it without TransformerEngine: QK RMSNorm, GQA 16/4 with
+    # head dim 128, 16 experts top-4 (megatron-core's SequentialMLP: one GEMM per expert; the grouped
+    # GEMM needs TE or the grouped_gemm package), the all-to-all dispatcher, routing on real tokens.
+    "moe-0.9b": ({**_LLAMA, **_MOE, "num_layers": 12, "hidden_size": 1024, "num_attention_heads": 16,
+                  "num_query_groups": 4, "kv_channels": 128, "ffn_hidden_size": 3072, "num_moe_experts": 16,
+                  "moe_router_topk": 4, "moe_ffn_hidden_size": 768},
+                 {"vocab_size": 32000, "max_sequence_length": 4096, "position_embedding_type": "rope",
+                  "share_embeddings_and_output_weights": False}, 1, 4),
 }
 SMOKE_PLANS: dict[str, tuple[dict[str, Any], dict[str, Any], int, int]] = {
     "gpt-tiny": ({**_GPT, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4},
@@ -73,6 +83,11 @@ SMOKE_PLANS: dict[str, tuple[dict[str, Any], dict[str, Any], int, int]] = {
                     "num_query_groups": 2, "ffn_hidden_size": 176},
                    {"vocab_size": 256, "max_sequence_length": 32, "position_embedding_type": "rope",
                     "share_embeddings_and_output_weights": False}, 1, 2),
+    "moe-tiny": ({**_LLAMA, **_MOE, "moe_token_dispatcher_type": "allgather", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                  "num_query_groups": 2, "kv_channels": 16, "ffn_hidden_size": 176, "num_moe_experts": 4,
+                  "moe_router_topk": 2, "moe_ffn_hidden_size": 32},
+                 {"vocab_size": 256, "max_sequence_length": 32, "position_embedding_type": "rope",
+                  "share_embeddings_and_output_weights": False}, 1, 2),
 }
 
 
@@ -107,12 +122,20 @@ def _build_model(config_fields: dict[str, Any], model_fields: dict[str, Any], de
 
     on_gpu = device.startswith("cuda")
     dtype = torch.bfloat16 if on_gpu else torch.float32
+    if config_fields.get("num_moe_experts"):
+        from megatron.core.transformer.moe import moe_utils
+
+        # megatron-core 0.16.1 without TransformerEngine never binds the name its router tests for
+        # None (moe_utils.router_gating_linear): a NameError on the GPU. Bind it as the fallback means.
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
     fields = dict(config_fields)
     if fields.get("gated_linear_unit"):
         fields["activation_func"] = torch.nn.functional.silu
     config = TransformerConfig(**fields, bf16=on_gpu, params_dtype=dtype, pipeline_dtype=dtype,
                                use_cpu_initialization=not on_gpu, init_method_std=0.02)
-    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
+                                    normalization=config.normalization)
     model = GPTModel(config=config, transformer_layer_spec=spec, **model_fields)
     # What Megatron's Float16Module does: the torch norms of the local spec are built in fp32.
     return model.to(device=torch.device(device), dtype=dtype)
