@@ -21,3 +21,13 @@ def test_smoke_run_traces_the_scripts_model_and_writes_its_row(tmp_path, python_
         # every column is rounded to 3 decimals: the recomputed error is off by at most this much
         rounding = 100 * 0.0005 * (1 / measured + predicted / measured**2) + 0.0005
         assert abs(100 * (predicted - measured) / measured - error) <= rounding * 1.001
+
+
+def test_smoke_run_builds_trains_and_estimates_an_moe_script(tmp_path, python_m):
+    """The MoE plan's path: QK-norm, GQA, a local-spec MoE layer (SequentialMLP) with real routing."""
+    out = tmp_path / "trace_in_script.csv"
+    done = python_m("benchmarks.device.trace_in_script", "--smoke", "--plans", "moe-tiny", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    row = pd.read_csv(out).iloc[0]
+    assert row["plan"] == "moe-tiny"
+    assert row["analytic_ms"] > 0 and row["predicted_ms"] > 0 and row["measured_ms"] > 0
