@@ -32,7 +32,7 @@ kernels itself, and its host costs are measured on it.
   accounted for. The highest dense matmul rates ever measured by a brute-force shape search are
   85.9% of peak on an A100 SXM and 80.1% on an H100 SXM (benchmarks/data/gemm_ceilings_public.csv);
   no constant may claim more. Our own H100 sweep (benchmarks/results/h100_kernel_sweep.csv, bf16
-  on normal inputs) puts large training GEMMs at 66-80% and the model's best fit at 0.735; below
+  on normal inputs) puts large training GEMMs at 66-80% and the model's best fit at 0.7425; below
   0.5 a calibration is fitting something other than GEMM throughput.
 - ``hbm_efficiency`` in [0.5, 0.95]: the fraction of spec HBM bandwidth the memory-bound kernels
   of a training step reach on average. Measured on an H100 SXM (3.35 TB/s datasheet;
