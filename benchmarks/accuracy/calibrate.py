@@ -89,7 +89,8 @@ CROSSED = {("h100-sxm", "megatron_deepspeed_2023"): "the legacy Megatron GPT (--
 EAGER_HOST_FROM = "megatron_core_local"
 EAGER_HOST = ("host_overhead_ns", "backward_host_overhead_ns", "module_host_overhead_ns", "layer_host_overhead_ns",
               "collective_host_overhead_ns")
-HOST_NOTE = " Host costs: "  # where a default file's source (and command) turn from its device constants to its host costs
+# Where a default file's source (and command) turn from its device constants to its host costs.
+HOST_NOTE = " Host costs: "
 GPU_BUCKETS = ((8, "8 GPUs"), (64, "9-64"), (512, "65-512"), (4096, "513-4,096"))
 SIZE_BUCKETS = ((1e9, "< 1B"), (10e9, "1-10B"), (100e9, "10-100B"), (math.inf, "> 100B"))
 SMALL_SET = 10  # runs: a set this small is also reported leaving out one run at a time
