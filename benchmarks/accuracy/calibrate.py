@@ -16,12 +16,15 @@ it: :func:`~vtrain_plugin.measured.calibrate.leave_out_refits`, to convergence o
 ``--leave-out-steps`` trust-region steps), the bias by scale (GPUs x parameters) and every
 constant that ends on a bound of its range. ``--dry-run`` writes nothing; otherwise each fitted
 (device, stack) file is written, and the files that take their constants from a fitted GPU
-(:data:`DERIVED`) or a fitted GPU and stack (:data:`CROSSED`) get them too, saying why.
+(:data:`DERIVED`) or a fitted GPU and stack (:data:`CROSSED`) get them too, saying why; every GPU's
+``default`` file (the eager ``local_spec`` stack's) gets megatron-core's layer host costs
+(:func:`eager_default_files`), its device constants kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +37,9 @@ from benchmarks.accuracy import a100_data, b200_data, ci_data, h100_data, sc21_d
 from benchmarks.accuracy.a100_data import SOURCE_LABELS, MeasuredRun, add_data_argument, error_stats, prepare_runs
 
 from vtrain_plugin.cli.render import render_table
-from vtrain_plugin.hardware.calibration import SOFTWARE_CONSTANTS, Calibration, calibration_for, write_calibration
+from vtrain_plugin.hardware.calibration import (DEFAULT_STACK, SOFTWARE_CONSTANTS, Calibration, DeviceConstants,
+                                                calibration_for, package_calibration_dir, write_calibration)
+from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.measured.calibrate import (JointFit, JointSpace, MeasuredPlan, fit_constants, leave_out_refits,
                                               scope_of)
 
@@ -76,6 +81,16 @@ DERIVED = {
 # Files of a stack on a fitted GPU that no published run ran it on: the GPU's device constants of the
 # fit with the stack's host costs (software constants: the same on every GPU), and why they ship.
 CROSSED = {("h100-sxm", "megatron_deepspeed_2023"): "the legacy Megatron GPT (--use-legacy-models) on an H100"}
+# The eager stack (``local_spec``: megatron-core's local spec as traced, unfused, what vtrain's real
+# one-GPU step trains) has no file of its own: on every GPU it runs on the ``default`` file. Its host
+# costs are those of megatron-core's layers, which the fit gives ``megatron_core_local`` (the same Python
+# modules, autograd and launch path; the trace counts the unfused kernels themselves), without the
+# Megatron-LM loop's per-micro-batch and per-iteration costs (the real step runs no such loop).
+EAGER_HOST_FROM = "megatron_core_local"
+EAGER_HOST = ("host_overhead_ns", "backward_host_overhead_ns", "module_host_overhead_ns", "layer_host_overhead_ns",
+              "collective_host_overhead_ns")
+# Where a default file's source (and command) turn from its device constants to its host costs.
+HOST_NOTE = " Host costs: "
 GPU_BUCKETS = ((8, "8 GPUs"), (64, "9-64"), (512, "65-512"), (4096, "513-4,096"))
 SIZE_BUCKETS = ((1e9, "< 1B"), (10e9, "1-10B"), (100e9, "10-100B"), (math.inf, "> 100B"))
 SMALL_SET = 10  # runs: a set this small is also reported leaving out one run at a time
@@ -216,6 +231,8 @@ def write_files(fit: JointFit, plans: Sequence[MeasuredPlan], command: str, into
                                                into_package=into_package))
     by_device = {device: fit.constants(plan) for (device, _), plan in fitted.items()}
     by_stack = {stack: fit.constants(plan) for (_, stack), plan in fitted.items()}
+    if EAGER_HOST_FROM in by_stack:
+        paths += eager_default_files(by_stack[EAGER_HOST_FROM], command, into_package)
     for (device, stack), why in CROSSED.items():
         host = {name: getattr(by_stack[stack], name) for name in SOFTWARE_CONSTANTS}
         crossed = (f"The device constants of {device} and the host costs of {stack} from the same joint fit, for "
@@ -223,6 +240,30 @@ def write_files(fit: JointFit, plans: Sequence[MeasuredPlan], command: str, into
         paths.append(write_calibration(Calibration(device=device, software_stack=stack, source=crossed, command=command,
                                                    constants=replace(by_device[device], **host)),
                                        into_package=into_package))
+    return paths
+
+
+def eager_default_files(host: DeviceConstants, command: str, into_package: bool) -> list[Path]:
+    """The package's ``default`` file of every GPU with its device constants kept and the eager stack's
+    host costs (:data:`EAGER_HOST`) set to ``host``'s, the loop's left out (neutral)."""
+    paths = []
+    for path in sorted(package_calibration_dir().glob(f"*/{DEFAULT_STACK}.json")):
+        data = json.loads(path.read_text())
+        device = data["device"]
+        if get_device(device).host_runs_kernels:  # a CPU's host costs are measured on it
+            continue
+        kept = {k: v for k, v in data["constants"].items() if k not in SOFTWARE_CONSTANTS}
+        constants = DeviceConstants(**kept, **{name: getattr(host, name) for name in EAGER_HOST})
+        note = (f"those of megatron-core's layers, as the joint fit gives {EAGER_HOST_FROM} ("
+                + ", ".join(f"{name} {getattr(host, name):.0f}" for name in EAGER_HOST)
+                + "): the local_spec stack (megatron-core's local spec as traced, eager PyTorch) runs on this file "
+                  "on a GPU, the same Python modules, autograd and launch path, its unfused kernels counted by the "
+                  "trace; no per-micro-batch or per-iteration loop cost (vtrain's real one-GPU step runs no "
+                  "Megatron-LM loop). See docs/accuracy.md, 'Eager steps on Hopper'.")
+        source = data["source"].split(HOST_NOTE, 1)[0] + HOST_NOTE + note
+        made_by = data["command"].split(";" + HOST_NOTE, 1)[0] + ";" + HOST_NOTE + command
+        paths.append(write_calibration(Calibration(device=device, software_stack=DEFAULT_STACK, source=source,
+                                                   command=made_by, constants=constants), into_package=into_package))
     return paths
 
 

@@ -32,7 +32,7 @@ kernels itself, and its host costs are measured on it.
   accounted for. The highest dense matmul rates ever measured by a brute-force shape search are
   85.9% of peak on an A100 SXM and 80.1% on an H100 SXM (benchmarks/data/gemm_ceilings_public.csv);
   no constant may claim more. Our own H100 sweep (benchmarks/results/h100_kernel_sweep.csv, bf16
-  on normal inputs) puts large training GEMMs at 66-80% and the model's best fit at 0.735; below
+  on normal inputs) puts large training GEMMs at 66-80% and the model's best fit at 0.7425; below
   0.5 a calibration is fitting something other than GEMM throughput.
 - ``hbm_efficiency`` in [0.5, 0.95]: the fraction of spec HBM bandwidth the memory-bound kernels
   of a training step reach on average. Measured on an H100 SXM (3.35 TB/s datasheet;
@@ -42,7 +42,11 @@ kernels itself, and its host costs are measured on it.
   the memory-bound kernels of three profiled plans (``benchmarks/results/h100_profiles.json``:
   softmax and its backward, masked fills, dtype-converting copies, fp32 optimizer arithmetic)
   reach 0.71 of it by time from 64 to 256 MiB and 0.61 above (smaller ones are paced by the host,
-  see ``host_overhead_ns``). Not validated on A100 or Blackwell (datasheet bandwidth only).
+  see ``host_overhead_ns``). On an H200 (4.8 TB/s) the streaming sweep gives 4.46 us and 0.879,
+  the profiled kernels 0.56 by time above 64 MiB. In a real eager step (``local_spec``, the
+  ``default`` files) those kernels reach 0.755 (H100) and 0.636 (H200): fitted on the real steps
+  (``python -m benchmarks.accuracy.eager_steps --fit-hbm``), between alone and streaming. Not
+  validated on A100 or Blackwell (datasheet bandwidth only).
 - ``kernel_overhead_ns`` in [1000, 5000]: device time each kernel adds beyond its roofline time:
   launch latency between back-to-back kernels on one stream, ramp-up and tail; 2-5 us measured
   for back-to-back small kernels (e.g. the CUDA launch-latency microbenchmarks of Jia et al.,
@@ -54,7 +58,12 @@ kernels itself, and its host costs are measured on it.
   cudaLaunchKernel call 2-5 us of it. Issued from Python, as Megatron's layers issue most ops, an
   op costs more: the 203 kernels under 1 MiB of ``benchmarks/results/h100_profiles.json``, each
   called from Python back to back, take 17.6 / 25.1 / 29.3 us (10th / 50th / 90th percentile)
-  whatever their size, the host's pace, not the device's; the top is that median.
+  whatever their size, the host's pace, not the device's; the top is that median (25.6 us on the
+  lent H200's host, ``h200_profiles.json``). PyTorch's published per-op figures are not available
+  offline: the bounds cite our measurements. Eager megatron-core (``local_spec``, on a GPU the
+  ``default`` files) takes megatron-core's layer costs of the joint fit (``megatron_core_local``);
+  with them 16 real eager steps on an H100 and an H200 come out within 10%
+  (``benchmarks/results/2026-12-03_eager_host_cost.txt``).
 
 Optional constants (a file may leave them out; then the neutral value below applies, which means
 "not modelled" and is exempt from the range):
