@@ -27,7 +27,7 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,8 +37,9 @@ from benchmarks.accuracy import a100_data, b200_data, ci_data, h100_data, sc21_d
 from benchmarks.accuracy.a100_data import SOURCE_LABELS, MeasuredRun, add_data_argument, error_stats, prepare_runs
 
 from vtrain_plugin.cli.render import render_table
-from vtrain_plugin.hardware.calibration import (DEFAULT_STACK, SOFTWARE_CONSTANTS, Calibration, DeviceConstants,
-                                                calibration_for, package_calibration_dir, write_calibration)
+from vtrain_plugin.hardware.calibration import (DEFAULT_STACK, OPTIONAL_CONSTANTS, SOFTWARE_CONSTANTS, Calibration,
+                                                DeviceConstants, calibration_for, package_calibration_dir,
+                                                write_calibration)
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.measured.calibrate import (JointFit, JointSpace, MeasuredPlan, fit_constants, leave_out_refits,
                                               scope_of)
@@ -232,7 +233,11 @@ def write_files(fit: JointFit, plans: Sequence[MeasuredPlan], command: str, into
     by_device = {device: fit.constants(plan) for (device, _), plan in fitted.items()}
     by_stack = {stack: fit.constants(plan) for (_, stack), plan in fitted.items()}
     if EAGER_HOST_FROM in by_stack:
-        paths += eager_default_files(by_stack[EAGER_HOST_FROM], command, into_package)
+        factors = {device: c.host_time_factor for device, c in by_device.items()}
+        for (other, _), ((origin, _), _) in DERIVED.items():
+            if origin in factors:
+                factors.setdefault(other, factors[origin])
+        paths += eager_default_files(by_stack[EAGER_HOST_FROM], command, into_package, host_factors=factors)
     for (device, stack), why in CROSSED.items():
         host = {name: getattr(by_stack[stack], name) for name in SOFTWARE_CONSTANTS}
         crossed = (f"The device constants of {device} and the host costs of {stack} from the same joint fit, for "
@@ -243,9 +248,16 @@ def write_files(fit: JointFit, plans: Sequence[MeasuredPlan], command: str, into
     return paths
 
 
-def eager_default_files(host: DeviceConstants, command: str, into_package: bool) -> list[Path]:
+def eager_default_files(host: DeviceConstants, command: str, into_package: bool,
+                        host_factors: Mapping[str, float] | None = None) -> list[Path]:
     """The package's ``default`` file of every GPU with its device constants kept and the eager stack's
-    host costs (:data:`EAGER_HOST`) set to ``host``'s, the loop's left out (neutral)."""
+    host costs (:data:`EAGER_HOST`) set to ``host``'s, the loop's left out (neutral).
+
+    ``host_factors`` (device -> ``host_time_factor``, the fit's) sets how much slower than a DGX H100's
+    the CPU of each GPU's usual node runs those costs: a property of the node, not of the stack, so the
+    eager stack on an A100 pays the DGX A100's factor as its fitted stacks do. A device it does not
+    name keeps its file's.
+    """
     paths = []
     for path in sorted(package_calibration_dir().glob(f"*/{DEFAULT_STACK}.json")):
         data = json.loads(path.read_text())
@@ -253,9 +265,16 @@ def eager_default_files(host: DeviceConstants, command: str, into_package: bool)
         if get_device(device).host_runs_kernels:  # a CPU's host costs are measured on it
             continue
         kept = {k: v for k, v in data["constants"].items() if k not in SOFTWARE_CONSTANTS}
+        factor = (host_factors or {}).get(device)
+        if factor is not None and factor != OPTIONAL_CONSTANTS["host_time_factor"]:
+            kept["host_time_factor"] = factor
+        elif factor is not None:
+            kept.pop("host_time_factor", None)
         constants = DeviceConstants(**kept, **{name: getattr(host, name) for name in EAGER_HOST})
+        node = (f"; host_time_factor {kept['host_time_factor']:.3f}, the fit's for this GPU's node CPU"
+                if "host_time_factor" in kept else "")
         note = (f"those of megatron-core's layers, as the joint fit gives {EAGER_HOST_FROM} ("
-                + ", ".join(f"{name} {getattr(host, name):.0f}" for name in EAGER_HOST)
+                + ", ".join(f"{name} {getattr(host, name):.0f}" for name in EAGER_HOST) + node
                 + "): the local_spec stack (megatron-core's local spec as traced, eager PyTorch) runs on this file "
                   "on a GPU, the same Python modules, autograd and launch path, its unfused kernels counted by the "
                   "trace; no per-micro-batch or per-iteration loop cost (vtrain's real one-GPU step runs no "

@@ -26,6 +26,28 @@ def test_the_default_file_of_every_gpu_has_megatron_cores_layer_host_costs_and_n
         assert getattr(eager, name) == expected, (gpu, name)
 
 
+@pytest.mark.parametrize("gpu", GPUS)
+def test_the_default_file_pays_the_node_cpu_factor_its_fitted_stacks_pay(gpu):
+    eager = calibration_for(gpu, "default").constants
+    fitted = package_calibration_dir() / gpu / f"{EAGER_HOST_FROM}.json"
+    expected = (json.loads(fitted.read_text())["constants"].get("host_time_factor", 1.0) if fitted.exists()
+                else OPTIONAL_CONSTANTS["host_time_factor"])
+    assert eager.host_time_factor == expected, gpu
+
+
+def test_the_writer_sets_each_gpus_node_factor_and_leaves_the_others(monkeypatch, tmp_path):
+    monkeypatch.setenv("VTRAIN_CALIBRATION_DIR", str(tmp_path))
+    host = calibration_for("h100-sxm", EAGER_HOST_FROM).constants
+    paths = eager_default_files(host, "make it", into_package=False,
+                                host_factors={"a100-sxm4-80gb": 1.25, "h100-sxm": 1.0})
+    written = {p.parent.name: json.loads(p.read_text()) for p in paths}
+    assert written["a100-sxm4-80gb"]["constants"]["host_time_factor"] == 1.25
+    assert "host_time_factor 1.250, the fit's for this GPU's node CPU" in written["a100-sxm4-80gb"]["source"]
+    assert "host_time_factor" not in written["h100-sxm"]["constants"]  # neutral: left out
+    shipped_40 = calibration_for("a100-sxm4-40gb", "default").constants.host_time_factor
+    assert written["a100-sxm4-40gb"]["constants"].get("host_time_factor", 1.0) == shipped_40  # not named: kept
+
+
 def test_the_writer_sets_the_host_costs_and_keeps_device_constants_and_the_device_note(monkeypatch, tmp_path):
     monkeypatch.setenv("VTRAIN_CALIBRATION_DIR", str(tmp_path))
     host = replace(calibration_for("h100-sxm", EAGER_HOST_FROM).constants, host_overhead_ns=12345.0,
