@@ -6,8 +6,15 @@ Shared by ``calibrate.py`` and ``published_runs.py``. Each row of
 with FP8 GEMMs (TransformerEngine hybrid format, delayed scaling), sequence parallelism whenever TP
 > 1, the interleaved schedule when the row has virtual stages, no activation recompute, the
 distributed optimizer with its gradient reduce-scatter overlapped with the backward pass and its
-parameter all-gather with the forward (:data:`NEMO_OPTIMIZER`), on DGX H100 nodes. The measured time
-is the row's ``iteration_time_s`` (derived from the published tokens/s per GPU).
+parameter all-gather with the forward (:data:`NEMO_OPTIMIZER`), TransformerEngine's tensor-parallel
+communication overlap whenever TP > 1, on DGX H100 nodes. The measured time is the row's
+``iteration_time_s`` (derived from the published tokens/s per GPU).
+
+The H100 rows do not state the overlap; NeMo's recipe settings of the same models one release later
+do (``b200_published_calibration.csv``, column ``tp_comm_overlap``, from NeMo v2.3.0's
+``model_configs_b200.csv``: true for GPT-3 175B at TP 4 and Llama 3 70B at TP 2, false at TP 1), and
+NeMo's performance recipes have overlapped TP communication for these models since they had TP > 1
+(inferred, not read for 24.07: no recipe of that release is in the shared data).
 
 Part of the joint calibration (``calibrate.py``): these runs inform the H100's GEMM (here FP8),
 fused-attention and HBM efficiencies; its host costs are the stack's, fitted with every set.
@@ -56,6 +63,7 @@ def plan_mapping(row: dict[str, str]) -> dict[str, Any]:
             "global_batch_size": int(row["global_batch"]),
             "schedule": "interleaved_1f1b" if vp > 1 else "1f1b",
             "software_stack": "megatron_core_te", "fp8": "hybrid", **NEMO_OPTIMIZER,
+            "tp_comm_overlap": tp > 1,
         },
         "cluster": {"preset": "dgx-h100"},
     }

@@ -39,3 +39,10 @@ def test_nemo_runs_use_the_distributed_optimizer_and_then_fit_their_gpus():
         assert training.distributed_optimizer and training.overlap_param_gather, r.name
     for r in b200_data.read_runs():
         assert estimate(r.run).fits_in_memory, r.name
+
+
+def test_nemo_runs_overlap_tensor_parallel_communication_where_they_have_it():
+    # the B200 rows state NeMo's recipe setting; the H100 rows of the same recipes take it at TP > 1
+    for r in h100_data.read_runs():
+        assert r.run.training.tp_comm_overlap == (r.run.parallel.tensor_parallel > 1), r.name
+    assert [r.run.training.tp_comm_overlap for r in b200_data.read_runs()] == [True, False, True]
