@@ -36,14 +36,14 @@ Device time of one kernel is ``max(compute_ns, memory_ns) + kernel_overhead_ns``
   least ``elements / (sm_count * rate)``, the elements being the index's or the source's (the
   largest operand but the first). ``gather`` and ``scatter_add`` run PyTorch's element-wise
   scatter/gather kernel, which computes a 64-bit offset from the index for every element, and
-  ``scatter_add`` and ``index_add`` add with an atomic read-modify-write in L2 (bf16 atomics, four
-  top-k sources per token); neither is limited by HBM bandwidth at MoE sizes. The rates, elements
+  ``scatter_add`` and ``index_add`` add with an atomic read-modify-write in L2 (bf16 atomics, top-k
+  sources per token); neither is limited by HBM bandwidth at MoE sizes. The rates, elements
   per ns per SM (:data:`INDEXED_ELEMENTS_PER_NS_PER_SM`), are the middle of what a lent H100 and
   H200 measured for 16 Mi bf16 elements (16384 routed tokens x hidden 1024, the profile exports
   ``benchmarks/results/h100_profiles.json`` and ``h200_trace_in_script_profiles.json``, less the
   kernel overhead): ``gather`` 0.86-1.00, ``index_add`` 0.83-0.90, ``scatter_add`` 0.43-0.50
-  (0.4 to 1.4 TB/s, against 3.35 and 4.8 TB/s of HBM). ``index_select``, the forward permutation,
-  copies whole rows and stays memory-bound. A CPU (``host_runs_kernels``) keeps the memory bound.
+  (0.35 to 1.4 TB/s of their operands' bytes, against 3.35 and 4.8 TB/s of HBM).
+  ``index_select``, the forward permutation, copies whole rows and stays memory-bound. A CPU (``host_runs_kernels``) keeps the memory bound.
 - views, metadata and host reads (NO_KERNEL, HOST_SYNC) take no device time.
 
 Host time per kernel: the CPU spends ``host_overhead_ns`` issuing each kernel of a forward,
