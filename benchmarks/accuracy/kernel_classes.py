@@ -10,6 +10,15 @@ profile export measured on the card and timed by the kernel model the estimator 
 times how often it runs) are printed per op class and op: analytic against measured, and the error.
 The iteration-level comparison is ``h100_validation.csv``; this says which kernels make it up.
 
+``--script-plan NAME`` does the same for a plan of ``benchmarks/device/trace_in_script.py`` (the MoE
+layer ``moe-0.9b``: ``--script-plan moe-0.9b --gpu h200-sxm --profiles
+benchmarks/results/h200_trace_in_script_profiles.json``), traced as the ModelSpec its script's
+GPTModel reads as, and adds the totals by part of the layer (attention, the MoE router, the
+permutation, the experts, the optimizer, the rest) with the measured time of the kernels under
+:data:`LAUNCH_BOUND_US`: a replay times the launch of a small kernel with it (the device is idle
+when each repetition is issued), about 30 us on the H200's host where its sweep's streaming
+kernels take 4-6 us on the device.
+
 ``--by-size`` prints the memory-bound kernels (neither GEMM nor attention) by bytes moved instead:
 measured against modelled, and the bandwidth reached, as a share of the datasheet's weighted by
 time; then the two constants of the memory-bound model (``kernel_overhead_ns`` and
@@ -28,25 +37,60 @@ from vtrain_plugin.cli.render import render_table
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
+LAUNCH_BOUND_US = 60.0  # a replayed kernel measured under this is taken as bound by its launch (module doc)
+
+
 def class_totals(name: str, mapping: dict, gpu: str, db_path: Path) -> tuple[dict[str, list[float]], int, int]:
     """``op class:op -> [analytic ns, measured ns, kernels]`` over the plan's measured kernels, with
     the counts of unique and of measured kernels."""
-    from profiler.lookup import measured_durations
     from vtrain_plugin.capture.tracer import trace
+    from vtrain_plugin.measured import one_device
+    from vtrain_plugin.runs import run_config_from_dict, with_gpu
+
+    run = run_config_from_dict(mapping, source=name)
+    single, _ = one_device.single_device_run(run, "cpu")
+    single = with_gpu(single, gpu)  # the one-device run of the card the profiles are from
+    return graph_class_totals(trace(single.model, single.parallel), gpu, db_path)
+
+
+def script_plan_graph(name: str):
+    """The graph of ``trace_in_script.py``'s plan ``name`` as its script traces it: the ModelSpec
+    and plan its GPTModel (bf16, as built on the GPU) reads as, without building the model."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from benchmarks.device.trace_in_script import PLANS
+    from megatron_adapters.config_map import parallel_plan_from_transformer_config
+    from megatron_adapters.gpt_model import model_spec_of_gpt_model
+    from vtrain_plugin.capture.tracer import trace
+
+    config_fields, model_fields, micro_batch, _ = PLANS[name]
+    fields = dict(config_fields)
+    if fields.get("gated_linear_unit"):
+        fields["activation_func"] = torch.nn.functional.silu
+    config = TransformerConfig(**fields, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    gpt = SimpleNamespace(config=config, vocab_size=model_fields["vocab_size"],
+                          position_embedding_type=model_fields["position_embedding_type"],
+                          share_embeddings_and_output_weights=model_fields["share_embeddings_and_output_weights"])
+    model = model_spec_of_gpt_model(gpt, seq_length=model_fields["max_sequence_length"])
+    plan = replace(parallel_plan_from_transformer_config(config, None), micro_batch_size=micro_batch)
+    return trace(model, plan)
+
+
+def graph_class_totals(graph, gpu: str, db_path: Path) -> tuple[dict[str, list[float]], int, int]:
+    """:func:`class_totals` of a traced graph."""
+    from profiler.lookup import measured_durations
     from vtrain_plugin.core.op_names import parse_op_name
     from vtrain_plugin.cost.kernels.model import KernelModel
     from vtrain_plugin.cost.kernels.op_classes import classify
     from vtrain_plugin.hardware.calibration import calibration_for
     from vtrain_plugin.hardware.devices import get_device
-    from vtrain_plugin.measured import one_device
-    from vtrain_plugin.runs import run_config_from_dict, with_gpu
 
     device = get_device(gpu)
     model = KernelModel(device, calibration_for(device.name, "default").constants)
-    run = run_config_from_dict(mapping, source=name)
-    single, _ = one_device.single_device_run(run, "cpu")
-    single = with_gpu(single, gpu)  # the one-device run of the card the profiles are from
-    graph = trace(single.model, single.parallel)
     unique = graph.unique_kernels()
     measured = measured_durations(list(unique), gpu, db_path=db_path)
     example = {op.key: op for s in graph.stages for b in s.blocks for op in b.ops()}
@@ -59,6 +103,64 @@ def class_totals(name: str, mapping: dict, gpu: str, db_path: Path) -> tuple[dic
         totals[label][1] += measured[key] * kernel.count
         totals[label][2] += kernel.count
     return totals, len(unique), len(measured)
+
+
+def part_of(module: str, phase) -> str:
+    """The part of a layer an op of ``module`` belongs to (its MoE pieces apart)."""
+    from vtrain_plugin.core.graph import Phase
+
+    if phase is Phase.OPTIMIZER:
+        return "optimizer"
+    if ".mlp.router" in module:
+        return "moe: router (gating GEMM, softmax, top-k, aux loss)"
+    if ".mlp.experts" in module:
+        return "moe: experts (per-expert GEMMs, activation)"
+    if module.endswith(".mlp") or ".mlp.token_dispatcher" in module:
+        return "moe: permutation (index_select, scatter_add, ...)"
+    if ".mlp" in module:
+        return "mlp"
+    if ".self_attention" in module:
+        return "attention"
+    return "rest (norms, embedding, loss, residuals)"
+
+
+def part_totals(graph, gpu: str, db_path: Path) -> dict[str, list[float]]:
+    """``part -> [analytic ns, measured ns, kernels, launch-bound kernels, their analytic ns, their
+    measured ns]`` over the measured kernels of one micro-batch and the optimizer step."""
+    from profiler.lookup import measured_durations
+    from vtrain_plugin.cost.kernels.model import KernelBatch, KernelKind, KernelModel
+    from vtrain_plugin.hardware.calibration import calibration_for
+    from vtrain_plugin.hardware.devices import get_device
+
+    device = get_device(gpu)
+    model = KernelModel(device, calibration_for(device.name, "default").constants)
+    measured = measured_durations(list(graph.unique_kernels()), gpu, db_path=db_path)
+    ops = [(op, b.count) for s in graph.stages for b in s.blocks for op in b.ops()]
+    batch = KernelBatch.of([op for op, _ in ops])
+    analytic = model.device_ns(batch)
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0, 0, 0.0, 0.0])
+    for (op, count), kind, ns in zip(ops, batch.kind, analytic):
+        if kind == KernelKind.NONE or op.key not in measured:
+            continue
+        t = totals[part_of(op.module, op.phase)]
+        m = measured[op.key]
+        t[0] += ns * count
+        t[1] += m * count
+        t[2] += count
+        if m < LAUNCH_BOUND_US * 1e3:
+            t[3] += count
+            t[4] += ns * count
+            t[5] += m * count
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1][1]))
+
+
+def part_rows(totals: dict[str, list[float]]) -> list[list[str]]:
+    def row(label: str, a: float, m: float, n: int, nb: int, ab: float, mb: float) -> list[str]:
+        return [label, f"{n:,}", f"{a / 1e6:,.2f}", f"{m / 1e6:,.2f}", f"{100 * (a / m - 1):+.0f}", f"{nb:,}",
+                f"{ab / 1e6:,.2f}", f"{mb / 1e6:,.2f}"]
+
+    return ([row(part, *values) for part, values in totals.items()]
+            + [row("all", *(sum(c) for c in zip(*totals.values())))])
 
 
 SIZE_EDGES_MIB = (0, 1, 16, 64, 256, 1 << 20)
@@ -147,16 +249,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=12, help="op classes shown per plan, by measured time")
     parser.add_argument("--by-size", action="store_true", help="memory-bound kernels by bytes moved (see above)")
     parser.add_argument("--sweep", type=Path, default=RESULTS / "h100_kernel_sweep.csv")
+    parser.add_argument("--script-plan", default=None,
+                        help="a plan of benchmarks/device/trace_in_script.py instead of --plans, by part too (see above)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.plans.split(",") if n.strip()]
     unknown = [n for n in names if n not in PLANS]
     if unknown:
         parser.error(f"--plans: unknown plan {unknown[0]!r}")
+    if args.script_plan is not None:
+        from benchmarks.device.trace_in_script import PLANS as SCRIPT_PLANS
+
+        if args.script_plan not in SCRIPT_PLANS:
+            parser.error(f"--script-plan: unknown plan {args.script_plan!r}; one of {', '.join(SCRIPT_PLANS)}")
     overall: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
     with tempfile.TemporaryDirectory() as tmp:
         db_path = Path(tmp) / "profiles.sqlite"
         with ProfileDB.open(db_path) as db:
             db.import_(args.profiles)
+        if args.script_plan is not None:
+            graph = script_plan_graph(args.script_plan)
+            totals, n_unique, n_measured = graph_class_totals(graph, args.gpu, db_path)
+            print(f"{args.script_plan}: {n_measured} of {n_unique} unique kernels profiled; one micro-batch and "
+                  f"the optimizer step, ms")
+            print(render_table(rows(totals, args.top), ["op class: op", "kernels", "analytic", "measured", "err %"]))
+            print(f"\nby part; launch-bound: the kernels measured under {LAUNCH_BOUND_US:g} us")
+            print(render_table(part_rows(part_totals(graph, args.gpu, db_path)),
+                               ["part", "kernels", "analytic", "measured", "err %", "launch-bound kernels",
+                                "their analytic", "their measured"]))
+            return 0
         if args.by_size:
             from vtrain_plugin.hardware.devices import get_device
 

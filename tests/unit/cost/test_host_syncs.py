@@ -12,7 +12,7 @@ import pytest
 
 from vtrain_plugin.core.graph import Phase
 from vtrain_plugin.cost.host_syncs import all_to_all_rows, dispatch_waits
-from vtrain_plugin.cost.kernels.host_device import Segment, SegmentTime, sequence, split_times, then
+from vtrain_plugin.cost.kernels.host_device import Segment, SegmentTime, segment_times, sequence, split_times, then
 from vtrain_plugin.cost.prepare import prepare
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
@@ -79,6 +79,19 @@ def test_a_wait_exposes_the_host_time_after_it():
     # then(): a wait in the second part stays a wait in the joined unit
     joined = then(SegmentTime(2.0, 3.0, 5.0, 1), replace(waited, count=1))
     assert joined.pieces[1:] == pieces[1:] and joined.pipelined_ns == sequence([joined])
+
+
+def test_the_last_piece_is_timed_over_its_own_rows():
+    # a forward segment (rows 0-3) followed by host-heavy rows of another phase: waiting before row
+    # 2, the last piece runs rows 2-3 alone, max(4 + 11, 8 + 1) = 15, whatever comes after it
+    host = np.array([4.0, 4.0, 4.0, 4.0, 100.0, 100.0])
+    device = np.array([10.0, 1.0, 10.0, 1.0, 1.0, 1.0])
+    segment = Segment(block=0, phase=Phase.FORWARD, start=0, stop=4, count=1)
+    assert split_times(host, device, segment, (2,)) == ((8.0, 11.0, 15.0), (8.0, 11.0, 15.0))
+    later = Segment(block=0, phase=Phase.BACKWARD, start=4, stop=6, count=1)
+    first = Segment(block=0, phase=Phase.FORWARD, start=0, stop=2, count=1)
+    _, _, p = segment_times(host, device, [first, later])  # segments that leave rows 2-3 out
+    assert p.tolist() == [15.0, 201.0]
 
 
 def test_a_recompute_waits_only_where_it_routes_again():

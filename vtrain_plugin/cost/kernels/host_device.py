@@ -68,7 +68,9 @@ def segment_times(host: np.ndarray, device: np.ndarray, segments: Sequence[Segme
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per segment: host total, device total and the two-stage pipeline time of its kernels.
 
-    With global prefix sums ``CH``, ``CD``, ``P = max_i (CH_i - CD_{i-1}) - CH_{start-1} + CD_{stop-1}``.
+    With global prefix sums ``CH``, ``CD``, ``P = max_i (CH_i - CD_{i-1}) - CH_{start-1} + CD_{stop-1}``,
+    the maximum over the segment's own rows ``start <= i < stop``: the segments need not cover the
+    batch (:func:`split_times` times the pieces of one segment).
     """
     ch = np.concatenate(([0.0], np.cumsum(host)))
     cd = np.concatenate(([0.0], np.cumsum(device)))
@@ -79,7 +81,10 @@ def segment_times(host: np.ndarray, device: np.ndarray, segments: Sequence[Segme
     nonempty = stops > starts
     if nonempty.any() and len(host):
         value = ch[1:] - cd[:-1]  # CH_i - CD_{i-1} for row i (inclusive prefix of host)
-        peak = np.maximum.reduceat(value, starts[nonempty])
+        # reduceat over (start, stop) pairs: the even results are the maxima over [start, stop); the
+        # sentinel lets a stop at the end of the batch be an index.
+        bounds = np.column_stack((starts[nonempty], stops[nonempty])).ravel()
+        peak = np.maximum.reduceat(np.append(value, -np.inf), bounds)[::2]
         p[nonempty] = peak - ch[starts[nonempty]] + cd[stops[nonempty]]
     return h, d, p
 

@@ -31,6 +31,19 @@ Device time of one kernel is ``max(compute_ns, memory_ns) + kernel_overhead_ns``
   where a calibration leaves it out.
 - every other kernel: ``flops / fp32 CUDA-core peak`` (the tracer counts only matmul FLOPs, so this
   is usually 0 and the kernel is memory-bound at the achievable HBM bandwidth).
+- indexed kernels whose work is per element, not per byte (``gather``, ``scatter_add``,
+  ``index_add``: megatron-core's token unpermutation and the backward of its permutation): at
+  least ``elements / (sm_count * rate)``, the elements being the index's or the source's (the
+  largest operand but the first). ``gather`` and ``scatter_add`` run PyTorch's element-wise
+  scatter/gather kernel, which computes a 64-bit offset from the index for every element, and
+  ``scatter_add`` and ``index_add`` add with an atomic read-modify-write in L2 (bf16 atomics, top-k
+  sources per token); neither is limited by HBM bandwidth at MoE sizes. The rates, elements
+  per ns per SM (:data:`INDEXED_ELEMENTS_PER_NS_PER_SM`), are the middle of what a lent H100 and
+  H200 measured for 16 Mi bf16 elements (16384 routed tokens x hidden 1024, the profile exports
+  ``benchmarks/results/h100_profiles.json`` and ``h200_trace_in_script_profiles.json``, less the
+  kernel overhead): ``gather`` 0.86-1.00, ``index_add`` 0.83-0.90, ``scatter_add`` 0.43-0.50
+  (0.35 to 1.4 TB/s of their operands' bytes, against 3.35 and 4.8 TB/s of HBM).
+  ``index_select``, the forward permutation, copies whole rows and stays memory-bound. A CPU (``host_runs_kernels``) keeps the memory bound.
 - views, metadata and host reads (NO_KERNEL, HOST_SYNC) take no device time.
 
 Host time per kernel: the CPU spends ``host_overhead_ns`` issuing each kernel of a forward,
@@ -71,6 +84,10 @@ _SPLIT_K_COST = 1024  # reducing the partial tiles of a split GEMM, in K-loop st
 _MAX_SPLIT_K = 16
 _NO_DEVICE_TIME = frozenset({OpClass.NO_KERNEL, OpClass.HOST_SYNC})
 _TENSOR_DTYPES = (Dtype.FP16, Dtype.BF16, Dtype.FP32, Dtype.FP8, Dtype.FP4)
+
+# Elements per ns per SM of indexed kernels bound by per-element work (module doc; measured on an H100
+# and an H200, ranges there).
+INDEXED_ELEMENTS_PER_NS_PER_SM = {"gather": 0.93, "index_add": 0.87, "scatter_add": 0.47}
 
 # Positions of the (M x K) and (K x N) operands among a GEMM's tensor inputs.
 # A grouped GEMM (one kernel over the GEMMs of several experts) is tiled as a batch of them.
@@ -139,6 +156,9 @@ class KernelBatch:
     # Kernels the host launches for each row: a grouped GEMM's GEMM count (TE issues one cuBLAS GEMM
     # per expert), 1 for every other; None: 1 each.
     launches: np.ndarray | None = None
+    # SM-nanoseconds of an indexed kernel's per-element work (elements / per-SM rate, module doc), 0
+    # for every other; None: 0 each.
+    index_work: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.kind)
@@ -152,13 +172,15 @@ class KernelBatch:
                    flops=np.array(cols[2], float), nbytes=np.array(cols[3], float),
                    batch=np.array(cols[4], float), m=np.array(cols[5], float), n=np.array(cols[6], float),
                    k=np.array(cols[7], float), backward=np.array(cols[8], bool),
-                   launches=np.array([_launches(node) for node in nodes], float))
+                   launches=np.array([_launches(node) for node in nodes], float),
+                   index_work=np.array([_index_work(node) for node in nodes], float))
 
     @classmethod
     def concat(cls, batches: Sequence[KernelBatch]) -> KernelBatch:
         """The rows of ``batches`` one after another (each made by :meth:`of`)."""
         return cls(**{name: np.concatenate([getattr(b, name) for b in batches])
-                      for name in ("kind", "dtype", "flops", "nbytes", "batch", "m", "n", "k", "backward", "launches")})
+                      for name in ("kind", "dtype", "flops", "nbytes", "batch", "m", "n", "k", "backward", "launches",
+                                   "index_work")})
 
 
 def tensor_dtype_code(dtype: Dtype) -> int:
@@ -173,6 +195,16 @@ def _launches(node: OpNode) -> int:
     if parse_op_name(node.op).base == "grouped_gemm" and node.key.input_shapes and node.key.input_shapes[0]:
         return int(node.key.input_shapes[0][0])
     return 1
+
+
+def _index_work(node: OpNode) -> float:
+    """SM-nanoseconds of per-element work of an indexed kernel (module doc), 0 for every other:
+    its largest operand but the first (the index of ``gather`` / ``scatter_add``, the source of
+    ``index_add``) over the op's per-SM rate."""
+    rate = INDEXED_ELEMENTS_PER_NS_PER_SM.get(parse_op_name(node.op).base)
+    if rate is None or not node.launches_kernel or len(node.key.input_shapes) < 2:
+        return 0.0
+    return max(math.prod(shape) for shape in node.key.input_shapes[1:]) / rate
 
 
 def _features(node: OpNode) -> tuple:
@@ -252,7 +284,10 @@ class KernelModel:
                 eff = self.gemm_efficiencies(kernels.batch[g], kernels.m[g], kernels.n[g], kernels.k[g])
                 compute[g] = kernels.flops[g] / (rate[g] * eff)
         memory = kernels.nbytes / (self.device.hbm_bytes_per_ns * c.hbm_efficiency)
-        return np.where(kind == KernelKind.NONE, 0.0, np.maximum(compute, memory) + c.kernel_overhead_ns)
+        bound = np.maximum(compute, memory)
+        if kernels.index_work is not None and not self.device.host_runs_kernels:  # GPU rates (module doc)
+            bound = np.maximum(bound, np.where(kind == KernelKind.OTHER, kernels.index_work / self.device.sm_count, 0.0))
+        return np.where(kind == KernelKind.NONE, 0.0, bound + c.kernel_overhead_ns)
 
     def host_ns_batch(self, kernels: KernelBatch) -> np.ndarray:
         """CPU time in ns spent issuing every kernel of the batch (0 for kind NONE)."""

@@ -13,8 +13,8 @@ The rest of deterministic mode is priced elsewhere or left as traced: NCCL is pi
 algorithm (Megatron-LM asserts ``NCCL_ALGO`` is set; NVIDIA's functional tests set ``Ring``), so
 all-reduces that span nodes lose the tree (:class:`~vtrain_plugin.cost.comm.collectives.CommModel`'s
 ``ring_only``); the embedding's backward (an indexed gather's ``index_put_`` instead of
-``embedding_dense_backward``) and MoE's unpermute (``index_add`` instead of ``scatter_add``) read
-and write the same bytes, and keep their traced prices.
+``embedding_dense_backward``) and MoE's unpermute (``index_add`` instead of ``scatter_add``) keep
+their traced prices (the kernel model's per-element rate of each, measured without deterministic mode).
 """
 
 from __future__ import annotations
