@@ -61,6 +61,17 @@ def test_full_recompute_rebuilds_a_whole_layer_during_its_backward():
     assert none.backward_peak_nbytes < full.backward_peak_nbytes
 
 
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_a_gpus_softmax_backward_adds_a_temporary_of_its_output(recompute):
+    """torch's softmax backward on a GPU computes ``grad * output`` apart (seen on an H200): with it
+    a recomputed attention's backward peaks higher, by at most one fp32 score-sized tensor; a fused
+    attention's measure leaves it out with the rest of the core attention."""
+    stage = _stage("gpt", recompute)
+    scores = B * A * S * S * 4
+    assert stage.backward_peak_nbytes < stage.gpu_softmax_backward_peak_nbytes <= stage.backward_peak_nbytes + scores
+
+
+
 @pytest.mark.parametrize("plan", ["llama-1b_mb2_full"])
 def test_peak_allocated_of_full_recompute_against_the_h100(plan):
     """The plan trained on a lent H100 (max allocated 22.56 GiB, 29% above the saved activations'

@@ -42,10 +42,12 @@ parameters of its chunks:
   recompute, the gradients in flight, the logits' gradient on the last stage), as ``max allocated``
   sees them; with ``fused_attention``, the same without what the local core attention allocates
   (``held_outside_attention_nbytes``, ``backward_peak_outside_attention_nbytes``: no score buffer,
-  no score-sized tensors or gradients), and with ``block_extra`` what a stack holds beyond the
-  traced ops in the backward of one block (TE's unfused attention's score gradient, the tensors
-  activation offloading reloads), counted at that block's moment, when the blocks after it have
-  freed their stash (:func:`backward_rise`); or what the stack holds beside the stash in a forward
+  no score-sized tensors or gradients); with ``gpu_softmax``, the backward's peak with the temporary
+  torch's softmax backward allocates on a GPU (``gpu_softmax_backward_peak_nbytes``: the local spec
+  as traced runs that softmax; the fused softmax kernels of the other stacks make none); and with
+  ``block_extra`` what a stack holds beyond the traced ops in the backward of one block (TE's
+  unfused attention's score gradient, the tensors activation offloading reloads), counted at that
+  block's moment, when the blocks after it have freed their stash (:func:`backward_rise`); or what the stack holds beside the stash in a forward
   (a fused cross entropy) where that moment is higher: the larger of the two;
 - the GEMM libraries' cuBLAS workspaces (``workspaces_gib``, set by
   :mod:`vtrain_plugin.cost.stack_memory` from :mod:`vtrain_plugin.cost.workspaces`): allocated
@@ -133,15 +135,16 @@ class RankMemory:
 def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: bool = False,
                 gradients: Dtype | None = None, fsdp: FsdpSettings | None = None,
                 optimizer: OptimizerSpec | None = None, backward_peaks: bool = False,
-                fused_attention: bool = False,
+                fused_attention: bool = False, gpu_softmax: bool = False,
                 block_extra: Callable[[StageGraph], Sequence[int]] | None = None,
                 forward_extra: Callable[[StageGraph], int] | None = None,
                 ranks: Sequence[int] | None = None) -> tuple[RankMemory, ...]:
     """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule;
     ``backward_peaks``: add the traced step's held bytes and backward peak, those outside the core
     attention with ``fused_attention`` (a stack whose attention allocates no score-sized tensors),
-    plus ``block_extra(stage)[k]`` where given (what that stack holds beyond the traced ops in the
-    backward of the stage's block ``k``, once the blocks after it freed their stash), or
+    with ``gpu_softmax`` the backward's peak with the temporaries of torch's softmax backward on a
+    GPU (a stack that runs torch's softmax there), plus ``block_extra(stage)[k]`` where given (what
+    that stack holds beyond the traced ops in the backward of the stage's block ``k``, once the blocks after it freed their stash), or
     ``forward_extra(stage)`` beside the held bytes where that is more (what they hold beside the
     stash in a forward: another moment, so the larger counts); each chunk's rise enters the
     schedule's walk at its own backward (:func:`backward_rise`);
@@ -178,8 +181,9 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
     for stage in graph.stages:
         if backward_peaks:
             held_alone = stage.held_outside_attention_nbytes if fused_attention else stage.held_nbytes
-            step = held_alone + (stage.backward_peak_outside_attention_nbytes if fused_attention
-                                 else stage.backward_peak_nbytes)
+            peak = (stage.backward_peak_outside_attention_nbytes if fused_attention
+                    else stage.gpu_softmax_backward_peak_nbytes if gpu_softmax else stage.backward_peak_nbytes)
+            step = held_alone + peak
             extras = block_extra(stage) if block_extra is not None else [0] * len(stage.blocks)
             rise = backward_rise(stage.blocks, step, extras)
             if forward_extra is not None:  # a forward's moment, apart from the backward's

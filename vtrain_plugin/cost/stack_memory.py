@@ -178,6 +178,7 @@ def _stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack
                            gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
                            optimizer=None if training is None else training.optimizer,
                            backward_peaks=True, fused_attention=te, block_extra=extra, forward_extra=forward,
+                           gpu_softmax=gpu and stack is SoftwareStack.LOCAL_SPEC,
                            ranks=ranks)
 
     def cross_entropy(stage: StageGraph) -> int:
@@ -253,7 +254,7 @@ def _saved_by_walk(graph: OpGraph, captured_nbytes: list[list[int]], *, captured
                        for b, n in zip(stage.blocks, nbytes))
         stages.append(replace(stage, blocks=blocks) if not captured else replace(
             stage, blocks=blocks, held_nbytes=0, backward_peak_nbytes=0, held_outside_attention_nbytes=0,
-            backward_peak_outside_attention_nbytes=0))
+            backward_peak_outside_attention_nbytes=0, gpu_softmax_backward_peak_nbytes=0))
     return replace(graph, stages=tuple(stages))
 
 
