@@ -60,11 +60,18 @@ parameters of its chunks:
   workspaces and Megatron's scratch buffers, plus 5% of the tensors for fragmentation (PyTorch's
   ``memory_reserved`` over ``memory_allocated`` in steady-state training).
 
+The optimizer step is another moment: the stash and the backward's transients are gone, and with
+a bf16 model's gradients narrower than the optimizer's fp32 main gradients (``grad_reduce_in_bf16``)
+Megatron's optimizer copies the rank's gradient shard into fp32 main gradients, all live until the
+step ends (``_copy_model_grads_to_main_grads``: 4 bytes per parameter, divided as the optimizer
+state is); where those copies are more than the activations at the backward's peak they are the
+activations counted (the larger moment).
+
 Not counted: without ``backward_peaks``, the transient activations of the layer being recomputed or
 back-propagated and the logits freed before the peak (the model-dtype logits while the loss casts
 them to fp32, ``2 s b V / t`` bytes, as Megatron-LM's ``theoretical_memory_usage`` leaves them out
-too); the optimizer step's temporaries (with bf16 gradients, the fp32 copy of the rank's gradient
-shard).
+too); the optimizer step's temporaries besides those copies (a fused Adam makes none), and the
+copies of an fp16 model's fp16 gradients.
 """
 
 from __future__ import annotations
@@ -82,7 +89,7 @@ from vtrain_plugin.cost.comm.optimizer_shard import optimizer_shards
 from vtrain_plugin.cost.lowering.optimizer_step import muon_matrices
 from vtrain_plugin.specs.fsdp import FsdpSettings
 from vtrain_plugin.specs.model import ModelSpec
-from vtrain_plugin.specs.optimizer import OptimizerKind, OptimizerSpec
+from vtrain_plugin.specs.optimizer import STATE_NBYTES, OptimizerKind, OptimizerSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
 from vtrain_plugin.specs.training import CudaGraphImpl, ScheduleKind, TrainingSpec, grad_dtype
 
@@ -224,11 +231,24 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
                 (sharded(gradients.nbytes, "gradients") + max(0, held_grads * gradients.nbytes - freed)) / GIB,
                 optimizer_nbytes / GIB)
 
+    # the optimizer step's moment: with gradients narrower than the optimizer's main gradients (bf16
+    # with grad_reduce_in_bf16), Megatron's optimizer copies the rank's gradient shard into fp32 main
+    # gradients, all of them live until the step ends, beside the gradient buffer it keeps
+    main_grad_nbytes = STATE_NBYTES[optimizer.main_grads]
+    copies = fsdp is None and dtype is Dtype.BF16 and gradients.nbytes < main_grad_nbytes
+
+    def step_nbytes(rank: int) -> float:
+        if not copies:
+            return 0.0
+        dense, expert = params[rank] - experts[rank], experts[rank]
+        return main_grad_nbytes * (dense / dense_states.optimizer + expert / expert_states.optimizer)
+
     out = []
     built: dict[tuple[int, int, int], RankMemory] = {}
     for rank in range(plan.pipeline_parallel):
         alike = ranks[rank]
         activations, inflight = peak_live(rank, chunks[alike], rises[alike])
+        activations = max(activations, step_nbytes(alike))  # the larger moment: a backward's or the step's
         memory = built.get((alike, activations, inflight))
         if memory is None:
             if alike not in states:
