@@ -1,16 +1,17 @@
 """Predicted peak allocated against measured peaks, run by run (not a pass/fail test): the lent H100
-and NVIDIA's Megatron-LM functional tests.
+and H200 and NVIDIA's Megatron-LM functional tests.
 
-Two sets: ``benchmarks/results/h100_validation.csv`` (``torch.cuda.max_memory_allocated`` of six
-single-GPU plans trained with megatron-core's local spec, ``benchmarks/device/h100_validation.py``),
-each plan estimated again as that script does (the single-device run of the plan, on the H100); and the
+Three sets: ``benchmarks/results/h100_validation.csv`` and ``h200_validation.csv``
+(``torch.cuda.max_memory_allocated`` of single-GPU plans trained with megatron-core's local spec,
+``benchmarks/device/h100_validation.py``), each plan estimated again as that script does (the
+single-device run of the plan, on the GPU that measured it); and the
 99 functional-test runs of :mod:`benchmarks.accuracy.ci_data` (Megatron-Core with TransformerEngine
 or the local spec, DGX A100 / H100), whose ``mem-max-allocated-bytes`` is the last rank's: with
 PP > 1 a rank of the last pipeline stage, so the prediction is that stage's. Both compare the
 estimate's peak allocated (tensors, without the allowance) and need no GPU (the measured side is
 data). Prints per-run tables, MAPE and bias per set, per family and GPU, and the worst runs.
 
-Run with ``.venv/bin/python -m benchmarks.accuracy.memory_ground_truth [--set h100|ci|all]
+Run with ``.venv/bin/python -m benchmarks.accuracy.memory_ground_truth [--set h100|h200|ci|all]
 [--out FILE]`` (seconds per run once traced; a cold trace cache takes a minute per model).
 """
 
@@ -33,21 +34,25 @@ from vtrain_plugin.measured.one_device import single_device_run
 from vtrain_plugin.runs import run_config_from_dict, with_gpu
 from vtrain_plugin.specs.training import SoftwareStack
 
-CSV = Path(__file__).resolve().parents[1] / "results" / "h100_validation.csv"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+CSV = RESULTS / "h100_validation.csv"
 WORST = 10  # runs listed by largest error
 H100 = "h100-sxm"  # the device preset of the lent H100
+GPUS = {"h100": ("H100", CSV, H100), "h200": ("H200", RESULTS / "h200_validation.csv", "h200-sxm")}
 
 
-def h100_rows() -> list[tuple[str, str, float, float]]:
-    """``(group, plan, predicted GiB, measured GiB)`` of each plan the lent H100 measured."""
-    measured = pd.read_csv(CSV).set_index("plan")["measured_peak_gib"]
+def local_rows(gpu: str) -> list[tuple[str, str, float, float]]:
+    """``(group, plan, predicted GiB, measured GiB)`` of each plan the lent ``gpu`` (a key of
+    :data:`GPUS`) measured."""
+    label, csv, preset = GPUS[gpu]
+    measured = pd.read_csv(csv).set_index("plan")["measured_peak_gib"]
     rows = []
     for plan, gib in measured.items():
         single, _ = single_device_run(run_config_from_dict(PLANS[plan], source=plan), "cpu")
         # on the GPU that measured it (its library workspaces), still the local spec it trained
-        on_h100 = with_gpu(replace(single, training=replace(single.training, software_stack=SoftwareStack.LOCAL_SPEC)),
-                           H100)
-        rows.append(("local H100", plan, estimate(on_h100, profile_db=False).peak_allocated_gib, float(gib)))
+        on_gpu = with_gpu(replace(single, training=replace(single.training, software_stack=SoftwareStack.LOCAL_SPEC)),
+                          preset)
+        rows.append((f"local {label}", plan, estimate(on_gpu, profile_db=False).peak_allocated_gib, float(gib)))
     return rows
 
 
@@ -88,12 +93,13 @@ def report(title: str, rows: Sequence[tuple[str, str, float, float]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", choices=("h100", "ci", "all"), default="all")
+    parser.add_argument("--set", choices=("h100", "h200", "ci", "all"), default="all")
     parser.add_argument("--out", type=Path, help="also write the report to this file")
     args = parser.parse_args(argv)
     parts = []
-    if args.set in ("h100", "all"):
-        parts.append(report("H100 ground truth (local spec, torch.cuda.max_memory_allocated)", h100_rows()))
+    for gpu, (label, _, _) in GPUS.items():
+        if args.set in (gpu, "all"):
+            parts.append(report(f"{label} ground truth (local spec, torch.cuda.max_memory_allocated)", local_rows(gpu)))
     if args.set in ("ci", "all"):
         rows, refused = ci_rows()
         parts.append(report("Megatron-LM functional tests (mem-max-allocated-bytes of the last rank)", rows))

@@ -42,6 +42,7 @@ class ChunkTrace:
     backward_peak_nbytes: int = 0
     held_outside_attention_nbytes: int = 0  # and their StageGraph.*_outside_attention_nbytes
     backward_peak_outside_attention_nbytes: int = 0
+    gpu_softmax_backward_peak_nbytes: int = 0  # and StageGraph.gpu_softmax_backward_peak_nbytes
     # Folded blocks per chunk layer count, filled by the tracer: every stage of this role (in every
     # plan that shares the trace) gets the same blocks, folded once. Not part of the stored form.
     # (keyed by the layer count; by the layer kinds, True for MoE, of a chunk that mixes MoE and dense
@@ -65,7 +66,8 @@ class ChunkTrace:
                 "activation_shape": list(self.activation_shape), "activation_dtype": self.activation_dtype,
                 "held_nbytes": self.held_nbytes, "backward_peak_nbytes": self.backward_peak_nbytes,
                 "held_outside_attention_nbytes": self.held_outside_attention_nbytes,
-                "backward_peak_outside_attention_nbytes": self.backward_peak_outside_attention_nbytes}
+                "backward_peak_outside_attention_nbytes": self.backward_peak_outside_attention_nbytes,
+                "gpu_softmax_backward_peak_nbytes": self.gpu_softmax_backward_peak_nbytes}
 
     @classmethod
     def from_tables(cls, d: dict[str, Any], shared: SharedNodes | None = None) -> ChunkTrace:
@@ -87,7 +89,8 @@ class ChunkTrace:
                    activation_dtype=str(d["activation_dtype"]), held_nbytes=int(d["held_nbytes"]),
                    backward_peak_nbytes=int(d["backward_peak_nbytes"]),
                    held_outside_attention_nbytes=int(d["held_outside_attention_nbytes"]),
-                   backward_peak_outside_attention_nbytes=int(d["backward_peak_outside_attention_nbytes"]))
+                   backward_peak_outside_attention_nbytes=int(d["backward_peak_outside_attention_nbytes"]),
+                   gpu_softmax_backward_peak_nbytes=int(d["gpu_softmax_backward_peak_nbytes"]))
 
 
 def plan_shape_key(plan: ParallelPlan) -> tuple:

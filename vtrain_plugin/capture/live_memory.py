@@ -12,6 +12,13 @@ buffer, its score-sized tensors and their gradients, in forward, recompute and b
 a stack whose fused attention kernel allocates none of those holds (its own outputs and gradients,
 the size of queries, keys and values, are left out with them).
 
+One op allocates more than its outputs while it runs: the softmax backward
+(``_softmax_backward_data``), whose CUDA kernel computes ``grad * output`` into a temporary of its
+output's size before it reduces it (on the lent H200, torch 2.11, 1,024 keys: the temporary is live
+at the peak of a recomputed attention's backward). The CPU kernel that runs the trace fuses that
+product and the fused softmax kernels of the other stacks make none, so the peak is measured both
+ways: :meth:`LiveMemory.backward_peak` counts it live while the op's output is made only when asked.
+
 Why: the saved activations are not the peak. Under full recompute the backward of each layer runs
 its forward again and keeps all of that layer's activations while it back-propagates through them,
 with the gradients in flight (score-sized ones in an unfused attention), and megatron-core's local
@@ -30,6 +37,7 @@ import torch
 # per op overload, by its id (the overload held so the id stays its own): the overload, and whether it
 # returns an alias of an input (a view, an in-place result)
 _aliasing: dict[int, tuple] = {}
+_SOFTMAX_BACKWARD = torch.ops.aten._softmax_backward_data.default  # its GPU kernel's temporary (module doc)
 
 
 class LiveMemory:
@@ -45,6 +53,7 @@ class LiveMemory:
         self._events: list[tuple[int, int]] = []  # (allocation id, +/- bytes), in order
         self._backward_start: int | None = None  # events before the backward began
         self._attention: set[int] = set()  # allocation ids created by a core attention's ops
+        self._temporaries: set[int] = set()  # allocation ids of the GPU softmax backward's temporaries
         self.held_nbytes = 0  # alive when the backward began, in no saved tensor
         self.held_outside_attention_nbytes = 0  # of those, not created by a core attention
         self._allocations = 0
@@ -74,6 +83,17 @@ class LiveMemory:
                     self._attention.add(entry[2])
             entry[1] += 1
             weakref.finalize(tensor, self._release, key, entry[2])
+        if func is _SOFTMAX_BACKWARD and isinstance(out, torch.Tensor):
+            self._transient(out.untyped_storage().nbytes(), attention)
+
+    def _transient(self, nbytes: int, attention: bool) -> None:
+        """A temporary an op allocates and frees while it runs, live beside its outputs."""
+        self._allocations += 1
+        self._events.append((self._allocations, nbytes))
+        self._events.append((self._allocations, -nbytes))
+        self._temporaries.add(self._allocations)
+        if attention:
+            self._attention.add(self._allocations)
 
     def _release(self, key: int, allocation: int) -> None:
         entry = self._storages.get(key)
@@ -91,15 +111,19 @@ class LiveMemory:
         self.held_nbytes = sum(nbytes for nbytes, _ in held)
         self.held_outside_attention_nbytes = sum(nbytes for nbytes, a in held if a not in self._attention)
 
-    def backward_peak(self, gradients: Iterable[torch.Tensor], *, outside_attention: bool = False) -> int:
+    def backward_peak(self, gradients: Iterable[torch.Tensor], *, outside_attention: bool = False,
+                      gpu_softmax: bool = False) -> int:
         """The most the bytes alive rose above their level when the backward began, without the
-        storages of ``gradients`` (the parameters' ``.grad`` now), and with ``outside_attention``
-        without those a core attention created; 0 before any backward."""
+        storages of ``gradients`` (the parameters' ``.grad`` now), with ``outside_attention``
+        without those a core attention created, and with ``gpu_softmax`` with the temporaries of
+        torch's GPU softmax backward (see the module doc); 0 before any backward."""
         if self._backward_start is None:
             return 0
         skipped = {self._storages[k][2] for k in (g.untyped_storage()._cdata for g in gradients) if k in self._storages}
         if outside_attention:
             skipped |= self._attention
+        if not gpu_softmax:
+            skipped |= self._temporaries
         live = peak = 0
         for allocation, delta in self._events[self._backward_start:]:
             if allocation not in skipped:

@@ -100,7 +100,8 @@ def trace_chunk(model: ModelSpec, plan: ParallelPlan, pre: bool, post: bool, bui
                       activation_dtype=Dtype(model.dtype).torch_name,
                       held_nbytes=recorder.held_nbytes, backward_peak_nbytes=recorder.backward_peak_nbytes,
                       held_outside_attention_nbytes=recorder.held_outside_attention_nbytes,
-                      backward_peak_outside_attention_nbytes=recorder.backward_peak_outside_attention_nbytes)
+                      backward_peak_outside_attention_nbytes=recorder.backward_peak_outside_attention_nbytes,
+                      gpu_softmax_backward_peak_nbytes=recorder.gpu_softmax_backward_peak_nbytes)
 
 
 def _parameter_counts(module: torch.nn.Module

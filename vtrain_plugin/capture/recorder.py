@@ -97,6 +97,8 @@ class OpRecorder:
         # the same without the storages core attentions create (LiveMemory)
         self.held_outside_attention_nbytes = 0
         self.backward_peak_outside_attention_nbytes = 0
+        # the backward's peak with torch's GPU softmax-backward temporaries (LiveMemory)
+        self.gpu_softmax_backward_peak_nbytes = 0
         self._backward_measured = False
         self._module_override: str | None = None
         self._default_module = ""
@@ -142,6 +144,7 @@ class OpRecorder:
         grads = [p.grad for p in self._params if p.grad is not None]
         self.backward_peak_nbytes = self._live.backward_peak(grads)
         self.backward_peak_outside_attention_nbytes = self._live.backward_peak(grads, outside_attention=True)
+        self.gpu_softmax_backward_peak_nbytes = self._live.backward_peak(grads, gpu_softmax=True)
         self.held_nbytes = self._live.held_nbytes
         self.held_outside_attention_nbytes = self._live.held_outside_attention_nbytes
 

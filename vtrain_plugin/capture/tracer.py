@@ -375,7 +375,8 @@ def _held(traced: ChunkTrace) -> dict[str, int]:
     """The StageGraph fields of what the traced step held beside its activations."""
     return {"held_nbytes": traced.held_nbytes, "backward_peak_nbytes": traced.backward_peak_nbytes,
             "held_outside_attention_nbytes": traced.held_outside_attention_nbytes,
-            "backward_peak_outside_attention_nbytes": traced.backward_peak_outside_attention_nbytes}
+            "backward_peak_outside_attention_nbytes": traced.backward_peak_outside_attention_nbytes,
+            "gpu_softmax_backward_peak_nbytes": traced.gpu_softmax_backward_peak_nbytes}
 
 
 def _with_parameters(traced: ChunkTrace, block):

@@ -305,6 +305,10 @@ class StageGraph:
     # score-sized tensors and gradients): what a stack with a fused attention kernel holds
     held_outside_attention_nbytes: int = 0
     backward_peak_outside_attention_nbytes: int = 0
+    # backward_peak_nbytes with the temporary torch's softmax backward makes on a GPU (its kernel
+    # computes grad * output apart; the CPU's and the fused softmax kernels do not): what the local
+    # spec's step holds on a GPU
+    gpu_softmax_backward_peak_nbytes: int = 0
 
     @property
     def num_parameters(self) -> int:
@@ -350,6 +354,7 @@ class StageGraph:
             "backward_peak_nbytes": self.backward_peak_nbytes,
             "held_outside_attention_nbytes": self.held_outside_attention_nbytes,
             "backward_peak_outside_attention_nbytes": self.backward_peak_outside_attention_nbytes,
+            "gpu_softmax_backward_peak_nbytes": self.gpu_softmax_backward_peak_nbytes,
             "blocks": [b.to_dict() for b in self.blocks],
         }
 
@@ -365,6 +370,7 @@ class StageGraph:
             backward_peak_nbytes=d["backward_peak_nbytes"],
             held_outside_attention_nbytes=d["held_outside_attention_nbytes"],
             backward_peak_outside_attention_nbytes=d["backward_peak_outside_attention_nbytes"],
+            gpu_softmax_backward_peak_nbytes=d.get("gpu_softmax_backward_peak_nbytes", d["backward_peak_nbytes"]),
             blocks=tuple(Block.from_dict(b) for b in d["blocks"]),
         )
 

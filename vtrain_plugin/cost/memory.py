@@ -42,10 +42,12 @@ parameters of its chunks:
   recompute, the gradients in flight, the logits' gradient on the last stage), as ``max allocated``
   sees them; with ``fused_attention``, the same without what the local core attention allocates
   (``held_outside_attention_nbytes``, ``backward_peak_outside_attention_nbytes``: no score buffer,
-  no score-sized tensors or gradients), and with ``block_extra`` what a stack holds beyond the
-  traced ops in the backward of one block (TE's unfused attention's score gradient, the tensors
-  activation offloading reloads), counted at that block's moment, when the blocks after it have
-  freed their stash (:func:`backward_rise`); or what the stack holds beside the stash in a forward
+  no score-sized tensors or gradients); with ``gpu_softmax``, the backward's peak with the temporary
+  torch's softmax backward allocates on a GPU (``gpu_softmax_backward_peak_nbytes``: the local spec
+  as traced runs that softmax; the fused softmax kernels of the other stacks make none); and with
+  ``block_extra`` what a stack holds beyond the traced ops in the backward of one block (TE's
+  unfused attention's score gradient, the tensors activation offloading reloads), counted at that
+  block's moment, when the blocks after it have freed their stash (:func:`backward_rise`); or what the stack holds beside the stash in a forward
   (a fused cross entropy) where that moment is higher: the larger of the two;
 - the GEMM libraries' cuBLAS workspaces (``workspaces_gib``, set by
   :mod:`vtrain_plugin.cost.stack_memory` from :mod:`vtrain_plugin.cost.workspaces`): allocated
@@ -58,11 +60,18 @@ parameters of its chunks:
   workspaces and Megatron's scratch buffers, plus 5% of the tensors for fragmentation (PyTorch's
   ``memory_reserved`` over ``memory_allocated`` in steady-state training).
 
+The optimizer step is another moment: the stash and the backward's transients are gone, and with
+a bf16 model's gradients narrower than the optimizer's fp32 main gradients (``grad_reduce_in_bf16``)
+Megatron's optimizer copies the rank's gradient shard into fp32 main gradients, all live until the
+step ends (``_copy_model_grads_to_main_grads``: 4 bytes per parameter, divided as the optimizer
+state is); where those copies are more than the activations at the backward's peak they are the
+activations counted (the larger moment).
+
 Not counted: without ``backward_peaks``, the transient activations of the layer being recomputed or
 back-propagated and the logits freed before the peak (the model-dtype logits while the loss casts
 them to fp32, ``2 s b V / t`` bytes, as Megatron-LM's ``theoretical_memory_usage`` leaves them out
-too); the optimizer step's temporaries (with bf16 gradients, the fp32 copy of the rank's gradient
-shard).
+too); the optimizer step's temporaries besides those copies (a fused Adam makes none), and the
+copies of an fp16 model's fp16 gradients.
 """
 
 from __future__ import annotations
@@ -80,7 +89,7 @@ from vtrain_plugin.cost.comm.optimizer_shard import optimizer_shards
 from vtrain_plugin.cost.lowering.optimizer_step import muon_matrices
 from vtrain_plugin.specs.fsdp import FsdpSettings
 from vtrain_plugin.specs.model import ModelSpec
-from vtrain_plugin.specs.optimizer import OptimizerKind, OptimizerSpec
+from vtrain_plugin.specs.optimizer import STATE_NBYTES, OptimizerKind, OptimizerSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, Recompute
 from vtrain_plugin.specs.training import CudaGraphImpl, ScheduleKind, TrainingSpec, grad_dtype
 
@@ -133,15 +142,16 @@ class RankMemory:
 def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: bool = False,
                 gradients: Dtype | None = None, fsdp: FsdpSettings | None = None,
                 optimizer: OptimizerSpec | None = None, backward_peaks: bool = False,
-                fused_attention: bool = False,
+                fused_attention: bool = False, gpu_softmax: bool = False,
                 block_extra: Callable[[StageGraph], Sequence[int]] | None = None,
                 forward_extra: Callable[[StageGraph], int] | None = None,
                 ranks: Sequence[int] | None = None) -> tuple[RankMemory, ...]:
     """Memory of each pipeline rank (see the module doc); ``peak_live`` walks the schedule;
     ``backward_peaks``: add the traced step's held bytes and backward peak, those outside the core
     attention with ``fused_attention`` (a stack whose attention allocates no score-sized tensors),
-    plus ``block_extra(stage)[k]`` where given (what that stack holds beyond the traced ops in the
-    backward of the stage's block ``k``, once the blocks after it freed their stash), or
+    with ``gpu_softmax`` the backward's peak with the temporaries of torch's softmax backward on a
+    GPU (a stack that runs torch's softmax there), plus ``block_extra(stage)[k]`` where given (what
+    that stack holds beyond the traced ops in the backward of the stage's block ``k``, once the blocks after it freed their stash), or
     ``forward_extra(stage)`` beside the held bytes where that is more (what they hold beside the
     stash in a forward: another moment, so the larger counts); each chunk's rise enters the
     schedule's walk at its own backward (:func:`backward_rise`);
@@ -178,8 +188,9 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
     for stage in graph.stages:
         if backward_peaks:
             held_alone = stage.held_outside_attention_nbytes if fused_attention else stage.held_nbytes
-            step = held_alone + (stage.backward_peak_outside_attention_nbytes if fused_attention
-                                 else stage.backward_peak_nbytes)
+            peak = (stage.backward_peak_outside_attention_nbytes if fused_attention
+                    else stage.gpu_softmax_backward_peak_nbytes if gpu_softmax else stage.backward_peak_nbytes)
+            step = held_alone + peak
             extras = block_extra(stage) if block_extra is not None else [0] * len(stage.blocks)
             rise = backward_rise(stage.blocks, step, extras)
             if forward_extra is not None:  # a forward's moment, apart from the backward's
@@ -220,11 +231,24 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
                 (sharded(gradients.nbytes, "gradients") + max(0, held_grads * gradients.nbytes - freed)) / GIB,
                 optimizer_nbytes / GIB)
 
+    # the optimizer step's moment: with gradients narrower than the optimizer's main gradients (bf16
+    # with grad_reduce_in_bf16), Megatron's optimizer copies the rank's gradient shard into fp32 main
+    # gradients, all of them live until the step ends, beside the gradient buffer it keeps
+    main_grad_nbytes = STATE_NBYTES[optimizer.main_grads]
+    copies = fsdp is None and dtype is Dtype.BF16 and gradients.nbytes < main_grad_nbytes
+
+    def step_nbytes(rank: int) -> float:
+        if not copies:
+            return 0.0
+        dense, expert = params[rank] - experts[rank], experts[rank]
+        return main_grad_nbytes * (dense / dense_states.optimizer + expert / expert_states.optimizer)
+
     out = []
     built: dict[tuple[int, int, int], RankMemory] = {}
     for rank in range(plan.pipeline_parallel):
         alike = ranks[rank]
         activations, inflight = peak_live(rank, chunks[alike], rises[alike])
+        activations = max(activations, step_nbytes(alike))  # the larger moment: a backward's or the step's
         memory = built.get((alike, activations, inflight))
         if memory is None:
             if alike not in states:

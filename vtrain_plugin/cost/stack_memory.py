@@ -3,7 +3,9 @@
 The trace records megatron-core's local spec on the CPU; on a GPU every stack keeps its dropout
 masks as one byte per element (:mod:`~vtrain_plugin.cost.lowering.dropout_masks`), and Megatron's
 fused softmax (``megatron_deepspeed_2023``; TE's unfused attention alike) its output in the model
-dtype (:func:`~vtrain_plugin.cost.lowering.megatron_core_te.fused_softmax_saved_delta`). A stack with
+dtype (:func:`~vtrain_plugin.cost.lowering.megatron_core_te.fused_softmax_saved_delta`); Megatron-Core's
+stacks run their norms fused, keeping the input and fp32 row statistics where the traced composite
+RMSNorm kept two fp32 copies of its input (:mod:`~vtrain_plugin.cost.lowering.fused_norms`). A stack with
 fused attention (``megatron_core_te`` unless ``training.unfused_attention``)
 keeps no score-sized tensors for backward (:func:`~vtrain_plugin.cost.lowering.megatron_core_te.fused_attention_saved_delta`:
 one layer's activations go from quadratic to linear in the sequence length) and no causal mask (the
@@ -57,6 +59,7 @@ from vtrain_plugin.cost.lowering.mamba import mixer_dims, mixer_saved_delta
 from vtrain_plugin.cost.lowering.fp8 import fp8_weight_numel, quantisation
 from vtrain_plugin.cost.lowering.cross_entropy import deferred_wgrad_nbytes, fused_cross_entropy_forward_nbytes
 from vtrain_plugin.cost.lowering.dropout_masks import dropout_mask_delta
+from vtrain_plugin.cost.lowering.fused_norms import fused_norm_saved_delta
 from vtrain_plugin.cost.lowering.megatron_core_te import (fused_attention_saved_delta, fused_softmax_saved_delta,
                                                          unfused_backward_score_nbytes)
 from vtrain_plugin.cost.memory import FRAGMENTATION, PeakLive, RankMemory, alike_ranks, rank_memory
@@ -129,11 +132,15 @@ def _stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack
             for i, stage in enumerate(graph.stages)))
     te = stack is SoftwareStack.MEGATRON_CORE_TE
     quantised_nbytes = quantised.nbytes if fp8 else 1.0
+    # megatron-core's norms on a GPU are fused (TE's, apex's, torch's RMSNorm on CUDA); on the CPU the
+    # local spec runs torch's composite RMSNorm as traced
+    gpu = architecture is not None and architecture is not GpuArchitecture.CPU
+    fused_norms = gpu
 
     def saved_delta(block: Block) -> int:  # what the stack keeps per instance minus what the trace did
         # it reads the block's nodes and saved_by_module only: stages of one chunk role (and the
         # plans of one shape) share those tuples, so it is computed once per role (see _deltas)
-        key = (id(block.nodes), id(block.saved_by_module), stack, fp8, quantised_nbytes, attention_delta)
+        key = (id(block.nodes), id(block.saved_by_module), stack, fp8, quantised_nbytes, attention_delta, fused_norms)
         known = _deltas.get(key)
         if known is not None:
             _deltas.move_to_end(key)
@@ -141,6 +148,8 @@ def _stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack
         delta = dropout_mask_delta(block)
         if stack is SoftwareStack.MEGATRON_DEEPSPEED_2023:
             delta += fused_softmax_saved_delta(block.nodes)
+        elif fused_norms and not te:  # TE's norms are in te_saved_delta
+            delta += fused_norm_saved_delta(block)
         if te:
             delta += (attention_delta(block.nodes) + mixer_saved_delta(block, mixer_dims(block.nodes))
                       + te_saved_delta(block, fp8=fp8, quantised_nbytes=quantised_nbytes))
@@ -169,6 +178,7 @@ def _stack_rank_memory(graph: OpGraph, peak_live: PeakLive, stack: SoftwareStack
                            gradients=None if training is None else training.grad_dtype(graph.dtype), fsdp=fsdp,
                            optimizer=None if training is None else training.optimizer,
                            backward_peaks=True, fused_attention=te, block_extra=extra, forward_extra=forward,
+                           gpu_softmax=gpu and stack is SoftwareStack.LOCAL_SPEC,
                            ranks=ranks)
 
     def cross_entropy(stage: StageGraph) -> int:
@@ -244,7 +254,7 @@ def _saved_by_walk(graph: OpGraph, captured_nbytes: list[list[int]], *, captured
                        for b, n in zip(stage.blocks, nbytes))
         stages.append(replace(stage, blocks=blocks) if not captured else replace(
             stage, blocks=blocks, held_nbytes=0, backward_peak_nbytes=0, held_outside_attention_nbytes=0,
-            backward_peak_outside_attention_nbytes=0))
+            backward_peak_outside_attention_nbytes=0, gpu_softmax_backward_peak_nbytes=0))
     return replace(graph, stages=tuple(stages))
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from profiler.fingerprint import current_fingerprint
+from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError, ProfileError
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.estimate import estimate
@@ -141,6 +142,11 @@ def single_device_run(run: RunConfig, device: str = "cpu") -> tuple[RunConfig, t
         fp8 = "" if single.training.fp8 is None else f", fp8 {single.training.fp8.value}"
         overridden += (f"software_stack: {stack.value}{fp8} -> local_spec (what the real step runs)",)
         single = replace(single, training=replace(single.training, software_stack=SoftwareStack.LOCAL_SPEC, fp8=None))
+    # The real step accumulates a bf16 model's gradients in bf16 (each weight's ``.grad``, cast to fp32 in
+    # the optimizer step): the memory of Megatron's bf16 gradient buffer, not of its fp32 default.
+    if single.model.dtype is Dtype.BF16 and not single.training.grad_reduce_in_bf16:
+        overridden += ("grad_reduce_in_bf16: False -> True (what the real step runs)",)
+        single = replace(single, training=replace(single.training, grad_reduce_in_bf16=True))
     return single, overridden
 
 

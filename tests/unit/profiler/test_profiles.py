@@ -140,6 +140,17 @@ def test_single_device_run_overrides_and_says_so():
     assert single.num_microbatches == 8
 
 
+def test_single_device_run_of_a_bf16_model_accumulates_bf16_gradients():
+    """The real step accumulates a bf16 model's gradients in bf16 (each weight's .grad): the run
+    says so, as Megatron's --grad-reduce-in-bf16, whose gradient buffer holds the same bytes."""
+    run = RunConfig(model=replace(TINY, dtype="bf16"), parallel=ParallelPlan(micro_batch_size=1),
+                    training=TrainingSpec(global_batch_size=2), cluster=get_cluster_preset("dgx-a100"))
+    single, overridden = single_device_run(run, "cpu")
+    assert single.training.grad_reduce_in_bf16 and single.training.grad_dtype(single.model.dtype).value == "bf16"
+    assert overridden == ("grad_reduce_in_bf16: False -> True (what the real step runs)",)
+    assert not single_device_run(replace(run, model=TINY), "cpu")[0].training.grad_reduce_in_bf16  # fp32
+
+
 def test_compare_and_iteration_recorder():
     c = compare_iterations(110.0, [90.0, 100.0, 130.0])
     assert c.measured_ms == 100.0 and c.error_pct == pytest.approx(10.0)

@@ -7,14 +7,9 @@ attention's own is :func:`~vtrain_plugin.cost.lowering.megatron_core_te.fused_at
 The trace records each saving module's bytes (``Block.saved_by_module``); for a norm input of ``n``
 elements of ``e`` bytes in rows of ``h`` and an FC1 output of ``f`` elements:
 
-- a layer's norms (``input_layernorm``, ``pre_mlp_layernorm``; multi-latent attention's
-  ``q_layernorm`` and ``kv_layernorm``) and the final one: TE's fused norm
-  (inside ``TELayerNormColumnParallelLinear``, or ``TENorm``) keeps its input and fp32 row statistics,
-  ``e n + 4 n / h`` (RMSNorm's ``rstd``) or ``e n + 8 n / h`` (LayerNorm's ``mu`` and ``rsigma``);
-  torch's RMSNorm as traced keeps two fp32 copies of its input besides. The norm's output is kept
-  by the linear it feeds, as traced. The QK norms (``q_layernorm``, ``k_layernorm``: TE norms over
-  each head, or megatron-core's compiled L2 norm, which keeps the same) alike, their output kept
-  by the attention;
+- a layer's norms and the final one (the QK norms and MLA's latent norm too): TE's fused norm keeps
+  its input and fp32 row statistics (:mod:`~vtrain_plugin.cost.lowering.fused_norms`, what every
+  GPU's fused norm keeps); megatron-core's compiled L2 QK norm keeps the same;
 - the MLP's activation (the ``mlp`` module's own saves): Megatron-Core's fused ``bias_swiglu_impl`` /
   ``bias_gelu_impl`` keep their input, the FC1 output, ``e f``, and recompute the rest in backward;
   the traced unfused SwiGLU keeps its products besides (a GeLU keeps ``e f`` either way, and so
@@ -31,9 +26,8 @@ from __future__ import annotations
 
 from vtrain_plugin.core.graph import Block, OpNode, Phase
 from vtrain_plugin.cost.lowering.fusion import dtype_nbytes, numel, op_name
-from vtrain_plugin.cost.lowering.megatron_core_te import FP32, LINEAR_MODULES, is_layer_norm_slot
-NORMS = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm", "final_norm", "q_layernorm", "k_layernorm",
-         "kv_layernorm")  # kv_layernorm: MLA's latent norm, fused into its up projection by TE
+from vtrain_plugin.cost.lowering.fused_norms import fused_norm_saved_by_module
+from vtrain_plugin.cost.lowering.megatron_core_te import LINEAR_MODULES
 CORE_ATTENTION = ".core_attention"  # recomputed under selective recompute of core_attn
 KEPT_BESIDE_FP8 = ".linear_proj"  # its input, the attention's output, is kept by the attention too
 
@@ -55,12 +49,12 @@ def te_saved_by_module(block: Block, *, fp8: bool, quantised_nbytes: float = 1.0
         if op_name(node) == "mm":
             gemm.setdefault(node.module, node)
     attention_keeps_its_output = not any(CORE_ATTENTION in n.module for n in block.ops(Phase.RECOMPUTE))
-    delta: dict[str, int] = {}
+    delta = fused_norm_saved_by_module(block)
     for module, nbytes in block.saved_by_module:
         leaf = module.rpartition(".")[2]
-        if (leaf in NORMS or is_layer_norm_slot(module)) and module in first:
-            delta[module] = _norm_keeps(first[module]) - nbytes
-        elif leaf == "mlp" and f"{module}.linear_fc1" in gemm:
+        if module in delta:
+            continue
+        if leaf == "mlp" and f"{module}.linear_fc1" in gemm:
             fc1 = gemm[f"{module}.linear_fc1"]
             delta[module] = dtype_nbytes(fc1) * numel(fc1.output_shapes[0]) - nbytes
         elif fp8 and module.endswith(LINEAR_MODULES) and module in gemm:
@@ -69,10 +63,3 @@ def te_saved_by_module(block: Block, *, fp8: bool, quantised_nbytes: float = 1.0
             delta[module] = in_fp8 if beside else in_fp8 - nbytes
     return delta
 
-
-def _norm_keeps(norm: OpNode) -> int:
-    """TE's fused norm: its input and fp32 statistics per row (``norm`` is its first forward kernel)."""
-    shape = norm.key.input_shapes[0]
-    rows = numel(shape) // shape[-1]
-    statistics = 2 if op_name(norm) == "native_layer_norm" else 1
-    return dtype_nbytes(norm) * numel(shape) + FP32 * statistics * rows
