@@ -44,7 +44,7 @@ kernels itself, and its host costs are measured on it.
   reach 0.71 of it by time from 64 to 256 MiB and 0.61 above (smaller ones are paced by the host,
   see ``host_overhead_ns``). On an H200 (4.8 TB/s) the streaming sweep gives 4.46 us and 0.879,
   the profiled kernels 0.56 by time above 64 MiB. In a real eager step (``local_spec``, the
-  ``default`` files) those kernels reach 0.755 (H100) and 0.636 (H200): fitted on the real steps
+  ``default`` files) those kernels reach 0.757 (H100) and 0.655 (H200): fitted on the real steps
   (``python -m benchmarks.accuracy.eager_steps --fit-hbm``), between alone and streaming. Not
   validated on A100 or Blackwell (datasheet bandwidth only).
 - ``kernel_overhead_ns`` in [1000, 5000]: device time each kernel adds beyond its roofline time:
