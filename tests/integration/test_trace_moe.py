@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from megatron_adapters.moe_routing import expert_token_counts
+from tests.support.quiet_host import write_quiet_host_calibration
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.core.graph import CollectiveKind as K
 from vtrain_plugin.core.graph import ParallelGroup as G
@@ -131,7 +132,7 @@ def test_memory_holds_the_local_experts_only(alltoall):
     assert est.breakdown_ms["ep_comm"] > 0 and sum(est.breakdown_ms.values()) == pytest.approx(est.iteration_time_ms)
 
 
-def test_skewed_routing_loads_the_traced_rank_and_keeps_the_model_flops():
+def test_skewed_routing_loads_the_traced_rank_and_keeps_the_model_flops(monkeypatch, tmp_path):
     skewed_model = replace(MOE, moe_routing_skew=2.0)
     plan = ParallelPlan(pipeline_parallel=1, data_parallel=4, expert_parallel=4)
     counts = expert_token_counts(S, TOPK, E, skew=2.0)
@@ -144,7 +145,10 @@ def test_skewed_routing_loads_the_traced_rank_and_keeps_the_model_flops():
     a2a = Counter((c.phase, c.nbytes) for c in layer.collectives() if c.kind is K.ALL_TO_ALL and c.nbytes > 4096)
     assert a2a == Counter({(Phase.FORWARD, received * H * BF16): 1, (Phase.FORWARD, S * TOPK * H * BF16): 1,
                            (Phase.BACKWARD, received * H * BF16): 1, (Phase.BACKWARD, S * TOPK * H * BF16): 1})
-    # the local spec as traced: a model this small is host-bound under megatron_core_te's host costs
+    # A model this small is host-bound under any stack's host costs, where the busiest rank's extra
+    # device time is hidden: here the H100's device constants with the least host cost their ranges allow.
+    monkeypatch.setenv("VTRAIN_CALIBRATION_DIR", str(tmp_path))
+    write_quiet_host_calibration("h100-sxm")
     cluster, training = get_cluster_preset("dgx-h100"), TrainingSpec(global_batch_size=16, software_stack="local_spec")
     skewed = estimate(trace(skewed_model, plan), cluster=cluster, training=training)
     balanced = estimate(trace(MOE, plan), cluster=cluster, training=training)
