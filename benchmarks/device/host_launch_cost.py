@@ -1,5 +1,6 @@
 """What one eager op costs the host, on a GPU machine: issue time per op for small PyTorch ops, and
-the device time of the same ops when the host is not the limit.
+the device time of the same ops when the host is not the limit (and a GEMM whose row count changes
+every call, as an MoE expert's does).
 
     python -m benchmarks.device.host_launch_cost [--out PATH] [--ops 20000]
 
@@ -20,17 +21,24 @@ import time
 from pathlib import Path
 
 
-def _cases(torch, device):
+def _cases(torch, device, ops: int):
+    import itertools
+
     small = torch.randn(1024, device=device, dtype=torch.bfloat16)
     act = torch.randn(4096, 1024, device=device, dtype=torch.bfloat16)
     weight = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
     linear = torch.nn.Linear(1024, 1024, bias=False, device=device, dtype=torch.bfloat16)
     norm = torch.nn.LayerNorm(1024, device=device, dtype=torch.bfloat16)
+    # An MoE expert's GEMM: its rows are the tokens routed to it, a new count each micro-batch; here a
+    # new M on every call, so cuBLAS meets each shape once (the warm-up included).
+    tokens = torch.randn(1024 + ops + 200, 1024, device=device, dtype=torch.bfloat16)
+    rows = itertools.count(1024)
     return {
         "add (1 Ki elements)": lambda: small.add(small),
         "mul (4 Mi elements)": lambda: act.mul(act),
         "to fp32 (4 Mi elements)": lambda: act.float(),
         "matmul 4096x1024x1024": lambda: act @ weight,
+        "matmul Mx1024x1024, M new each call (1024 up)": lambda: tokens[:next(rows)] @ weight,
         "nn.Linear module call 4096x1024x1024": lambda: linear(act),
         "nn.LayerNorm module call 4096x1024": lambda: norm(act),
     }
@@ -41,7 +49,7 @@ def measure(ops: int) -> list[dict]:
 
     device = torch.device("cuda")
     rows = []
-    for name, op in _cases(torch, device).items():
+    for name, op in _cases(torch, device, ops).items():
         for _ in range(200):  # warm-up: allocator pools, cuBLAS handles, kernel selection
             op()
         torch.cuda.synchronize()
