@@ -244,6 +244,14 @@ def trace_counts(graph) -> dict[str, float]:
     return dict(counts)
 
 
+def _allocator_counts(torch) -> dict[str, int]:
+    """The CUDA caching allocator's device allocations and frees (cudaMalloc / cudaFree: the free
+    synchronizes the device) and its retries after a failed allocation, so far."""
+    stats = torch.cuda.memory_stats()
+    return {"segments allocated": stats.get("segment.all.allocated", 0),
+            "segments freed": stats.get("segment.all.freed", 0), "retries": stats.get("num_alloc_retries", 0)}
+
+
 def measure(name: str, repeats: int, device: str = "cpu") -> dict[str, Any]:
     """Time, count and trace plan ``name`` on ``device`` (see the module doc)."""
     import torch
@@ -283,7 +291,9 @@ def measure(name: str, repeats: int, device: str = "cpu") -> dict[str, Any]:
                 stack.enter_context(patched(_stream_patches()))
             for _ in range(2):
                 _phases(model, optimizer, batch, sync=sync)
+            before = _allocator_counts(torch) if on_gpu else {}
             times = [_phases(model, optimizer, batch, sync=sync) for _ in range(repeats)]
+            allocator = {k: v - before[k] for k, v in _allocator_counts(torch).items()} if on_gpu else {}
             counter = _Counter(model)
             try:
                 _phases(model, optimizer, batch, counter, sync=sync)
@@ -301,7 +311,8 @@ def measure(name: str, repeats: int, device: str = "cpu") -> dict[str, Any]:
             "wall_s": {p: median[f"{p} wall"] for p in ("forward", "backward", "optimizer")},
             "ops": dict(counter.ops), "parts": dict(counter.parts), "module_calls": counter.module_calls,
             "parts_ms": parts_ms, "syncs": {f"{phase} {op}": n for (phase, op), n in sorted(counter.syncs.items())},
-            "autograd_nodes": nodes, "parameters": sum(1 for _ in model.parameters()), "traced": traced}
+            "autograd_nodes": nodes, "parameters": sum(1 for _ in model.parameters()), "traced": traced,
+            "allocator": allocator}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -313,6 +324,9 @@ def report(result: dict[str, Any]) -> str:
                      f"{1e3 * ms / max(n, 1):6.1f} us/op   "
                      f"traced kernels {result['traced'].get(p, 0):6.0f}")
     lines.append(f"  forward module calls (hooks) {result['module_calls']}; autograd nodes {result['autograd_nodes']}")
+    if result["allocator"]:
+        lines.append("  during the timed steps, the caching allocator's " + ", ".join(
+            f"{k} {v}" for k, v in result["allocator"].items()))
     lines.append("  ops the host would wait on, on a GPU: "
                  + (", ".join(f"{k} {v}" for k, v in result["syncs"].items()) or "none"))
     lines.append(f"  {'forward by part':<20} {'CPU ms':>8} {'ATen ops':>9} {'traced kernels':>15} "

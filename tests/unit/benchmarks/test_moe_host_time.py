@@ -52,3 +52,17 @@ def test_bad_arguments_name_the_field_and_exit_2(argv, message, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_gpu_result_reports_the_allocators_work_during_the_timed_steps():
+    from benchmarks.accuracy.moe_host_time import report
+
+    phases = {"forward": 0.002, "backward": 0.004, "optimizer": 0.001}
+    result = {"plan": "moe-0.9b", "device": "cuda", "parameters": 471, "cpu_s": phases, "wall_s": phases,
+              "ops": {"forward": 100, "backward": 200, "optimizer": 50}, "traced": {"forward": 50},
+              "module_calls": 10, "autograd_nodes": 150, "parts": {}, "parts_ms": {"experts": 1.0}, "syncs": {},
+              "allocator": {"segments allocated": 3, "segments freed": 0, "retries": 0}}
+    text = report(result)
+    assert "moe-0.9b (cuda)" in text and "forward         2.00 ms      2.00 ms     100 ops" in text
+    assert "the caching allocator's segments allocated 3, segments freed 0, retries 0" in text
+    assert "ops the host would wait on, on a GPU: none" in text
