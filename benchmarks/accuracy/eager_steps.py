@@ -18,14 +18,12 @@ import argparse
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 
+from benchmarks.device.h100_validation import GROUND_TRUTH_CSVS, on_lent_gpu
 from vtrain_plugin.cli.render import render_table
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-SETS = {"h100-sxm": RESULTS / "h100_validation.csv", "h200-sxm": RESULTS / "h200_validation.csv"}
 HBM_BOUNDS = (0.5, 0.95)  # the documented range of hbm_efficiency
 
 
@@ -40,24 +38,17 @@ def rows() -> list[Row]:
     import csv
 
     return [Row(gpu=gpu, plan=r["plan"], measured_ms=float(r["measured_ms"]))
-            for gpu, path in SETS.items() for r in csv.DictReader(path.open())]
+            for gpu, path in GROUND_TRUTH_CSVS.items() for r in csv.DictReader(path.open())]
 
 
 @lru_cache(maxsize=None)
 def _prepared(gpu: str, plan: str):
     """The row's one-device run on ``gpu`` and its graph prepared for the run's stack."""
-    from benchmarks.device.h100_validation import PLANS
     from vtrain_plugin.capture.tracer import trace
     from vtrain_plugin.cost.prepare import prepare_run
     from vtrain_plugin.estimate import run_stack
-    from vtrain_plugin.measured.one_device import single_device_run
-    from vtrain_plugin.runs import run_config_from_dict, with_gpu
-    from vtrain_plugin.specs.training import SoftwareStack
 
-    single, _ = single_device_run(run_config_from_dict(PLANS[plan], source=plan), "cpu")
-    # on the card, as the real step trains it: the local spec's kernels, in bf16
-    single = with_gpu(single, gpu)
-    single = replace(single, training=replace(single.training, software_stack=SoftwareStack.LOCAL_SPEC, fp8=None))
+    single = on_lent_gpu(plan, gpu)
     graph = trace(single.model, single.parallel)
     stack = run_stack(graph, single.cluster, single.training)
     return single, stack, prepare_run(graph, stack, single.training)
@@ -99,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     data = rows()
     table, errors, held_out = [], {}, {}
-    fitted = {gpu: fit_hbm([r for r in data if r.gpu == gpu]) for gpu in SETS} if args.fit_hbm else {}
+    fitted = {gpu: fit_hbm([r for r in data if r.gpu == gpu]) for gpu in GROUND_TRUTH_CSVS} if args.fit_hbm else {}
     for r in data:
         ms = analytic_ms(r)
         error = 100 * (ms / r.measured_ms - 1)

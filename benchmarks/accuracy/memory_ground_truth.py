@@ -19,39 +19,30 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 
 from benchmarks.accuracy import ci_data
 from benchmarks.accuracy.a100_data import error_stats
-from benchmarks.device.h100_validation import PLANS
+from benchmarks.device.h100_validation import GROUND_TRUTH_CSVS, on_lent_gpu
 from vtrain_plugin.cli.render import render_table
 from vtrain_plugin.core.errors import VTrainError
 from vtrain_plugin.estimate import estimate
-from vtrain_plugin.measured.one_device import single_device_run
-from vtrain_plugin.runs import run_config_from_dict, with_gpu
-from vtrain_plugin.specs.training import SoftwareStack
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-CSV = RESULTS / "h100_validation.csv"
 WORST = 10  # runs listed by largest error
-H100 = "h100-sxm"  # the device preset of the lent H100
-GPUS = {"h100": ("H100", CSV, H100), "h200": ("H200", RESULTS / "h200_validation.csv", "h200-sxm")}
+GPUS = {"h100": ("H100", "h100-sxm"), "h200": ("H200", "h200-sxm")}  # --set -> (label, device preset)
 
 
 def local_rows(gpu: str) -> list[tuple[str, str, float, float]]:
     """``(group, plan, predicted GiB, measured GiB)`` of each plan the lent ``gpu`` (a key of
     :data:`GPUS`) measured."""
-    label, csv, preset = GPUS[gpu]
-    measured = pd.read_csv(csv).set_index("plan")["measured_peak_gib"]
+    label, preset = GPUS[gpu]
+    measured = pd.read_csv(GROUND_TRUTH_CSVS[preset]).set_index("plan")["measured_peak_gib"]
     rows = []
     for plan, gib in measured.items():
-        single, _ = single_device_run(run_config_from_dict(PLANS[plan], source=plan), "cpu")
         # on the GPU that measured it (its library workspaces), still the local spec it trained
-        on_gpu = with_gpu(replace(single, training=replace(single.training, software_stack=SoftwareStack.LOCAL_SPEC)),
-                          preset)
+        on_gpu = on_lent_gpu(plan, preset)
         rows.append((f"local {label}", plan, estimate(on_gpu, profile_db=False).peak_allocated_gib, float(gib)))
     return rows
 
@@ -97,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="also write the report to this file")
     args = parser.parse_args(argv)
     parts = []
-    for gpu, (label, _, _) in GPUS.items():
+    for gpu, (label, _) in GPUS.items():
         if args.set in (gpu, "all"):
             parts.append(report(f"{label} ground truth (local spec, torch.cuda.max_memory_allocated)", local_rows(gpu)))
     if args.set in ("ci", "all"):

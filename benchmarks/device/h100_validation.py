@@ -106,6 +106,25 @@ PLANS.update({
     "qwen3-1.7b_mb1_selective": _plan(QWEN3_17B, 1, 4, "selective", "dgx-h100"),
 })
 
+# Where the rows measured on each lent card are, by the device preset of that card.
+GROUND_TRUTH_CSVS = {"h100-sxm": RESULTS / "h100_validation.csv", "h200-sxm": RESULTS / "h200_validation.csv"}
+
+
+def on_lent_gpu(plan: str, preset: str):
+    """The single-device run of ``PLANS[plan]`` on the GPU ``preset`` as the real step trains it
+    (megatron-core's local spec, no FP8): what a row measured on that card is estimated as, without
+    needing the card (the run is built on the CPU preset, then moved to ``preset``)."""
+    from dataclasses import replace
+
+    from vtrain_plugin.measured.one_device import single_device_run
+    from vtrain_plugin.runs import run_config_from_dict, with_gpu
+    from vtrain_plugin.specs.training import SoftwareStack
+
+    single, _ = single_device_run(run_config_from_dict(PLANS[plan], source=plan), "cpu")
+    local = replace(single.training, software_stack=SoftwareStack.LOCAL_SPEC, fp8=None)
+    return with_gpu(replace(single, training=local), preset)
+
+
 # --smoke: the same steps on the CPU with models small enough for seconds (checks the script only).
 SMOKE_PLANS: dict[str, dict[str, Any]] = {
     "gpt-tiny_mb2_none": _plan({**_gpt("gpt-tiny", 2, 64, 4, 32), "vocab_size": 256, "dtype": "fp32"},

@@ -2,24 +2,18 @@
 (vtrain_plugin.capture.live_memory), on real megatron-core models, and the peak allocated it gives
 against the H100 ground truth (benchmarks/results/h100_validation.csv, torch.cuda.max_memory_allocated)."""
 
-from dataclasses import replace
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from benchmarks.device.h100_validation import PLANS
+from benchmarks.device.h100_validation import GROUND_TRUTH_CSVS, on_lent_gpu
 from vtrain_plugin.capture.tracer import trace
 from vtrain_plugin.estimate import estimate
-from vtrain_plugin.measured.one_device import single_device_run
-from vtrain_plugin.runs import run_config_from_dict, with_gpu
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
-from vtrain_plugin.specs.training import SoftwareStack
 
 S, B, A = 128, 2, 8
-GROUND_TRUTH = pd.read_csv(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h100_validation.csv"
-                           ).set_index("plan")
+GROUND_TRUTH = pd.read_csv(GROUND_TRUTH_CSVS["h100-sxm"]).set_index("plan")
 
 
 def _stage(family: str, recompute: str):
@@ -73,18 +67,11 @@ def test_a_gpus_softmax_backward_adds_a_temporary_of_its_output(recompute):
     assert stage.backward_peak_nbytes < stage.gpu_softmax_backward_peak_nbytes <= stage.backward_peak_nbytes + scores
 
 
-def _on_gpu(plan: str, preset: str):
-    """The plan's single-device run on the GPU ``preset``, still the local spec the real step trains."""
-    single, _ = single_device_run(run_config_from_dict(PLANS[plan], source=plan), "cpu")
-    local = replace(single.training, software_stack=SoftwareStack.LOCAL_SPEC)
-    return with_gpu(replace(single, training=local), preset)
-
-
 @pytest.mark.parametrize("plan", ["llama-1b_mb2_full", "gpt-350m_mb8_full", "llama-1b_mb2_selective"])
 def test_peak_allocated_of_recompute_against_the_h100(plan):
     """Plans trained on a lent H100 with recompute (their peak inside a recomputed attention's
     backward): within 5% of max allocated with bf16 gradients, fused norms and the softmax
     backward's temporary counted."""
-    predicted = estimate(_on_gpu(plan, "h100-sxm"), profile_db=False).peak_allocated_gib
+    predicted = estimate(on_lent_gpu(plan, "h100-sxm"), profile_db=False).peak_allocated_gib
     measured = GROUND_TRUTH.loc[plan, "measured_peak_gib"]
     assert abs(predicted / measured - 1) < 0.05
