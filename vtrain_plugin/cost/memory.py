@@ -47,8 +47,9 @@ parameters of its chunks:
   as traced runs that softmax; the fused softmax kernels of the other stacks make none); and with
   ``block_extra`` what a stack holds beyond the traced ops in the backward of one block (TE's
   unfused attention's score gradient, the tensors activation offloading reloads), counted at that
-  block's moment, when the blocks after it have freed their stash (:func:`backward_rise`); or what the stack holds beside the stash in a forward
-  (a fused cross entropy) where that moment is higher: the larger of the two;
+  block's moment, when the blocks after it have freed their stash (:func:`backward_rise`); or what
+  the stack holds beside the stash in a forward (a fused cross entropy) where that moment is higher:
+  the larger of the two;
 - the GEMM libraries' cuBLAS workspaces (``workspaces_gib``, set by
   :mod:`vtrain_plugin.cost.stack_memory` from :mod:`vtrain_plugin.cost.workspaces`): allocated
   tensors too, by the GPU and the stack;
@@ -151,7 +152,8 @@ def rank_memory(graph: OpGraph, peak_live: PeakLive, *, distributed_optimizer: b
     attention with ``fused_attention`` (a stack whose attention allocates no score-sized tensors),
     with ``gpu_softmax`` the backward's peak with the temporaries of torch's softmax backward on a
     GPU (a stack that runs torch's softmax there), plus ``block_extra(stage)[k]`` where given (what
-    that stack holds beyond the traced ops in the backward of the stage's block ``k``, once the blocks after it freed their stash), or
+    that stack holds beyond the traced ops in the backward of the stage's block ``k``, once the
+    blocks after it freed their stash), or
     ``forward_extra(stage)`` beside the held bytes where that is more (what they hold beside the
     stash in a forward: another moment, so the larger counts); each chunk's rise enters the
     schedule's walk at its own backward (:func:`backward_rise`);

@@ -43,7 +43,8 @@ Device time of one kernel is ``max(compute_ns, memory_ns) + kernel_overhead_ns``
   ``benchmarks/results/h100_profiles.json`` and ``h200_trace_in_script_profiles.json``, less the
   kernel overhead): ``gather`` 0.86-1.00, ``index_add`` 0.83-0.90, ``scatter_add`` 0.43-0.50
   (0.35 to 1.4 TB/s of their operands' bytes, against 3.35 and 4.8 TB/s of HBM).
-  ``index_select``, the forward permutation, copies whole rows and stays memory-bound. A CPU (``host_runs_kernels``) keeps the memory bound.
+  ``index_select``, the forward permutation, copies whole rows and stays memory-bound. A CPU
+  (``host_runs_kernels``) keeps the memory bound.
 - views, metadata and host reads (NO_KERNEL, HOST_SYNC) take no device time.
 
 Host time per kernel: the CPU spends ``host_overhead_ns`` issuing each kernel of a forward,
