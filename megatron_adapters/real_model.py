@@ -56,17 +56,18 @@ class TrainingMeasurement:
 def required_memory_bytes(model: ModelSpec, plan: ParallelPlan) -> int:
     """Rough memory one device needs to train ``model`` unsharded (the refusal check, not a prediction).
 
-    Model states by specs.training.model_state_bytes_per_parameter, the memory model's: weight in
-    the model dtype, gradient in Megatron's gradient dtype (fp32 for bf16), an fp32 main weight
-    when the model dtype is narrower and two fp32 Adam moments, 2 + 2 + 4 + 8 = 16 bytes per
-    parameter in fp16, 2 + 4 + 4 + 8 = 18 in bf16 and 4 + 4 + 8 = 16 in fp32 (the optimizer step's
-    transient fp32 main gradients are not counted); activations of one micro-batch
+    Model states by specs.training.model_state_bytes_per_parameter, the memory model's: weight and
+    gradient in the model dtype (the real step accumulates each weight's ``.grad`` in it, see
+    :mod:`megatron_adapters.training_step`), an fp32 main weight when the model dtype is narrower
+    and two fp32 Adam moments, 2 + 2 + 4 + 8 = 16 bytes per parameter in fp16 and bf16 and
+    4 + 4 + 8 = 16 in fp32 (the optimizer step's transient fp32 main gradients are not counted);
+    activations of one micro-batch
     per layer after Korthikanti et al. (``34 s b h + 5 a s^2 b`` bytes at 2-byte activations, scaled
     to the dtype; selective recompute keeps ``34 s b h`` of them, full recompute only the layer's
     ``2 s b h`` input, and both rebuild one whole layer in the backward pass); the fp32 logits with
     their softmax and gradient (``3 * 4 s b V``).
     """
-    per_param = model_state_bytes_per_parameter(model.dtype)
+    per_param = model_state_bytes_per_parameter(model.dtype, gradients=model.dtype)
     s, b, h, a = model.seq_length, plan.micro_batch_size, model.hidden_size, model.num_attention_heads
     scale = model.dtype.nbytes / 2
     whole_layer = 34 * s * b * h + 5 * a * s * s * b

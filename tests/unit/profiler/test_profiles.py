@@ -175,3 +175,18 @@ def test_models_that_do_not_fit_are_refused():
     huge = ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048, dtype="fp32")
     with pytest.raises(ConfigError, match=r"needs about [\d,.]+ GiB to train on one device, more than"):
         check_fits(huge, ParallelPlan(), torch.device("cpu"))
+
+
+def test_refusal_check_counts_model_states_as_the_real_step_keeps_them():
+    """bf16 weights and .grad, fp32 main weights and two Adam moments: 16 bytes a parameter (not
+    Megatron's 18, whose bf16 runs reduce gradients in an fp32 buffer the one-device step does not have)."""
+    from megatron_adapters.real_model import required_memory_bytes
+
+    bf16 = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, dtype="bf16")
+    fp32 = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, dtype="fp32")
+    plan = ParallelPlan()
+    # activations and logits scale with the dtype's bytes; the model states are 16 bytes a parameter in both
+    bf16_rest = required_memory_bytes(bf16, plan) - 16 * bf16.num_parameters
+    fp32_rest = required_memory_bytes(fp32, plan) - 16 * fp32.num_parameters
+    assert bf16.num_parameters == fp32.num_parameters
+    assert 2 * (bf16_rest - 3 * 4 * 128 * bf16.padded_vocab_size(1)) == fp32_rest - 3 * 4 * 128 * fp32.padded_vocab_size(1)
