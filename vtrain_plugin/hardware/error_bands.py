@@ -15,16 +15,17 @@ The regime is the tuple (architecture, software stack, GPU bucket, size bucket, 
 Percentiles are those of the empirical distribution (numpy's ``inverted_cdf``): with fewer than ten
 runs the band is the smallest to the largest error, and at least 80% of a regime's runs lie inside
 its band. A regime with fewer than :data:`MIN_RUNS` runs borrows the runs of the nearest wider one
-and says which it used (:func:`band_from`). The model's size is kept longest: it tells the host- and
-launch-bound small models from the GEMM-bound large ones, whose errors differ most. Whether the
-model has experts is kept next longest: MoE runs are predicted too fast where dense runs of their
-size are right (token dispatch, grouped GEMMs, routing imbalance), so a dense band would be
-overconfident for them. So, keeping size and kind: any GPU count, then any architecture, then any
-stack. Then a dense plan takes the dense runs of any size, and every run last. An MoE plan takes the
-MoE runs of its size however few; with none, the dense runs of its size (widened the same way), and
-says "no MoE run of this size calibrated; band of dense runs" (its own regime has no run: it is far
-from calibration); then the MoE runs of any size, and every run last. A dense plan never borrows MoE
-runs before that last step. An error band is the measured time the errors imply:
+and says which it used (:func:`_searches`, narrowest first). The model's size is kept longest: it
+tells the host- and launch-bound small models from the GEMM-bound large ones, whose errors differ
+most. Dense or MoE is kept next longest: MoE errors spread wider than dense ones and lean to too
+fast (token dispatch, grouped GEMMs and routing imbalance are what the model is least sure of), so
+a dense band would be overconfident for an MoE plan. Keeping both: any GPU count, then any
+architecture, then any stack. Then a dense plan takes the dense runs of any size, and every run
+last: it never borrows an MoE run before that. An MoE plan takes the MoE runs of its size however
+few (a few MoE runs say more of it than many dense ones; the band says how few); with none, the
+dense runs of its size, widened the same way, and says "no MoE run of this size calibrated; band of
+dense runs" (its own regime has no run: far from calibration); with no run of its size at all, the
+MoE runs of any size, then every run. An error band is the measured time the errors imply:
 ``predicted / (1 + error)``, so a regime predicted too fast has its band above the estimate.
 """
 
