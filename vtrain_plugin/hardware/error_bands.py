@@ -18,15 +18,17 @@ its band. A regime with fewer than :data:`MIN_RUNS` runs borrows the runs of the
 and says which it used (:func:`_searches`, narrowest first). The model's size is kept longest: it
 tells the host- and launch-bound small models from the GEMM-bound large ones, whose errors differ
 most. Dense or MoE is kept next longest: MoE errors spread wider than dense ones and lean to too
-fast (token dispatch, grouped GEMMs and routing imbalance are what the model is least sure of), so
-a dense band would be overconfident for an MoE plan. Keeping both: any GPU count, then any
+fast (token dispatch, grouped GEMMs and routing imbalance are what the model is least sure of), so a
+dense band would be overconfident for an MoE plan. Keeping both: any GPU count, then any
 architecture, then any stack. Then a dense plan takes the dense runs of any size, and every run
-last: it never borrows an MoE run before that. An MoE plan takes the MoE runs of its size however
-few (a few MoE runs say more of it than many dense ones; the band says how few); with none, the
-dense runs of its size, widened the same way, and says "no MoE run of this size calibrated; band of
-dense runs" (its own regime has no run: far from calibration); with no run of its size at all, the
-MoE runs of any size, then every run. An error band is the measured time the errors imply:
-``predicted / (1 + error)``, so a regime predicted too fast has its band above the estimate.
+last: it never borrows an MoE run before that. An MoE plan without five MoE runs of its size takes
+the dense runs of its size, widened the same way, with the MoE runs of its size there are (they
+belong in its band, but two or three runs alone give one too narrow to hold the next), and says so:
+"only 2 MoE runs of this size calibrated; band of them and of dense runs", or "no MoE run of this
+size calibrated; band of dense runs" (then its own regime has no run: far from calibration); with no
+run of its size at all, the MoE runs of any size, then every run. An error band is the measured time
+the errors imply: ``predicted / (1 + error)``, so a regime predicted too fast has its band above the
+estimate.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ DENSE, MOE = "dense", "MoE"  # the kinds of model of a regime: without and with 
 # are kept through all of them (see the module doc for why, and for what follows).
 _SIZE_KEPT = ((True, True, True), (True, True, False), (False, True, True), (False, True, False),
               (False, False, True), (False, False, False))
+_SIZE_AND_KIND = (False, False, False, True, True)  # the runs of its size and kind
 _KIND_ONLY = (False, False, False, False, True)  # the runs of its kind, any size
 _EVERY_RUN = (False, False, False, False, False)
 NO_MOE_RUN = "no MoE run of this size calibrated; band of dense runs"
@@ -168,15 +171,14 @@ class ErrorBand:
                 "cost_usd": None if cost_usd is None else list(self.measured(cost_usd))}
 
 
-def _searches(regime: Regime) -> list[tuple[Regime, tuple[bool, ...], int]]:
+def _searches(regime: Regime) -> list[tuple[Regime, tuple[bool, ...]]]:
     """The regimes :func:`band_from` tries for ``regime``, narrowest first: (regime to match, which
-    of its parts must match, the runs it needs), in the order of the module doc."""
-    steps = [(regime, (*keep, True, True), MIN_RUNS) for keep in _SIZE_KEPT]
-    if regime.kind == MOE:
-        steps[-1] = (regime, steps[-1][1], 1)  # the MoE runs of its size, however few, before any dense one
+    of its parts must match), in the order of the module doc."""
+    steps = [(regime, (*keep, True, True)) for keep in _SIZE_KEPT]
+    if regime.kind == MOE:  # then the dense runs of its size (band_from adds the few MoE ones)
         dense = replace(regime, kind=DENSE)
-        steps += [(dense, (*keep, True, True), MIN_RUNS) for keep in _SIZE_KEPT]
-    return [*steps, (regime, _KIND_ONLY, MIN_RUNS), (regime, _EVERY_RUN, 1)]
+        steps += [(dense, (*keep, True, True)) for keep in _SIZE_KEPT]
+    return [*steps, (regime, _KIND_ONLY), (regime, _EVERY_RUN)]
 
 
 def band_from(runs: Sequence[CalibrationRun], regime: Regime) -> ErrorBand | None:
@@ -184,19 +186,23 @@ def band_from(runs: Sequence[CalibrationRun], regime: Regime) -> ErrorBand | Non
     if not runs:
         return None
     own = sum(1 for r in runs if r.regime == regime)
-    for target, mask, needed in _searches(regime):
+    # an MoE plan given dense runs keeps the MoE runs of its size, too few for a band of their own
+    few = [r.error_pct for r in runs if regime.kind == MOE and r.regime.matches(regime, _SIZE_AND_KIND)]
+    for target, mask in _searches(regime):
         errors = [r.error_pct for r in runs if r.regime.matches(target, mask)]
-        if len(errors) < needed:
-            continue
-        note = ""
-        if regime.kind == MOE and target.kind == DENSE:
-            note = NO_MOE_RUN
-        elif regime.kind == MOE and mask[3] and len(errors) < MIN_RUNS:
-            note = f"only {len(errors)} MoE run{'s' * (len(errors) != 1)} of this size calibrated"
-        low, high = np.percentile(errors, PERCENTILES, method="inverted_cdf")
-        return ErrorBand(regime=regime.words(), moe=regime.kind == MOE, runs_in_regime=own,
-                         based_on=target.words(mask), runs=len(errors), low_error_pct=float(low),
-                         high_error_pct=float(high), note=note)
+        based_on, note = target.words(mask), ""
+        if target.kind != regime.kind:
+            errors += few
+            if few:
+                based_on += f" + {regime.words(_SIZE_AND_KIND)}"
+                note = (f"only {len(few)} MoE run{'s' * (len(few) != 1)} of this size calibrated; "
+                        "band of them and of dense runs")
+            else:
+                note = NO_MOE_RUN
+        if len(errors) >= MIN_RUNS or (mask == _EVERY_RUN and errors):
+            low, high = np.percentile(errors, PERCENTILES, method="inverted_cdf")
+            return ErrorBand(regime=regime.words(), moe=regime.kind == MOE, runs_in_regime=own, based_on=based_on,
+                             runs=len(errors), low_error_pct=float(low), high_error_pct=float(high), note=note)
     return None
 
 

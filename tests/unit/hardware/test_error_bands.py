@@ -90,11 +90,12 @@ def test_an_moe_plan_with_moe_runs_of_its_size_gets_their_band():
     wide = band_from([*DENSE_RUNS, *moe], _run(0.0, gpus=64, experts=8).regime)
     assert wide.based_on == "ampere, megatron_core_te, 100M-1B parameters, MoE" and wide.far
     assert (wide.low_error_pct, wide.high_error_pct) == (-35.0, -5.0)
-    # fewer than MIN_RUNS MoE runs of its size: theirs still, and said to be few
-    few = band_from([*DENSE_RUNS, *moe[:2]], _run(0.0, architecture="hopper", experts=8).regime)
-    assert few.based_on == "100M-1B parameters, MoE" and few.runs == 2
-    assert (few.low_error_pct, few.high_error_pct) == (-35.0, -25.0)
-    assert "; only 2 MoE runs of this size calibrated; far from any calibration run" in few.words()
+    # fewer than MIN_RUNS MoE runs of its size: they join the dense runs of its size, said to be few
+    few = band_from([*DENSE_RUNS, *moe[:2]], _run(0.0, gpus=64, experts=8).regime)
+    assert few.based_on == "ampere, megatron_core_te, 100M-1B parameters, dense + 100M-1B parameters, MoE"
+    assert few.runs == 8 and (few.low_error_pct, few.high_error_pct) == (-35.0, 6.0)  # under ten: the extremes
+    assert few.far and few.note == "only 2 MoE runs of this size calibrated; band of them and of dense runs"
+    assert f"; {few.note}; far from any calibration run" in few.words()
     # a dense plan beside them keeps the dense runs' band
     dense = band_from([*DENSE_RUNS, *moe], DENSE_RUNS[0].regime)
     assert (dense.runs, dense.low_error_pct, dense.high_error_pct, dense.moe) == (5, -2.0, 4.0, False)
