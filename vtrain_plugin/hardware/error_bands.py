@@ -37,6 +37,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,6 @@ GPU_BUCKETS = ((8, "1-8 GPUs"), (64, "9-64 GPUs"), (512, "65-512 GPUs"), (4096, 
                (math.inf, "over 4,096 GPUs"))
 SIZE_BUCKETS = ((1e8, "under 100M parameters"), (1e9, "100M-1B parameters"), (10e9, "1-10B parameters"),
                 (100e9, "10-100B parameters"), (math.inf, "over 100B parameters"))
-DENSE, MOE = "dense", "MoE"  # the kinds of model of a regime: without and with experts
 # Which of (architecture, stack, GPUs) a widening keeps, narrowest first; the model's size and kind
 # are kept through all of them (see the module doc for why, and for what follows).
 _SIZE_KEPT = ((True, True, True), (True, True, False), (False, True, True), (False, True, False),
@@ -63,6 +63,16 @@ _SIZE_AND_KIND = (False, False, False, True, True)  # the runs of its size and k
 _KIND_ONLY = (False, False, False, False, True)  # the runs of its kind, any size
 _EVERY_RUN = (False, False, False, False, False)
 NO_MOE_RUN = "no MoE run of this size calibrated; band of dense runs"
+
+
+class ModelKind(StrEnum):
+    """Whether a regime's model has experts (``ModelSpec.num_experts``)."""
+
+    DENSE = "dense"
+    MOE = "MoE"
+
+
+DENSE, MOE = ModelKind.DENSE, ModelKind.MOE
 
 
 def _bucket(value: float, buckets: Sequence[tuple[float, str]]) -> str:
@@ -77,9 +87,9 @@ class Regime:
     software_stack: str
     gpus: str
     size: str
-    kind: str  # DENSE or MOE
+    kind: ModelKind
 
-    def _parts(self) -> tuple[str, str, str, str, str]:
+    def _parts(self) -> tuple[str, ...]:
         return self.architecture, self.software_stack, self.gpus, self.size, self.kind
 
     def words(self, mask: tuple[bool, ...] = (True,) * 5) -> str:
