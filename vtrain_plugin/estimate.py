@@ -417,7 +417,7 @@ def _summarize(graph: OpGraph, device: DeviceSpec, cluster: ClusterSpec, trainin
                      + device.unvalidated_rates(training) + recipe_assumptions(training.fp8_settings)
                      + device.unmeasured_capacity()),
         error_band=error_band(architecture=device.architecture.value, software_stack=stack.value, num_gpus=gpus,
-                              parameters=checkpoint.parameters),
+                              parameters=checkpoint.parameters, moe=graph.model is not None and graph.model.is_moe),
         timeline=result.timeline,
     )
 

@@ -144,7 +144,8 @@ def predict_sets(sets: Sequence[str], data: Path = DEFAULT_DATA_DIR, limit: int 
             calibrations[_repo_path(calibration.path)] = _sha256(Path(calibration.path))
             runs.append(CalibrationRun(dataset=name, run=label, architecture=get_device(est.gpu).architecture.value,
                                        software_stack=est.software_stack, num_gpus=est.num_gpus,
-                                       parameters=est.checkpoint.parameters, predicted_ms=est.iteration_time_ms,
+                                       parameters=est.checkpoint.parameters, num_experts=run.model.num_experts,
+                                       predicted_ms=est.iteration_time_ms,
                                        measured_ms=measured_ms))
     return runs, dict(sorted(calibrations.items())), refused
 
