@@ -33,6 +33,23 @@ def test_the_shipped_file_is_what_the_script_computes(tmp_path, python_m):
     assert fresh["provenance"]["calibrations"].items() <= read_error_bands().provenance["calibrations"].items()
 
 
+def test_the_script_rewrites_a_file_of_an_older_format(tmp_path, monkeypatch):
+    """Estimates refuse a band file of another format; the script that rewrites it must not."""
+    from benchmarks.accuracy import error_bands as script
+    from vtrain_plugin.hardware import error_bands
+
+    old = tmp_path / "error_bands.json"
+    old.write_text(json.dumps({"format_version": 1, "runs": []}))
+    monkeypatch.setattr(error_bands, "ERROR_BANDS_FILE", old)
+    error_bands._shipped_band.cache_clear()
+    try:
+        runs, _, refused = script.predict_sets(["vtrain_single_node"], limit=1)
+        assert (len(runs), refused) == (1, [])
+        assert runs[0].run == "single-node row 1"
+    finally:
+        error_bands._shipped_band.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory, python_m):
     env = {**os.environ, "VTRAIN_PROFILE_DB": str(tmp_path_factory.mktemp("db") / "p.sqlite")}

@@ -261,4 +261,4 @@ def _shipped_band(regime: Regime) -> ErrorBand | None:
     """Once per regime: a search estimates thousands of plans in a handful of regimes."""
     if not ERROR_BANDS_FILE.is_file():
         return None
-    return band_from(read_error_bands().runs, regime)
+    return band_from(read_error_bands(ERROR_BANDS_FILE).runs, regime)
