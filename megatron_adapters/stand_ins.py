@@ -100,6 +100,8 @@ MEGATRON_CORE_NAMES: dict[str, str] = {
         "same names in 0.19.2 (MLPLayer adds add_layer_offset= and name=, passed by the stack)",
     "transformer.moe.router.sinkhorn (the module global TopKRouter.sinkhorn_load_balancing calls)":
         "imported from moe_utils by name and patched there: unchanged in 0.19.2",
+    "tensor_parallel.layers.reduce_from_tensor_model_parallel_region (the module global RowParallelLinear calls)":
+        "imported from mappings by name and patched there; not read from 0.19.2",
     "models.backends.LocalSpecProvider, models.gpt.moe_module_specs.get_moe_module_spec_for_backend":
         "same in 0.19.2 (the latter adds an optional use_te_activation_func)",
 }
@@ -522,6 +524,24 @@ def sinkhorn(cost: torch.Tensor, tol: float = 0.0001) -> torch.Tensor:
     return d1 * cost * d0.unsqueeze(1)
 
 
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Stand-in for the all-reduce RowParallelLinear ends with: at one rank, the input itself (no
+    kernel, no autograd node), else megatron-core's own.
+
+    Why: megatron-core 0.16 returns the input as-is from its autograd function at one rank, and a
+    biased SequentialMLP expert (TP = EP = 1) then adds its bias in place (``mlp.py``: ``output +=``),
+    which autograd forbids on such an output. TransformerEngine's row-parallel linear, what the TE
+    stack runs, returns a tensor of its own at TP 1 and trains; so the trace of the TE stack (built
+    with the local linears: TE is absent on the CPU) must not fail there. No op is recorded either way."""
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+    group = get_tensor_model_parallel_group_if_none(group)
+    if group.size() == 1:
+        return input_
+    return mappings.reduce_from_tensor_model_parallel_region(input_, group=group)
+
+
 class ExpertActivationRecompute(MLP):
     """A SequentialMLP expert whose activation is checkpointed (``recompute_modules`` "moe_act").
 
@@ -604,10 +624,13 @@ def stand_in_patches() -> list[tuple[Any, str, Any]]:
     """``(object, attribute, stand-in)`` for each patch this module needs while tracing on the CPU;
     applied and restored by :func:`megatron_adapters.cpu_patches.cpu_tracing_patches`."""
     from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import layers
     from megatron.core.transformer import utils
     from megatron.core.transformer.moe import router
 
     return [
+        # RowParallelLinear's closing all-reduce at one rank (its doc): layers.py imported it by name
+        (layers, "reduce_from_tensor_model_parallel_region", reduce_from_tensor_model_parallel_region),
         # TopKRouter.sinkhorn_load_balancing calls the sinkhorn router.py imported from moe_utils; its
         # loop runs until a device value converges, which fake tensors cannot decide
         (router, "sinkhorn", sinkhorn),

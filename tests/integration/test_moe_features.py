@@ -319,3 +319,15 @@ def test_the_cli_lists_the_assumptions_in_json_and_in_the_footer(tmp_path, run_c
                          "capacity) tokens")
     table = run_cli("estimate", str(path), check=True).stdout
     assert [line for line in table.splitlines() if line.startswith("assumed: ")] == [f"assumed: {a}" for a in listed]
+
+
+def test_biased_experts_on_one_rank_are_traced_with_their_bias():
+    """A biased SequentialMLP expert at TP = EP = 1 adds its bias in place after the row-parallel
+    linear's (one-rank) all-reduce: traced as TransformerEngine's linear runs it, one bias add per
+    expert weighted by the router's probabilities."""
+    model = replace(BASE, hidden_size=256, num_attention_heads=4, seq_length=128, moe_ffn_hidden_size=512,
+                    family="gpt", add_bias_linear=True)
+    layer = trace(model, ParallelPlan()).stages[0].layer_template()
+    adds = Counter(op.module for op in layer.ops(Phase.FORWARD)
+                   if ".experts.local_experts." in op.module and op.op == "aten.add_.Tensor")
+    assert sorted(adds.values()) == [1] * E
