@@ -1,6 +1,6 @@
 """The host time megatron-core's DDP hooks add, measured on this CPU: the forward pre-hook that
 ``overlap_param_gather`` puts on every module, and the gradient hook's ``register_grad_ready`` that
-``overlap_grad_reduce`` adds per parameter.
+``overlap_grad_reduce`` adds per parameter; and the distributed optimizer's per-parameter copies.
 
     python -m benchmarks.accuracy.ddp_host_time [--repeats 15]
 
@@ -11,6 +11,10 @@ timed with the pre-hooks enabled and disabled, interleaved (CPU seconds, median)
 counted, so their difference per call is what one hook costs the host (the hook's Python, and
 ``nn.Module.__call__`` taking its slow path). The backward is timed on two such models, with and
 without ``overlap_grad_reduce``, inside ``no_sync`` (every micro-batch but the last), per parameter.
+The optimizer step's two loops over the parameters (gradients into the main parameters' ``.grad``,
+main weights into the model's) are timed per parameter as ``DistributedOptimizer`` and
+``Float16OptimizerWithFloat16Params`` run them (their own methods, on optimizers holding just the
+state those methods read: megatron-core builds neither without CUDA).
 Why: vtrain prices these hooks (:mod:`vtrain_plugin.cost.ddp_hooks`) at the cost measured here;
 results: benchmarks/results/2026-12-04_ddp_host_costs.txt.
 """
@@ -55,6 +59,30 @@ def _seconds(run) -> float:
     return (time.process_time() - start) / PASSES
 
 
+def _optimizer_loops(model, ddp) -> dict[str, tuple]:
+    """Each optimizer's (copy gradients, copy weights) methods over ``model``'s parameters."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    params = [p for buffer in ddp.buffers for p in buffer.params]
+    config = OptimizerConfig(bf16=True, use_distributed_optimizer=True)
+    dist = object.__new__(DistributedOptimizer)
+    dist.is_stub_optimizer, dist.config, dist.ddp_config, dist.buffers = False, config, ddp.ddp_config, ddp.buffers
+    dist.gbuf_ranges = [DistributedOptimizer._build_gbuf_range_map(buffer) for buffer in ddp.buffers]
+    dist.model_param_gbuf_map = DistributedOptimizer._build_model_param_gbuf_map(dist.gbuf_ranges)
+    dist.data_parallel_group = ps.get_data_parallel_group()
+    dist.model_float16_groups, dist.model_fp32_groups, dist.shard_fp32_groups = [params], [[]], [[]]
+    dist.shard_fp32_from_float16_groups = [[p.detach().clone().view(-1) for p in params]]
+    plain = object.__new__(Float16OptimizerWithFloat16Params)
+    plain.is_stub_optimizer, plain.config, plain._dummy_overflow_buf = False, config, None  # bf16: no multi-tensor copy
+    plain.float16_groups, plain.fp32_from_fp32_groups = [params], [[]]
+    plain.fp32_from_float16_groups = [[p.detach().clone() for p in params]]
+    return {"distributed": (dist._copy_model_grads_to_main_grads, dist._copy_main_params_to_model_params),
+            "float16": (plain._copy_model_grads_to_main_grads, plain._copy_main_params_to_model_params)}
+
+
 def measure(repeats: int) -> dict[str, float]:
     import torch
 
@@ -90,8 +118,12 @@ def measure(repeats: int) -> dict[str, float]:
                 return time.process_time() - start
 
         on, off, grad_overlap, grad_plain = [], [], [], []
+        loops = _optimizer_loops(plain_model, plain)
+        copies = {(name, part): [] for name in loops for part in ("grads", "weights")}
         for _ in range(2):
             forward(ddp), step(ddp), step(plain)
+            for methods in loops.values():
+                methods[0](), methods[1]()
         for _ in range(repeats):
             on.append(_seconds(lambda: forward(ddp)))
             ddp.disable_forward_pre_hook(param_sync=False)
@@ -101,6 +133,9 @@ def measure(repeats: int) -> dict[str, float]:
                 group.param_gather_dispatched = True
             grad_overlap.append(statistics.fmean(step(ddp) for _ in range(PASSES)))
             grad_plain.append(statistics.fmean(step(plain) for _ in range(PASSES)))
+            for name, methods in loops.items():
+                for part, method in zip(("grads", "weights"), methods):
+                    copies[name, part].append(_seconds(method))
         params = sum(1 for p in model.parameters() if p.requires_grad)
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -113,7 +148,8 @@ def measure(repeats: int) -> dict[str, float]:
             "forward_off_ms": 1e3 * median(off),
             "pre_hook_us": 1e6 * median(a - b for a, b in zip(on, off)) / calls[0],
             "backward_overlap_ms": 1e3 * median(grad_overlap), "backward_plain_ms": 1e3 * median(grad_plain),
-            "grad_ready_us": 1e6 * median(a - b for a, b in zip(grad_overlap, grad_plain)) / params}
+            "grad_ready_us": 1e6 * median(a - b for a, b in zip(grad_overlap, grad_plain)) / params,
+            **{f"{name} {part} us": 1e6 * median(t) / params for (name, part), t in copies.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"backward (no_sync): {result['params']} parameters, {result['backward_overlap_ms']:.2f} ms with "
           f"overlap_grad_reduce, {result['backward_plain_ms']:.2f} ms without: {result['grad_ready_us']:.2f} us "
           f"per parameter")
+    for part in ("grads", "weights"):
+        dist, plain = result[f"distributed {part} us"], result[f"float16 {part} us"]
+        print(f"optimizer step, {part} copied: {dist:.2f} us per parameter (DistributedOptimizer), {plain:.2f} us "
+              f"(Float16OptimizerWithFloat16Params, bf16): {dist - plain:+.2f} us")
     return 0
 
 

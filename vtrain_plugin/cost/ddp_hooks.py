@@ -9,7 +9,7 @@ looks each up in ``param_to_bucket_group`` and calls ``finish_param_sync`` (whic
 bucket's all-gather once per step and returns at once after), and ``nn.Module.__call__`` takes its
 slow path for the hook. The hook is priced per module call at :data:`PRE_HOOK_NS` of host time,
 measured on the CPU (``python -m benchmarks.accuracy.ddp_host_time``: a megatron-core GPT wrapped in
-megatron-core's own DDP, its forward with and without the hooks, 5.2-5.9 us a call;
+megatron-core's own DDP, its forward with and without the hooks: 5.2-6.7 us a call over five runs;
 ``benchmarks/results/2026-12-04_ddp_host_costs.txt``), times the node's ``host_time_factor``.
 
 The modules called are those that issue the segment's kernels (the rows' modules, as the stack
@@ -34,7 +34,7 @@ from vtrain_plugin.core.graph import Block, Phase
 from vtrain_plugin.cost.kernels.host_device import Segment
 from vtrain_plugin.specs.training import TrainingSpec
 
-# Host time of one forward pre-hook call: the upper end of the CPU measurement above (5.9 us).
+# Host time of one forward pre-hook call: the median of the five CPU runs above.
 PRE_HOOK_NS = 5_900.0
 _HOOKED_PHASES = (Phase.FORWARD, Phase.RECOMPUTE)
 
