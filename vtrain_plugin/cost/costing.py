@@ -15,7 +15,8 @@ pipeline empty, as after Megatron's synchronisation around pipeline transfers, a
 pays ``microbatch_overhead_ns`` of host work outside the model, and each pipeline rank's optimizer
 step ``iteration_overhead_ns`` (the loop's host work and synchronisations, once per iteration). Under CUDA graphs the captured
 kernels cost the host one graph launch per region (:mod:`vtrain_plugin.cost.cuda_graphs`). Host time is spent per kernel
-(the timer's), per module call and per layer (:func:`vtrain_plugin.cost.prepare.host_calls`), every
+(the timer's), per module call and per layer (:func:`vtrain_plugin.cost.prepare.host_calls`), per
+module call under DDP's parameter-gather hooks (:mod:`vtrain_plugin.cost.ddp_hooks`), every
 host cost times the node's ``host_time_factor``. Where megatron-core's MoE dispatch reads token counts
 back, the host waits for the device (:mod:`vtrain_plugin.cost.host_syncs`) and the host cost after it
 is exposed. Activation offloading (:mod:`vtrain_plugin.cost.activation_offload`) adds, per layer, the
@@ -41,6 +42,7 @@ from vtrain_plugin.cost.lowering.fp8 import quantisation
 from vtrain_plugin.cost.comm.overlap import exposed_ns
 from vtrain_plugin.cost.comm.ep_overlap import OverlapParts, pair_saving_ns, steady_pairs
 from vtrain_plugin.cost.cuda_graphs import graphed, graphed_host_ns
+from vtrain_plugin.cost.ddp_hooks import PRE_HOOK_NS, forward_pre_hooks, hook_calls
 from vtrain_plugin.cost.comm.dp_buckets import BlockGradients, ZeroRuntime, dp_buckets, zero_buckets
 from vtrain_plugin.cost.comm.fsdp import FsdpUnit, exposed_per_microbatch, prefetch_units
 from vtrain_plugin.cost.host_syncs import all_to_all_rows, dispatch_waits
@@ -210,7 +212,8 @@ def role_times(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tra
         return _time_role(role, timer, comm_ns, training, model, parallel, prepared.stage.blocks)
     waits_on = model if model is not None and model.num_experts and parallel is not None else None
     key = (id(role.kernels), id(role.measured_ns), timer.device, timer.constants, timer.model.allow_tf32,
-           timer.slowdown, comm_ns, training.tp_comm_overlap, waits_on, parallel if waits_on is not None else None)
+           timer.slowdown, comm_ns, training.tp_comm_overlap, waits_on, parallel if waits_on is not None else None,
+           forward_pre_hooks(training))
     hit = _role_times.get(key)
     if hit is not None and hit.kernels is role.kernels and hit.measured is role.measured_ns:
         _role_times.move_to_end(key)
@@ -263,6 +266,8 @@ def _time_role(role, timer: KernelTimer, comm_ns: tuple[float, ...], training: T
         is_cp[c.row] = on_cp
         is_ep[c.row] = node.group in MOE_GROUPS
     modules = _row_modules(role)
+    if forward_pre_hooks(training):  # DDP's parameter-gather hook on every module call
+        host += slow * PRE_HOOK_NS * hook_calls(modules, role.segments, blocks)
     if graphed(training):  # captured kernels replayed by one graph launch each region
         host = graphed_host_ns(host, modules, role.segments, blocks, training, slow * constants.host_overhead_ns)
     if timer.device.host_runs_kernels:  # a CPU issues and runs each op: no overlap to model

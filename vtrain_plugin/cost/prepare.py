@@ -38,6 +38,7 @@ from vtrain_plugin.cost.lowering.deterministic import deterministic_kernels
 from vtrain_plugin.cost.lowering.grad_hooks import GradHooks, grad_hook_adds
 from vtrain_plugin.cost.lowering.logging_step import logging_passes
 from vtrain_plugin.cost.lowering.optimizer_step import optimizer_step
+from vtrain_plugin.cost.lowering.weight_copies import looped, weight_copies
 from vtrain_plugin.capture.tracer import first_layer_numbers
 from vtrain_plugin.cost.lowering.bf16_layers import bf16_edge_counts, split_bf16_layers
 from vtrain_plugin.cost.lowering.stacks import map_nodes
@@ -45,7 +46,7 @@ from vtrain_plugin.cost.comm.moe_dispatch import MOE_GROUPS
 from vtrain_plugin.cost.comm.optimizer_shard import optimizer_shards, shard_optimizer
 from vtrain_plugin.cost.comm.runtime_collectives import RuntimeCollectives, runtime_collectives
 from vtrain_plugin.specs.fsdp import FsdpImplementation
-from vtrain_plugin.specs.optimizer import OptimizerSpec
+from vtrain_plugin.specs.optimizer import OptimizerKind, OptimizerSpec
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack, TrainingSpec
 
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE, Phase.OPTIMIZER)
@@ -244,7 +245,8 @@ def run_options(training: TrainingSpec, dtype: Dtype, stack: SoftwareStack) -> d
                                       unfused_attention=training.unfused_attention,
                                       log_params_norm=training.log_params_norm,
                                       log_num_zeros_in_grad=training.log_num_zeros_in_grad,
-                                      grad_hooks=_grad_hooks(dtype, stack, training)))
+                                      grad_hooks=_grad_hooks(dtype, stack, training),
+                                      weight_copies=_weight_copies(dtype, stack, training)))
 
 
 def run_options_key(training: TrainingSpec, dtype: Dtype, stack: SoftwareStack) -> tuple:
@@ -261,6 +263,16 @@ def _grad_hooks(dtype: Dtype, stack: SoftwareStack, training: TrainingSpec) -> G
     return GradHooks(fused_weights=training.gradient_accumulation_fusion, grad=dtype,
                      main_grad=training.grad_dtype(dtype),
                      copies=fsdp is not None and fsdp.sharding_strategy.shards_gradients)
+
+
+def _weight_copies(dtype: Dtype, stack: SoftwareStack, training: TrainingSpec) -> Dtype | None:
+    """The model dtype when megatron-core copies the main weights into it one parameter at a time
+    (:mod:`vtrain_plugin.cost.lowering.weight_copies`), else None."""
+    if (stack not in MEGATRON_CORE_STACKS or training.optimizer.kind is OptimizerKind.MUON
+            or not looped(dtype, distributed_optimizer=training.distributed_optimizer,
+                          precision_aware=training.optimizer.precision_aware, fsdp=training.fsdp is not None)):
+        return None  # Muon: megatron-core's layer-wise optimizer, not modelled here
+    return dtype
 
 
 def _bf16_edges(graph: OpGraph, fp8: Fp8Settings | None):
@@ -303,6 +315,9 @@ class KernelOptions:
     log_params_norm: bool = False  # Megatron-LM's per-step logging passes (cost.lowering.logging_step)
     log_num_zeros_in_grad: bool = False
     grad_hooks: GradHooks | None = None  # DDP's main_grad adds (cost.lowering.grad_hooks); None: none
+    # The model dtype where the main weights are copied one parameter at a time
+    # (cost.lowering.weight_copies); None: the stack's multi-tensor pass.
+    weight_copies: Dtype | None = None
 
 
 MEGATRON_CORE_STACKS = (SoftwareStack.MEGATRON_CORE_TE, SoftwareStack.MEGATRON_CORE_LOCAL)
@@ -406,7 +421,8 @@ _steps: OrderedDict[tuple, _Piece] = OrderedDict()
 def _step(block: Block, stack: SoftwareStack, fp8: Fp8Settings | None, cp: ContextParallel | None, moe: MoeOptions,
           kernels: KernelOptions, shards: tuple[int, int]) -> _Piece:
     """The block's optimizer step on its shard (no hook adds: they are backward kernels)."""
-    key = (id(block.nodes), block.kind, stack, fp8, cp, moe, kernels, shards)
+    key = (id(block.nodes), block.kind, block.parameter_numels, block.expert_parameter_numels, block.num_parameters,
+           stack, fp8, cp, moe, kernels, shards)
     known = _steps.get(key)
     if known is not None:
         _steps.move_to_end(key)
@@ -420,7 +436,10 @@ def _step(block: Block, stack: SoftwareStack, fp8: Fp8Settings | None, cp: Conte
 def _lay_out_step(block: Block, stack: SoftwareStack, fp8: Fp8Settings | None, cp: ContextParallel | None,
                   moe: MoeOptions, kernels: KernelOptions, shards: tuple[int, int]) -> _Piece:
     mapped = tuple(n for n in _block_mapped(block, stack, fp8, cp, moe, kernels) if n.phase is Phase.OPTIMIZER)
-    mapped = optimizer_step(shard_optimizer(mapped, *shards),
+    mapped = shard_optimizer(mapped, *shards)
+    if kernels.weight_copies is not None:
+        mapped = weight_copies(mapped, block, kernels.weight_copies, *shards)
+    mapped = optimizer_step(mapped,
                             kernels.optimizer, traced=block.nodes, tensor_parallel=kernels.tensor_parallel,
                             expert_tensor_parallel=kernels.expert_tensor_parallel, shards=shards[0],
                             expert_shards=shards[1])
