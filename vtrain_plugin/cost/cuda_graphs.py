@@ -11,6 +11,8 @@ dispatch); ``moe_preprocess`` with it the dispatcher's preprocessing, the MoE bl
 before its first token all-to-all (after its last one in the backward) but for the copies of the
 token counts to the host, which megatron then makes outside the graph before the all-to-all. The
 rest of a MoE layer (dispatch, experts, combine) runs eagerly and costs the host as without graphs.
+A multi-token-prediction layer's transformer layer is captured like a decoder layer (megatron-core's
+graph helpers take it with them), though it is traced in the head.
 
 Memory (megatron-core 0.16 ``transformer/cuda_graphs.py``, ``_CudaGraphRunner``): a captured layer
 holds static buffers in the graphs' pool beside what training keeps anyway: its input, cloned
@@ -30,6 +32,8 @@ module: graphs change the host side of the host/device pipeline, which is what m
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from vtrain_plugin.core.graph import Block, BlockKind, OpGraph, Phase
@@ -48,6 +52,7 @@ _SCOPE_MODULES = {
     "moe_preprocess": (".pre_mlp_layernorm", ".mlp.router", ".mlp.shared_experts"),
     "mamba": (".mixer", ".norm"),
 }
+_MTP_LAYER = re.compile(r"(^|\.)mtp\.layers\.\d+\.transformer_layer(\.|$)")
 _DENSE_ONLY = frozenset({"mlp"})
 _MOE_ONLY = frozenset({"moe", "moe_router", "moe_preprocess"})
 _ROUTER = ".mlp.router"
@@ -98,14 +103,15 @@ def graphed_host_ns(host: np.ndarray, modules: list[str], segments, blocks, trai
     for s in segments:
         if s.phase is Phase.OPTIMIZER:
             continue
-        in_layer = blocks[s.block].kind is BlockKind.LAYER
-        moe_layer = in_layer and any(_ROUTER in modules[r] for r in range(s.start, s.stop))
+        layer_block = blocks[s.block].kind is BlockKind.LAYER
+        moe_layer = any(_ROUTER in modules[r] for r in range(s.start, s.stop))
         preprocess = (_preprocess_rows(s, modules, all_to_all_rows, host_copy_rows)
                       if moe_layer and "moe_preprocess" in scopes and "moe" not in scopes else set())
         inside = False
         for row in range(s.start, s.stop):
             if preprocess and row in host_copy_rows:
                 continue  # made after the graph: eager, and no break in the captured region
+            in_layer = layer_block or _MTP_LAYER.search(modules[row]) is not None
             captured = row in preprocess or _captures(modules[row], in_layer, scopes, moe_layer, shared_expert_overlap)
             if captured:
                 host[row] = 0.0 if inside else launch_ns

@@ -80,3 +80,22 @@ def test_the_router_scopes_capture_up_to_the_dispatch(stage):
         assert all(host[r] == 1 for r in _rows(s, modules, lambda m: ".mlp.experts" in m))
         assert all(host[r] == 1 for r in in_segment)
     assert copies and all(host[r] == 1 for r in copies)
+
+
+def test_a_multi_token_prediction_layer_is_captured_like_a_decoder_layer():
+    from vtrain_plugin.capture.tracer import trace
+
+    model = ModelSpec(family="llama", num_layers=2, hidden_size=H, num_attention_heads=4, seq_length=32, vocab_size=256,
+                      dtype="bf16", mtp_num_layers=1)
+    role = prepare(trace(model, ParallelPlan(data_parallel=2, micro_batch_size=2)),
+                   stack=SoftwareStack.MEGATRON_CORE_LOCAL).stages[0].role
+    modules = [n.module if n is not None else "" for n in role.nodes]
+    for c in role.comm_rows:
+        modules[c.row] = c.node.module
+    training = TrainingSpec(global_batch_size=4, cuda_graph_impl="transformer_engine", cuda_graph_scope=("attn",))
+    host = graphed_host_ns(np.ones(len(modules)), modules, role.segments, role.blocks, training, LAUNCH)
+    forward = [r for s in role.segments if s.phase is Phase.FORWARD for r in range(s.start, s.stop)]
+    attention = [r for r in forward if ".transformer_layer.self_attention" in modules[r]]
+    outside = [r for r in forward if modules[r].startswith("mtp.") and ".transformer_layer." not in modules[r]]
+    assert attention and all(host[r] < 1 for r in attention)
+    assert outside and all(host[r] == 1 for r in outside)
