@@ -154,7 +154,13 @@ class AssumedAlltoAllDispatcher(dispatchers.MoEAlltoAllTokenDispatcher):
     def preprocess(self, routing_map: torch.Tensor):
         """Megatron's preprocessing (its per-expert count and the all-gather of the counts are
         traced), then the counts the assumption gives, on the host as megatron holds them."""
-        super().preprocess(routing_map)
+        device_tokens = super().preprocess(routing_map)
+        # The device-side counts megatron copies to the host at its D2H point, before the
+        # assumption's host values replace them (see _maybe_dtoh_and_synchronize).
+        self.device_counts = [t for t in (device_tokens, self.input_splits, self.output_splits, self.output_splits_tp,
+                                          self.num_out_tokens,
+                                          self.num_global_tokens_per_local_expert if self.num_local_experts > 1
+                                          else None) if torch.is_tensor(t)]
         counts = DispatchCounts(per_expert=_routed_counts(routing_map.size(0), self.config, self.routing_skew),
                                 ep=self.ep_size, etp=self.tp_size)
         if self.drop_and_pad:  # megatron sized the even all-to-all from the capacity itself
@@ -174,7 +180,14 @@ class AssumedAlltoAllDispatcher(dispatchers.MoEAlltoAllTokenDispatcher):
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
 
     def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
-        """The counts are on the host already: no copy, no stream to wait for."""
+        """The counts are on the host already; at megatron's D2H point its copies of the device-side
+        counts (``maybe_move_tensor_to_cpu``, one ``.to("cpu", non_blocking=True)`` each) are traced
+        as the copies they are. The wait that follows is placed by the costing
+        (:mod:`vtrain_plugin.cost.host_syncs`)."""
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for counts in getattr(self, "device_counts", ()):
+                host_copy(counts)
+            self.device_counts = []
         return tokens_per_expert
 
 
@@ -192,7 +205,7 @@ class AssumedAllGatherDispatcher(dispatchers.MoEAllGatherTokenDispatcher):
         first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
         self.local_map = self.routing_map[:, first:last].contiguous()
         self.local_probs = probs[:, first:last].contiguous()
-        self.local_map.sum(dim=0)  # megatron counts the local pairs on the device, then copies them
+        host_copy(self.local_map.sum(dim=0))  # megatron counts the local pairs on the device, then copies them
         local_tokens = hidden_states.size(0) // (self.tp_size * self.ep_size)
         per_expert = _routed_counts(local_tokens, self.config, self.routing_skew)
         tokens_per_expert = DispatchCounts(per_expert=per_expert, ep=self.ep_size,
@@ -307,6 +320,13 @@ def _exchange(tokens: torch.Tensor, wire_rows: int, out_rows: int, group) -> tor
     splits = [wire_rows // size + (1 if i < wire_rows % size else 0) for i in range(size)]
     torch.distributed.all_to_all_single(received, send, splits, splits, group=group)
     return received if out_rows == wire_rows else tokens.new_empty(out_rows, hidden)
+
+
+def host_copy(counts: torch.Tensor) -> torch.Tensor:
+    """Megatron's copy of a device tensor of token counts to the host (``.cpu()``, ``.to("cpu")``):
+    one copy of its bytes. The tracing tensors are host tensors already, where ``.to("cpu")`` would
+    be no op at all, so the copy is made explicit."""
+    return torch.ops.aten._to_copy.default(counts)
 
 
 def _routed_counts(tokens: int, config, skew: float) -> tuple[int, ...]:

@@ -45,7 +45,7 @@ from vtrain_plugin.cost.cuda_graphs import graphed, graphed_host_ns
 from vtrain_plugin.cost.ddp_hooks import PRE_HOOK_NS, forward_pre_hooks, hook_calls
 from vtrain_plugin.cost.comm.dp_buckets import BlockGradients, ZeroRuntime, dp_buckets, zero_buckets
 from vtrain_plugin.cost.comm.fsdp import FsdpUnit, exposed_per_microbatch, prefetch_units
-from vtrain_plugin.cost.host_syncs import all_to_all_rows, dispatch_waits
+from vtrain_plugin.cost.host_syncs import all_to_all_rows, dispatch_waits, host_copy_rows
 from vtrain_plugin.cost.kernels.host_device import (SegmentTime, segment_sums, segment_times, sequence, split_times,
                                                      then)
 from vtrain_plugin.cost.kernels.op_classes import OpClass, classify
@@ -269,7 +269,9 @@ def _time_role(role, timer: KernelTimer, comm_ns: tuple[float, ...], training: T
     if forward_pre_hooks(training):  # DDP's parameter-gather hook on every module call
         host += slow * PRE_HOOK_NS * hook_calls(modules, role.segments, blocks)
     if graphed(training):  # captured kernels replayed by one graph launch each region
-        host = graphed_host_ns(host, modules, role.segments, blocks, training, slow * constants.host_overhead_ns)
+        host = graphed_host_ns(host, modules, role.segments, blocks, training, slow * constants.host_overhead_ns,
+                               all_to_all_rows=all_to_all_rows(role.comm_rows), host_copy_rows=host_copy_rows(role.nodes),
+                               shared_expert_overlap=model is not None and model.moe_shared_expert_overlap)
     if timer.device.host_runs_kernels:  # a CPU issues and runs each op: no overlap to model
         device, host = device + host, np.zeros_like(host)
     segments = role.segments

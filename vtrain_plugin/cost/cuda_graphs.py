@@ -3,7 +3,16 @@
 A captured region (each transformer layer, or the parts ``training.cuda_graph_scope`` names, or
 with ``full_iteration`` every forward and backward) is replayed by one ``cudaGraphLaunch``: its
 kernels, collectives and module calls cost the host nothing, the launch costs one kernel launch
-(``host_overhead_ns``) before the region's first kernel. Device times are unchanged.
+(``host_overhead_ns``) before the region's first kernel. Device times are unchanged. The scopes are
+megatron-core 0.16's (``CudaGraphScope``, ``TransformerLayer._get_submodules_under_cudagraphs``):
+``mlp`` captures the MLP of dense layers only and ``moe`` the whole MoE block of MoE layers;
+``moe_router`` the pre-MLP norm, the router and the shared experts (unless they overlap the
+dispatch); ``moe_preprocess`` with it the dispatcher's preprocessing, the MoE block's own ops
+before its first token all-to-all (after its last one in the backward) but for the copies of the
+token counts to the host, which megatron then makes outside the graph before the all-to-all. The
+rest of a MoE layer (dispatch, experts, combine) runs eagerly and costs the host as without graphs.
+A multi-token-prediction layer's transformer layer is captured like a decoder layer (megatron-core's
+graph helpers take it with them), though it is traced in the head.
 
 Memory (megatron-core 0.16 ``transformer/cuda_graphs.py``, ``_CudaGraphRunner``): a captured layer
 holds static buffers in the graphs' pool beside what training keeps anyway: its input, cloned
@@ -23,6 +32,8 @@ module: graphs change the host side of the host/device pipeline, which is what m
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from vtrain_plugin.core.graph import Block, BlockKind, OpGraph, Phase
@@ -31,43 +42,77 @@ from vtrain_plugin.core.units import GIB
 from vtrain_plugin.specs.training import CudaGraphImpl, TrainingSpec
 
 # Module path parts each scope captures (megatron-core's TransformerLayer: the attention part runs
-# the input norm, the MLP part the pre-MLP norm; a Mamba layer's mixer and its norm).
+# the input norm, the MLP part the pre-MLP norm; a Mamba layer's mixer and its norm). "mlp" applies to
+# dense layers, "moe", "moe_router" and "moe_preprocess" to MoE layers (see the module doc).
 _SCOPE_MODULES = {
     "attn": (".self_attention", ".input_layernorm"),
     "mlp": (".mlp", ".pre_mlp_layernorm"),
     "moe": (".mlp", ".pre_mlp_layernorm"),
-    "moe_router": (".mlp.router",),
-    "moe_preprocess": (".mlp.router", ".mlp.token_dispatcher"),
+    "moe_router": (".pre_mlp_layernorm", ".mlp.router", ".mlp.shared_experts"),
+    "moe_preprocess": (".pre_mlp_layernorm", ".mlp.router", ".mlp.shared_experts"),
     "mamba": (".mixer", ".norm"),
 }
+_MTP_LAYER = re.compile(r"(^|\.)mtp\.layers\.\d+\.transformer_layer(\.|$)")
+_DENSE_ONLY = frozenset({"mlp"})
+_MOE_ONLY = frozenset({"moe", "moe_router", "moe_preprocess"})
+_ROUTER = ".mlp.router"
+_SHARED_EXPERTS = ".mlp.shared_experts"
 
 
 def graphed(training: TrainingSpec) -> bool:
     return training.cuda_graph_impl is not CudaGraphImpl.NONE
 
 
-def _captures(module: str, in_layer: bool, scopes: tuple[str, ...]) -> bool:
+def _captures(module: str, in_layer: bool, scopes: tuple[str, ...], moe_layer: bool = False,
+              shared_expert_overlap: bool = False) -> bool:
     if "full_iteration" in scopes:
         return True
     if not scopes:
         return in_layer
     path = module + "."
-    return in_layer and any(part + "." in path for scope in scopes for part in _SCOPE_MODULES[scope])
+    if shared_expert_overlap and _SHARED_EXPERTS + "." in path and not (moe_layer and "moe" in scopes):
+        return False  # overlapped with the dispatch, outside the router's graph
+    return in_layer and any(part + "." in path for scope in scopes
+                            if not (moe_layer and scope in _DENSE_ONLY or not moe_layer and scope in _MOE_ONLY)
+                            for part in _SCOPE_MODULES[scope])
+
+
+def _preprocess_rows(s, modules: list[str], all_to_all_rows: frozenset[int], host_copy_rows: frozenset[int]
+                     ) -> set[int]:
+    """The rows of a MoE layer's segment ``s`` that ``moe_preprocess`` captures: the MoE block's own
+    ops (its module, not a submodule's) before its first token all-to-all in the forward and the
+    recompute, after its last one in the backward, but for the host copies of its token counts."""
+    rows = range(s.start, s.stop)
+    a2a = [r for r in rows if r in all_to_all_rows]
+    if not a2a:
+        return set()
+    blocks = {m.rsplit(_ROUTER, 1)[0] + ".mlp" for m in (modules[r] for r in rows) if _ROUTER in m}
+    window = range(s.start, a2a[0]) if s.phase is not Phase.BACKWARD else range(a2a[-1] + 1, s.stop)
+    return {r for r in window if modules[r] in blocks and r not in host_copy_rows}
 
 
 def graphed_host_ns(host: np.ndarray, modules: list[str], segments, blocks, training: TrainingSpec,
-                    launch_ns: float) -> np.ndarray:
+                    launch_ns: float, *, all_to_all_rows: frozenset[int] = frozenset(),
+                    host_copy_rows: frozenset[int] = frozenset(), shared_expert_overlap: bool = False) -> np.ndarray:
     """``host`` (per row, every host cost of the row) with the captured rows' cost replaced by one
-    graph launch per run of consecutive captured rows of a segment; ``modules`` per row."""
+    graph launch per run of consecutive captured rows of a segment; ``modules`` per row,
+    ``all_to_all_rows`` the MoE layers' token all-to-alls, ``host_copy_rows`` the copies of their
+    token counts to the host (see the module doc)."""
     host = host.copy()
     scopes = training.cuda_graph_scope
     for s in segments:
         if s.phase is Phase.OPTIMIZER:
             continue
-        in_layer = blocks[s.block].kind is BlockKind.LAYER
+        layer_block = blocks[s.block].kind is BlockKind.LAYER
+        moe_layer = any(_ROUTER in modules[r] for r in range(s.start, s.stop))
+        preprocess = (_preprocess_rows(s, modules, all_to_all_rows, host_copy_rows)
+                      if moe_layer and "moe_preprocess" in scopes and "moe" not in scopes else set())
         inside = False
         for row in range(s.start, s.stop):
-            captured = _captures(modules[row], in_layer, scopes)
+            if preprocess and row in host_copy_rows:
+                continue  # made after the graph: eager, and no break in the captured region
+            in_layer = layer_block or _MTP_LAYER.search(modules[row]) is not None
+            captured = row in preprocess or _captures(modules[row], in_layer, scopes, moe_layer, shared_expert_overlap)
             if captured:
                 host[row] = 0.0 if inside else launch_ns
             inside = captured

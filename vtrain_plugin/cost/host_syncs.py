@@ -60,3 +60,14 @@ def all_to_all_rows(comm_rows) -> frozenset[int]:
     MoE-group all-to-alls."""
     return frozenset(c.row for c in comm_rows
                      if c.node.kind is CollectiveKind.ALL_TO_ALL and c.node.group in MOE_GROUPS)
+
+
+_HOST_COPY = "aten._to_copy.default"
+
+
+def host_copy_rows(nodes) -> frozenset[int]:
+    """The rows of ``nodes`` (a role's, ``None`` for a collective) that are a MoE dispatcher's copies of
+    its token counts to the host (int64 copies of the MoE block's own module:
+    :func:`megatron_adapters.moe.host_copy`)."""
+    return frozenset(i for i, n in enumerate(nodes) if n is not None and n.op == _HOST_COPY
+                     and n.module.endswith(".mlp") and n.key.dtypes[:1] == ("int64",))

@@ -68,7 +68,11 @@ Grouped-GEMM experts (``moe_grouped_gemm``: TE's ``TEGroupedMLP``) are a pass ov
 kernels of a MoE layer's ``SequentialMLP`` (:func:`group_expert_kernels`): the k-th kernel of every
 local expert in a phase runs as one kernel over all their tokens (``te.grouped_gemm`` for a GEMM,
 its FLOPs and bytes the sum of the experts'), and the concatenation of the experts' outputs (and its
-backward) is gone: the grouped GEMM writes one tensor.
+backward) is gone: the grouped GEMM writes one tensor. The FP8 casts of the experts' GEMM inputs stay
+one per expert where TE makes them so: ``GroupedLinear`` quantises its input and incoming gradient
+with ``tex.split_quantize``, which fuses the splits into one multi-tensor cast-transpose only for
+delayed scaling; with current scaling (``compute_amax`` then the cast) and the block-scaled recipes it
+quantises each expert's split with its own kernels (:data:`SPLIT_QUANTISED`).
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import re
+from dataclasses import replace
 
 from megatron_adapters.conventions import is_expert_module, is_mlp_module
 from vtrain_plugin.core.dtypes import element_nbytes
@@ -503,6 +508,10 @@ def fused_attention_saved_delta(nodes: Sequence[Node]) -> int:
 
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)(?:\.|$)")
 GROUPED_GEMM = "te.grouped_gemm.default"
+# The FP8 casts TE's split_quantize runs once per expert (see the module doc): the block-scaled
+# recipes' quantise kernels, and current scaling's amax and cast.
+SPLIT_QUANTISED = frozenset({"quantize_fp8_block", "quantize_mxfp8"})
+_CURRENT_SCALING = frozenset({"compute_amax", "cast_transpose"})
 
 
 def group_expert_kernels(nodes: Sequence[Node]) -> tuple[Node, ...]:
@@ -524,7 +533,10 @@ def group_expert_kernels(nodes: Sequence[Node]) -> tuple[Node, ...]:
         sequences = [[nodes[i] for i in experts[e]] for e in sorted(experts)]
         if len(sequences) < 2 or len({tuple(op_name(n) for n in seq) for seq in sequences}) != 1:
             continue
-        placed[min(min(ix) for ix in experts.values())] = [_grouped(list(column)) for column in zip(*sequences)]
+        per_expert = SPLIT_QUANTISED | (_CURRENT_SCALING if "compute_amax" in map(op_name, sequences[0]) else set())
+        placed[min(min(ix) for ix in experts.values())] = [
+            node for column in zip(*sequences)
+            for node in (_renamed(column) if op_name(column[0]) in per_expert else (_grouped(list(column)),))]
         dropped.update(i for ix in experts.values() for i in ix)
         concat = f"{layer}.mlp.experts"  # SequentialMLP's cat of the experts' outputs (and its backward)
         dropped.update(i for i, n in enumerate(nodes) if isinstance(n, OpNode) and n.phase is phase
@@ -537,12 +549,20 @@ def group_expert_kernels(nodes: Sequence[Node]) -> tuple[Node, ...]:
     return tuple(out)
 
 
+def _grouped_module(module: str) -> str:
+    return _LOCAL_EXPERT.sub(lambda m: ".mlp.experts" + (m.group(0)[-1] if m.group(0).endswith(".") else ""), module)
+
+
+def _renamed(column: Sequence[OpNode]) -> tuple[OpNode, ...]:
+    """The same kernel of every local expert, one each, as the grouped module runs them."""
+    return tuple(replace(n, module=_grouped_module(n.module)) for n in column)
+
+
 def _grouped(column: list[OpNode]) -> OpNode:
     """One kernel for the same kernel of every local expert: FLOPs and bytes summed, each input the
     experts' inputs side by side (a GEMM's as a batch of experts, its rows their mean when they differ)."""
     first = column[0]
-    module = _LOCAL_EXPERT.sub(lambda m: ".mlp.experts" + (m.group(0)[-1] if m.group(0).endswith(".") else ""),
-                               first.module)
+    module = _grouped_module(first.module)
     nbytes = sum(n.nbytes for n in column)
     shapes = [n.key.input_shapes for n in column]
     if op_name(first) in ("mm", "_scaled_mm"):  # FP8 GEMMs too (lowering.fp8 runs before this pass)
