@@ -46,6 +46,7 @@ from vtrain_plugin.cost.ddp_hooks import PRE_HOOK_NS, forward_pre_hooks, hook_ca
 from vtrain_plugin.cost.comm.dp_buckets import BlockGradients, ZeroRuntime, dp_buckets, zero_buckets
 from vtrain_plugin.cost.comm.fsdp import FsdpUnit, exposed_per_microbatch, prefetch_units
 from vtrain_plugin.cost.host_syncs import all_to_all_rows, dispatch_waits, host_copy_rows
+from vtrain_plugin.cost.step_checks import gc_host_factor, gc_step_ns, holds_loss, loss_pieces, pieces_ns, step_pieces
 from vtrain_plugin.cost.kernels.host_device import (SegmentTime, segment_sums, segment_times, sequence, split_times,
                                                      then)
 from vtrain_plugin.cost.kernels.op_classes import OpClass, classify
@@ -88,7 +89,8 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
     provenance = Provenance()
     chunks: list[ChunkWork] = []
     # once per rank, every chunk's step after it
-    optimizer = [timer.constants.iteration_overhead_ns * timer.constants.host_time_factor] * pp
+    optimizer = [timer.constants.iteration_overhead_ns * timer.constants.host_time_factor
+                 + gc_step_ns(training, timer.constants.host_time_factor)] * pp
     embedding_sync_ns = 0.0
     classes = comm.rank_classes()
     ep_overlap = _ep_overlap(parallel, timer)
@@ -213,7 +215,7 @@ def role_times(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tra
     waits_on = model if model is not None and model.num_experts and parallel is not None else None
     key = (id(role.kernels), id(role.measured_ns), timer.device, timer.constants, timer.model.allow_tf32,
            timer.slowdown, comm_ns, training.tp_comm_overlap, waits_on, parallel if waits_on is not None else None,
-           forward_pre_hooks(training))
+           forward_pre_hooks(training), training.manual_gc)
     hit = _role_times.get(key)
     if hit is not None and hit.kernels is role.kernels and hit.measured is role.measured_ns:
         _role_times.move_to_end(key)
@@ -251,6 +253,7 @@ def _time_role(role, timer: KernelTimer, comm_ns: tuple[float, ...], training: T
     slow = constants.host_time_factor  # every host cost below runs on the node's CPU
     host += slow * (constants.module_host_overhead_ns * role.module_calls
                     + constants.layer_host_overhead_ns * role.layer_calls)
+    host *= gc_host_factor(training)  # --manual-gc: no automatic collections in the step
     is_comm = np.zeros(len(device), bool)
     is_cp = np.zeros(len(device), bool)
     is_ep = np.zeros(len(device), bool)
@@ -336,6 +339,10 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         ep[s.phase] += s.count * ep_comm[i]
 
     forward_total = totals[Phase.FORWARD] + slow * constants.microbatch_overhead_ns
+    if holds_loss(stage):  # the loss's scaling and NaN checks, each micro-batch
+        forward_total += pieces_ns(loss_pieces(training), timer, comm, rank)
+    step_ns = 0.0 if parallel is None else pieces_ns(
+        step_pieces(stage, training, parallel, prepared.runtime.grad_dtype.nbytes), timer, comm, rank)
     backward_total = totals[Phase.BACKWARD]
     ep_forward, ep_backward = ep[Phase.FORWARD], ep[Phase.BACKWARD] + ep[Phase.RECOMPUTE]
     if ep_overlap is not None and ep_forward + ep_backward > 0:
@@ -393,7 +400,7 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         p2p_forward_ns=p2p[Phase.FORWARD], p2p_backward_ns=p2p[Phase.BACKWARD],
         dp_buckets=sorted(reduces + expert_reduces, key=lambda b: b.ready_fraction),
         param_gathers=sorted(gathers + expert_gathers, key=lambda g: g.need_fraction))
-    return StageCost(work=work, optimizer_ns=totals[Phase.OPTIMIZER], embedding_sync_ns=sync_ns,
+    return StageCost(work=work, optimizer_ns=totals[Phase.OPTIMIZER] + step_ns, embedding_sync_ns=sync_ns,
                      provenance=provenance)
 
 

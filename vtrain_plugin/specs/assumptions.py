@@ -129,6 +129,18 @@ def training_assumptions(training: TrainingSpec) -> tuple[str, ...]:
         lines.append("per-step logging (--log-params-norm / --log-num-zeros-in-grad): one multi-tensor read of 4 bytes "
                      "per local fp32 parameter each, timed as the gradient-norm pass; their scalar all-reduces and "
                      "count_zeros' per-tensor launches are not priced (not validated on any GPU)")
+    if not training.nan_checks:
+        lines.append("no NaN checks (--no-check-for-nan-in-loss-and-grad): no gradient-bucket norms and no host reads "
+                     "of the loss and the norms; the fitted host costs come from runs with the checks on")
+    if training.per_token_loss:
+        lines.append("per-token loss: the token count broadcast over PP and all-reduced over DP x CP, one host read "
+                     "and a scaling pass over every local gradient per step; no loss divisions per micro-batch")
+    if training.manual_gc:
+        lines.append("manual garbage collection: the automatic collector's share of host time (0.1%, measured on the "
+                     "CPU) out of the steps, a full collection (0.7 s, measured on a small process) every "
+                     f"{training.manual_gc_interval} steps" if training.manual_gc_interval else
+                     "manual garbage collection: the automatic collector's share of host time (0.1%, measured on the "
+                     "CPU) out of the steps, no collection during training (--manual-gc-interval 0)")
     return tuple(lines)
 
 

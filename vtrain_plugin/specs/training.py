@@ -198,6 +198,17 @@ class TrainingSpec:
     # weights' gradient GEMMs accumulate into DDP's main_grad; without it DDP's hook adds each
     # (vtrain_plugin.cost.lowering.grad_hooks).
     gradient_accumulation_fusion: bool = True
+    # Megatron-LM's NaN / Inf checks (on unless --no-check-for-nan-in-loss-and-grad): each local loss
+    # and each gradient bucket's norm read back by the host (vtrain_plugin.cost.step_checks).
+    nan_checks: bool = True
+    # Megatron-LM's --calculate-per-token-loss: gradients scaled by the global token count after
+    # their reduction, which is broadcast and all-reduced (vtrain_plugin.cost.step_checks).
+    per_token_loss: bool = False
+    # Megatron-LM's --manual-gc: Python's collector off in the steps, a full collection every
+    # manual_gc_interval steps (--manual-gc-interval; 0: never; read only with manual_gc)
+    # (vtrain_plugin.cost.step_checks).
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, dict):
@@ -207,6 +218,10 @@ class TrainingSpec:
                               f"{type(self.optimizer).__name__}")
         v.boolean("training.deterministic", self.deterministic)
         v.boolean("training.gradient_accumulation_fusion", self.gradient_accumulation_fusion)
+        v.boolean("training.nan_checks", self.nan_checks)
+        v.boolean("training.per_token_loss", self.per_token_loss)
+        v.boolean("training.manual_gc", self.manual_gc)
+        v.non_negative_int("training.manual_gc_interval", self.manual_gc_interval)
         v.boolean("training.log_params_norm", self.log_params_norm)
         v.boolean("training.log_num_zeros_in_grad", self.log_num_zeros_in_grad)
         v.boolean("training.unfused_attention", self.unfused_attention)

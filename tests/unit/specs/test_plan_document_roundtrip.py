@@ -33,7 +33,7 @@ SAMPLES = [
         total_tokens=1e12, distributed_optimizer=True, overlap_param_gather=True, tp_comm_overlap=True,
         microbatch_group_size=2, reliability=None, deterministic=True, log_params_norm=True,
         log_num_zeros_in_grad=True, cuda_graph_impl="transformer_engine", cuda_graph_scope=("attn", "mlp"),
-        cuda_graph_warmup_steps=0,
+        cuda_graph_warmup_steps=0, nan_checks=False, per_token_loss=True, manual_gc=True, manual_gc_interval=50,
         optimizer=OptimizerSpec(kind="adam", precision_aware=True, exp_avg="bf16", exp_avg_sq="bf16"))),
     (MOE, ParallelPlan(tensor_parallel=1, data_parallel=8, expert_parallel=4), TrainingSpec(
         global_batch_size=16, fp4="e2m1", unfused_attention=True, gradient_accumulation_fusion=False,

@@ -118,6 +118,13 @@ def split_times(host: np.ndarray, device: np.ndarray, segment: Segment, waits: S
     return tuple(zip(h.tolist(), d.tolist(), p.tolist()))
 
 
+def drained_ns(pieces: Sequence[tuple[float, float, float]]) -> float:
+    """Time from an empty queue until the host, having waited for the device before each of
+    ``pieces`` but the first and after the last, sees the last one done."""
+    total_h, total_p = _walk(0.0, 0.0, pieces)
+    return max(total_h, total_p)
+
+
 def then(first: SegmentTime, second: SegmentTime) -> SegmentTime:
     """One instance of ``first`` followed by one of ``second``, as one pipelined unit."""
     pieces: tuple[tuple[float, float, float], ...] = ()

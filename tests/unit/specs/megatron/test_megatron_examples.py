@@ -182,13 +182,13 @@ def test_llama3_8b_bf16_field_by_field(caplog):
     assert run.training == TrainingSpec(global_batch_size=128, grad_reduce=GradReduce.OVERLAP,
                                         bucket_size_mb=80.0,  # Megatron's 4e7 parameters x 2 bytes (bf16 grads)
                                         software_stack=SoftwareStack.MEGATRON_CORE_TE, grad_reduce_in_bf16=True,
-                                        cross_entropy_fusion=True,
+                                        cross_entropy_fusion=True, per_token_loss=True, manual_gc=True,
                                         reliability=ReliabilitySpec(checkpoint_interval_iterations=1000))
     # --attention-backend fused is TE's attention as costed; --apply-layernorm-1p is the same norm kernel.
     assert [r.getMessage() for r in caplog.records] == [
         f"note: {DEFAULT_GPU_NOTE}",
         "warning: Megatron-LM arguments vtrain does not model (they may change speed or memory): "
-        "--calculate-per-token-loss, --manual-gc, --empty-unused-memory-level 1, "
+        "--empty-unused-memory-level 1, "
         "--sequence-parallel at TP 1 (Megatron-LM turns it off)"]
 
 
