@@ -42,15 +42,15 @@ from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import GradReduce, SoftwareStack, TrainingSpec
 
 # Python's automatic collector's share of the host time of a megatron-core GPT step on the CPU:
-# gc.callbacks timed its pauses at 0.03-0.13% of the step's CPU time (medians and means of 5 rounds of
-# 20 steps of a 4-layer GPT, benchmarks/speed/gc_pauses.py, results in
-# benchmarks/results/2026-12-04_step_host_flags.txt); range [0.0003, 0.005]. Scaled with the rest of
+# gc.callbacks timed its pauses at 0.02-0.13% of the step's CPU time (medians and means of 5 rounds of
+# 20 steps of a 4-layer GPT in three runs, benchmarks/speed/gc_pauses.py, results in
+# benchmarks/results/2026-12-04_step_host_flags.txt); range [0.0002, 0.005]. Scaled with the rest of
 # the host cost by host_time_factor.
 GC_HOST_SHARE = 0.001
-# One full gc.collect() of a training process: 0.67-0.85 s over 0.41 million tracked objects (that
-# benchmark's process: torch and megatron-core loaded, load 5-6 on 2 cores); a Megatron-LM process
-# holds at least as many. Range [3e8, 3e9] ns, times host_time_factor.
-FULL_COLLECT_NS = 7e8
+# One full gc.collect() of a training process: 0.20 s of CPU (0.6 s wall on a loaded 2-core machine)
+# over 0.41 million tracked objects, in that benchmark's process (torch and megatron-core loaded); a
+# Megatron-LM process holds at least as many. Range [1e8, 1e9] ns, times host_time_factor.
+FULL_COLLECT_NS = 2e8
 
 _SCALAR = ((),)
 _FP32 = ("float32",)

@@ -137,7 +137,7 @@ def training_assumptions(training: TrainingSpec) -> tuple[str, ...]:
                      "and a scaling pass over every local gradient per step; no loss divisions per micro-batch")
     if training.manual_gc:
         lines.append("manual garbage collection: the automatic collector's share of host time (0.1%, measured on the "
-                     "CPU) out of the steps, a full collection (0.7 s, measured on a small process) every "
+                     "CPU) out of the steps, a full collection (0.2 s of CPU, measured on a small process) every "
                      f"{training.manual_gc_interval} steps" if training.manual_gc_interval else
                      "manual garbage collection: the automatic collector's share of host time (0.1%, measured on the "
                      "CPU) out of the steps, no collection during training (--manual-gc-interval 0)")
