@@ -9,6 +9,7 @@ from vtrain_plugin.cost import step_checks
 from vtrain_plugin.estimate import estimate
 from vtrain_plugin.hardware.clusters import get_cluster_preset
 from vtrain_plugin.specs.megatron.args import megatron_plan
+from vtrain_plugin.specs.megatron.flags import TABLE, Effect
 from vtrain_plugin.specs.megatron.launch_script import read_command_line
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
@@ -26,6 +27,11 @@ def test_flags_are_read_without_a_warning():
     t = given.training
     assert (t.nan_checks, t.per_token_loss, t.manual_gc, t.manual_gc_interval) == (False, True, True, 100)
     assert given.warning is None
+    # `vtrain flags` says so; --no-manual-gc-eval collects around evaluation only
+    for flag in ("--no-check-for-nan-in-loss-and-grad", "--calculate-per-token-loss", "--manual-gc",
+                 "--manual-gc-interval"):
+        assert TABLE[flag].effect is Effect.MODELLED
+    assert TABLE["--no-manual-gc-eval"].effect is Effect.OUTSIDE_STEP
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,16 @@ per-token loss also removes) and megatron-FSDP's and Megatron-DeepSpeed's own ch
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
 from vtrain_plugin.core.graph import BlockKind, CollectiveKind, KernelKey, OpNode, ParallelGroup, Phase, StageGraph
 from vtrain_plugin.cost.kernels.host_device import Segment, drained_ns, split_times
+from vtrain_plugin.cost.kernels.model import KernelBatch
 from vtrain_plugin.specs.parallel import ParallelPlan
 from vtrain_plugin.specs.training import GradReduce, SoftwareStack, TrainingSpec
 
@@ -94,9 +97,14 @@ def loss_pieces(training: TrainingSpec) -> tuple[Piece, ...]:
     """What the stage holding the loss runs per micro-batch after its forward (module doc)."""
     if not applies(training):
         return ()
-    divide = () if training.per_token_loss else (_kernel("aten.clamp.default"), _kernel("aten.div_.Tensor"),
+    return _loss_pieces(training.nan_checks, training.per_token_loss)
+
+
+@lru_cache(maxsize=4)
+def _loss_pieces(nan_checks: bool, per_token_loss: bool) -> tuple[Piece, ...]:
+    divide = () if per_token_loss else (_kernel("aten.clamp.default"), _kernel("aten.div_.Tensor"),
                                                  _kernel("aten.div_.Scalar"))
-    if not training.nan_checks:
+    if not nan_checks:
         return (Piece(divide, wait=False),) if divide else ()
     return Piece(divide + _check(_NAN)), Piece(_check(_INF))
 
@@ -110,8 +118,12 @@ def gradient_buffers(stage: StageGraph, grad_nbytes: int) -> tuple[int, int]:
 
 def buckets(buffers: Sequence[int], training: TrainingSpec, data_parallel: int, grad_nbytes: int) -> tuple[int, ...]:
     """Bytes of each DDP bucket of ``buffers`` (module doc)."""
-    out: list[int] = []
     limit = training.bucket_nbytes(data_parallel, grad_nbytes) if training.grad_reduce is GradReduce.OVERLAP else 0
+    return _buckets(tuple(buffers), limit)
+
+
+def _buckets(buffers: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    out: list[int] = []
     for nbytes in buffers:
         while nbytes > 0:
             size = min(nbytes, limit) if limit else nbytes
@@ -126,37 +138,70 @@ def step_pieces(stage: StageGraph, training: TrainingSpec, parallel: ParallelPla
     if not applies(training):
         return ()
     buffers = gradient_buffers(stage, grad_nbytes)
+    return _step_pieces(buckets(buffers, training, parallel.grad_reduce_group_size, grad_nbytes) if
+                        training.nan_checks else (), buffers if training.per_token_loss else (),
+                        parallel.pipeline_parallel, parallel.grad_reduce_group_size, grad_nbytes)
+
+
+@lru_cache(maxsize=256)
+def _step_pieces(checked: tuple[int, ...], scaled: tuple[int, ...], pipeline_parallel: int, data_parallel: int,
+                 grad_nbytes: int) -> tuple[Piece, ...]:
+    """The pieces of NaN checks over the buckets ``checked`` and of per-token loss scaling ``scaled``
+    (empty: off), one tuple per distinct input, which :func:`pieces_ns` looks up by identity."""
     pieces: list[Piece] = []
-    if training.nan_checks:
-        for nbytes in buckets(buffers, training, parallel.grad_reduce_group_size, grad_nbytes):
+    if checked:
+        for nbytes in checked:
             norm = _kernel(_NORM, nbytes=nbytes, shape=((nbytes // grad_nbytes,),))
             pieces += [Piece((norm, *_check(_NAN))), Piece(_check(_INF))]
-    if training.per_token_loss:
+    if scaled:
         collectives = tuple((kind, 4, group) for kind, group, size in (
-            (CollectiveKind.BROADCAST, ParallelGroup.PP, parallel.pipeline_parallel),
-            (CollectiveKind.ALL_REDUCE, ParallelGroup.DP, parallel.grad_reduce_group_size)) if size > 1)
-        scale = tuple(_kernel(_SCALE, nbytes=2 * nbytes, shape=((nbytes // grad_nbytes,),)) for nbytes in buffers
+            (CollectiveKind.BROADCAST, ParallelGroup.PP, pipeline_parallel),
+            (CollectiveKind.ALL_REDUCE, ParallelGroup.DP, data_parallel)) if size > 1)
+        scale = tuple(_kernel(_SCALE, nbytes=2 * nbytes, shape=((nbytes // grad_nbytes,),)) for nbytes in scaled
                       if nbytes)
         pieces += [Piece((_kernel("aten.gt.Scalar"), _kernel(_READ)), collectives), Piece(scale, wait=False)]
     return tuple(pieces)
 
 
+_CACHE_SIZE = 512
+_timed: OrderedDict[tuple, tuple[Sequence[Piece], float]] = OrderedDict()
+
+
 def pieces_ns(pieces: Sequence[Piece], timer, comm, pipeline_rank: int) -> float:
     """Time from an empty launch queue until the device has run ``pieces`` and the host has seen
-    every wait: each kernel's host and device time by ``timer``, a collective's by ``comm``."""
+    every wait: each kernel's host and device time by ``timer``, a collective's by ``comm`` (looked
+    up when a plan before timed the same pieces alike: a search costs many)."""
     if not pieces:
         return 0.0
+    comm_ns = tuple(comm.time_ns(kind, nbytes, group, pipeline_rank=pipeline_rank)
+                    for piece in pieces for kind, nbytes, group in piece.collectives)
+    key = (id(pieces), timer.device, timer.constants, timer.model.allow_tf32, timer.slowdown, comm_ns)
+    hit = _timed.get(key)
+    if hit is None or hit[0] is not pieces:  # the entry holds the pieces, so their id stays theirs
+        hit = _timed[key] = (pieces, _pieces_ns(pieces, timer, iter(comm_ns)))
+        if len(_timed) > _CACHE_SIZE:
+            _timed.popitem(last=False)
+    else:
+        _timed.move_to_end(key)
+    return hit[1]
+
+
+def _pieces_ns(pieces: Sequence[Piece], timer, comm_ns) -> float:
     c = timer.constants
+    nodes = [n for piece in pieces for n in piece.kernels]
+    batch = KernelBatch.of(nodes)
+    kernel_host = iter(timer.model.host_ns_batch(batch).tolist())
+    kernel_device = iter((timer.slowdown * timer.model.device_ns(batch)).tolist())
     host: list[float] = []
     device: list[float] = []
     waits: list[int] = []
     for piece in pieces:
-        for kind, nbytes, group in piece.collectives:
+        for _ in piece.collectives:
             host.append(c.host_time_factor * (c.collective_host_overhead_ns or c.host_overhead_ns))
-            device.append(comm.time_ns(kind, nbytes, group, pipeline_rank=pipeline_rank))
-        for node in piece.kernels:
-            host.append(timer.model.host_ns(node))
-            device.append(timer.slowdown * timer.model.duration_ns(node))
+            device.append(next(comm_ns))
+        for _ in piece.kernels:
+            host.append(next(kernel_host))
+            device.append(next(kernel_device))
         if piece.wait:
             waits.append(len(host))
     h, d = np.array(host), np.array(device)
