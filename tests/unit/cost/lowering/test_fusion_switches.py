@@ -154,3 +154,14 @@ def test_vtrain_flags_says_where_a_switch_changes_nothing(capsys):
     assert "fusion_flags.py" in gelu and "no effect with --swiglu" in gelu
     rope = next(line for line in out.splitlines() if line.startswith("--no-rope-fusion"))
     assert "fusion_flags.py" in rope and "no effect" not in rope
+
+
+def test_the_estimate_names_the_fusions_it_runs_unfused():
+    from vtrain_plugin.specs.assumptions import training_assumptions
+
+    te = TrainingSpec(global_batch_size=8, software_stack="megatron_core_te", unfused_kernels=("rope", "masked_softmax"))
+    assert [line.split(":")[0] for line in training_assumptions(te)] == ["Megatron's fusions off (rope)"]
+    local = TrainingSpec(global_batch_size=8, software_stack="megatron_core_local", unfused_kernels=("masked_softmax",))
+    assert [line.split(":")[0] for line in training_assumptions(local)] == ["Megatron's fusions off (masked_softmax)"]
+    assert training_assumptions(TrainingSpec(global_batch_size=8, software_stack="megatron_core_te",
+                                             unfused_kernels=("masked_softmax",))) == ()
