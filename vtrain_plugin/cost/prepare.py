@@ -243,6 +243,7 @@ def run_options(training: TrainingSpec, dtype: Dtype, stack: SoftwareStack) -> d
                 grads=training.grad_dtype(dtype), fp8_param_gather=training.fp8_param_gather,
                 kernels=KernelOptions(optimizer=training.optimizer, deterministic=training.deterministic,
                                       unfused_attention=training.unfused_attention,
+                                      unfused=training.unfused_kernels,
                                       log_params_norm=training.log_params_norm,
                                       log_num_zeros_in_grad=training.log_num_zeros_in_grad,
                                       grad_hooks=_grad_hooks(dtype, stack, training),
@@ -310,6 +311,7 @@ class KernelOptions:
     optimizer: OptimizerSpec = OptimizerSpec()
     deterministic: bool = False
     unfused_attention: bool = False
+    unfused: tuple[str, ...] = ()  # Megatron's jit fusions turned off (training.unfused_kernels)
     tensor_parallel: int = 1
     expert_tensor_parallel: int = 1
     log_params_norm: bool = False  # Megatron-LM's per-step logging passes (cost.lowering.logging_step)
@@ -399,7 +401,7 @@ _BODY_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE)
 def _body(block: Block, stack: SoftwareStack, fp8: Fp8Settings | None, cp: ContextParallel | None, moe: MoeOptions,
           kernels: KernelOptions) -> _Piece:
     key = (id(block.nodes), block.kind, block.num_parameters, block.parameter_numels, block.expert_parameter_numels,
-           stack, fp8, cp, moe, kernels.unfused_attention, kernels.deterministic, kernels.grad_hooks)
+           stack, fp8, cp, moe, kernels.unfused_attention, kernels.unfused, kernels.deterministic, kernels.grad_hooks)
     known = _bodies.get(key)
     if known is not None:
         _bodies.move_to_end(key)
@@ -452,7 +454,7 @@ def _block_mapped(block: Block, stack: SoftwareStack, fp8: Fp8Settings | None, c
     layer = block.kind is BlockKind.LAYER
     nodes = cp.layer_nodes(block.nodes) if cp is not None and layer else block.nodes
     return _mapped(block.nodes, nodes, stack, fp8, cp, moe.grouped_experts, kernels.unfused_attention,
-                   kernels.deterministic)
+                   kernels.deterministic, kernels.unfused)
 
 
 def _piece(block: Block, mapped: tuple, phases: tuple[Phase, ...], moe: MoeOptions) -> _Piece:
@@ -509,14 +511,16 @@ _mapped_nodes: OrderedDict[tuple, tuple[tuple, tuple[OpNode | CollectiveNode, ..
 
 
 def _mapped(traced: tuple, nodes: tuple, stack: SoftwareStack, fp8: Fp8Settings | None, cp: ContextParallel | None,
-            grouped_experts: bool, unfused_attention: bool, deterministic: bool) -> tuple:
+            grouped_experts: bool, unfused_attention: bool, deterministic: bool, unfused: tuple[str, ...] = ()
+            ) -> tuple:
     """``nodes`` (``traced``, under CP with its CP attention) lowered onto ``stack``'s kernels."""
-    key = (id(traced), nodes is traced, stack, fp8, cp, grouped_experts, unfused_attention, deterministic)
+    key = (id(traced), nodes is traced, stack, fp8, cp, grouped_experts, unfused_attention, deterministic, unfused)
     known = _mapped_nodes.get(key)
     if known is not None:
         _mapped_nodes.move_to_end(key)
         return known[1]
-    mapped = map_nodes(nodes, stack, fp8, grouped_experts=grouped_experts, unfused_attention=unfused_attention)
+    mapped = map_nodes(nodes, stack, fp8, grouped_experts=grouped_experts, unfused_attention=unfused_attention,
+                       unfused=unfused)
     if deterministic:
         mapped = deterministic_kernels(mapped)
     _mapped_nodes[key] = (traced, mapped)

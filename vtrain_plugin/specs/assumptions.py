@@ -16,7 +16,7 @@ from collections.abc import Callable
 from vtrain_plugin.specs.model import SINKHORN_ITERATIONS, LoadBalancing, ModelSpec
 from vtrain_plugin.specs.optimizer import OptimizerKind
 from vtrain_plugin.specs.parallel import ParallelPlan
-from vtrain_plugin.specs.training import TrainingSpec
+from vtrain_plugin.specs.training import SoftwareStack, TrainingSpec
 
 Source = Callable[[ModelSpec, ParallelPlan], tuple[str, ...]]
 
@@ -117,6 +117,13 @@ def training_assumptions(training: TrainingSpec) -> tuple[str, ...]:
     if training.unfused_attention:
         lines.append("unfused attention: score and context GEMMs as traced, Megatron's fused masked softmax and "
                      "dropout kernels")
+    # TE's attention ignores masked_softmax_fusion (vtrain_plugin.specs.megatron.fusion_flags)
+    unfused = [name for name in training.unfused_kernels
+               if not (name == "masked_softmax" and training.software_stack is SoftwareStack.MEGATRON_CORE_TE)]
+    if unfused:
+        lines.append(f"Megatron's fusions off ({', '.join(unfused)}): those ops run unfused, one "
+                     f"kernel per op of megatron-core's eager code as traced on the CPU (the dropout as one "
+                     f"native_dropout); not measured")
     if training.activation_offload is not None:
         lines.append(f"activation offloading ({training.activation_offload.label}): copies run at the device's "
                      f"host-link bandwidth per direction (datasheets: PCIe Gen5 x16 64 GB/s on H100/H200, "

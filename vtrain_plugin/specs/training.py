@@ -96,6 +96,8 @@ class GradReduce(StrEnum):
 
 # Megatron-Core's DDP bucket when none is given: max(4e7, 1e6 x DP) parameters
 # (DistributedDataParallel.__init__; DP without context parallelism).
+# Megatron's jit-fused kernels a run may turn off (training.unfused_kernels), by TransformerConfig field.
+UNFUSABLE = ("bias_activation", "bias_dropout", "rope", "masked_softmax")
 DEFAULT_BUCKET_ELEMENTS = 40_000_000
 DEFAULT_BUCKET_ELEMENTS_PER_DP_RANK = 1_000_000
 
@@ -209,6 +211,10 @@ class TrainingSpec:
     # (vtrain_plugin.cost.step_checks).
     manual_gc: bool = False
     manual_gc_interval: int = 0
+    # Megatron's jit-fused kernels turned off (TransformerConfig's bias_activation_fusion,
+    # bias_dropout_fusion, apply_rope_fusion, masked_softmax_fusion; UNFUSABLE): the stack runs those
+    # ops unfused, as traced (vtrain_plugin.cost.lowering.fusion.jit_fusions).
+    unfused_kernels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, dict):
@@ -225,6 +231,11 @@ class TrainingSpec:
         v.boolean("training.log_params_norm", self.log_params_norm)
         v.boolean("training.log_num_zeros_in_grad", self.log_num_zeros_in_grad)
         v.boolean("training.unfused_attention", self.unfused_attention)
+        if isinstance(self.unfused_kernels, str):
+            raise ConfigError(f"training.unfused_kernels must be a list of {', '.join(UNFUSABLE)}, "
+                              f"got {self.unfused_kernels!r}")
+        object.__setattr__(self, "unfused_kernels", tuple(sorted(set(
+            v.one_of("training.unfused_kernels", name, list(UNFUSABLE)) for name in self.unfused_kernels))))
         if self.optimizer.precision_aware and not self.distributed_optimizer:
             raise ConfigError("training.optimizer.precision_aware requires training.distributed_optimizer: true "
                               "(megatron-core's OptimizerConfig asserts it)")

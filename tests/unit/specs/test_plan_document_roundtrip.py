@@ -37,6 +37,7 @@ SAMPLES = [
         optimizer=OptimizerSpec(kind="adam", precision_aware=True, exp_avg="bf16", exp_avg_sq="bf16"))),
     (MOE, ParallelPlan(tensor_parallel=1, data_parallel=8, expert_parallel=4), TrainingSpec(
         global_batch_size=16, fp4="e2m1", unfused_attention=True, gradient_accumulation_fusion=False,
+        unfused_kernels=("bias_activation", "rope"),
         fsdp=FsdpSettings(implementation="megatron", sharding_strategy="optim_grads", double_buffer=True),
         activation_offload=ActivationOffload(modules=("core_attn", "attn_proj"), fraction=0.5),
         reliability=ReliabilitySpec(failures="reliable", checkpoint="async", restart_minutes=5.0))),

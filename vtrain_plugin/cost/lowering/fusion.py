@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from megatron_adapters.conventions import is_expert_module, is_mlp_module
 from vtrain_plugin.core.dtypes import element_nbytes
@@ -160,6 +160,36 @@ def bias_dropout_add(group: list[OpNode], dtype: str = "float16") -> list[Node] 
         return [fused("megatron.bias_dropout_add_fused_train_backward.default", first, shape,
                       (2 * size + MASK_NBYTES) * numel(shape), dtype), *group[1:]]
     return None
+
+
+def unfused_bias_dropout_add(group: list[OpNode], dtype: str = "float16") -> list[Node] | None:
+    """A layer's bias-dropout-add with ``bias_dropout_fusion`` off (megatron-core's
+    ``bias_dropout_add_unfused``): the bias and residual adds as traced, the dropout between them as
+    ``native_dropout`` (x in, y and mask out); its backward's dropout mul as ``native_dropout_backward``."""
+    first = group[0]
+    if not is_layer_root(first.module):
+        return None
+    found, size = names(group), element_nbytes(dtype)
+
+    def native_dropout(run: list[OpNode]) -> list[OpNode]:
+        shape = run[0].key.input_shapes[0]
+        return [fused("aten.native_dropout.default", run[0], shape, (2 * size + MASK_NBYTES) * numel(shape), dtype)]
+
+    if first.phase in FORWARD_PHASES and "bernoulli_" in found:
+        return replace_runs(group, _DROPOUT_OPS, native_dropout)
+    if first.phase is Phase.BACKWARD and found[:1] == ("mul",):
+        shape = first.key.input_shapes[0]
+        return [fused("aten.native_dropout_backward.default", first, shape, (2 * size + MASK_NBYTES) * numel(shape),
+                      dtype), *group[1:]]
+    return None
+
+
+def jit_fusions(unfused: Collection[str] = ()) -> tuple[Callable[[list[OpNode], str], list[Node] | None], ...]:
+    """The rules of Megatron's jit-fused dropout, bias-dropout-add and bias-GeLU, but those of the
+    fusions ``unfused`` turns off (``training.unfused_kernels``): bias-dropout-add unfused, bias-GeLU
+    left as traced."""
+    return (dropout, unfused_bias_dropout_add if "bias_dropout" in unfused else bias_dropout_add,
+            *(() if "bias_activation" in unfused else (bias_gelu,)))
 
 
 def bias_gelu(group: list[OpNode], dtype: str = "float16") -> list[Node] | None:

@@ -14,7 +14,7 @@ fitted apart (one calibration file per GPU, ``megatron_core_local.json``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from vtrain_plugin.core.graph import Node
 from vtrain_plugin.cost.lowering.fusion import lower_block
@@ -22,6 +22,7 @@ from vtrain_plugin.cost.lowering.megatron_core_te import map_optimizer
 from vtrain_plugin.cost.lowering.megatron_deepspeed import map_group
 
 
-def megatron_core_local(nodes: Sequence[Node]) -> tuple[Node, ...]:
-    """The block's nodes as megatron-core's local spec runs them (see the module doc)."""
-    return lower_block(nodes, map_group, map_optimizer)
+def megatron_core_local(nodes: Sequence[Node], *, unfused: Collection[str] = ()) -> tuple[Node, ...]:
+    """The block's nodes as megatron-core's local spec runs them (see the module doc), with the
+    fusions ``unfused`` names (``training.unfused_kernels``) off."""
+    return lower_block(nodes, lambda group: map_group(group, unfused), map_optimizer)

@@ -77,7 +77,7 @@ quantises each expert's split with its own kernels (:data:`SPLIT_QUANTISED`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import re
 from dataclasses import replace
@@ -86,8 +86,8 @@ from megatron_adapters.conventions import is_expert_module, is_mlp_module
 from vtrain_plugin.core.dtypes import element_nbytes
 from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, KernelKey, Node, OpNode, ParallelGroup, Phase
 from vtrain_plugin.cost.lowering import mamba
-from vtrain_plugin.cost.lowering.fusion import (FORWARD_PHASES, MASK_NBYTES, bias_dropout_add, bias_gelu, dropout,
-                                                dtype_nbytes, fused, is_layer_root, lower_block, names, numel, op_name,
+from vtrain_plugin.cost.lowering.fusion import (FORWARD_PHASES, MASK_NBYTES, dropout, dtype_nbytes, fused,
+                                                is_layer_root, jit_fusions, lower_block, names, numel, op_name,
                                                 replace_runs)
 from vtrain_plugin.cost.lowering.megatron_deepspeed import scaled_masked_softmax
 
@@ -131,38 +131,43 @@ def attention_unit(module: str) -> str:
     return head + found if found else module
 
 
-def megatron_core_te(nodes: Sequence[Node], *, unfused_attention: bool = False) -> tuple[Node, ...]:
+def megatron_core_te(nodes: Sequence[Node], *, unfused_attention: bool = False,
+                     unfused: Collection[str] = ()) -> tuple[Node, ...]:
     """The block's nodes as Megatron-Core with TransformerEngine runs them (see the module doc); a
     Mamba layer's mixer as mamba_ssm's kernels (:mod:`vtrain_plugin.cost.lowering.mamba`). With
     ``unfused_attention`` (TE's ``UnfusedDotProductAttention``, ``--attention-backend unfused``) the
     core attention runs as traced but for Megatron's fused scale-mask-softmax and dropout
-    (:func:`unfused_attention_kernels`)."""
+    (:func:`unfused_attention_kernels`). The jit fusions ``unfused`` names (``training.unfused_kernels``)
+    are off: bias-GeLU, SwiGLU and quick GeGLU (``bias_activation``) and RoPE (``rope``) as traced,
+    bias-dropout-add unfused (``bias_dropout``); TE's attention ignores ``masked_softmax``."""
     windows = window_widths(nodes)
     mixers = mamba.mixer_dims(nodes)
+    unfused = frozenset(unfused)
     if unfused_attention and not mixers:
         return _merge_loss_all_reduces(lower_block(nodes, lambda group: unfused_attention_kernels(group)
-                                                   or _map_group(group, windows), map_optimizer))
+                                                   or _map_group(group, windows, unfused), map_optimizer))
     if not mixers:
-        return _merge_loss_all_reduces(lower_block(nodes, lambda group: _map_group(group, windows), map_optimizer,
-                                                   unit=attention_unit))
+        return _merge_loss_all_reduces(lower_block(nodes, lambda group: _map_group(group, windows, unfused),
+                                                   map_optimizer, unit=attention_unit))
 
     def rule(group: list[OpNode]) -> list[Node]:
         unit = mamba.mixer_unit(group[0].module)
         if mamba.is_mixer_unit(unit):
             return mamba.lower_mixer(group, mixers.get(unit)) or group
-        return _map_group(group, windows)
+        return _map_group(group, windows, unfused)
 
     return _merge_loss_all_reduces(lower_block(nodes, rule, map_optimizer,
                                                unit=lambda module: mamba.mixer_unit(attention_unit(module))))
 
 
-def _map_group(group: list[OpNode], windows: Mapping[str, int] | None = None) -> list[Node]:
+def _map_group(group: list[OpNode], windows: Mapping[str, int] | None = None,
+               unfused: frozenset[str] = frozenset()) -> list[Node]:
     first = group[0]
     dtype = first.key.dtypes[0] if first.key.dtypes else "float32"
     module, forward = first.module, first.phase in FORWARD_PHASES
     if module.endswith(_ATTENTION_UNIT):
         return _attention(group, windows) or group
-    for rule in (dropout, bias_dropout_add, bias_gelu):
+    for rule in jit_fusions(unfused):
         mapped = rule(group, dtype)
         if mapped is not None:
             return mapped
@@ -174,10 +179,14 @@ def _map_group(group: list[OpNode], windows: Mapping[str, int] | None = None) ->
         dropped = "add" if forward else "sum"
         return [n for n in group if op_name(n) != dropped]
     if module.endswith(".self_attention"):
+        if "rope" in unfused:
+            return group
         if forward:
             return replace_runs(group, _ROPE_FWD_OPS, _rope)
         return replace_runs(replace_runs(group, _PARTIAL_ROPE_BWD_OPS, _rope), _ROPE_BWD_OPS, _rope)
     if is_mlp_module(module):
+        if "bias_activation" in unfused:
+            return group
         if is_expert_module(module):
             group = _quick_geglu(group, forward)
         return replace_runs(group, _SWIGLU_FWD_OPS if forward else _SWIGLU_BWD_OPS, _swiglu)

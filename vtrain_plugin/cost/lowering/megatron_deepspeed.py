@@ -36,11 +36,10 @@ optimizer step (bf16/fp32 ``main_grad`` flows) keeps its traced optimizer ops.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from vtrain_plugin.core.graph import KernelKey, Node, OpNode, Phase
-from vtrain_plugin.cost.lowering.fusion import (FORWARD_PHASES, bias_dropout_add, bias_gelu, dropout, fused, lower_block,
-                                       names, numel, op_name)
+from vtrain_plugin.cost.lowering.fusion import FORWARD_PHASES, fused, jit_fusions, lower_block, names, numel, op_name
 
 _FP16 = 2
 _SOFTMAX_FWD = 2 * _FP16
@@ -74,10 +73,13 @@ def scaled_masked_softmax(group: list[OpNode]) -> list[Node] | None:
     return None
 
 
-def map_group(group: list[OpNode]) -> list[Node]:
-    """One run of kernels of one module and phase, as Megatron-DeepSpeed runs it."""
-    for rule in (scaled_masked_softmax, dropout, bias_dropout_add, bias_gelu):
-        mapped = rule(group)
+def map_group(group: list[OpNode], unfused: Collection[str] = ()) -> list[Node]:
+    """One run of kernels of one module and phase, as Megatron-DeepSpeed runs it; the fusions
+    ``unfused`` names (``training.unfused_kernels``) off: their ops as traced, the masked softmax's
+    included (:func:`~vtrain_plugin.cost.lowering.fusion.jit_fusions`)."""
+    softmax = () if "masked_softmax" in unfused else (lambda g, _: scaled_masked_softmax(g),)
+    for rule in (*softmax, *jit_fusions(unfused)):
+        mapped = rule(group, "float16")
         if mapped is not None:
             return mapped
     return [_layer_norm(n) if op_name(n) in _LAYER_NORM else n for n in group]
@@ -102,6 +104,7 @@ def _map_optimizer(ops: list[OpNode]) -> list[OpNode]:
     return [*copies, *passes]
 
 
-def megatron_deepspeed_2023(nodes: Sequence[Node]) -> tuple[Node, ...]:
-    """The block's nodes as Megatron-DeepSpeed (2023, fp16) runs them (see the module doc)."""
-    return lower_block(nodes, map_group, _map_optimizer)
+def megatron_deepspeed_2023(nodes: Sequence[Node], *, unfused: Collection[str] = ()) -> tuple[Node, ...]:
+    """The block's nodes as Megatron-DeepSpeed (2023, fp16) runs them (see the module doc), with the
+    fusions ``unfused`` names off."""
+    return lower_block(nodes, lambda group: map_group(group, unfused), _map_optimizer)

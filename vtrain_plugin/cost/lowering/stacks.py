@@ -44,13 +44,17 @@ def register_stack(stack: SoftwareStack) -> Callable[[Mapping], Mapping]:
 
 
 def map_nodes(nodes: Sequence[Node], stack: SoftwareStack | str, fp8: Fp8Settings | None = None, *,
-              grouped_experts: bool = False, unfused_attention: bool = False) -> tuple[Node, ...]:
+              grouped_experts: bool = False, unfused_attention: bool = False,
+              unfused: tuple[str, ...] = ()) -> tuple[Node, ...]:
     """The node sequence of one block as ``stack`` runs it (in FP8 with ``fp8``; with
     ``grouped_experts``, each MoE layer's experts as grouped GEMMs: :func:`group_expert_kernels`;
     with ``unfused_attention``, TransformerEngine's unfused attention: the other stacks run
-    unfused attention anyway)."""
-    if unfused_attention and str(stack) == SoftwareStack.MEGATRON_CORE_TE:
-        mapped = megatron_core_te(nodes, unfused_attention=True)
+    unfused attention anyway; without the jit fusions ``unfused`` names, ``training.unfused_kernels``:
+    ``local_spec`` runs none of them anyway)."""
+    if (unfused_attention or unfused) and str(stack) == SoftwareStack.MEGATRON_CORE_TE:
+        mapped = megatron_core_te(nodes, unfused_attention=unfused_attention, unfused=unfused)
+    elif unfused and str(stack) in _UNFUSABLE:
+        mapped = _UNFUSABLE[str(stack)](nodes, unfused=unfused)
     else:
         mapped = _MAPPINGS.get(stack)(nodes)
     if fp8 is not None:
@@ -58,6 +62,11 @@ def map_nodes(nodes: Sequence[Node], stack: SoftwareStack | str, fp8: Fp8Setting
             raise ConfigError(f"training.fp8 {fp8.format.value!r} needs software_stack megatron_core_te (got {stack})")
         mapped = to_fp8(mapped, fp8)
     return group_expert_kernels(mapped) if grouped_experts else mapped
+
+
+# The stacks other than TE whose lowering takes ``unfused`` (local_spec's identity runs none of the fusions).
+_UNFUSABLE = {SoftwareStack.MEGATRON_CORE_LOCAL.value: megatron_core_local,
+              SoftwareStack.MEGATRON_DEEPSPEED_2023.value: megatron_deepspeed_2023}
 
 
 @register_stack(SoftwareStack.LOCAL_SPEC)

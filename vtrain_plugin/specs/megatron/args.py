@@ -29,6 +29,7 @@ from vtrain_plugin.specs.megatron.flags import (
     ALIASES, MEGATRON_FLAGS, PERFORMANCE_FLAGS, RETIRED_FLAGS, TABLE, UNSUPPORTED_FLAGS, UNSUPPORTED_SCRIPTS, Arity,
     Effect, releases)
 from vtrain_plugin.specs.megatron.fsdp_args import checked_only, fsdp_settings
+from vtrain_plugin.specs.megatron.fusion_flags import unfused_kernels
 from vtrain_plugin.specs.megatron.hybrid_args import hybrid_fields
 from vtrain_plugin.specs.megatron import offload_args
 from vtrain_plugin.specs.megatron.attention import consumed_by_attention
@@ -442,6 +443,7 @@ def _training(given: Given, values: dict[str, Any], model: ModelSpec, parallel: 
     if given.get("--cuda-graph-impl") == "full_iteration":
         values["cuda_graph_scope"] = ("full_iteration",)
     values["reliability"] = _reliability(given)
+    values["unfused_kernels"] = unfused_kernels(given)
     values["fsdp"] = fsdp_settings(given)
     if given.get("--deterministic-mode") and given.get("--cross-entropy-loss-fusion"):
         raise ConfigError("--deterministic-mode with --cross-entropy-loss-fusion: Megatron-LM refuses them together "

@@ -371,11 +371,11 @@ def test_overlapped_gradient_buckets_hold_megatrons_parameter_counts():
 
 
 def test_performance_flags_are_listed_with_their_values_in_one_warning():
-    p = plan("--use-flash-attn --disable-tp-comm-bulk-dgrad --attention-backend flash --no-bias-gelu-fusion "
+    p = plan("--use-flash-attn --disable-tp-comm-bulk-dgrad --attention-backend flash --disable-jit-fuser "
              "--max-position-embeddings 1024 --log-interval 10 --save /ckpt --lr 3e-4 --seed 7")
     assert p.warning == (
         "Megatron-LM arguments vtrain does not model (they may change speed or memory): "
-        "--use-flash-attn, --disable-tp-comm-bulk-dgrad, --no-bias-gelu-fusion, "
+        "--use-flash-attn, --disable-tp-comm-bulk-dgrad, --disable-jit-fuser, "
         "--max-position-embeddings 1024 (vtrain's position table has --seq-length 256 rows)")
 
 

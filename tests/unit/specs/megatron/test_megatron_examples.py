@@ -218,12 +218,13 @@ def test_mixtral_8x7b_field_by_field(tmp_path, caplog):
     assert run.training == TrainingSpec(global_batch_size=256, grad_reduce=GradReduce.OVERLAP, bucket_size_mb=160.0,
                                         distributed_optimizer=True, overlap_param_gather=True,
                                         software_stack=SoftwareStack.MEGATRON_CORE_TE,
+                                        unfused_kernels=("masked_softmax",),  # which TE's attention ignores
                                         reliability=ReliabilitySpec(checkpoint_interval_iterations=10000))
     assert [r.getMessage() for r in caplog.records] == [
         f"note: {script}: --gpus 32 overrides the script's 1 node x 8 GPUs = 8; --tokenizer-type Llama2Tokenizer "
         f"taken as Llama-2's SentencePiece model (32000 tokens; add --vocab-size N if not); {DEFAULT_GPU_NOTE}",
         f"warning: {script}: Megatron-LM arguments vtrain does not model (they may change speed or memory): "
-        "--no-masked-softmax-fusion, --sequence-parallel at TP 1 (Megatron-LM turns it off)"]
+        "--sequence-parallel at TP 1 (Megatron-LM turns it off)"]
     on_slurm = MIXTRAL_8X7B.replace('NNODES=${SLURM_NNODES:-"1"}', 'NNODES=${SLURM_NNODES:-"4"}')
     assert script_plan(read_launch_script(on_slurm)).parallel == run.parallel
 
