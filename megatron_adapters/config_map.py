@@ -174,7 +174,8 @@ def _moe_features(config: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in MOE_FEATURES:
         value = getattr(config, name, MOE_FEATURE_DEFAULTS[name])
-        if name == "moe_router_load_balancing_type" and value not in {b.value for b in LoadBalancing}:
+        if name == "moe_router_load_balancing_type" and (isinstance(value, list)
+                                                          or value not in {b.value for b in LoadBalancing}):
             continue  # several losses summed (a list): vtrain traces the auxiliary loss (LOAD_BALANCING)
         if isinstance(value, list):
             value = tuple(value)

@@ -43,7 +43,8 @@ from vtrain_plugin.core.errors import ConfigError, TraceError
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
 
-LOAD_BALANCING_LOSS = "load_balancing_loss"  # the name TopKRouter logs its auxiliary loss under
+# The names TopKRouter logs its auxiliary losses under (aux_loss, seq_aux_loss, global_aux_loss).
+LOAD_BALANCING_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
 # Megatron-LM's Mixtral / DeepSeek recipes: auxiliary load-balancing loss with coefficient 1e-2.
 LOAD_BALANCING = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
 # Sinkhorn routing: megatron-core's router asserts that no auxiliary loss comes with it.
@@ -123,7 +124,7 @@ def prepare_moe_layers(module: torch.nn.Module, skew: float, flex: FlexDispatch 
     Each layer gets a token dispatcher of the same kind and process groups that takes its token
     counts from the routing assumption with skew ``skew`` (with ``flex``, the flex dispatcher over
     the same groups, :class:`AssumedFlexDispatcher`). Megatron's per-layer log of the
-    load-balancing loss (a global of moe_utils) is allocated here: its training loop allocates it at
+    load-balancing losses (a global of moe_utils) is allocated here: its training loop allocates it at
     the first step and only zeroes it later, and a log left by an earlier trace holds tensors of
     another fake mode.
     """
@@ -132,7 +133,8 @@ def prepare_moe_layers(module: torch.nn.Module, skew: float, flex: FlexDispatch 
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
     if layers:
         config = layers[0].config  # sized as the router sizes it: the MTP layers' MoE layers log there too
-        tracker[LOAD_BALANCING_LOSS] = {"values": torch.zeros(config.num_layers + (config.mtp_num_layers or 0))}
+        for name in LOAD_BALANCING_LOSSES:
+            tracker[name] = {"values": torch.zeros(config.num_layers + (config.mtp_num_layers or 0))}
     for layer in layers:
         if not isinstance(layer, MoELayer):
             continue

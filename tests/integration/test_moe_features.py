@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from vtrain_plugin.capture.tracer import trace
-from vtrain_plugin.core.graph import CollectiveKind, OpNode, Phase
+from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, OpNode, ParallelGroup, Phase
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.kernels.op_classes import OpClass, classify
 from vtrain_plugin.cost.lowering.megatron_core_te import GROUPED_GEMM
@@ -214,7 +214,8 @@ def test_sinkhorn_reads_alike_on_every_path_and_other_losses_stay_the_traced_aux
     sinkhorn = dict(moe_router_load_balancing_type="sinkhorn")
     models = read_on_every_path(sinkhorn, "--moe-router-load-balancing-type sinkhorn", moe_aux_loss_coeff=0.0)
     assert models == [replace(ModelSpec(**COMMON, **sinkhorn), tied_embeddings=None)] * 3
-    (from_config, *_) = read_on_every_path({}, "", moe_router_load_balancing_type="global_aux_loss")
+    (from_config, *_) = read_on_every_path({}, "", moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+                                           moe_aux_loss_coeff=[1e-2, 1e-3])
     assert from_config == replace(ModelSpec(**COMMON), tied_embeddings=None)
 
 
@@ -249,17 +250,32 @@ def test_router_pre_softmax_takes_the_softmax_over_every_expert_before_the_top_k
     assert _router_ops(pre) == _router_ops(base)  # the same kernels, the softmax wider
 
 
+def _router_collectives(graph):
+    return [(n.kind, n.group, n.nbytes) for n in graph.stages[0].layer_template().nodes
+            if isinstance(n, CollectiveNode) and n.module.endswith(".mlp.router")]
+
+
 def test_seq_aux_loss_adds_the_per_sequence_loss_kernels(base):
-    seq = _router_ops(traced(moe_router_load_balancing_type="seq_aux_loss"))
-    assert seq - _router_ops(base) == Counter({"div": 1, "zeros": 1})
-    assert _router_ops(base) - seq == Counter()
+    seq = traced(moe_router_load_balancing_type="seq_aux_loss")
+    assert _router_ops(seq) - _router_ops(base) == Counter({"div": 1})
+    assert _router_ops(base) - _router_ops(seq) == Counter()
+    assert _router_collectives(seq) == _router_collectives(base) == [(CollectiveKind.ALL_REDUCE, ParallelGroup.TP, 8 * E)]
+
+
+def test_global_aux_loss_sums_the_expert_counts_over_every_rank_of_the_stage(base):
+    glob = traced(moe_router_load_balancing_type="global_aux_loss")
+    assert _router_collectives(glob) == [(CollectiveKind.ALL_REDUCE, ParallelGroup.TP_DP_CP, 8 * E)]
+    # the running count over the global batch and its average
+    assert _router_ops(glob) - _router_ops(base) == Counter({"add_": 2, "div": 1})
+    assert not (_router_ops(base) - _router_ops(glob))
 
 
 def test_router_flags_read_alike_on_every_path():
-    router = dict(moe_router_dtype="fp32", moe_router_pre_softmax=True, moe_router_load_balancing_type="seq_aux_loss")
-    models = read_on_every_path(router, "--moe-router-dtype fp32 --moe-router-pre-softmax "
-                                        "--moe-router-load-balancing-type seq_aux_loss")
-    assert models == [replace(ModelSpec(**COMMON, **router), tied_embeddings=None)] * 3
+    for loss in ("seq_aux_loss", "global_aux_loss"):
+        router = dict(moe_router_dtype="fp32", moe_router_pre_softmax=True, moe_router_load_balancing_type=loss)
+        models = read_on_every_path(router, f"--moe-router-dtype fp32 --moe-router-pre-softmax "
+                                            f"--moe-router-load-balancing-type {loss}")
+        assert models == [replace(ModelSpec(**COMMON, **router), tied_embeddings=None)] * 3
 
 
 # -- capacity factor and token dropping -------------------------------------------------------------

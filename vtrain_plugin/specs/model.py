@@ -33,10 +33,11 @@ class RouterScore(StrEnum):
 class LoadBalancing(StrEnum):
     """The router's load balancing (megatron-core's moe_router_load_balancing_type) vtrain traces."""
 
-    # An auxiliary loss over the micro-batch's tokens (coefficient 0.01); Megatron-LM's global_aux_loss
-    # (its all-reduce over TP x DP x CP is no group vtrain prices) and several summed are traced as it.
+    # An auxiliary loss over the micro-batch's tokens (coefficient 0.01); Megatron-LM's several losses
+    # summed are traced as it.
     AUX_LOSS = "aux_loss"
     SEQ_AUX_LOSS = "seq_aux_loss"  # ... over each sequence's tokens (DeepSeek-V3's)
+    GLOBAL_AUX_LOSS = "global_aux_loss"  # ... over the global batch's (per-expert counts summed over TP x DP x CP)
     SINKHORN = "sinkhorn"  # S-BASE: sinkhorn-normalised scores pick the experts; no auxiliary loss
 
 
