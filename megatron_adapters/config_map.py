@@ -7,15 +7,15 @@ pipeline, SP, recompute, uneven pipeline splits, MoE experts, top-k and expert F
 and expert TP sizes, the token dispatcher (flex: its backend and SMs), the EP all-to-all overlap and
 delayed weight gradients, the MoE features of
 :data:`vtrain_plugin.specs.model.MOE_FEATURE_DEFAULTS`: shared experts, dense layers between MoE
-layers, grouped-GEMM experts, router variants, token dropping) or refused with a one-line
+layers, grouped-GEMM experts, router variants (their dtype, pre-softmax, load-balancing loss), token dropping) or refused with a one-line
 :class:`ConfigError` naming it (fp8 / fp4, multi-token prediction, MoE latent projections, custom
 pipeline layouts, sliding-window attention, ...: the features of
 :mod:`vtrain_plugin.specs.model_features`, refused alike on every input path): a config is never
 traced as something it is not. The position embedding is a GPTModel argument, not a config field:
 a bare config gets its family's (rotary with a gated MLP, else learned), a built GPTModel its own
 (:mod:`megatron_adapters.gpt_model`). Two MoE settings are
-vtrain's own: the router's load-balancing loss is the auxiliary loss of Megatron-LM's MoE recipes
-(:data:`megatron_adapters.moe.LOAD_BALANCING`), and routing follows the balanced assumption.
+vtrain's own: several load-balancing losses summed are traced as the auxiliary loss of Megatron-LM's
+MoE recipes (:data:`megatron_adapters.moe.LOAD_BALANCING`), and routing follows the balanced assumption.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
-from vtrain_plugin.specs.model import MOE_FEATURE_DEFAULTS, Activation, Family, ModelSpec
+from vtrain_plugin.specs.model import MOE_FEATURE_DEFAULTS, Activation, Family, LoadBalancing, ModelSpec
 from vtrain_plugin.specs.model_features import REFUSED, not_modelled
 from vtrain_plugin.specs.parallel import (
     DEFAULT_RECOMPUTE_MODULES, FLEX_DEFAULT_NUM_SMS, RECOMPUTE_MODULES, CpCommType, FlexBackend, ParallelPlan, Recompute,
@@ -174,8 +174,9 @@ def _moe_features(config: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in MOE_FEATURES:
         value = getattr(config, name, MOE_FEATURE_DEFAULTS[name])
-        if name == "moe_router_load_balancing_type" and value != "sinkhorn":
-            continue  # an auxiliary loss of any kind: vtrain traces its own (LOAD_BALANCING)
+        if name == "moe_router_load_balancing_type" and (isinstance(value, list)
+                                                          or value not in {b.value for b in LoadBalancing}):
+            continue  # several losses summed (a list): vtrain traces the auxiliary loss (LOAD_BALANCING)
         if isinstance(value, list):
             value = tuple(value)
         if value != MOE_FEATURE_DEFAULTS[name]:

@@ -78,6 +78,8 @@ def _group_names(ps) -> dict[str, ParallelGroup]:
         (ps.get_expert_tensor_parallel_group, ParallelGroup.EXPERT_TP),
         (ps.get_expert_tensor_and_model_parallel_group, ParallelGroup.EXPERT_TP_EP),
         (ps.get_expert_data_parallel_group, ParallelGroup.EXPERT_DP),
+        # The router's global auxiliary loss: its count all-reduce over every rank of the stage.
+        (lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True), ParallelGroup.TP_DP_CP),
     ]
     for getter, group in candidates:
         try:

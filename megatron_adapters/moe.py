@@ -43,7 +43,8 @@ from vtrain_plugin.core.errors import ConfigError, TraceError
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan, TokenDispatcher
 
-LOAD_BALANCING_LOSS = "load_balancing_loss"  # the name TopKRouter logs its auxiliary loss under
+# The names TopKRouter logs its auxiliary losses under (aux_loss, seq_aux_loss, global_aux_loss).
+LOAD_BALANCING_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
 # Megatron-LM's Mixtral / DeepSeek recipes: auxiliary load-balancing loss with coefficient 1e-2.
 LOAD_BALANCING = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
 # Sinkhorn routing: megatron-core's router asserts that no auxiliary loss comes with it.
@@ -52,10 +53,11 @@ SINKHORN = dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.
 
 def moe_config_fields(model: ModelSpec, plan: ParallelPlan) -> dict:
     """The TransformerConfig fields of ``model``'s MoE layers under ``plan`` (none for a dense model):
-    unfused permutation, local experts; softmax before the top-k when k is 1 (megatron-core requires
-    it: a softmax over one expert has no gradient); the model's MoE features as megatron-core names
-    them (:func:`moe_feature_fields`); the router's load balancing, sinkhorn (its iterations by the
-    stand-in :func:`megatron_adapters.stand_ins.sinkhorn`) or vtrain's auxiliary loss."""
+    unfused permutation, local experts; softmax before the top-k when the model asks or k is 1
+    (megatron-core requires it: a softmax over one expert has no gradient); the model's MoE features
+    as megatron-core names them (:func:`moe_feature_fields`); the router's load balancing
+    (:func:`load_balancing_fields`), sinkhorn's iterations by the stand-in
+    :func:`megatron_adapters.stand_ins.sinkhorn`."""
     if not model.is_moe:
         return {}
     # megatron-core cannot build the flex dispatcher without DeepEP: the layer is built with the
@@ -65,14 +67,21 @@ def moe_config_fields(model: ModelSpec, plan: ParallelPlan) -> dict:
                 moe_ffn_hidden_size=model.expert_ffn_size, expert_model_parallel_size=plan.expert_parallel,
                 expert_tensor_parallel_size=plan.expert_tp, moe_token_dispatcher_type=built,
                 moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
-                moe_router_pre_softmax=model.router_topk == 1,
-                **(SINKHORN if model.moe_router_load_balancing_type.value == "sinkhorn" else LOAD_BALANCING),
-                **moe_feature_fields(model, plan))
+                moe_router_pre_softmax=model.moe_router_pre_softmax or model.router_topk == 1,
+                **load_balancing_fields(model), **moe_feature_fields(model, plan))
+
+
+def load_balancing_fields(model: ModelSpec) -> dict:
+    """The router's load balancing as TransformerConfig fields: sinkhorn without a loss, or the
+    model's auxiliary loss (per micro-batch, per sequence or over the global batch) with the
+    coefficient of Megatron-LM's recipes."""
+    kind = model.moe_router_load_balancing_type.value
+    return SINKHORN if kind == "sinkhorn" else dict(LOAD_BALANCING, moe_router_load_balancing_type=kind)
 
 
 def moe_feature_fields(model: ModelSpec, plan: ParallelPlan) -> dict:
     """The MoE features ``model`` sets away from megatron-core's defaults, as TransformerConfig fields:
-    shared experts, the router's score function, group-limited top-k, expert bias and top-k scaling,
+    shared experts, the router's score function and dtype, group-limited top-k, expert bias and top-k scaling,
     the capacity factor, padding and drop policy. Two are costed rather than traced, and reach
     megatron-core off: grouped-GEMM experts (the SequentialMLP traced here is lowered to one grouped
     kernel per linear, :func:`vtrain_plugin.cost.lowering.megatron_core_te.group_expert_kernels`)
@@ -91,6 +100,8 @@ def moe_feature_fields(model: ModelSpec, plan: ParallelPlan) -> dict:
                       moe_router_group_topk=model.moe_router_group_topk)
     if model.moe_router_enable_expert_bias:
         fields["moe_router_enable_expert_bias"] = True
+    if model.moe_router_dtype is not None:
+        fields["moe_router_dtype"] = model.moe_router_dtype.value
     if model.moe_router_topk_scaling_factor is not None:
         fields["moe_router_topk_scaling_factor"] = model.moe_router_topk_scaling_factor
     if model.moe_expert_capacity_factor is not None:
@@ -113,7 +124,7 @@ def prepare_moe_layers(module: torch.nn.Module, skew: float, flex: FlexDispatch 
     Each layer gets a token dispatcher of the same kind and process groups that takes its token
     counts from the routing assumption with skew ``skew`` (with ``flex``, the flex dispatcher over
     the same groups, :class:`AssumedFlexDispatcher`). Megatron's per-layer log of the
-    load-balancing loss (a global of moe_utils) is allocated here: its training loop allocates it at
+    load-balancing losses (a global of moe_utils) is allocated here: its training loop allocates it at
     the first step and only zeroes it later, and a log left by an earlier trace holds tensors of
     another fake mode.
     """
@@ -122,7 +133,8 @@ def prepare_moe_layers(module: torch.nn.Module, skew: float, flex: FlexDispatch 
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
     if layers:
         config = layers[0].config  # sized as the router sizes it: the MTP layers' MoE layers log there too
-        tracker[LOAD_BALANCING_LOSS] = {"values": torch.zeros(config.num_layers + (config.mtp_num_layers or 0))}
+        for name in LOAD_BALANCING_LOSSES:
+            tracker[name] = {"values": torch.zeros(config.num_layers + (config.mtp_num_layers or 0))}
     for layer in layers:
         if not isinstance(layer, MoELayer):
             continue

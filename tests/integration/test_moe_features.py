@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from vtrain_plugin.capture.tracer import trace
-from vtrain_plugin.core.graph import CollectiveKind, OpNode, Phase
+from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, OpNode, ParallelGroup, Phase
 from vtrain_plugin.core.units import GIB
 from vtrain_plugin.cost.kernels.op_classes import OpClass, classify
 from vtrain_plugin.cost.lowering.megatron_core_te import GROUPED_GEMM
@@ -214,8 +214,68 @@ def test_sinkhorn_reads_alike_on_every_path_and_other_losses_stay_the_traced_aux
     sinkhorn = dict(moe_router_load_balancing_type="sinkhorn")
     models = read_on_every_path(sinkhorn, "--moe-router-load-balancing-type sinkhorn", moe_aux_loss_coeff=0.0)
     assert models == [replace(ModelSpec(**COMMON, **sinkhorn), tied_embeddings=None)] * 3
-    (from_config, *_) = read_on_every_path({}, "", moe_router_load_balancing_type="seq_aux_loss")
+    (from_config, *_) = read_on_every_path({}, "", moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+                                           moe_aux_loss_coeff=[1e-2, 1e-3])
     assert from_config == replace(ModelSpec(**COMMON), tied_embeddings=None)
+
+
+# -- the router's dtype, pre-softmax and per-sequence loss --------------------------------------------
+
+def _router_keys(graph, op):
+    return [o.key for o in graph.stages[0].layer_template().ops(Phase.FORWARD)
+            if o.module.endswith(".mlp.router") and o.op == f"aten.{op}.default"]
+
+
+def test_router_dtype_fp32_runs_the_gating_gemm_and_scores_in_fp32(base):
+    fp32 = traced(moe_router_dtype="fp32")
+    assert [k.dtypes for k in _router_keys(base, "mm")] == [("bfloat16", "bfloat16")]
+    assert [k.dtypes for k in _router_keys(fp32, "mm")] == [("float32", "float32")]
+    # the input and the weight cast up for the GEMM; the top-k probabilities and the aux loss's scores
+    # no longer cast up (and back); the routing maps cast from fp32 scores
+    casts = lambda g: Counter((k.input_shapes[0], k.dtypes[0], dict(k.args).get("dtype"))  # noqa: E731
+                              for k in _router_keys(g, "_to_copy"))
+    added, removed = casts(fp32) - casts(base), casts(base) - casts(fp32)
+    assert added == Counter({((S // TP, H), "bfloat16", "float32"): 1, ((E, H), "bfloat16", "float32"): 1,
+                             ((S // TP, E), "float32", "int32"): 2})
+    assert removed == Counter({((S // TP, TOPK), "bfloat16", "float32"): 1, ((S // TP, TOPK), "float32", "bfloat16"): 1,
+                               ((S // TP, E), "bfloat16", "float32"): 1, ((S // TP, E), "bfloat16", "int32"): 2})
+    assert {k.dtypes for k in _router_keys(fp32, "topk")} == {("float32",)}
+
+
+def test_router_pre_softmax_takes_the_softmax_over_every_expert_before_the_top_k(base):
+    pre = traced(moe_router_pre_softmax=True)
+    # the routing softmax (the aux loss's own is over every expert either way)
+    assert sorted(k.input_shapes for k in _router_keys(base, "_softmax")) == [((S // TP, TOPK),), ((S // TP, E),)]
+    assert [k.input_shapes for k in _router_keys(pre, "_softmax")] == [((S // TP, E),)] * 2
+    assert _router_ops(pre) == _router_ops(base)  # the same kernels, the softmax wider
+
+
+def _router_collectives(graph):
+    return [(n.kind, n.group, n.nbytes) for n in graph.stages[0].layer_template().nodes
+            if isinstance(n, CollectiveNode) and n.module.endswith(".mlp.router")]
+
+
+def test_seq_aux_loss_adds_the_per_sequence_loss_kernels(base):
+    seq = traced(moe_router_load_balancing_type="seq_aux_loss")
+    assert _router_ops(seq) - _router_ops(base) == Counter({"div": 1})
+    assert _router_ops(base) - _router_ops(seq) == Counter()
+    assert _router_collectives(seq) == _router_collectives(base) == [(CollectiveKind.ALL_REDUCE, ParallelGroup.TP, 8 * E)]
+
+
+def test_global_aux_loss_sums_the_expert_counts_over_every_rank_of_the_stage(base):
+    glob = traced(moe_router_load_balancing_type="global_aux_loss")
+    assert _router_collectives(glob) == [(CollectiveKind.ALL_REDUCE, ParallelGroup.TP_DP_CP, 8 * E)]
+    # the running count over the global batch and its average
+    assert _router_ops(glob) - _router_ops(base) == Counter({"add_": 2, "div": 1})
+    assert not (_router_ops(base) - _router_ops(glob))
+
+
+def test_router_flags_read_alike_on_every_path():
+    for loss in ("seq_aux_loss", "global_aux_loss"):
+        router = dict(moe_router_dtype="fp32", moe_router_pre_softmax=True, moe_router_load_balancing_type=loss)
+        models = read_on_every_path(router, f"--moe-router-dtype fp32 --moe-router-pre-softmax "
+                                            f"--moe-router-load-balancing-type {loss}")
+        assert models == [replace(ModelSpec(**COMMON, **router), tied_embeddings=None)] * 3
 
 
 # -- capacity factor and token dropping -------------------------------------------------------------

@@ -66,6 +66,9 @@ class ParallelGroup(StrEnum):
     EXPERT_TP = "expert_tp"
     EXPERT_TP_EP = "expert_tp_ep"
     EXPERT_DP = "expert_dp"
+    # Every rank of a pipeline stage (TP x CP x DP): the MoE router's global auxiliary loss sums its
+    # per-expert token counts over them.
+    TP_DP_CP = "tp_dp_cp"
     # The distributed optimizer in several instances (megatron-core's partial distributed optimizer,
     # ParallelPlan.distributed_optimizer_instances): DP (or expert DP) split into consecutive
     # intra-instance groups that shard the optimizer, and the inter-instance groups of the ranks

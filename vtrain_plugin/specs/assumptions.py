@@ -37,7 +37,9 @@ def moe_assumptions(model: ModelSpec, plan: ParallelPlan) -> tuple[str, ...]:
                      f"(megatron-core iterates to a tolerance, which is data: 2-12 measured on random logits); the "
                      f"host read of each iteration's check not priced")
     else:
-        balancing = "MoE router load balancing traced as the auxiliary loss (coefficient 0.01)"
+        per = {LoadBalancing.SEQ_AUX_LOSS: " per sequence", LoadBalancing.GLOBAL_AUX_LOSS: " over the global batch"
+               }.get(model.moe_router_load_balancing_type, "")
+        balancing = f"MoE router load balancing traced as the auxiliary loss{per} (coefficient 0.01)"
     lines = [routing, balancing]
     if model.moe_expert_capacity_factor is not None:
         lines.append(f"MoE capacity factor {model.moe_expert_capacity_factor:g} under balanced routing: each expert "

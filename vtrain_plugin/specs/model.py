@@ -33,7 +33,11 @@ class RouterScore(StrEnum):
 class LoadBalancing(StrEnum):
     """The router's load balancing (megatron-core's moe_router_load_balancing_type) vtrain traces."""
 
-    AUX_LOSS = "aux_loss"  # an auxiliary loss (coefficient 0.01; Megatron-LM's other loss types traced as it)
+    # An auxiliary loss over the micro-batch's tokens (coefficient 0.01); Megatron-LM's several losses
+    # summed are traced as it.
+    AUX_LOSS = "aux_loss"
+    SEQ_AUX_LOSS = "seq_aux_loss"  # ... over each sequence's tokens (DeepSeek-V3's)
+    GLOBAL_AUX_LOSS = "global_aux_loss"  # ... over the global batch's (per-expert counts summed over TP x DP x CP)
     SINKHORN = "sinkhorn"  # S-BASE: sinkhorn-normalised scores pick the experts; no auxiliary loss
 
 
@@ -43,6 +47,13 @@ class LoadBalancing(StrEnum):
 # experts; 4 at a standard deviation of 2, above a router's at initialisation (0.02 x sqrt(hidden) ~ 1.3
 # at hidden 4096).
 SINKHORN_ITERATIONS = 4
+
+
+class RouterDtype(StrEnum):
+    """The dtype of the MoE router's gating and scores (megatron-core's moe_router_dtype)."""
+
+    FP32 = "fp32"
+    FP64 = "fp64"
 
 
 class TokenDropPolicy(StrEnum):
@@ -147,6 +158,8 @@ class ModelSpec:
     moe_pad_expert_input_to_capacity: bool = False  # ... and is padded up to it
     moe_token_drop_policy: TokenDropPolicy = TokenDropPolicy.PROBS
     moe_router_load_balancing_type: LoadBalancing = LoadBalancing.AUX_LOSS
+    moe_router_dtype: RouterDtype | None = None  # the gating GEMM, scores and top-k in this dtype; None: the model's
+    moe_router_pre_softmax: bool = False  # softmax over every expert before the top-k (after it: over the k)
     # The layer's choices (megatron-core's names, :data:`LAYER_FIELD_DEFAULTS`); None: the family's
     # (:data:`FAMILY_LAYERS`, read through :attr:`layer`). A value equal to the family's is stored as
     # None, so a model has one spelling whatever the input path.
@@ -207,6 +220,9 @@ class ModelSpec:
         object.__setattr__(self, "moe_router_load_balancing_type", LoadBalancing(v.one_of(
             "model.moe_router_load_balancing_type", self.moe_router_load_balancing_type,
             [b.value for b in LoadBalancing])))
+        if self.moe_router_dtype is not None:
+            object.__setattr__(self, "moe_router_dtype", RouterDtype(v.one_of(
+                "model.moe_router_dtype", self.moe_router_dtype, [d.value for d in RouterDtype])))
         if isinstance(self.moe_layer_freq, list):  # a plan file's list
             object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
         for name, limit in (("num_layers", limits.NUM_LAYERS), ("hidden_size", limits.HIDDEN_SIZE),
@@ -414,6 +430,7 @@ MOE_FEATURE_DEFAULTS = {
     "moe_router_group_topk": None, "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None,
     "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
     "moe_token_drop_policy": TokenDropPolicy.PROBS, "moe_router_load_balancing_type": LoadBalancing.AUX_LOSS,
+    "moe_router_dtype": None, "moe_router_pre_softmax": False,
 }
 
 
@@ -544,7 +561,7 @@ def check_moe_fields(model: ModelSpec) -> None:
         raise ConfigError(f"model.moe_routing_skew ({skew:g}) must lie in [1, num_experts / moe_router_topk = "
                           f"{experts} / {topk} = {experts / topk:g}]: the busiest expert gets at most every token")
     for name in ("moe_shared_expert_overlap", "moe_grouped_gemm", "moe_router_enable_expert_bias",
-                 "moe_pad_expert_input_to_capacity"):
+                 "moe_pad_expert_input_to_capacity", "moe_router_pre_softmax"):
         v.boolean(f"model.{name}", getattr(model, name))
     if model.moe_shared_expert_overlap and model.moe_shared_expert_intermediate_size is None:
         raise ConfigError("model.moe_shared_expert_overlap needs model.moe_shared_expert_intermediate_size "
@@ -556,7 +573,7 @@ def check_moe_fields(model: ModelSpec) -> None:
     _check_group_routing(model)
     if model.moe_router_load_balancing_type is LoadBalancing.SINKHORN:
         ignored = [name for name in ("moe_router_score_function", "moe_router_num_groups",
-                                     "moe_router_enable_expert_bias") if getattr(model, name) != MOE_FEATURE_DEFAULTS[name]]
+                                     "moe_router_enable_expert_bias", "moe_router_pre_softmax") if getattr(model, name) != MOE_FEATURE_DEFAULTS[name]]
         if ignored:
             raise ConfigError(f"model.{ignored[0]} with model.moe_router_load_balancing_type sinkhorn: megatron-core's "
                               f"sinkhorn router ignores it (it scores with softmax, or sigmoid at top-1, alone)")

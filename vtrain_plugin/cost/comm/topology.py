@@ -145,6 +145,10 @@ class Layout:
                 offset, step, size = base, rank_strides(expert, self.expert_order)[dim], expert[dim]
             case ParallelGroup.EXPERT_TP_EP:
                 offset, step, size = base, 1, self.expert_tensor_parallel * self.expert_parallel
+            case ParallelGroup.TP_DP_CP:  # TP x CP consecutive, then DP (pipeline ranks between them or not)
+                inner = sizes[ParallelGroup.TP] * sizes[ParallelGroup.CP]
+                return _grid_placement(base, 1, inner, stride[ParallelGroup.DP], sizes[ParallelGroup.DP],
+                                       self.gpus_per_node)
         return _progression_placement(offset, step, size, self.gpus_per_node)
 
     def _instance_placement(self, group: ParallelGroup, base: int) -> GroupPlacement:

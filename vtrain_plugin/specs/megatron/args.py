@@ -171,6 +171,8 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--moe-router-group-topk", "model.moe_router_group_topk"),
     FlagField("--moe-router-enable-expert-bias", "model.moe_router_enable_expert_bias", convert=_as_given),
     FlagField("--moe-router-topk-scaling-factor", "model.moe_router_topk_scaling_factor", convert=number),
+    FlagField("--moe-router-dtype", "model.moe_router_dtype", convert=_as_given),
+    FlagField("--moe-router-pre-softmax", "model.moe_router_pre_softmax", convert=_as_given),
     FlagField("--moe-expert-capacity-factor", "model.moe_expert_capacity_factor", convert=capacity_factor),
     FlagField("--moe-pad-expert-input-to-capacity", "model.moe_pad_expert_input_to_capacity", convert=_as_given),
     FlagField("--moe-token-drop-policy", "model.moe_token_drop_policy", convert=_as_given),

@@ -16,7 +16,7 @@ from vtrain_plugin.core.dtypes import Dtype
 from vtrain_plugin.core.errors import ConfigError
 from vtrain_plugin.specs.megatron.attention import attention_fields
 from vtrain_plugin.specs.megatron.flag_values import positive_int
-from vtrain_plugin.specs.model import Activation, Family, PositionEmbedding
+from vtrain_plugin.specs.model import Activation, Family, LoadBalancing, PositionEmbedding
 from vtrain_plugin.specs.model_features import POSITIONS_NOT_MODELLED, not_modelled
 from vtrain_plugin.specs.parallel import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_MODULES, Recompute
 
@@ -36,7 +36,8 @@ HF_TOKENIZER_SIZES = {
     "meta-llama/Llama-3.1-8B": 128256, "meta-llama/Llama-3.1-70B": 128256, "meta-llama/Llama-3.1-405B": 128256,
     "mistralai/Mistral-7B-v0.1": 32000, "mistralai/Mixtral-8x7B-v0.1": 32000,
 }
-MOE_LOAD_BALANCING = "aux_loss"  # the router's loss vtrain traces (megatron_adapters.moe.LOAD_BALANCING)
+MOE_LOAD_BALANCING = "aux_loss"  # the router's loss vtrain traces for several summed (megatron_adapters.moe.LOAD_BALANCING)
+TRACED_LOAD_BALANCING = {b.value for b in LoadBalancing}  # one of these alone is traced as given
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's default --make-vocab-size-divisible-by, which ModelSpec pads to
 
 
@@ -81,8 +82,9 @@ def model_fields(given: Given, fields: Mapping[str, Any], *, tensor_parallel: in
     out.update(attention_fields(given, notes))
     balancing = given.get("--moe-router-load-balancing-type", [MOE_LOAD_BALANCING])  # one type, or several summed
     balancing = [balancing] if isinstance(balancing, str) else balancing
-    if balancing == ["sinkhorn"] and "--num-experts" in given:  # S-BASE routing, traced (one type only)
-        out["moe_router_load_balancing_type"] = "sinkhorn"
+    if len(set(balancing)) == 1 and balancing[0] in TRACED_LOAD_BALANCING and "--num-experts" in given:
+        if balancing[0] != MOE_LOAD_BALANCING:  # one type: traced as megatron-core runs it
+            out["moe_router_load_balancing_type"] = balancing[0]
     elif set(balancing) != {MOE_LOAD_BALANCING}:
         notes.append(f"--moe-router-load-balancing-type {' '.join(balancing)} (vtrain's router: {MOE_LOAD_BALANCING})")
     return out

@@ -250,3 +250,13 @@ def test_nvlink_domain_must_hold_whole_nodes():
     with pytest.raises(ConfigError, match=r"^cluster.nvlink_domain_gpus \(70\) must be a multiple of "
                                           r"cluster.gpus_per_node \(4\)"):
         ClusterSpec(**{**NVL72.to_dict(), "nvlink_domain_gpus": 70})
+
+
+def test_tp_dp_cp_group_is_every_rank_of_a_pipeline_stage():
+    layout = Layout(tensor_parallel=2, pipeline_parallel=2, data_parallel=4, context_parallel=2, gpus_per_node=8)
+    stage = layout.placement(G.TP_DP_CP, pipeline_rank=1)  # ranks 16..31: two whole nodes
+    assert (stage.size, stage.num_nodes, stage.gpus_per_node, stage.max_gpus_per_node) == (16, 2, 8, 8)
+    # pipeline ranks between CP and DP: TP x CP consecutive (0..3), DP 8 ranks apart (0, 8, 16, 24)
+    mapped = Layout(tensor_parallel=2, pipeline_parallel=2, data_parallel=4, context_parallel=2, gpus_per_node=8,
+                    tp_pp_dp_mapping=True).placement(G.TP_DP_CP)
+    assert (mapped.size, mapped.num_nodes, mapped.gpus_per_node, mapped.max_gpus_per_node) == (16, 4, 4, 4)
