@@ -571,12 +571,6 @@ def check_moe_fields(model: ModelSpec) -> None:
                           "(megatron-core's aux-loss-free routing)")
     _check_layer_freq(model)
     _check_group_routing(model)
-    if model.moe_router_load_balancing_type is LoadBalancing.SINKHORN:
-        ignored = [name for name in ("moe_router_score_function", "moe_router_num_groups",
-                                     "moe_router_enable_expert_bias", "moe_router_pre_softmax") if getattr(model, name) != MOE_FEATURE_DEFAULTS[name]]
-        if ignored:
-            raise ConfigError(f"model.{ignored[0]} with model.moe_router_load_balancing_type sinkhorn: megatron-core's "
-                              f"sinkhorn router ignores it (it scores with softmax, or sigmoid at top-1, alone)")
     if model.moe_router_topk_scaling_factor is not None:
         v.positive_finite_number("model.moe_router_topk_scaling_factor", model.moe_router_topk_scaling_factor)
     if model.moe_expert_capacity_factor is not None:
