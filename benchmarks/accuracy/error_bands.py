@@ -32,7 +32,7 @@ from unittest import mock
 
 import numpy as np
 
-from benchmarks.accuracy import a100_data, h100_data, sc21_data
+from benchmarks.accuracy import a100_data, b200_data, h100_data, sc21_data
 from benchmarks.accuracy.a100_data import DEFAULT_DATA_DIR
 
 from vtrain_plugin.cli.render import render_table
@@ -44,34 +44,13 @@ from vtrain_plugin.hardware.clusters import cluster_for_gpu
 from vtrain_plugin.hardware.devices import get_device
 from vtrain_plugin.hardware import error_bands as shipped
 from vtrain_plugin.hardware.error_bands import ERROR_BANDS_FILE, CalibrationRun, ErrorBands, band_from
-from vtrain_plugin.runs import run_config_from_dict, run_config_from_megatron_args
+from vtrain_plugin.runs import run_config_from_megatron_args
 from vtrain_plugin.specs.run import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 COMMAND = "python -m benchmarks.accuracy.error_bands"
-B200_CSV = "b200_published_calibration.csv"
+B200_CSV = b200_data.B200_CSV
 MEGATRON_CI_CSV = "megatron_ci_calibration.csv"
-
-
-def b200_plan(row: dict[str, str]) -> dict:
-    """The plan of one published B200 row: NeMo's recipe as the row states it (FP8, no recompute,
-    sequence parallel with TP > 1, the interleaved schedule with virtual stages)."""
-    tp, pp, cp, vp, gpus = (int(row[k]) for k in ("tp", "pp", "cp", "vp", "gpus"))
-    return {
-        "model": {"name": row["model"], "family": row["family"], "num_layers": int(row["num_layers"]),
-                  "hidden_size": int(row["hidden_size"]), "num_attention_heads": int(row["num_attention_heads"]),
-                  "num_query_groups": int(row["num_query_groups"]), "ffn_hidden_size": int(row["ffn_hidden_size"]),
-                  "seq_length": int(row["seq_length"]), "vocab_size": int(row["vocab_size"]), "dtype": "bf16"},
-        "parallel": {"tensor_parallel": tp, "pipeline_parallel": pp, "virtual_pipeline": vp, "context_parallel": cp,
-                     "data_parallel": gpus // (tp * pp * cp), "sequence_parallel": tp > 1,
-                     "micro_batch_size": int(row["micro_batch"]), "recompute": row["recompute"] or "none"},
-        "training": {"global_batch_size": int(row["global_batch"]),
-                     "schedule": "interleaved_1f1b" if vp > 1 else "1f1b", "grad_reduce": "overlap",
-                     "distributed_optimizer": True, "software_stack": "megatron_core_te", "fp8": "hybrid",
-                     "fp8_recipe": row["fp8_recipe"] or "delayed",
-                     "tp_comm_overlap": row["tp_comm_overlap"] == "true" and tp > 1},
-        "cluster": {"preset": "dgx-b200"},
-    }
 
 
 def _rows(data: Path, name: str) -> list[dict[str, str]]:
@@ -89,10 +68,8 @@ def _measured(which: Callable[[Path], list[a100_data.MeasuredRun]], label: str) 
 
 
 def _b200(data: Path) -> list[tuple[str, Callable[[], RunConfig], float]]:
-    return [(row["model"], (lambda row=row: run_config_from_dict(b200_plan(row), source=row["model"])),
-             1000.0 * int(row["global_batch"]) * int(row["seq_length"])
-             / (float(row["tokens_per_s_per_gpu"]) * int(row["gpus"])))
-            for row in _rows(data, B200_CSV)]
+    """The B200 runs as the calibration plans them (:func:`benchmarks.accuracy.b200_data.plan_mapping`)."""
+    return [(m.name, (lambda m=m: m.run), m.measured_ms) for m in b200_data.read_runs(data)]
 
 
 def _megatron_ci(data: Path) -> list[tuple[str, Callable[[], RunConfig], float]]:
