@@ -72,6 +72,28 @@ training: {global_batch_size: 8}
     assert fp8.stdout.splitlines()[0].endswith("stack: megatron_core_te (fp8 hybrid, delayed scaling)")
 
 
+def test_trace_lowers_with_the_plans_unfused_attention_and_jit_fusions(tmp_path, run_cli):
+    # The stack's kernels as the estimate costs them: TE's unfused attention, RoPE and SwiGLU unfused.
+    plan = """
+model: {family: llama, num_layers: 2, hidden_size: 256, num_attention_heads: 8, seq_length: 128, vocab_size: 1000,
+        dtype: bf16}
+parallel: {micro_batch_size: 1}
+training: {global_batch_size: 8%s}
+"""
+    kernels, counts = [], []
+    for options in ("", ", unfused_kernels: [rope, bias_activation], unfused_attention: true"):
+        out, path = tmp_path / "trace.json", write(tmp_path, "plan.yaml", plan % options)
+        run_cli("trace", path, "--format", "json", "--output", str(out), check=True)
+        kernels.append({k["op"] for k in json.loads(out.read_text())["stages"][0]["stack_kernels"]})
+        counts.append(run_cli("trace", path, check=True).stdout.splitlines()[4].split()[6])  # stack fwd/bwd/recomp
+    fused, unfused = kernels
+    gone = {"te.fused_attention.default", "te.fused_rope.default", "megatron.swiglu_fused.default"}
+    assert gone <= fused and not gone & unfused
+    assert {"megatron.scaled_upper_triang_masked_softmax.default", "aten.silu.default", "aten.sin.default"} <= unfused
+    fewer, more = ([int(n) for n in count.split("/")] for count in counts)
+    assert more[0] > fewer[0] and more[1] > fewer[1]
+
+
 def test_trace_shows_every_layer_kind_of_every_stage(tmp_path, run_cli):
     """Dense and MoE layers mixed, an MTP layer in the last stage's head (JSON); NoPE layers (table)."""
     plan = """

@@ -52,20 +52,24 @@ def render_table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def trace_table(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = None) -> str:
+def trace_table(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = None, *,
+                unfused_attention: bool = False, unfused: tuple[str, ...] = ()) -> str:
     """Per stage and layer kind (:func:`layer_kinds`): the traced kernels per layer and phase, and the
-    kernels ``stack`` runs for them; the stage's unique kernels and FLOPs on its first row."""
+    kernels ``stack`` runs for them (with TE's unfused attention and the jit fusions ``unfused`` turns
+    off, as :func:`~vtrain_plugin.cost.lowering.stacks.map_nodes`); the stage's unique kernels and FLOPs
+    on its first row."""
     header = ["stage", "layers", "kind", "fwd/layer", "bwd/layer", "recomp/layer", "stack fwd/bwd/recomp",
               "unique kernels", "TFLOP/micro-batch/rank", "collectives per layer"]
     rows = []
     cp = ContextParallel.of(graph)
+    options = {"unfused_attention": unfused_attention, "unfused": unfused}
     for s, costed in zip(graph.stages, with_context_parallel(graph).stages):
         per_stage = [str(len({op.key for b in s.blocks for op in b.ops()})), f"{model_flops(s.blocks, cp) / 1e12:.2f}"]
         kinds = layer_kinds(s, graph.model, costed) or [("-", 0, None, None)]
         for i, (kind, count, layer, costed_layer) in enumerate(kinds):
             counts = Counter(op.phase for op in layer.ops()) if layer else Counter()
-            lowered = Counter(n.phase for n in map_nodes(costed_layer.nodes, stack, fp8) if isinstance(n, OpNode)) \
-                if costed_layer else Counter()
+            lowered = Counter(n.phase for n in map_nodes(costed_layer.nodes, stack, fp8, **options)
+                              if isinstance(n, OpNode)) if costed_layer else Counter()
             rows.append([
                 _stage_name(s, graph), str(count), kind, str(counts[Phase.FORWARD]), str(counts[Phase.BACKWARD]),
                 str(counts[Phase.RECOMPUTE]),
@@ -139,9 +143,11 @@ def _collective_summary(layer: Block) -> str:
 
 def trace_json(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = None, *,
                distributed_optimizer: bool = False, grads: Dtype | None = None,
-               fp8_param_gather: bool = False) -> dict[str, Any]:
+               fp8_param_gather: bool = False, unfused_attention: bool = False,
+               unfused: tuple[str, ...] = ()) -> dict[str, Any]:
     """Per stage: the traced ``ops``, the ``stack_kernels`` ``stack`` runs for them (with each layer's
-    CP attention under context parallelism), and the ``collectives`` (the traced, the CP attention's and
+    CP attention under context parallelism, TE's unfused attention and the jit fusions ``unfused``
+    turns off), and the ``collectives`` (the traced, the CP attention's and
     the runtime's), identical entries merged with a ``count`` (the DP collectives those of the
     distributed optimizer when ``distributed_optimizer``; gradients in ``grads``, FP8 weights gathered
     with ``fp8_param_gather``, as :func:`~vtrain_plugin.cost.comm.runtime_collectives.runtime_collectives`)."""
@@ -154,7 +160,9 @@ def trace_json(graph: OpGraph, stack: SoftwareStack, fp8: Fp8Settings | None = N
         ops, _ = _merged([(b.kind.value, b.count, b.nodes) for b in s.blocks])
         derived = [(b.kind.value, b.count, b.nodes) for b in costed.blocks] + [("runtime", 1, runtime)]
         _, collectives = _merged(derived)
-        kernels, _ = _merged([(b.kind.value, b.count, map_nodes(b.nodes, stack, fp8)) for b in costed.blocks])
+        kernels, _ = _merged([(b.kind.value, b.count, map_nodes(b.nodes, stack, fp8, unfused=unfused,
+                                                                  unfused_attention=unfused_attention))
+                              for b in costed.blocks])
         stages.append({"pipeline_rank": s.pipeline_rank, "chunk": s.chunk, "num_layers": s.num_layers,
                        "layer_kinds": [{"kind": kind, "count": count, "block": block.name}
                                        for kind, count, block, _ in layer_kinds(s, graph.model)],

@@ -26,13 +26,14 @@ def run(args: argparse.Namespace) -> int:
     training = run_config.training
     stack = training.stack_for(run_config.model, get_device(run_config.cluster.gpu).architecture,
                               run_config.parallel)
+    kernels = {"unfused_attention": training.unfused_attention, "unfused": training.unfused_kernels}
     if args.format == "json":
         emit(json.dumps(trace_json(graph, stack, training.fp8_settings,
                                    distributed_optimizer=training.distributed_optimizer,
                                    grads=training.grad_dtype(graph.dtype),
-                                   fp8_param_gather=training.fp8_param_gather), indent=1), args.output)
+                                   fp8_param_gather=training.fp8_param_gather, **kernels), indent=1), args.output)
     else:
-        emit(trace_table(graph, stack, training.fp8_settings), args.output)
+        emit(trace_table(graph, stack, training.fp8_settings, **kernels), args.output)
     return 0
 
 
