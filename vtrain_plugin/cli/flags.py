@@ -14,6 +14,7 @@ import sys
 
 from vtrain_plugin.cli.commands import Command
 from vtrain_plugin.core.errors import ConfigError
+from vtrain_plugin.specs.megatron import fusion_flags, model
 from vtrain_plugin.specs.megatron.fusion_flags import no_effect_notes
 from vtrain_plugin.specs.megatron.flags import (
     ALIASES, NO_EFFECT_REASONS, TABLE, Effect, Flag, flags_by_release, releases)
@@ -53,7 +54,9 @@ def _row(flag: Flag) -> dict[str, str]:
 
 def _why(flag: Flag) -> str:
     if flag.effect is Effect.MODELLED:
-        return "; ".join((f"read by vtrain_plugin/specs/megatron/{flag.reason}.py", *no_effect_notes(flag.name)))
+        notes = [table[flag.name] for table in (fusion_flags.FLAG_NOTES, model.FLAG_NOTES) if flag.name in table]
+        return "; ".join((f"read by vtrain_plugin/specs/megatron/{flag.reason}.py", *no_effect_notes(flag.name),
+                          *notes))
     if flag.effect is Effect.NO_EFFECT:
         return f"{flag.reason}: {NO_EFFECT_REASONS[flag.reason]}"
     if flag.effect is Effect.RETIRED:

@@ -4,8 +4,13 @@ where a switch changes nothing on a stack, why (``vtrain flags`` shows it).
 Megatron-LM sets TransformerConfig's ``bias_activation_fusion`` from ``--no-bias-swiglu-fusion`` with
 ``--swiglu`` and from ``--no-bias-gelu-fusion`` otherwise, ``bias_dropout_fusion``,
 ``apply_rope_fusion`` and ``masked_softmax_fusion`` from their ``--no-...`` switch; the stacks'
-lowerings then keep those ops unfused, as traced. The softmax and norm switches that TransformerEngine
-ignores, or that set a value inside the same fused kernel, are accepted as changing nothing there.
+lowerings then keep those ops unfused, as traced. With ``--use-te-activation-func`` megatron-core's MLP
+(megatron/core/transformer/mlp.py) runs the activation before asking for the bias-activation fusion:
+TransformerEngine's activation op (one kernel each way) in TE's layer spec, the config's activation
+eagerly in the local spec, whose spec has no TE op. The softmax and norm switches that
+TransformerEngine ignores, or that set a value inside the same fused kernel, are accepted as changing
+nothing there. ``--disable-jit-fuser`` stays a second-order effect: the ``@jit_fuser`` functions then
+run their bodies eagerly (bias-GeLU's tanh formula as several kernels), which no traced op matches.
 
 Why: the functional tests give these switches in most runs; read as second-order effects they warned
 on every one, and the fused kernels they turn off were costed as if still on.
@@ -21,7 +26,9 @@ Given = dict[str, Any]
 _SWITCHES = (("--no-bias-dropout-fusion", "bias_dropout"), ("--no-rope-fusion", "rope"),
              ("--no-masked-softmax-fusion", "masked_softmax"))
 _GELU, _SWIGLU = "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion"
+_TE_ACTIVATION = "--use-te-activation-func"
 _TE, _LOCAL = "megatron_core_te", "megatron_core_local"
+_TE_ACTIVATION_WINS = f"with {_TE_ACTIVATION} (megatron-core's MLP runs that activation whatever the fusion)"
 _FUSED_SOFTMAX = "a value inside Megatron's fused masked softmax, which computes in fp32 whatever the setting"
 
 # flag -> ((stack, why it changes nothing there), ...); "any" for every stack.
@@ -38,15 +45,24 @@ NO_EFFECT: dict[str, tuple[tuple[str, str], ...]] = {
         (_TE, "TransformerEngine's norms (TENorm, LayerNormLinear) ignore persist_layer_norm"),
         (_LOCAL, "apex's persistent and plain fused LayerNorm are one kernel each way over the same bytes")),
     _GELU: (("any", "with --swiglu (Megatron-LM's bias-activation fusion follows --no-bias-swiglu-fusion), or "
-                    "with --disable-bias-linear (Megatron-LM turns the bias-GeLU fusion off without a bias)"),),
-    _SWIGLU: (("any", "without --swiglu (Megatron-LM's bias-activation fusion follows --no-bias-gelu-fusion)"),),
+                    "with --disable-bias-linear (Megatron-LM turns the bias-GeLU fusion off without a bias)"),
+            ("any", _TE_ACTIVATION_WINS)),
+    _SWIGLU: (("any", "without --swiglu (Megatron-LM's bias-activation fusion follows --no-bias-gelu-fusion)"),
+              ("any", _TE_ACTIVATION_WINS)),
 }
+# What of a modelled flag is costed otherwise than Megatron runs it (``vtrain flags`` shows it).
+FLAG_NOTES = {_TE_ACTIVATION: "on megatron_core_te a linear bias is added apart, an elementwise add costed inside the "
+                              "fused activation; on megatron_core_local the activation runs unfused"}
 
 
 def unfused_kernels(given: Given) -> tuple[str, ...]:
-    """The fusions the command line turns off (``training.unfused_kernels``), as Megatron-LM sets them."""
+    """The fusions the command line turns off (``training.unfused_kernels``), as Megatron-LM sets them;
+    with ``--use-te-activation-func``, the bias-activation fusion as megatron-core's MLP then runs it."""
     off = [name for flag, name in _SWITCHES if given.get(flag)]
-    if given.get(_SWIGLU if given.get("--swiglu") else _GELU):
+    if given.get(_TE_ACTIVATION):
+        if given.get("--transformer-impl") == "local":  # the local spec's MLP has no TE activation op
+            off.append("bias_activation")
+    elif given.get(_SWIGLU if given.get("--swiglu") else _GELU):
         off.append("bias_activation")
     return tuple(sorted(off))
 

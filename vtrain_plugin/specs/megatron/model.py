@@ -38,6 +38,12 @@ HF_TOKENIZER_SIZES = {
 }
 MOE_LOAD_BALANCING = "aux_loss"  # the router's loss vtrain traces for several summed (megatron_adapters.moe.LOAD_BALANCING)
 TRACED_LOAD_BALANCING = {b.value for b in LoadBalancing}  # one of these alone is traced as given
+# What of a modelled flag is read otherwise than as given (``vtrain flags`` shows it after the module).
+FLAG_NOTES = {
+    "--moe-router-load-balancing-type": (
+        f"one of {', '.join(b.value for b in LoadBalancing)} alone is traced as given; 'none' or several types "
+        f"(summed) are traced as {MOE_LOAD_BALANCING}, with a warning"),
+}
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's default --make-vocab-size-divisible-by, which ModelSpec pads to
 
 
