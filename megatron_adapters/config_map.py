@@ -16,6 +16,8 @@ a bare config gets its family's (rotary with a gated MLP, else learned), a built
 (:mod:`megatron_adapters.gpt_model`). Two MoE settings are
 vtrain's own: several load-balancing losses summed are traced as the auxiliary loss of Megatron-LM's
 MoE recipes (:data:`megatron_adapters.moe.LOAD_BALANCING`), and routing follows the balanced assumption.
+The config's training settings (the jit fusions it turns off, per-token loss) are
+:func:`training_fields_of_transformer_config`'s, read as Megatron-LM's flags set them.
 """
 
 from __future__ import annotations
@@ -209,6 +211,29 @@ def layer_fields(config: Any) -> dict[str, Any]:
         glu_linear_offset=float(getattr(config, "glu_linear_offset", 0.0) or 0.0),
         activation_func_clamp_value=getattr(config, "activation_func_clamp_value", None),
     )
+
+
+# TransformerConfig's switch of each jit fusion (training.unfused_kernels names, UNFUSABLE).
+FUSION_FIELDS = {"bias_activation": "bias_activation_fusion", "bias_dropout": "bias_dropout_fusion",
+                 "rope": "apply_rope_fusion", "masked_softmax": "masked_softmax_fusion"}
+
+
+def training_fields_of_transformer_config(config: Any, *, local_spec: bool = False) -> dict[str, Any]:
+    """The TrainingSpec fields ``config`` holds (megatron-core's defaults: every fusion off), as
+    Megatron-LM's flags set them (:mod:`vtrain_plugin.specs.megatron.fusion_flags`): ``unfused_kernels``,
+    the fusions it turns off, and ``per_token_loss``. The bias-activation fusion counts as on for a GeLU
+    MLP without a bias (nothing to fuse; Megatron-LM turns it off there) and with
+    ``use_te_activation_func`` in TransformerEngine's layer spec (its activation op runs whatever the
+    fusion); ``local_spec``: the config builds megatron-core's local layer spec, which has no TE op."""
+    off = {name for name, field in FUSION_FIELDS.items() if not getattr(config, field, False)}
+    swiglu = bool(getattr(config, "gated_linear_unit", False)) and \
+        getattr(getattr(config, "activation_func", None), "__name__", "") == "silu"
+    if getattr(config, "use_te_activation_func", False):
+        off = off - {"bias_activation"} | ({"bias_activation"} if local_spec else set())
+    elif not (swiglu or getattr(config, "add_bias_linear", True)):
+        off.discard("bias_activation")
+    return {"unfused_kernels": tuple(sorted(off)),
+            "per_token_loss": bool(getattr(config, "calculate_per_token_loss", False))}
 
 
 def parallel_plan_from_transformer_config(config: Any, plan: ParallelPlan | None) -> ParallelPlan:

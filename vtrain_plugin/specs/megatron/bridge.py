@@ -53,6 +53,10 @@ DEST_FLAGS: dict[str, tuple[str, bool]] = {
     "bias_gelu_fusion": ("--no-bias-gelu-fusion", True),
     "bias_swiglu_fusion": ("--no-bias-swiglu-fusion", True),
     "check_for_nan_in_loss_and_grad": ("--no-check-for-nan-in-loss-and-grad", True),
+    # DistributedDataParallelConfig's gradient check, which Megatron-LM sets from the same flag as the
+    # loss's (training.nan_checks is both; Bridge's loss check, rerun_state_machine.check_for_nan_in_loss,
+    # is taken to follow it)
+    "check_for_nan_in_grad": ("--no-check-for-nan-in-loss-and-grad", True),
     "ckpt_fully_parallel_save": ("--no-ckpt-fully-parallel-save", True),
     "clone_scatter_output_in_embedding": ("--no-clone-scatter-output-in-embedding", True),
     "create_attention_mask_in_dataloader": ("--no-create-attention-mask-in-dataloader", True),
@@ -100,9 +104,9 @@ NO_EFFECT = frozenset((
     "output_layer_init_method", "embedding_init_method", "timers", "finalize_model_grads_func", "grad_scale_func",
     "no_sync_func", "grad_sync_func", "param_sync_func", "generation_config", "hf_model_id", "use_cpu_initialization",
     "gated_linear_unit", "activation_func", "num_query_groups", "share_embeddings_and_output_weights",
-    "bias_activation_fusion", "should_pad_vocab", "parallel_output", "use_transformer_engine_full_layer_spec",
+    "should_pad_vocab", "parallel_output", "use_transformer_engine_full_layer_spec",
     "use_transformer_engine_op_fuser", "variable_seq_lengths", "deallocate_pipeline_outputs", "barrier_with_L1_time",
-    "check_for_nan_in_grad", "check_for_large_grads", "data_parallel_size", "lr", "min_lr", "weight_decay",
+    "check_for_large_grads", "data_parallel_size", "lr", "min_lr", "weight_decay",
     "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "clip_grad", "loss_scale", "initial_loss_scale",
     "min_loss_scale", "loss_scale_window", "hysteresis", "fp8_margin", "fp8_amax_history_len",
     "fp8_amax_compute_algo", "fp8_interval", "use_te_rng_tracker",
@@ -198,19 +202,24 @@ def _check_sequence_length(sections: Mapping[str, Mapping[str, Any]]) -> None:
 
 
 def _model_words(model: dict[str, Any]) -> list[str]:
-    """The model fields that are read together: the activation, grouped-query attention, tied
-    embeddings and the layer spec (popped from ``model``)."""
+    """The model fields that are read together: the activation and its bias fusion, grouped-query
+    attention, tied embeddings and the layer spec (popped from ``model``)."""
     words: list[str] = []
     activation = _plain(model.pop("activation_func", None)) or ""
     gated = bool(model.pop("gated_linear_unit", False))
     name = activation.rpartition(".")[2]
-    if gated and name == "silu":
+    swiglu = gated and name == "silu"
+    if swiglu:
         words.append("--swiglu")
     elif name == "squared_relu" and not gated:
         words.append("--squared-relu")
     elif activation and not (name == "gelu" and not gated):
         raise ConfigError(f"model.activation_func {activation}{' (gated)' if gated else ''}: only gelu, "
                           f"squared_relu and a gated silu (SwiGLU) are Megatron-LM arguments vtrain reads")
+    # Megatron-LM sets bias_activation_fusion from --no-bias-swiglu-fusion with --swiglu, from
+    # --no-bias-gelu-fusion otherwise (vtrain_plugin.specs.megatron.fusion_flags)
+    if model.pop("bias_activation_fusion", None) is False:
+        words.append("--no-bias-swiglu-fusion" if swiglu else "--no-bias-gelu-fusion")
     groups = model.pop("num_query_groups", None)
     if groups is not None and groups != model.get("num_attention_heads"):
         words += ["--group-query-attention", "--num-query-groups", str(groups)]
