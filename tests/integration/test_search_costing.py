@@ -133,7 +133,8 @@ def _costed_alone(prepared, est_training, cluster=CLUSTER):
     m = est_training.num_microbatches(plan.data_parallel, plan.micro_batch_size)
     costing = COSTING.cost(prepared, timer=timer, comm=comm, training=est_training, num_microbatches=m)
     alone = [COSTING._stage_cost(s, timer, comm, est_training, m, False, COSTING._ep_overlap(plan, timer),
-                                 COSTING._offload_nbytes(prepared, s, est_training), prepared.graph.model, plan)
+                                 COSTING._offload_nbytes(prepared, s, est_training), prepared.graph.model, plan,
+                                 prepared.stack)
              for s in prepared.stages]
     return costing, alone, comm.rank_classes()
 

@@ -57,7 +57,7 @@ from vtrain_plugin.cost.provenance import Provenance, StageProvenance, counted_p
 from vtrain_plugin.cost.work import ChunkWork, DpBucket, ParamGather, PipelineWork
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
-from vtrain_plugin.specs.training import GradReduce, TrainingSpec
+from vtrain_plugin.specs.training import GradReduce, SoftwareStack, TrainingSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +107,7 @@ def cost(prepared: PreparedGraph, *, timer: KernelTimer, comm: CommModel, traini
         if staged is None:
             staged = costed[key] = _stage_cost(stage, timer, comm, training, num_microbatches, explain, ep_overlap,
                                                _offload_nbytes(prepared, stage, training), prepared.graph.model,
-                                               parallel)
+                                               parallel, prepared.stack)
         provenance.add(staged.provenance)
         chunks.append(staged.work)
         optimizer[rank] += staged.optimizer_ns
@@ -298,7 +298,7 @@ def _time_role(role, timer: KernelTimer, comm_ns: tuple[float, ...], training: T
 def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, training: TrainingSpec,
                 num_microbatches: int, explain: bool, ep_overlap: _EpOverlap | None = None,
                 offload_nbytes: Sequence[dict[str, float]] = (), model: ModelSpec | None = None,
-                parallel: ParallelPlan | None = None) -> StageCost:
+                parallel: ParallelPlan | None = None, stack: SoftwareStack | None = None) -> StageCost:
     stage, role = prepared.stage, prepared.role
     rank = stage.pipeline_rank
     constants = timer.constants
@@ -339,10 +339,10 @@ def _stage_cost(prepared: PreparedStage, timer: KernelTimer, comm: CommModel, tr
         ep[s.phase] += s.count * ep_comm[i]
 
     forward_total = totals[Phase.FORWARD] + slow * constants.microbatch_overhead_ns
-    if holds_loss(stage):  # the loss's scaling and NaN checks, each micro-batch
-        forward_total += pieces_ns(loss_pieces(training), timer, comm, rank)
-    step_ns = 0.0 if parallel is None else pieces_ns(
-        step_pieces(stage, training, parallel, prepared.runtime.grad_dtype.nbytes), timer, comm, rank)
+    if holds_loss(stage) and stack is not None:  # the loss's scaling and NaN checks, each micro-batch
+        forward_total += pieces_ns(loss_pieces(training, stack), timer, comm, rank)
+    step_ns = 0.0 if parallel is None or stack is None else pieces_ns(
+        step_pieces(stage, training, parallel, prepared.runtime.grad_dtype.nbytes, stack), timer, comm, rank)
     backward_total = totals[Phase.BACKWARD]
     ep_forward, ep_backward = ep[Phase.FORWARD], ep[Phase.BACKWARD] + ep[Phase.RECOMPUTE]
     if ep_overlap is not None and ep_forward + ep_backward > 0:

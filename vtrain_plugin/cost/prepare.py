@@ -270,8 +270,10 @@ def _weight_copies(dtype: Dtype, stack: SoftwareStack, training: TrainingSpec) -
     """The model dtype when megatron-core copies the main weights into it one parameter at a time
     (:mod:`vtrain_plugin.cost.lowering.weight_copies`), else None."""
     if (stack not in MEGATRON_CORE_STACKS or training.optimizer.kind is OptimizerKind.MUON
-            or not looped(dtype, distributed_optimizer=training.distributed_optimizer,
-                          precision_aware=training.optimizer.precision_aware, fsdp=training.fsdp is not None)):
+            or not looped(dtype, distributed_optimizer=training.distributed_optimizer or training.fsdp is not None,
+                          precision_aware=training.optimizer.precision_aware,
+                          torch_fsdp=training.fsdp is not None
+                          and training.fsdp.implementation is FsdpImplementation.TORCH)):
         return None  # Muon: megatron-core's layer-wise optimizer, not modelled here
     return dtype
 

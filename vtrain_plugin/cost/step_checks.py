@@ -25,8 +25,9 @@ Megatron-LM's ``pretrain_gpt.py`` do:
   that share less, and collects fully every ``--manual-gc-interval`` steps
   (:data:`FULL_COLLECT_NS` each, amortised over the interval).
 
+Under FSDP the loss's checks run (the loss function's), the gradients' do not (:func:`applies`).
 Not priced: the pre-reduction scaling of each bucket by 1 / DP (``gradient_scaling_factor``, which
-per-token loss also removes) and megatron-FSDP's and Megatron-DeepSpeed's own checks.
+per-token loss also removes), per-token loss under FSDP, and Megatron-DeepSpeed's own checks.
 """
 
 from __future__ import annotations
@@ -85,17 +86,22 @@ class Piece:
     wait: bool = True
 
 
-def applies(training: TrainingSpec) -> bool:
-    return training.software_stack is not SoftwareStack.MEGATRON_DEEPSPEED_2023 and training.fsdp is None
+def applies(training: TrainingSpec, stack: SoftwareStack, *, gradients: bool = True) -> bool:
+    """Whether the run's loop makes these checks: Megatron-LM's over megatron-core (``stack``: the
+    software stack the run resolves to, not ``training.software_stack``, which may leave it to the
+    GPU), not Megatron-DeepSpeed's. The loss's checks are its loss function's, whatever shards the
+    model; the gradients' are megatron-core DDP's (``gradients``): Megatron-FSDP (0.16) takes a
+    ``check_for_nan_in_grad`` setting but checks nothing with it, and torch FSDP2 has none."""
+    return stack is not SoftwareStack.MEGATRON_DEEPSPEED_2023 and (not gradients or training.fsdp is None)
 
 
 def holds_loss(stage: StageGraph) -> bool:
     return any(b.kind is BlockKind.HEAD for b in stage.blocks)
 
 
-def loss_pieces(training: TrainingSpec) -> tuple[Piece, ...]:
+def loss_pieces(training: TrainingSpec, stack: SoftwareStack) -> tuple[Piece, ...]:
     """What the stage holding the loss runs per micro-batch after its forward (module doc)."""
-    if not applies(training):
+    if not applies(training, stack, gradients=False):
         return ()
     return _loss_pieces(training.nan_checks, training.per_token_loss)
 
@@ -132,10 +138,10 @@ def _buckets(buffers: tuple[int, ...], limit: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def step_pieces(stage: StageGraph, training: TrainingSpec, parallel: ParallelPlan, grad_nbytes: int
-                ) -> tuple[Piece, ...]:
+def step_pieces(stage: StageGraph, training: TrainingSpec, parallel: ParallelPlan, grad_nbytes: int,
+                stack: SoftwareStack) -> tuple[Piece, ...]:
     """What one chunk runs once per step (module doc)."""
-    if not applies(training):
+    if not applies(training, stack):
         return ()
     buffers = gradient_buffers(stage, grad_nbytes)
     return _step_pieces(buckets(buffers, training, parallel.grad_reduce_group_size, grad_nbytes) if

@@ -33,7 +33,8 @@ MOE_MODEL_VARIANTS = {"moe_router_topk": 1, "moe_ffn_hidden_size": 128, "moe_rou
                       "moe_shared_expert_intermediate_size": 128,
                       "moe_router_score_function": "sigmoid", "moe_router_topk_scaling_factor": 2.0,
                       "moe_expert_capacity_factor": 1.0, "moe_token_drop_policy": "position",
-                      "moe_router_load_balancing_type": "sinkhorn"}
+                      "moe_router_load_balancing_type": "sinkhorn", "moe_router_dtype": "fp32",
+                      "moe_router_pre_softmax": True}
 # MoE fields that need another set with them (each also changes the key; see test_moe_features_key).
 MOE_FIELDS_WITH_OTHERS = {"moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
                           "moe_pad_expert_input_to_capacity"}

@@ -8,8 +8,10 @@ multi-tensor apply"), which then runs ``that_.copy_(this_)`` for each parameter;
 ``DistributedOptimizer._copy_main_params_to_model_params`` always runs
 ``shard_model_param.data.copy_(shard_main_param)`` for each parameter of the rank's shard. An fp16
 model without the distributed optimizer copies in one ``multi_tensor_scale`` pass (kept as lowered);
-the precision-aware optimizer (Adam writes the model weights itself) and Megatron-FSDP copy no
-parameter apart. On ``S`` shards a rank holds about ``1/S`` of a block's parameters, whole or cut at
+Megatron-FSDP copies each parameter's shard too (``copy_main_weights_to_model_weights``, one
+``copy_`` per parameter with elements on the rank: sharded as under the distributed optimizer); the
+precision-aware optimizer (Adam writes the model weights itself) and torch FSDP2 (the optimizer
+steps the sharded parameters themselves) copy none. On ``S`` shards a rank holds about ``1/S`` of a block's parameters, whole or cut at
 the shard's edges: ``ceil(P / S)`` copies of its ``1/S`` of the elements, split evenly (dense
 parameters over the dense shards, experts' over the expert shards). Why: each copy is a launch, and
 the host cost per step of a block's parameters is what small layers pay, not their bytes.
@@ -28,10 +30,10 @@ COPY_OP = "aten.copy_.default"
 MAIN_NBYTES = 4  # the fp32 main weight read per element
 
 
-def looped(dtype: Dtype, *, distributed_optimizer: bool, precision_aware: bool, fsdp: bool) -> bool:
+def looped(dtype: Dtype, *, distributed_optimizer: bool, precision_aware: bool, torch_fsdp: bool) -> bool:
     """Whether megatron-core copies the main weights of a ``dtype`` model one parameter at a time
-    (see the module doc)."""
-    if fsdp or precision_aware or dtype not in (Dtype.BF16, Dtype.FP16):
+    (see the module doc; Megatron-FSDP counts as the distributed optimizer)."""
+    if torch_fsdp or precision_aware or dtype not in (Dtype.BF16, Dtype.FP16):
         return False
     return dtype is Dtype.BF16 or distributed_optimizer
 

@@ -29,12 +29,12 @@ def _block() -> Block:
 
 
 def test_megatron_core_loops_for_bf16_and_under_the_distributed_optimizer():
-    assert looped(Dtype.BF16, distributed_optimizer=False, precision_aware=False, fsdp=False)
-    assert looped(Dtype.FP16, distributed_optimizer=True, precision_aware=False, fsdp=False)
-    assert not looped(Dtype.FP16, distributed_optimizer=False, precision_aware=False, fsdp=False)
-    assert not looped(Dtype.FP32, distributed_optimizer=True, precision_aware=False, fsdp=False)
-    assert not looped(Dtype.BF16, distributed_optimizer=True, precision_aware=True, fsdp=False)
-    assert not looped(Dtype.BF16, distributed_optimizer=True, precision_aware=False, fsdp=True)
+    assert looped(Dtype.BF16, distributed_optimizer=False, precision_aware=False, torch_fsdp=False)
+    assert looped(Dtype.FP16, distributed_optimizer=True, precision_aware=False, torch_fsdp=False)
+    assert not looped(Dtype.FP16, distributed_optimizer=False, precision_aware=False, torch_fsdp=False)
+    assert not looped(Dtype.FP32, distributed_optimizer=True, precision_aware=False, torch_fsdp=False)
+    assert not looped(Dtype.BF16, distributed_optimizer=True, precision_aware=True, torch_fsdp=False)
+    assert not looped(Dtype.BF16, distributed_optimizer=True, precision_aware=False, torch_fsdp=True)
 
 
 def test_the_pass_becomes_one_copy_per_parameter():
