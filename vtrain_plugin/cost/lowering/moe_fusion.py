@@ -63,12 +63,17 @@ _ROUTER = ".mlp.router"
 
 @dataclass(frozen=True, slots=True)
 class _Permutation:
-    """One layer's forward permute: ``tokens`` in, ``experts`` local experts, probabilities permuted
-    alongside (their element bytes) or not (0)."""
+    """One layer's forward permute: ``tokens`` rows of ``hidden`` in, ``experts`` experts in its map,
+    probabilities permuted alongside (their element bytes) or not (0)."""
 
     tokens: int
+    hidden: int
     experts: int
     probs_nbytes: int
+
+    def rows(self, node: OpNode, index: int = 0) -> bool:
+        """Whether ``node``'s ``index``-th input is this permute's tokens (``t x h``)."""
+        return tuple(node.key.input_shapes[index]) == (self.tokens, self.hidden)
 
 
 def fuse_permutation(nodes: Sequence[Node]) -> tuple[Node, ...]:
@@ -102,16 +107,17 @@ def fuse_permutation(nodes: Sequence[Node]) -> tuple[Node, ...]:
                 i = end + 1
                 continue
         known = permutations.get(node.module)
-        if name == "zeros" and known and ours(i + 1, phase) and op_name(nodes[i + 1]) == "scatter_add_":
+        if name == "zeros" and known and ours(i + 1, phase) and op_name(nodes[i + 1]) == "scatter_add_" \
+                and known.rows(nodes[i + 1]):
             out.append(_unpermute(nodes[i + 1], known, UNPERMUTE, nodes[i + 1].key.input_shapes[1][0]))
             i += 2
             continue
-        if name == "gather" and known and phase is Phase.BACKWARD and len(node.output_shapes[0]) == 2:
+        if name == "gather" and known and phase is Phase.BACKWARD and known.rows(node):
             out.append(_unpermute(node, known, UNPERMUTE_BACKWARD, node.output_shapes[0][0]))
             i += 1
             continue
         if name == "new_zeros" and known and phase is Phase.BACKWARD and ours(i + 1, phase) \
-                and op_name(nodes[i + 1]) == "index_add" and len(nodes[i + 1].output_shapes[0]) == 2:
+                and op_name(nodes[i + 1]) == "index_add" and known.rows(nodes[i + 1]):
             taken = _permute_backward_run(nodes, i, known, ours, out)
             if taken is not None:
                 out.append(taken[0])
@@ -155,7 +161,7 @@ def _permute(run: list[OpNode]) -> tuple[OpNode, _Permutation]:
     nbytes = 2 * rows * hidden * e + tokens * experts * (MAP + ROW_ID) + 2 * rows * p
     kernel = fused(PERMUTE, run[0], (rows, hidden), nbytes, gather.key.dtypes[0],
                    input_shapes=((tokens, hidden), (experts, tokens)), args=(("probs", bool(p)),))
-    return kernel, _Permutation(tokens=tokens, experts=experts, probs_nbytes=p)
+    return kernel, _Permutation(tokens=tokens, hidden=hidden, experts=experts, probs_nbytes=p)
 
 
 def _unpermute(node: OpNode, known: _Permutation, op: str, rows: int) -> OpNode:

@@ -149,3 +149,18 @@ def test_megatron_flags_set_the_fusions_without_a_warning():
                                         "--moe-permute-fusion --moe-router-fusion"), gpus=8)
     assert (p.model.moe_permute_fusion, p.model.moe_router_fusion) == (True, True)
     assert not any("fusion" in note for note in p.unmodelled)
+
+
+def test_flex_permutes_with_probs_and_leaves_the_map_conversion_and_its_gradient_as_traced():
+    from vtrain_plugin.capture.tracer import trace
+
+    graph = trace(MOE, ParallelPlan(data_parallel=2, expert_parallel=2, micro_batch_size=MBS,
+                                    moe_token_dispatcher="flex", moe_flex_dispatcher_backend="deepep"))
+    layer = next(b for b in graph.stages[0].blocks if b.kind is BlockKind.LAYER)
+    nodes = map_nodes(layer.nodes, TE, permute_fusion=True)
+    fwd, bwd = _te(nodes, Phase.FORWARD), _te(nodes, Phase.BACKWARD)
+    assert {op: len(ks) for op, ks in fwd.items()} == {mf.PERMUTE: 1, mf.UNPERMUTE: 1}
+    assert {op: len(ks) for op, ks in bwd.items()} == {mf.PERMUTE_BACKWARD: 1, mf.UNPERMUTE_BACKWARD: 1}
+    assert fwd[mf.PERMUTE][0].key.args == (("probs", True),)
+    assert _mlp_ops(nodes, Phase.FORWARD)["scatter"] == 2  # the received indices as a map and its probs
+    assert _mlp_ops(nodes, Phase.BACKWARD)["gather"] == 1  # the probs' scatter, backward
