@@ -15,6 +15,7 @@ from vtrain_plugin.cost.lowering.fusion import op_name
 from vtrain_plugin.cost.lowering.stacks import map_nodes
 from vtrain_plugin.specs.megatron.args import megatron_plan
 from vtrain_plugin.specs.megatron.launch_script import read_command_line
+from vtrain_plugin.specs.assumptions import moe_assumptions
 from vtrain_plugin.specs.model import ModelSpec
 from vtrain_plugin.specs.parallel import ParallelPlan
 
@@ -143,12 +144,16 @@ def test_the_fused_moe_kernels_need_transformer_engine(alltoall, flag):
         map_nodes(alltoall.nodes, "megatron_core_local", **{flag: True})
 
 
-def test_megatron_flags_set_the_fusions_without_a_warning():
+def test_megatron_flags_set_the_fusions_without_a_warning_and_name_them_as_assumptions():
     p = megatron_plan(read_command_line("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
                                         "--micro-batch-size 1 --vocab-size 1000 --num-experts 4 "
                                         "--moe-permute-fusion --moe-router-fusion"), gpus=8)
     assert (p.model.moe_permute_fusion, p.model.moe_router_fusion) == (True, True)
     assert not any("fusion" in note for note in p.unmodelled)
+    named = moe_assumptions(p.model, p.parallel)
+    assert any(line.startswith("MoE permute fusion") for line in named)
+    assert any(line.startswith("MoE router fusion") for line in named)
+    assert not any("fusion" in line for line in moe_assumptions(MOE, ParallelPlan(data_parallel=2)))
 
 
 def test_flex_permutes_with_probs_and_leaves_the_map_conversion_and_its_gradient_as_traced():
