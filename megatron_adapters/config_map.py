@@ -5,7 +5,7 @@ graph is either honoured (dims, GQA, head dim, dtype, the layer's normalization,
 MLP, linear and QKV biases, dropout and QK norms, TP, CP and its communication, PP, virtual
 pipeline, SP, recompute, uneven pipeline splits, MoE experts, top-k and expert FFN, expert parallel
 and expert TP sizes, the token dispatcher (flex: its backend and SMs), the EP all-to-all overlap and
-delayed weight gradients, the MoE features of
+delayed weight gradients, TE's fused MoE permutation and router (costed, not traced), the MoE features of
 :data:`vtrain_plugin.specs.model.MOE_FEATURE_DEFAULTS`: shared experts, dense layers between MoE
 layers, grouped-GEMM experts, router variants (their dtype, pre-softmax, load-balancing loss), token dropping) or refused with a one-line
 :class:`ConfigError` naming it (fp8 / fp4, multi-token prediction, MoE latent projections, custom
@@ -55,7 +55,6 @@ def _is_false(value: Any) -> bool:
 
 UNMODELLED = (
     Unmodelled("moe_latent_size", _is_none, "MoE latent projections"),
-    Unmodelled("moe_permute_fusion", _is_false, "fused MoE permutation"),
     Unmodelled("fp8", _is_none, "fp8 training"),
     Unmodelled("fp4", _is_none, "fp4 training"),
     Unmodelled("tp_comm_overlap", _is_false, "TP communication overlap"),

@@ -53,7 +53,8 @@ SINKHORN = dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.
 
 def moe_config_fields(model: ModelSpec, plan: ParallelPlan) -> dict:
     """The TransformerConfig fields of ``model``'s MoE layers under ``plan`` (none for a dense model):
-    unfused permutation, local experts; softmax before the top-k when the model asks or k is 1
+    unfused permutation and router (their fused kernels are a lowering:
+    :mod:`vtrain_plugin.cost.lowering.moe_fusion`), local experts; softmax before the top-k when the model asks or k is 1
     (megatron-core requires it: a softmax over one expert has no gradient); the model's MoE features
     as megatron-core names them (:func:`moe_feature_fields`); the router's load balancing
     (:func:`load_balancing_fields`), sinkhorn's iterations by the stand-in
@@ -359,9 +360,9 @@ def _masked_select(values: torch.Tensor, mask: torch.Tensor, count: int) -> torc
 def _permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
     """megatron-core 0.16's unfused dropless ``permute`` (moe_utils) with ``num_out_tokens`` pairs
     selected by :func:`_masked_select`; the drop-and-pad variant is megatron's own (its shapes are
-    static: every expert takes its capacity). The fused variant is refused before any tracing
-    (:mod:`megatron_adapters.config_map`: ``moe_permute_fusion``); reaching it here means
-    megatron-core called the permutation in a way this adapter does not know."""
+    static: every expert takes its capacity). The fused variant is never traced: ``moe_permute_fusion``
+    reaches megatron-core off and is costed as TE's kernels (:mod:`vtrain_plugin.cost.lowering.moe_fusion`);
+    reaching it here means megatron-core called the permutation in a way this adapter does not know."""
     if drop_and_pad and not fused and num_out_tokens is not None:
         return _MEGATRON_PERMUTE(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=False,
                                  drop_and_pad=True)

@@ -136,9 +136,11 @@ KEYED_MODEL_FIELDS = frozenset({
 
 
 # ModelSpec fields that change how a trace is costed, not the trace: grouped-GEMM experts are a
-# lowering of the traced SequentialMLP, the shared expert's overlap a pairing of kernels and
-# collectives (vtrain_plugin.cost.prepare reads both from the graph's model).
-COSTED_MODEL_FIELDS = frozenset({"moe_grouped_gemm", "moe_shared_expert_overlap"})
+# lowering of the traced SequentialMLP, TE's fused permutation and router kernels lowerings of the
+# traced unfused ops (vtrain_plugin.cost.lowering.moe_fusion), the shared expert's overlap a
+# pairing of kernels and collectives (vtrain_plugin.cost.prepare reads them from the graph's model).
+COSTED_MODEL_FIELDS = frozenset({"moe_grouped_gemm", "moe_shared_expert_overlap", "moe_permute_fusion",
+                                 "moe_router_fusion"})
 
 
 @lru_cache(maxsize=256)

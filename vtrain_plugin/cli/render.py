@@ -124,6 +124,8 @@ def _moe_label(model: ModelSpec | None, plan: ParallelPlan) -> str:
                 if model.moe_shared_expert_intermediate_size is not None else "",
                 f" moe-layers={model.num_moe_layers}/{model.num_layers}" if model.has_dense_layers_between_moe else "",
                 " grouped-gemm" if model.moe_grouped_gemm else "",
+                " permute-fusion" if model.moe_permute_fusion else "",
+                " router-fusion" if model.moe_router_fusion else "",
                 f" capacity={model.moe_expert_capacity_factor:g}" if model.moe_expert_capacity_factor is not None else ""]
     return (f" experts={model.num_experts} top-{model.router_topk} ep={plan.expert_parallel} etp={plan.expert_tp} "
             f"dispatcher={plan.moe_token_dispatcher.value} skew={model.moe_routing_skew:g}" + "".join(features))

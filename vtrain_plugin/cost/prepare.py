@@ -46,6 +46,7 @@ from vtrain_plugin.cost.comm.moe_dispatch import MOE_GROUPS
 from vtrain_plugin.cost.comm.optimizer_shard import optimizer_shards, shard_optimizer
 from vtrain_plugin.cost.comm.runtime_collectives import RuntimeCollectives, runtime_collectives
 from vtrain_plugin.specs.fsdp import FsdpImplementation
+from vtrain_plugin.specs.model import LoadBalancing
 from vtrain_plugin.specs.optimizer import OptimizerKind, OptimizerSpec
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack, TrainingSpec
 
@@ -289,18 +290,25 @@ def _bf16_edges(graph: OpGraph, fp8: Fp8Settings | None):
 
 def _moe_options(graph: OpGraph) -> tuple:
     """What of the model the preparation of its roles reads besides their nodes: whether MoE
-    experts run as grouped GEMMs and whether the shared expert overlaps the all-to-all (only when
-    set, so the role keys of other models stay as they were)."""
+    experts run as grouped GEMMs, whether the shared expert overlaps the all-to-all and whether the
+    permutation and the router run TE's fused kernels (only when set, so the role keys of other models
+    stay as they were; sinkhorn routing has no fused router)."""
     model = graph.model
-    if model is None or not model.is_moe or not (model.moe_grouped_gemm or model.moe_shared_expert_overlap):
+    if model is None or not model.is_moe:
         return ()
-    return (MoeOptions(grouped_experts=model.moe_grouped_gemm, shared_expert_overlap=model.moe_shared_expert_overlap),)
+    router_fusion = model.moe_router_fusion and model.moe_router_load_balancing_type is not LoadBalancing.SINKHORN
+    if not (model.moe_grouped_gemm or model.moe_shared_expert_overlap or model.moe_permute_fusion or router_fusion):
+        return ()
+    return (MoeOptions(grouped_experts=model.moe_grouped_gemm, shared_expert_overlap=model.moe_shared_expert_overlap,
+                       permute_fusion=model.moe_permute_fusion, router_fusion=router_fusion),)
 
 
 @dataclass(frozen=True, slots=True)
 class MoeOptions:
     grouped_experts: bool = False
     shared_expert_overlap: bool = False
+    permute_fusion: bool = False  # TE's fused permutation kernels (cost.lowering.moe_fusion)
+    router_fusion: bool = False  # TE's fused router kernels (cost.lowering.moe_fusion)
 
 
 @dataclass(frozen=True, slots=True)
@@ -456,7 +464,7 @@ def _block_mapped(block: Block, stack: SoftwareStack, fp8: Fp8Settings | None, c
     layer = block.kind is BlockKind.LAYER
     nodes = cp.layer_nodes(block.nodes) if cp is not None and layer else block.nodes
     return _mapped(block.nodes, nodes, stack, fp8, cp, moe.grouped_experts, kernels.unfused_attention,
-                   kernels.deterministic, kernels.unfused)
+                   kernels.deterministic, kernels.unfused, moe.permute_fusion, moe.router_fusion)
 
 
 def _piece(block: Block, mapped: tuple, phases: tuple[Phase, ...], moe: MoeOptions) -> _Piece:
@@ -513,16 +521,17 @@ _mapped_nodes: OrderedDict[tuple, tuple[tuple, tuple[OpNode | CollectiveNode, ..
 
 
 def _mapped(traced: tuple, nodes: tuple, stack: SoftwareStack, fp8: Fp8Settings | None, cp: ContextParallel | None,
-            grouped_experts: bool, unfused_attention: bool, deterministic: bool, unfused: tuple[str, ...] = ()
-            ) -> tuple:
+            grouped_experts: bool, unfused_attention: bool, deterministic: bool, unfused: tuple[str, ...] = (),
+            permute_fusion: bool = False, router_fusion: bool = False) -> tuple:
     """``nodes`` (``traced``, under CP with its CP attention) lowered onto ``stack``'s kernels."""
-    key = (id(traced), nodes is traced, stack, fp8, cp, grouped_experts, unfused_attention, deterministic, unfused)
+    key = (id(traced), nodes is traced, stack, fp8, cp, grouped_experts, unfused_attention, deterministic, unfused,
+           permute_fusion, router_fusion)
     known = _mapped_nodes.get(key)
     if known is not None:
         _mapped_nodes.move_to_end(key)
         return known[1]
     mapped = map_nodes(nodes, stack, fp8, grouped_experts=grouped_experts, unfused_attention=unfused_attention,
-                       unfused=unfused)
+                       unfused=unfused, permute_fusion=permute_fusion, router_fusion=router_fusion)
     if deterministic:
         mapped = deterministic_kernels(mapped)
     _mapped_nodes[key] = (traced, mapped)

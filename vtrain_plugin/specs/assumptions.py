@@ -48,6 +48,12 @@ def moe_assumptions(model: ModelSpec, plan: ParallelPlan) -> tuple[str, ...]:
     if model.moe_grouped_gemm:
         lines.append("MoE grouped GEMM: the traced per-expert kernels (SequentialMLP) priced as one grouped kernel "
                      "per GEMM (TEGroupedMLP)")
+    if model.moe_permute_fusion:
+        lines.append("MoE permute fusion: the traced unfused permutation, chunk sort and unpermutation priced as "
+                     "TE's fused kernels, one each way")
+    if model.moe_router_fusion:
+        lines.append("MoE router fusion: the traced top-k, scores and auxiliary loss priced as TE's fused router "
+                     "kernels")
     if model.moe_shared_expert_overlap:
         lines.append("MoE shared expert overlap: the forward dispatch and combine all-to-alls hidden behind the "
                      "shared expert's GEMMs")

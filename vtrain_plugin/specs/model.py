@@ -149,6 +149,8 @@ class ModelSpec:
     # (dense) per layer, as Megatron-LM's --moe-layer-freq "([0]*3+[1]*58)".
     moe_layer_freq: int | tuple[int, ...] = 1
     moe_grouped_gemm: bool = False  # experts as one grouped GEMM per linear (TE's TEGroupedMLP)
+    moe_permute_fusion: bool = False  # token permutations as TE's fused moe_permute kernels
+    moe_router_fusion: bool = False  # router top-k and aux loss as TE's fused router kernels
     moe_router_score_function: RouterScore = RouterScore.SOFTMAX
     moe_router_num_groups: int | None = None  # group-limited routing: experts in this many groups
     moe_router_group_topk: int | None = None  # ... of which a token picks its experts from this many
@@ -426,7 +428,8 @@ class ModelSpec:
 # The MoE fields that only a MoE model may set away from these values (megatron-core's defaults).
 MOE_FEATURE_DEFAULTS = {
     "moe_shared_expert_intermediate_size": None, "moe_shared_expert_overlap": False, "moe_layer_freq": 1,
-    "moe_grouped_gemm": False, "moe_router_score_function": RouterScore.SOFTMAX, "moe_router_num_groups": None,
+    "moe_grouped_gemm": False, "moe_permute_fusion": False, "moe_router_fusion": False,
+    "moe_router_score_function": RouterScore.SOFTMAX, "moe_router_num_groups": None,
     "moe_router_group_topk": None, "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None,
     "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
     "moe_token_drop_policy": TokenDropPolicy.PROBS, "moe_router_load_balancing_type": LoadBalancing.AUX_LOSS,
@@ -560,7 +563,8 @@ def check_moe_fields(model: ModelSpec) -> None:
     if not 1.0 <= skew <= experts / topk:
         raise ConfigError(f"model.moe_routing_skew ({skew:g}) must lie in [1, num_experts / moe_router_topk = "
                           f"{experts} / {topk} = {experts / topk:g}]: the busiest expert gets at most every token")
-    for name in ("moe_shared_expert_overlap", "moe_grouped_gemm", "moe_router_enable_expert_bias",
+    for name in ("moe_shared_expert_overlap", "moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion",
+                 "moe_router_enable_expert_bias",
                  "moe_pad_expert_input_to_capacity", "moe_router_pre_softmax"):
         v.boolean(f"model.{name}", getattr(model, name))
     if model.moe_shared_expert_overlap and model.moe_shared_expert_intermediate_size is None:

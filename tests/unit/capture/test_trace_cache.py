@@ -39,7 +39,8 @@ MOE_MODEL_VARIANTS = {"moe_router_topk": 1, "moe_ffn_hidden_size": 128, "moe_rou
 MOE_FIELDS_WITH_OTHERS = {"moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
                           "moe_pad_expert_input_to_capacity"}
 # MoE fields that change how a trace is costed, not the trace (chunk.COSTED_MODEL_FIELDS).
-MOE_COSTED = {"moe_grouped_gemm": True, "moe_shared_expert_overlap": True}
+MOE_COSTED = {"moe_grouped_gemm": True, "moe_shared_expert_overlap": True, "moe_permute_fusion": True,
+              "moe_router_fusion": True}
 # The MoE layer pattern picks the kinds of the layers each chunk builds (a field of the key), not the model's.
 MOE_PATTERN = {"moe_layer_freq": 2}
 MODEL_FIELDS_REFUSED = MOE_FIELDS_WITH_OTHERS | set(MOE_PATTERN) | set(MOE_COSTED)

@@ -32,6 +32,7 @@ from vtrain_plugin.cost.lowering.fp8 import to_fp8
 from vtrain_plugin.cost.lowering.megatron_core_local import megatron_core_local
 from vtrain_plugin.cost.lowering.megatron_deepspeed import megatron_deepspeed_2023
 from vtrain_plugin.cost.lowering.megatron_core_te import group_expert_kernels, megatron_core_te
+from vtrain_plugin.cost.lowering.moe_fusion import fuse_permutation, fuse_router
 from vtrain_plugin.specs.training import Fp8Settings, SoftwareStack
 
 Mapping = Callable[[Sequence[Node]], tuple[Node, ...]]
@@ -45,12 +46,20 @@ def register_stack(stack: SoftwareStack) -> Callable[[Mapping], Mapping]:
 
 def map_nodes(nodes: Sequence[Node], stack: SoftwareStack | str, fp8: Fp8Settings | None = None, *,
               grouped_experts: bool = False, unfused_attention: bool = False,
-              unfused: tuple[str, ...] = ()) -> tuple[Node, ...]:
+              unfused: tuple[str, ...] = (), permute_fusion: bool = False,
+              router_fusion: bool = False) -> tuple[Node, ...]:
     """The node sequence of one block as ``stack`` runs it (in FP8 with ``fp8``; with
     ``grouped_experts``, each MoE layer's experts as grouped GEMMs: :func:`group_expert_kernels`;
+    with ``permute_fusion`` and ``router_fusion``, its token permutations and routers as TE's fused
+    kernels: :func:`fuse_permutation`, :func:`fuse_router`, TE's only: megatron-core refuses them
+    without TransformerEngine;
     with ``unfused_attention``, TransformerEngine's unfused attention: the other stacks run
     unfused attention anyway; without the jit fusions ``unfused`` names, ``training.unfused_kernels``:
     ``local_spec`` runs none of them anyway)."""
+    for name, on in (("moe_permute_fusion", permute_fusion), ("moe_router_fusion", router_fusion)):
+        if on and str(stack) != SoftwareStack.MEGATRON_CORE_TE:
+            raise ConfigError(f"model.{name} needs software_stack megatron_core_te (megatron-core refuses the fused "
+                              f"MoE kernels without TransformerEngine), got {stack}")
     if (unfused_attention or unfused) and str(stack) == SoftwareStack.MEGATRON_CORE_TE:
         mapped = megatron_core_te(nodes, unfused_attention=unfused_attention, unfused=unfused)
     elif unfused and str(stack) in _UNFUSABLE:
@@ -61,6 +70,10 @@ def map_nodes(nodes: Sequence[Node], stack: SoftwareStack | str, fp8: Fp8Setting
         if str(stack) not in FP8_STACKS:
             raise ConfigError(f"training.fp8 {fp8.format.value!r} needs software_stack megatron_core_te (got {stack})")
         mapped = to_fp8(mapped, fp8)
+    if permute_fusion:
+        mapped = fuse_permutation(mapped)
+    if router_fusion:
+        mapped = fuse_router(mapped)
     return group_expert_kernels(mapped) if grouped_experts else mapped
 
 

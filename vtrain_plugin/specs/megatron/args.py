@@ -166,6 +166,8 @@ FIELDS: tuple[FlagField, ...] = (
     FlagField("--moe-shared-expert-overlap", "model.moe_shared_expert_overlap", convert=_as_given),
     FlagField("--moe-layer-freq", "model.moe_layer_freq", convert=layer_freq),
     FlagField("--moe-grouped-gemm", "model.moe_grouped_gemm", convert=_as_given),
+    FlagField("--moe-permute-fusion", "model.moe_permute_fusion", convert=_as_given),
+    FlagField("--moe-router-fusion", "model.moe_router_fusion", convert=_as_given),
     FlagField("--moe-router-score-function", "model.moe_router_score_function", convert=_as_given),
     FlagField("--moe-router-num-groups", "model.moe_router_num_groups"),
     FlagField("--moe-router-group-topk", "model.moe_router_group_topk"),
