@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from megatron_adapters.conventions import is_expert_module, is_mlp_module
 from vtrain_plugin.core.dtypes import element_nbytes
@@ -58,6 +58,17 @@ def fused(op: str, like: OpNode, shape: Sequence[int], nbytes: int, dtype: str =
     return OpNode(key=KernelKey(op=op, input_shapes=inputs, dtypes=(dtype,) * len(inputs), args=args),
                   phase=like.phase,
                   module=like.module, output_shapes=(tuple(shape),), flops=flops, nbytes=nbytes)
+
+
+def splice(nodes: Sequence[Node], placed: Mapping[int, Sequence[Node]], dropped: Collection[int]) -> tuple[Node, ...]:
+    """``nodes`` with ``placed[i]`` inserted before node ``i`` and the nodes at ``dropped`` left out:
+    how a lowering swaps traced runs for the kernels that replace them."""
+    out: list[Node] = []
+    for i, node in enumerate(nodes):
+        out.extend(placed.get(i, ()))
+        if i not in dropped:
+            out.append(node)
+    return tuple(out)
 
 
 def is_layer_root(module: str) -> bool:

@@ -88,7 +88,7 @@ from vtrain_plugin.core.graph import CollectiveKind, CollectiveNode, KernelKey, 
 from vtrain_plugin.cost.lowering import mamba
 from vtrain_plugin.cost.lowering.fusion import (FORWARD_PHASES, MASK_NBYTES, dropout, dtype_nbytes, fused,
                                                 is_layer_root, jit_fusions, lower_block, names, numel, op_name,
-                                                replace_runs)
+                                                replace_runs, splice)
 from vtrain_plugin.cost.lowering.megatron_deepspeed import scaled_masked_softmax
 
 FP32 = 4
@@ -550,12 +550,7 @@ def group_expert_kernels(nodes: Sequence[Node]) -> tuple[Node, ...]:
         concat = f"{layer}.mlp.experts"  # SequentialMLP's cat of the experts' outputs (and its backward)
         dropped.update(i for i, n in enumerate(nodes) if isinstance(n, OpNode) and n.phase is phase
                        and n.module == concat and op_name(n) == "cat")
-    out: list[Node] = []
-    for i, node in enumerate(nodes):
-        out.extend(placed.get(i, ()))
-        if i not in dropped:
-            out.append(node)
-    return tuple(out)
+    return splice(nodes, placed, dropped)
 
 
 def _grouped_module(module: str) -> str:

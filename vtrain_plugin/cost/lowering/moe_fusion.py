@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from vtrain_plugin.core.dtypes import element_nbytes
 from vtrain_plugin.core.graph import Node, OpNode, Phase
-from vtrain_plugin.cost.lowering.fusion import FORWARD_PHASES, fused, op_name
+from vtrain_plugin.cost.lowering.fusion import FORWARD_PHASES, fused, op_name, splice
 
 PERMUTE = "te.moe_permute.default"
 PERMUTE_BACKWARD = "te.moe_permute_backward.default"
@@ -246,12 +246,7 @@ def fuse_router(nodes: Sequence[Node]) -> tuple[Node, ...]:
                 for at, ks in kernels.items():
                     replaced[at] = ks
                 dropped.update(gone)
-    out: list[Node] = []
-    for i, node in enumerate(nodes):
-        out.extend(replaced.get(i, ()))
-        if i not in dropped:
-            out.append(node)
-    return tuple(out)
+    return splice(nodes, replaced, dropped)
 
 
 def _contiguous(nodes: list[Node], start: int, stop: int, module: str, phase: Phase) -> bool:
